@@ -1,0 +1,88 @@
+"""The engine contract every backend of ``fp`` implements (transformers on CPU/GPU, SGLang on GPU).
+
+Data path: document -> prompt (token ids) -> ``Engine.generate`` -> ``GenerationResult`` -> report.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Protocol, runtime_checkable
+
+
+@dataclass
+class PrefillStats:
+    """Attention statistics of one prefill.
+
+    Attributes:
+        density: selected / causally visible key blocks over all sparse layers (1.0 = dense).
+        density_per_layer: one value per decoder layer (dense layers report 1.0).
+        density_per_layer_head: ``[layer][kv_head]`` densities, when collected.
+        attention_flops_dense: dense-equivalent causal attention FLOPs of this prefill.
+        attention_flops_skipped: FLOPs the block-sparse path did not compute.
+        index_ms: time in the index stage summed over layers (ms), when measured.
+        attention_ms: time in the attention stage summed over layers (ms), when measured.
+    """
+
+    density: float = 1.0
+    density_per_layer: list[float] = field(default_factory=list)
+    density_per_layer_head: list[list[float]] = field(default_factory=list)
+    attention_flops_dense: float = 0.0
+    attention_flops_skipped: float = 0.0
+    index_ms: float | None = None
+    attention_ms: float | None = None
+
+
+@dataclass
+class GenerationResult:
+    """One answer and its timings. Times in seconds unless the name says ms."""
+
+    text: str
+    prompt_tokens: int
+    output_tokens: int
+    ttft_s: float  # submission to first answer token
+    prefill_s: float  # the prefill forward alone
+    total_s: float
+    engine: str
+    model: str
+    profile: str
+    stats: PrefillStats = field(default_factory=PrefillStats)
+    finish_reason: str = "length"
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        decode_s = self.total_s - self.ttft_s
+        return (self.output_tokens - 1) / decode_s if self.output_tokens > 1 and decode_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["decode_tokens_per_s"] = self.decode_tokens_per_s
+        return d
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A loaded model that answers prompts. Use as a context manager; ``close`` must be prompt."""
+
+    name: str  # "transformers" or "sglang"
+    model_name: str
+    context_length: int  # max positions the model accepts (prompt + answer)
+
+    def encode_chat(self, system: str | None, user: str) -> list[int]:
+        """Token ids of a chat prompt built with the model's own chat template (generation prompt added)."""
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens of ``text`` alone (no template)."""
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        on_text: Callable[[str], None] | None = None,
+    ) -> GenerationResult:
+        """Greedy when ``temperature == 0``; streams decoded text pieces to ``on_text``."""
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> "Engine": ...
+
+    def __exit__(self, *exc) -> None: ...

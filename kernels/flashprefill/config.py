@@ -1,0 +1,73 @@
+"""Method knobs of FlashPrefill V2 (design doc ``flashprefill-v2.md`` sections 3 and 4).
+
+One frozen dataclass, validated at construction; loaded from ``profiles/*.yaml`` by the CLI.
+Kernel tile choices live elsewhere (``impl/triton_config.py``), never here.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+SUPPORTED_BLOCK_SIZES = (64, 128)
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """Block-sparse prefill settings. All lengths are in tokens.
+
+    Attributes:
+        block_size: key block size ``B`` (section 3.1). 128 by default; 64 also supported.
+        sink_tokens: the key blocks covering KV positions ``[0, sink_tokens)`` are always kept
+            (section 3.5).
+        window_tokens: every query row keeps the blocks covering its last ``window_tokens``
+            visible KV positions (section 3.5); always includes the diagonal block. >= 1.
+        dense_tail_tokens: the last ``dense_tail_tokens`` query tokens of each request attend
+            densely; a query tile holding any of them is dense (section 3.5).
+        alpha: max-based threshold, keep scored block ``j`` iff ``E_j >= alpha * max E``
+            (section 3.4). In ``[0, 1]``; 0 keeps every scored block (dense), larger is sparser.
+        mean_correction: fold every pruned block fully visible to the whole tile back in as
+            ``n_j`` copies of its mean key/value (section 4).
+        min_sparse_len: requests with fewer new query tokens ``Lq`` than this run dense.
+
+    Raises:
+        ValueError: naming the field, when a value is out of range.
+        TypeError: naming the field, when a value has the wrong type.
+    """
+
+    block_size: int = 128
+    sink_tokens: int = 256
+    window_tokens: int = 512
+    dense_tail_tokens: int = 256
+    alpha: float = 0.1
+    mean_correction: bool = True
+    min_sparse_len: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "sink_tokens", "window_tokens", "dense_tail_tokens", "min_sparse_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"SparseConfig.{name} must be an int, got {type(value).__name__} {value!r}")
+            if value < 0:
+                raise ValueError(f"SparseConfig.{name} must be >= 0, got {value}")
+        if self.block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ValueError(
+                f"SparseConfig.block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size}"
+            )
+        if self.window_tokens < 1:
+            raise ValueError(f"SparseConfig.window_tokens must be >= 1, got {self.window_tokens}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)):
+            raise TypeError(f"SparseConfig.alpha must be a float, got {type(self.alpha).__name__} {self.alpha!r}")
+        if not (0.0 <= float(self.alpha) <= 1.0):
+            raise ValueError(f"SparseConfig.alpha must be in [0, 1], got {self.alpha}")
+        if not isinstance(self.mean_correction, bool):
+            raise TypeError(
+                f"SparseConfig.mean_correction must be a bool, got {type(self.mean_correction).__name__}"
+            )
+
+    def replace(self, **changes) -> "SparseConfig":
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))

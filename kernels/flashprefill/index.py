@@ -1,0 +1,103 @@
+"""The block index: which key blocks each query tile computes exactly (CSR), plus block means.
+
+Layout and worked examples: ``docs/layout.md``. Built by ``flashprefill.build_index``; consumed by
+the sparse attention of the same backend. Tensors are fresh allocations owned by this object
+(never views of a workspace that the next call overwrites; design doc section 7).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BlockIndex:
+    """CSR block index of one batch (design doc section 3.6).
+
+    Segments are ordered KV-head major, then request, then tile:
+    ``seg = h * n_tiles + tile_ptr[b] + i`` for KV head ``h``, request ``b``, tile ``i``.
+
+    Attributes:
+        row_ptr: int32 ``[n_segments + 1]``; segment ``s`` owns ``col_idx[row_ptr[s]:row_ptr[s+1]]``.
+        col_idx: int32 ``[nnz]``; key-block ids local to the request (block ``j`` covers KV
+            positions ``[j*B, min((j+1)*B, Lk))``), strictly ascending within a segment, never empty.
+        k_mean: float32 ``[n_blocks, Hkv, d]``; mean key of each block over its valid tokens, blocks of
+            all requests pooled (request ``b`` owns rows ``block_ptr[b]:block_ptr[b+1]``).
+        v_mean: float32 ``[n_blocks, Hkv, d]``; mean value, same layout.
+        block_ptr: int32 ``[batch + 1]``; cumulative ``ceil(Lk_b / B)``.
+        tile_ptr: int32 ``[batch + 1]``; cumulative ``ceil(Lq_b * g / 128)`` (GQA-packed tiles).
+        n_visible: int32 ``[n_segments]``; causally visible blocks of each segment (blocks
+            ``0 .. (P + t_last) // B``), the denominator of density.
+        block_size: ``B``, tokens.
+        group_size: ``g = Hq / Hkv``.
+        tile_rows: packed rows per tile (128).
+    """
+
+    row_ptr: torch.Tensor
+    col_idx: torch.Tensor
+    k_mean: torch.Tensor
+    v_mean: torch.Tensor
+    block_ptr: torch.Tensor
+    tile_ptr: torch.Tensor
+    n_visible: torch.Tensor
+    block_size: int
+    group_size: int
+    tile_rows: int = 128
+
+    @property
+    def n_kv_heads(self) -> int:
+        return int(self.k_mean.shape[1])
+
+    @property
+    def n_segments(self) -> int:
+        return int(self.row_ptr.numel() - 1)
+
+    @property
+    def nnz(self) -> int:
+        return int(self.col_idx.numel())
+
+    def segment(self, seg: int) -> torch.Tensor:
+        """Selected block ids of segment ``seg`` (int32, ascending)."""
+        lo, hi = int(self.row_ptr[seg]), int(self.row_ptr[seg + 1])
+        return self.col_idx[lo:hi]
+
+    def nbytes(self) -> int:
+        """Bytes held by the index tensors (CSR + block means)."""
+        return sum(t.numel() * t.element_size() for t in (
+            self.row_ptr, self.col_idx, self.k_mean, self.v_mean, self.block_ptr, self.tile_ptr, self.n_visible))
+
+
+@dataclass(frozen=True)
+class SparseStats:
+    """What ``flashprefill_attention(..., return_stats=True)`` reports.
+
+    Attributes:
+        density: selected / causally visible blocks over the whole batch (0..1).
+        density_per_kv_head: float ``[Hkv]`` (CPU tensor), same ratio per KV head.
+        selected_blocks: total selected (segment, block) pairs, ``nnz``.
+        visible_blocks: total causally visible (segment, block) pairs.
+        index: the ``BlockIndex`` used.
+    """
+
+    density: float
+    density_per_kv_head: torch.Tensor
+    selected_blocks: int
+    visible_blocks: int
+    index: BlockIndex
+
+    @staticmethod
+    def from_index(index: BlockIndex) -> "SparseStats":
+        counts = (index.row_ptr[1:] - index.row_ptr[:-1]).to(torch.int64)
+        vis = index.n_visible.to(torch.int64)
+        h = index.n_kv_heads
+        sel_h = counts.view(h, -1).sum(1).cpu() if counts.numel() else torch.zeros(h, dtype=torch.int64)
+        vis_h = vis.view(h, -1).sum(1).cpu() if vis.numel() else torch.zeros(h, dtype=torch.int64)
+        sel, tot = int(sel_h.sum()), int(vis_h.sum())
+        return SparseStats(
+            density=(sel / tot) if tot else 1.0,
+            density_per_kv_head=sel_h.double() / vis_h.clamp_min(1).double(),
+            selected_blocks=sel,
+            visible_blocks=tot,
+            index=index,
+        )

@@ -1,0 +1,134 @@
+"""Per-batch plan: request lengths on the host and the small device tensors every layer reuses.
+
+Built once per forward batch (``flashprefill.plan``) and passed to every layer's call, so the
+per-layer hot path needs no host sync (the only ``.tolist()`` is here). See ``docs/layout.md``.
+
+Worked example (g = 4 query heads per KV head, tile_rows = 128, B = 128)::
+
+    request  Lq    Lk    P=Lk-Lq  packed rows Lq*g  tiles ceil(rows/128)  blocks ceil(Lk/128)
+      0      100   100     0          400               4                    1
+      1     4096  8192  4096        16384             128                   64
+      2        1    64    63            4               1                    1
+    tile_ptr  = [0, 4, 132, 133]
+    block_ptr = [0, 1, 65, 66]
+    tile_request = [0,0,0,0, 1 x128, 2];  tile_local = [0,1,2,3, 0..127, 0]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TILE_ROWS = 128  # GQA-packed query rows per tile (design doc section 3.2)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Host-side lengths plus device-side tile/block maps of one varlen batch.
+
+    Attributes:
+        q_lens: new query tokens ``Lq`` per request (host ints).
+        kv_lens: KV tokens ``Lk`` per request, prefix included (host ints).
+        prefix_lens: ``P = Lk - Lq`` per request (host ints).
+        q_starts: row offset of each request in the packed ``q`` (``cu_seqlens_q[:-1]``).
+        group_size: ``g = Hq / Hkv``.
+        block_size: key block size ``B`` in tokens.
+        tile_rows: packed rows per query tile (128).
+        tile_ptr: int32 ``[batch + 1]`` device; cumulative tiles per request.
+        block_ptr: int32 ``[batch + 1]`` device; cumulative key blocks per request.
+        tile_request: int32 ``[n_tiles]`` device; request of each tile.
+        tile_local: int32 ``[n_tiles]`` device; tile number inside its request.
+        n_tiles: tiles per KV head over the batch; segments = ``Hkv * n_tiles``.
+        n_blocks: key blocks over the batch.
+    """
+
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    prefix_lens: tuple[int, ...]
+    q_starts: tuple[int, ...]
+    group_size: int
+    block_size: int
+    tile_rows: int
+    tile_ptr: torch.Tensor
+    block_ptr: torch.Tensor
+    tile_request: torch.Tensor
+    tile_local: torch.Tensor
+    n_tiles: int
+    n_blocks: int
+
+    @property
+    def batch(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def max_q_len(self) -> int:
+        return max(self.q_lens, default=0)
+
+    @property
+    def max_kv_len(self) -> int:
+        return max(self.kv_lens, default=0)
+
+
+def make_plan(
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    group_size: int,
+    block_size: int = 128,
+    tile_rows: int = TILE_ROWS,
+) -> BatchPlan:
+    """Build the plan of a batch (one host sync).
+
+    Args:
+        seq_lens: int32 ``[batch]``, KV length per request including the new tokens.
+        cu_seqlens_q: int32 ``[batch + 1]``, cumulative new-token counts.
+        group_size: ``g = Hq / Hkv`` (>= 1).
+        block_size: key block size ``B``.
+        tile_rows: packed rows per query tile.
+
+    Raises:
+        ValueError: if ``cu_seqlens_q`` is not ``[batch + 1]``, decreasing, or a request has
+            ``q_len > seq_len`` (naming the request).
+    """
+    if cu_seqlens_q.dim() != 1 or seq_lens.dim() != 1 or cu_seqlens_q.numel() != seq_lens.numel() + 1:
+        raise ValueError(
+            f"cu_seqlens_q must be [batch+1] = [{seq_lens.numel() + 1}] for seq_lens [batch] = "
+            f"[{seq_lens.numel()}], got cu_seqlens_q {list(cu_seqlens_q.shape)}, seq_lens {list(seq_lens.shape)}"
+        )
+    cu = [int(x) for x in cu_seqlens_q.tolist()]
+    kv = [int(x) for x in seq_lens.tolist()]
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens_q[0] must be 0, got {cu[0]}")
+    q_lens = []
+    for b in range(len(kv)):
+        lq = cu[b + 1] - cu[b]
+        if lq < 0:
+            raise ValueError(f"cu_seqlens_q must be non-decreasing, got {cu[b]} then {cu[b + 1]} at request {b}")
+        if lq > kv[b]:
+            raise ValueError(
+                f"request {b}: q_len {lq} > seq_len {kv[b]} (seq_lens must include the new tokens)"
+            )
+        q_lens.append(lq)
+    tiles = [-(-lq * group_size // tile_rows) for lq in q_lens]
+    blocks = [-(-lk // block_size) for lk in kv]
+    tile_ptr, block_ptr = [0], [0]
+    for t, n in zip(tiles, blocks):
+        tile_ptr.append(tile_ptr[-1] + t)
+        block_ptr.append(block_ptr[-1] + n)
+    dev = seq_lens.device
+    tile_request = torch.repeat_interleave(torch.arange(len(tiles), dtype=torch.int32), torch.tensor(tiles, dtype=torch.int64))
+    tile_local = torch.cat([torch.arange(t, dtype=torch.int32) for t in tiles]) if tiles else torch.zeros(0, dtype=torch.int32)
+    return BatchPlan(
+        q_lens=tuple(q_lens),
+        kv_lens=tuple(kv),
+        prefix_lens=tuple(k - q for k, q in zip(kv, q_lens)),
+        q_starts=tuple(cu[:-1]),
+        group_size=group_size,
+        block_size=block_size,
+        tile_rows=tile_rows,
+        tile_ptr=torch.tensor(tile_ptr, dtype=torch.int32, device=dev),
+        block_ptr=torch.tensor(block_ptr, dtype=torch.int32, device=dev),
+        tile_request=tile_request.to(dev),
+        tile_local=tile_local.to(dev),
+        n_tiles=tile_ptr[-1],
+        n_blocks=block_ptr[-1],
+    )
