@@ -1,0 +1,247 @@
+"""Run profiles: named YAML files that carry the operator knobs and the engine settings.
+
+A profile is ``profiles/<name>.yaml`` in the repository (``bf16``, ``fp8``, ``dense``) or any
+YAML path. The schema is documented in ``docs/profiles.md``; every key but ``name`` is optional
+and defaults to the values of ``DEFAULTS`` below. A wrong key or value raises ``ProfileError``
+naming the file, the key and what is allowed.
+
+Example::
+
+    >>> p = load_profile("bf16")
+    >>> p.sparse_config().alpha
+    0.1
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from flashprefill.config import SparseConfig
+
+PRECISIONS = ("bf16", "fp8")
+ATTENTIONS = ("flashprefill", "dense")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+MIN_CHUNKED_PREFILL = 8192
+TOP_KEYS = ("name", "description", "attention", "precision", "dense_layers", "operator", "engine")
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be found or does not follow the schema. One line, names file and key."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Serving settings. SGLang uses all of them; the transformers engine uses ``dtype`` and
+    ``context_length``.
+
+    Attributes:
+        chunked_prefill_size: tokens per prefill chunk, >= 8192 (shorter chunks cost accuracy:
+            the dense tail applies to every chunk, design doc section 7).
+        page_size: KV cache page size in tokens, >= 1.
+        mem_fraction_static: share of GPU memory for weights and KV cache, in (0, 1).
+        cuda_graph_decode: capture decode steps in CUDA graphs.
+        dtype: weight dtype, one of ``DTYPES``; ``auto`` = the model's own (bf16 on GPU).
+        context_length: cap on the model's context in tokens; ``None`` = the model's own.
+    """
+
+    chunked_prefill_size: int = 16384
+    page_size: int = 64
+    mem_fraction_static: float = 0.85
+    cuda_graph_decode: bool = True
+    dtype: str = "auto"
+    context_length: int | None = None
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One run profile. Build with ``load_profile``; frozen, validated.
+
+    Attributes:
+        name: the profile's name (``bf16``, ``fp8``, ``dense`` or the user's).
+        description: one line for humans.
+        attention: ``flashprefill`` (block-sparse prefill) or ``dense``.
+        precision: ``bf16`` or ``fp8`` attention operands in the sparse prefill.
+        dense_layers: the first N decoder layers always attend densely.
+        operator: the FlashPrefill knobs (``flashprefill.SparseConfig``).
+        engine: serving settings.
+        source: the YAML file it came from (``None`` when built in code).
+    """
+
+    name: str
+    description: str = ""
+    attention: str = "flashprefill"
+    precision: str = "bf16"
+    dense_layers: int = 0
+    operator: SparseConfig = field(default_factory=SparseConfig)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    source: Path | None = None
+
+    def sparse_config(self) -> SparseConfig:
+        """The operator config (``flashprefill.SparseConfig``); meaningful when ``attention`` is
+        ``flashprefill``, see ``is_dense``."""
+        return self.operator
+
+    @property
+    def is_dense(self) -> bool:
+        return self.attention == "dense"
+
+    def replace(self, **changes: Any) -> "Profile":
+        """A copy with top-level fields changed, e.g. ``p.replace(precision="fp8")``."""
+        new = dataclasses.replace(self, **changes)
+        _check_choice(new.source, "precision", new.precision, PRECISIONS)
+        _check_choice(new.source, "attention", new.attention, ATTENTIONS)
+        return new
+
+    def to_dict(self) -> dict:
+        """Plain data (the YAML schema), plus ``source`` as a string."""
+        d = dataclasses.asdict(self)
+        d["source"] = str(self.source) if self.source else None
+        return d
+
+
+def profiles_dir() -> Path:
+    """The repository's ``profiles/`` folder (the package is installed editable)."""
+    import fpcli
+
+    path = Path(fpcli.__file__).resolve().parent.parent / "profiles"
+    if not path.is_dir():
+        raise ProfileError(
+            f"built-in profiles not found: {path} is missing (fp must be installed from its "
+            "repository with `pip install -e .`); pass --profile PATH/TO/profile.yaml instead"
+        )
+    return path
+
+
+def builtin_profiles() -> list[str]:
+    """Names of the profiles in ``profiles/``, sorted."""
+    return sorted(p.stem for p in profiles_dir().glob("*.yaml"))
+
+
+def resolve_profile_path(name_or_path: str | Path) -> Path:
+    """``bf16`` -> ``<repo>/profiles/bf16.yaml``; an existing path is returned as is."""
+    text = str(name_or_path)
+    candidate = Path(text).expanduser()
+    looks_like_path = text.endswith((".yaml", ".yml")) or "/" in text or "\\" in text
+    if looks_like_path:
+        if not candidate.is_file():
+            raise ProfileError(f"profile file not found: {text}")
+        return candidate
+    path = profiles_dir() / f"{text}.yaml"
+    if not path.is_file():
+        if candidate.is_file():
+            return candidate
+        raise ProfileError(
+            f"unknown profile {text!r} (built-in: {', '.join(builtin_profiles())}; or a path to a .yaml file)"
+        )
+    return path
+
+
+def load_profile(name_or_path: str | Path = "bf16") -> Profile:
+    """Load and validate a profile by built-in name or path.
+
+    Raises:
+        ProfileError: file missing, not YAML, unknown key, or wrong value; the message names the
+            file, the key and the allowed keys or values.
+    """
+    path = resolve_profile_path(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
+    except OSError as exc:
+        raise ProfileError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    return profile_from_dict(data, source=path)
+
+
+def profile_from_dict(data: Any, source: Path | None = None) -> Profile:
+    """Validate plain data (the YAML schema) into a ``Profile``. See ``load_profile``."""
+    where = str(source) if source else "<profile>"
+    if not isinstance(data, dict):
+        raise ProfileError(f"{where}: expected a mapping of keys ({', '.join(TOP_KEYS)}), got {type(data).__name__}")
+    _check_keys(where, "", data, TOP_KEYS)
+    if "name" not in data:
+        raise ProfileError(f"{where}: missing key 'name'")
+    name = _typed(where, "name", data["name"], str)
+    description = _typed(where, "description", data.get("description", ""), str)
+    attention = _check_choice(source, "attention", data.get("attention", "flashprefill"), ATTENTIONS)
+    precision = _check_choice(source, "precision", data.get("precision", "bf16"), PRECISIONS)
+    dense_layers = _typed(where, "dense_layers", data.get("dense_layers", 0), int)
+    if dense_layers < 0:
+        raise ProfileError(f"{where}: dense_layers: must be >= 0, got {dense_layers}")
+
+    op = data.get("operator") or {}
+    if not isinstance(op, dict):
+        raise ProfileError(f"{where}: operator: expected a mapping, got {type(op).__name__}")
+    _check_keys(where, "operator.", op, SparseConfig.field_names())
+    try:
+        operator = SparseConfig(**op)
+    except (TypeError, ValueError) as exc:
+        msg = str(exc)
+        key = next((k for k in op if f"SparseConfig.{k} " in msg), None)
+        label = f"operator.{key}" if key else "operator"
+        raise ProfileError(f"{where}: {label}: {msg.replace(f'SparseConfig.{key} ', '') if key else msg}") from None
+
+    eng = data.get("engine") or {}
+    if not isinstance(eng, dict):
+        raise ProfileError(f"{where}: engine: expected a mapping, got {type(eng).__name__}")
+    engine_keys = tuple(f.name for f in dataclasses.fields(EngineSettings))
+    _check_keys(where, "engine.", eng, engine_keys)
+    engine = EngineSettings(**eng)
+    _validate_engine(where, engine)
+    return Profile(
+        name=name,
+        description=description,
+        attention=attention,
+        precision=precision,
+        dense_layers=dense_layers,
+        operator=operator,
+        engine=engine,
+        source=source,
+    )
+
+
+def _validate_engine(where: str, e: EngineSettings) -> None:
+    size = _typed(where, "engine.chunked_prefill_size", e.chunked_prefill_size, int)
+    if size < MIN_CHUNKED_PREFILL:
+        raise ProfileError(
+            f"{where}: engine.chunked_prefill_size: must be >= {MIN_CHUNKED_PREFILL} "
+            f"(shorter chunks cost accuracy), got {size}"
+        )
+    if _typed(where, "engine.page_size", e.page_size, int) < 1:
+        raise ProfileError(f"{where}: engine.page_size: must be >= 1, got {e.page_size}")
+    frac = _typed(where, "engine.mem_fraction_static", e.mem_fraction_static, float)
+    if not 0.0 < frac < 1.0:
+        raise ProfileError(f"{where}: engine.mem_fraction_static: must be in (0, 1), got {frac}")
+    _typed(where, "engine.cuda_graph_decode", e.cuda_graph_decode, bool)
+    if e.dtype not in DTYPES:
+        raise ProfileError(f"{where}: engine.dtype: {e.dtype!r} is not allowed (allowed: {', '.join(DTYPES)})")
+    if e.context_length is not None:
+        if _typed(where, "engine.context_length", e.context_length, int) < 256:
+            raise ProfileError(f"{where}: engine.context_length: must be >= 256 or absent, got {e.context_length}")
+
+
+def _check_keys(where: str, prefix: str, data: dict, allowed: tuple[str, ...]) -> None:
+    for key in data:
+        if key not in allowed:
+            raise ProfileError(f"{where}: unknown key '{prefix}{key}' (allowed: {', '.join(allowed)})")
+
+
+def _check_choice(source: Path | None, key: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        where = str(source) if source else "<profile>"
+        raise ProfileError(f"{where}: {key}: {value!r} is not allowed (allowed: {', '.join(allowed)})")
+    return value
+
+
+def _typed(where: str, key: str, value: Any, kind: type) -> Any:
+    """``value`` if it is a ``kind`` (ints pass as floats; bools never pass as numbers)."""
+    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        raise ProfileError(f"{where}: {key}: must be {kind.__name__}, got {type(value).__name__} {value!r}")
+    return value
