@@ -1,0 +1,214 @@
+"""Ingestion must survive real documents: every case builds its PDF inside the test."""
+from __future__ import annotations
+
+import io
+import os
+import threading
+import time
+
+import pytest
+
+from conftest import encrypt_pdf, make_pdf
+from fpcli import ingest
+from fpcli.ingest import check_paths, garbled_fraction, ingest as ingest_all
+
+
+def test_plain_pdf_pages_and_offsets(pdf_factory):
+    path = pdf_factory("plain.pdf", ["First page alpha", "Second page beta", "Third page gamma"])
+    (doc,) = ingest_all([str(path)])
+    assert doc.ok and doc.kind == "pdf" and doc.pages == 3
+    assert "alpha" in doc.text and "gamma" in doc.text
+    assert doc.warnings == [] and doc.skipped_pages == []
+    assert doc.page_of(doc.text.index("beta")) == 2
+    assert doc.page_of(doc.text.index("gamma")) == 3
+
+
+def test_encrypted_empty_user_password_is_decrypted(tmp_path):
+    path = tmp_path / "empty-pw.pdf"
+    encrypt_pdf(make_pdf(["Opens without a prompt"]), "", path)
+    (doc,) = ingest_all([str(path)])
+    assert doc.ok
+    assert "without a prompt" in doc.text
+    assert any("empty password" in w for w in doc.warnings)
+
+
+def test_encrypted_real_password_names_file_and_option(tmp_path, pdf_factory):
+    locked = tmp_path / "locked.pdf"
+    encrypt_pdf(make_pdf(["The vault code is 1234"]), "hunter2", locked)
+    other = pdf_factory("other.pdf", ["Still read"])
+    docs = ingest_all([str(locked), str(other)])
+    assert not docs[0].ok
+    assert str(locked) in docs[0].error and "--password" in docs[0].error
+    assert docs[1].ok and "Still read" in docs[1].text  # the rest of the batch is not lost
+
+    (good,) = ingest_all([str(locked)], password="hunter2")
+    assert good.ok and "vault code is 1234" in good.text
+
+    (bad,) = ingest_all([str(locked)], password="wrong")
+    assert not bad.ok and "wrong password" in bad.error and "--password" in bad.error
+
+
+def test_hanging_page_is_skipped_after_time_limit(pdf_factory, monkeypatch):
+    path = pdf_factory("hang.pdf", ["page one ok", "page two hangs", "page three ok"])
+    release = threading.Event()
+    real = ingest.extract_page_text
+
+    def hang_on_two(page):
+        text = real(page)
+        if "two hangs" in text:
+            release.wait(30)  # simulates a pathological content stream
+        return text
+
+    monkeypatch.setattr(ingest, "extract_page_text", hang_on_two)
+    t0 = time.perf_counter()
+    try:
+        (doc,) = ingest_all([str(path)], page_timeout=0.3)
+    finally:
+        release.set()
+    assert time.perf_counter() - t0 < 5
+    assert doc.ok and doc.skipped_pages == [2]
+    assert "page one ok" in doc.text and "page three ok" in doc.text and "two hangs" not in doc.text
+    assert any("page 2" in w and "skipped" in w for w in doc.warnings)
+
+
+def test_exploding_page_is_skipped(pdf_factory, monkeypatch):
+    path = pdf_factory("boom.pdf", ["fine", "explodes", "fine again"])
+    real = ingest.extract_page_text
+
+    def explode_on_two(page):
+        text = real(page)
+        if "explodes" in text:
+            raise RecursionError("maximum recursion depth exceeded in content stream")
+        return text
+
+    monkeypatch.setattr(ingest, "extract_page_text", explode_on_two)
+    (doc,) = ingest_all([str(path)])
+    assert doc.ok and doc.skipped_pages == [2]
+    assert "fine again" in doc.text
+    assert any("page 2" in w and "RecursionError" in w for w in doc.warnings)
+
+
+def test_many_timeouts_skip_rest_of_file(pdf_factory, monkeypatch):
+    path = pdf_factory("slow.pdf", [f"p{i}" for i in range(1, 7)])
+    release = threading.Event()
+    monkeypatch.setattr(ingest, "extract_page_text", lambda page: release.wait(30) and "")
+    try:
+        (doc,) = ingest_all([str(path)], page_timeout=0.05)
+    finally:
+        release.set()
+    assert doc.skipped_pages == [1, 2, 3, 4, 5, 6]
+    assert any("remaining pages 4-6" in w for w in doc.warnings)
+
+
+def test_scanned_pages_are_reported_no_ocr(pdf_factory):
+    scanned = pdf_factory("scan.pdf", [None, None])
+    mixed = pdf_factory("mixed.pdf", ["typed text", None, "more typed text"])
+    s, m = ingest_all([str(scanned), str(mixed)])
+    assert s.ok and s.text == "" and s.empty_pages == [1, 2]
+    assert any("no text layer on any page" in w and "no OCR" in w for w in s.warnings)
+    assert m.empty_pages == [2]
+    assert any("page(s) 2 have no text layer" in w for w in m.warnings)
+    assert "more typed text" in m.text
+
+
+def _corrupt_startxref(data: bytes) -> bytes:
+    i = data.rfind(b"startxref")
+    return data[:i] + b"startxref\n999999\n%%EOF\n"
+
+
+def _corrupt_xref_and_trailer(data: bytes) -> bytes:
+    j = data.rfind(b"xref")
+    return data[:j] + b"xref\ngarbage entries\ntrailer\n<< /Size 3 >>\nstartxref\n12\n%%EOF\n"
+
+
+@pytest.mark.parametrize("corrupt", [_corrupt_startxref, _corrupt_xref_and_trailer])
+def test_broken_xref_or_trailer_is_recovered(tmp_path, corrupt):
+    path = tmp_path / "broken.pdf"
+    path.write_bytes(corrupt(make_pdf(["recoverable text", "page two"])))
+    (doc,) = ingest_all([str(path)])
+    assert doc.ok and "recoverable text" in doc.text and doc.pages == 2
+    assert any("recovered by tolerant parsing" in w for w in doc.warnings)
+
+
+def test_unrecoverable_pdf_is_skipped_rest_continues(tmp_path, pdf_factory):
+    junk = tmp_path / "junk.pdf"
+    junk.write_bytes(b"%PDF-1.4\n1 0 obj garbage endobj\n" + b"\x00\xff" * 100)
+    truncated = tmp_path / "truncated.pdf"
+    truncated.write_bytes(make_pdf(["x" * 50])[:300])
+    good = pdf_factory("good.pdf", ["survivor"])
+    docs = ingest_all([str(junk), str(truncated), str(good)])
+    assert [d.ok for d in docs] == [False, False, True]
+    assert str(junk) in docs[0].error and "skipped" in docs[0].error
+    assert "survivor" in docs[2].text
+
+
+def test_garbled_pdf_text_warns(pdf_factory, monkeypatch):
+    path = pdf_factory("garbled.pdf", ["anything"])
+    monkeypatch.setattr(ingest, "extract_page_text", lambda page: "\ue001\ue002\ue003 \ufffd\ufffd ok " * 20)
+    (doc,) = ingest_all([str(path)])
+    assert doc.ok and any("looks garbled" in w for w in doc.warnings)
+
+
+def test_garbled_fraction():
+    assert garbled_fraction("hello world") == 0.0
+    assert garbled_fraction("\ufffd\ufffdab") == 0.5
+    assert garbled_fraction("\ue000 \U000f0000") == 1.0
+    assert garbled_fraction("") == 0.0
+
+
+def test_text_and_markdown_utf8_with_bad_bytes(tmp_path):
+    good = tmp_path / "notes.md"
+    good.write_text("# Title\n\nCafé ünïcode", encoding="utf-8")
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    g, b = ingest_all([str(good), str(bad)])
+    assert g.ok and g.kind == "text" and "Café" in g.text and g.warnings == []
+    assert b.ok and "\ufffd" in b.text
+    assert any("not valid UTF-8" in w and "2" in w for w in b.warnings)
+
+
+def test_utf8_bom_dropped_and_binary_rejected(tmp_path):
+    bom = tmp_path / "bom.txt"
+    bom.write_bytes(b"\xef\xbb\xbfhello")
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(bytes(range(256)) * 40)
+    a, b = ingest_all([str(bom), str(binary)])
+    assert a.text == "hello"
+    assert not b.ok and "binary" in b.error
+
+
+def test_stdin_text_and_pdf():
+    (t,) = ingest_all(["-"], stdin=io.BytesIO("from stdin".encode()))
+    assert t.ok and t.kind == "stdin-text" and t.text == "from stdin"
+    (p,) = ingest_all(["-"], stdin=io.BytesIO(make_pdf(["piped pdf"])))
+    assert p.ok and p.kind == "stdin-pdf" and "piped pdf" in p.text
+
+
+def test_pdf_detected_by_content_not_extension(tmp_path):
+    path = tmp_path / "paper.dat"
+    path.write_bytes(make_pdf(["sniffed"]))
+    (doc,) = ingest_all([str(path)])
+    assert doc.kind == "pdf" and "sniffed" in doc.text
+
+
+def test_check_paths_lists_every_problem(tmp_path):
+    ok = tmp_path / "ok.txt"
+    ok.write_text("x")
+    unreadable = tmp_path / "secret.txt"
+    unreadable.write_text("x")
+    unreadable.chmod(0)
+    problems = check_paths([str(ok), str(tmp_path / "missing.pdf"), str(tmp_path), "-", "-", str(unreadable)])
+    joined = "\n".join(problems)
+    assert "missing.pdf: no such file" in joined
+    assert "is a folder" in joined
+    assert "more than once" in joined
+    if not os.access(unreadable, os.R_OK):  # root reads anything
+        assert "secret.txt: not readable" in joined
+    assert str(ok) not in joined
+    assert check_paths([str(ok), "-"]) == []
+
+
+def test_to_dict_has_no_text(pdf_factory):
+    (doc,) = ingest_all([str(pdf_factory("d.pdf", ["abc"]))])
+    d = doc.to_dict()
+    assert "text" not in d and d["chars"] == 3 and d["pages"] == 1
