@@ -1,0 +1,106 @@
+"""Run profiles: the built-ins load, and every wrong key or value names file, key and what is allowed."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from flashprefill.config import SparseConfig
+from fpcli.profiles import (
+    Profile,
+    ProfileError,
+    builtin_profiles,
+    load_profile,
+    profile_from_dict,
+    profiles_dir,
+)
+
+
+def test_builtins_load():
+    assert {"bf16", "fp8", "dense"} <= set(builtin_profiles())
+    bf16, fp8, dense = load_profile("bf16"), load_profile("fp8"), load_profile("dense")
+    assert bf16.precision == "bf16" and fp8.precision == "fp8"
+    assert bf16.attention == fp8.attention == "flashprefill" and dense.is_dense
+    assert isinstance(bf16.sparse_config(), SparseConfig)
+    assert bf16.engine.chunked_prefill_size >= 8192
+    assert bf16.source == profiles_dir() / "bf16.yaml"
+
+
+def test_profile_is_frozen_and_replace_validates():
+    p = load_profile("bf16")
+    with pytest.raises(Exception):
+        p.precision = "fp8"  # type: ignore[misc]
+    assert p.replace(precision="fp8").precision == "fp8"
+    with pytest.raises(ProfileError, match="precision"):
+        p.replace(precision="int4")
+
+
+def test_load_by_path(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("name: mine\noperator:\n  alpha: 0.2\n")
+    p = load_profile(str(path))
+    assert p.name == "mine" and p.operator.alpha == 0.2 and p.operator.block_size == 128
+    assert p.to_dict()["source"] == str(path)
+
+
+def write(tmp_path, data) -> str:
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "data, key, allowed",
+    [
+        ({"name": "x", "colour": 1}, "unknown key 'colour'", "allowed: name, description"),
+        ({"name": "x", "operator": {"alfa": 0.1}}, "unknown key 'operator.alfa'", "alpha"),
+        ({"name": "x", "engine": {"pagesize": 1}}, "unknown key 'engine.pagesize'", "page_size"),
+        ({"name": "x", "precision": "fp16"}, "precision: 'fp16'", "allowed: bf16, fp8"),
+        ({"name": "x", "attention": "sparse"}, "attention: 'sparse'", "allowed: flashprefill, dense"),
+        ({"name": "x", "operator": {"alpha": 2.0}}, "operator.alpha", "[0, 1]"),
+        ({"name": "x", "operator": {"block_size": 96}}, "operator.block_size", "(64, 128)"),
+        ({"name": "x", "operator": {"mean_correction": "yes"}}, "operator.mean_correction", "bool"),
+        ({"name": "x", "engine": {"chunked_prefill_size": 4096}}, "engine.chunked_prefill_size", ">= 8192"),
+        ({"name": "x", "engine": {"mem_fraction_static": 1.5}}, "engine.mem_fraction_static", "(0, 1)"),
+        ({"name": "x", "engine": {"dtype": "int8"}}, "engine.dtype: 'int8'", "allowed: auto, bfloat16"),
+        ({"name": "x", "engine": {"cuda_graph_decode": 1}}, "engine.cuda_graph_decode", "must be bool"),
+        ({"name": "x", "dense_layers": -1}, "dense_layers", ">= 0"),
+        ({"name": "x", "dense_layers": True}, "dense_layers", "must be int"),
+        ({"description": "no name"}, "missing key 'name'", ""),
+    ],
+)
+def test_wrong_key_or_value_names_file_key_allowed(tmp_path, data, key, allowed):
+    path = write(tmp_path, data)
+    with pytest.raises(ProfileError) as info:
+        load_profile(path)
+    msg = str(info.value)
+    assert msg.startswith(path), msg
+    assert key in msg and allowed in msg, msg
+    assert "\n" not in msg
+
+
+def test_not_yaml_or_not_mapping(tmp_path):
+    with pytest.raises(ProfileError, match="not valid YAML"):
+        load_profile(write(tmp_path, "name: [unclosed\n"))
+    with pytest.raises(ProfileError, match="expected a mapping"):
+        load_profile(write(tmp_path, "- a\n- b\n"))
+
+
+def test_unknown_name_lists_builtins():
+    with pytest.raises(ProfileError, match="unknown profile 'turbo'.*bf16"):
+        load_profile("turbo")
+    with pytest.raises(ProfileError, match="profile file not found"):
+        load_profile("/nowhere/p.yaml")
+
+
+def test_missing_profiles_dir_is_clear(monkeypatch, tmp_path):
+    import fpcli
+
+    monkeypatch.setattr(fpcli, "__file__", str(tmp_path / "site" / "fpcli" / "__init__.py"))
+    with pytest.raises(ProfileError, match="built-in profiles not found.*pip install -e"):
+        load_profile("bf16")
+
+
+def test_profile_from_dict_defaults():
+    p = profile_from_dict({"name": "min"})
+    assert p == Profile(name="min")
+    assert p.engine.chunked_prefill_size == 16384
