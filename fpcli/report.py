@@ -1,0 +1,248 @@
+"""Reports: one JSON schema for ``fp ask --json``, ``--report FILE`` and the terminal summary.
+
+``ask_report`` builds the dict; ``render_*`` draw it with rich on a stderr console; the heatmap
+helpers draw per-layer x per-KV-head density in the terminal and as a PNG (matplotlib, Agg).
+
+Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
+
+    {
+      "schema": "fp.ask/1", "fp_version": "0.1.0", "created": "2025-01-01T12:00:00+00:00",
+      "question": "...", "answer": "...",
+      "summary": {
+        "prompt_tokens", "output_tokens", "ttft_s", "prefill_s", "total_s", "decode_tokens_per_s",
+        "finish_reason", "engine", "model", "profile", "precision", "attention",
+        "density": {"overall", "min", "median", "max", "per_layer": [...]},
+        "density_per_layer_head": [[...], ...],
+        "attention_flops_dense", "attention_flops_skipped", "attention_flops_skipped_fraction",
+        "index_ms", "attention_ms"
+      },
+      "ingestion": {
+        "documents": [{"name", "kind", "pages", "chars", "tokens", "skipped_pages", "empty_pages",
+                       "warnings", "error"}],
+        "prompt": {"prompt_tokens", "context_length", "max_new_tokens", "budget", "doc_tokens",
+                   "truncated", "cuts": [{"file", "tokens_total", "tokens_kept", "tokens_dropped",
+                                          "where", "char_start", "char_end", "first_page", "last_page"}]}
+      }
+    }
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Sequence
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+SCHEMA = "fp.ask/1"
+
+
+def density_summary(per_layer: Sequence[float], overall: float | None = None) -> dict:
+    """``{"overall", "min", "median", "max", "per_layer"}``; ``None`` values when unknown."""
+    values = [float(v) for v in per_layer]
+    if not values:
+        return {"overall": overall, "min": None, "median": None, "max": None, "per_layer": []}
+    return {
+        "overall": float(overall) if overall is not None else statistics.fmean(values),
+        "min": min(values),
+        "median": statistics.median(values),
+        "max": max(values),
+        "per_layer": values,
+    }
+
+
+def ask_report(result, question: str, docs: Sequence, prompt, profile) -> dict:
+    """The ``fp.ask/1`` report of one answer.
+
+    Args:
+        result: ``fpcli.engine.base.GenerationResult``.
+        question: the user's question.
+        docs: ``fpcli.ingest.Document`` list (all inputs, failed ones included).
+        prompt: ``fpcli.prompt.Prompt`` that was sent.
+        profile: ``fpcli.profiles.Profile`` in use.
+    """
+    from fpcli import __version__
+
+    stats = result.stats
+    dense = float(stats.attention_flops_dense or 0.0)
+    skipped = float(stats.attention_flops_skipped or 0.0)
+    summary = {
+        "prompt_tokens": result.prompt_tokens,
+        "output_tokens": result.output_tokens,
+        "ttft_s": result.ttft_s,
+        "prefill_s": result.prefill_s,
+        "total_s": result.total_s,
+        "decode_tokens_per_s": result.decode_tokens_per_s,
+        "finish_reason": result.finish_reason,
+        "engine": result.engine,
+        "model": result.model,
+        "profile": result.profile or profile.name,
+        "precision": profile.precision,
+        "attention": profile.attention,
+        "density": density_summary(stats.density_per_layer, stats.density),
+        "density_per_layer_head": [list(map(float, row)) for row in stats.density_per_layer_head],
+        "attention_flops_dense": dense,
+        "attention_flops_skipped": skipped,
+        "attention_flops_skipped_fraction": skipped / dense if dense > 0 else 0.0,
+        "index_ms": stats.index_ms,
+        "attention_ms": stats.attention_ms,
+    }
+    documents = []
+    for d in docs:
+        row = d.to_dict()
+        row["tokens"] = prompt.doc_tokens.get(d.name) if prompt is not None else None
+        documents.append(row)
+    return {
+        "schema": SCHEMA,
+        "fp_version": __version__,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "question": question,
+        "answer": result.text,
+        "summary": summary,
+        "ingestion": {"documents": documents, "prompt": prompt.to_dict() if prompt is not None else None},
+    }
+
+
+def dumps(report: dict) -> str:
+    return json.dumps(report, indent=2, ensure_ascii=False)
+
+
+def save_report(path: str | Path, report: dict) -> None:
+    Path(path).write_text(dumps(report) + "\n", encoding="utf-8")
+
+
+# -- terminal rendering ---------------------------------------------------------------------------
+
+
+def format_flops(x: float | None) -> str:
+    """1.2e12 -> '1.20 TFLOP'."""
+    if not x:
+        return "0"
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {unit}"
+    return f"{x:.0f} FLOP"
+
+
+def _fmt(x: Any, spec: str = ".3f", none: str = "n/a") -> str:
+    return none if x is None else format(x, spec)
+
+
+def render_summary(console: Console, report: dict) -> None:
+    """The summary table of an ``fp.ask/1`` report (stderr console)."""
+    s = report["summary"]
+    d = s["density"]
+    t = Table(title="fp ask", show_header=False, title_justify="left", box=None, pad_edge=False)
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("prompt tokens", f"{s['prompt_tokens']:,}")
+    t.add_row("answer tokens", f"{s['output_tokens']:,} ({s['finish_reason']})")
+    t.add_row("TTFT", f"{s['ttft_s']:.3f} s (prefill {s['prefill_s']:.3f} s)")
+    t.add_row("total time", f"{s['total_s']:.3f} s")
+    t.add_row("decode", f"{s['decode_tokens_per_s']:.1f} tokens/s")
+    if d["per_layer"]:
+        t.add_row(
+            "attention density",
+            f"{d['overall']:.1%} overall; per layer min {d['min']:.1%} / median {d['median']:.1%} / max {d['max']:.1%}",
+        )
+    else:
+        t.add_row("attention density", f"{_fmt(d['overall'], '.1%')} overall (no per-layer data)")
+    t.add_row(
+        "attention FLOPs skipped",
+        f"{format_flops(s['attention_flops_skipped'])} of {format_flops(s['attention_flops_dense'])} dense-equivalent "
+        f"({s['attention_flops_skipped_fraction']:.1%})",
+    )
+    if s.get("index_ms") is not None or s.get("attention_ms") is not None:
+        t.add_row("index / attention", f"{_fmt(s.get('index_ms'), '.1f')} ms / {_fmt(s.get('attention_ms'), '.1f')} ms")
+    t.add_row("engine", s["engine"])
+    t.add_row("model", s["model"])
+    t.add_row("profile", f"{s['profile']} ({s['attention']}, {s['precision']})")
+    console.print(t)
+
+
+def render_ingestion(console: Console, docs: Sequence) -> None:
+    """Warnings and errors of every document, one line each."""
+    for d in docs:
+        if d.error:
+            console.print(Text(f"skipped: {d.error}", style="red"))
+        for w in d.warnings:
+            console.print(Text(f"warning: {w}", style="yellow"))
+
+
+def render_cuts(console: Console, prompt) -> None:
+    """Say what was cut to fit the context (never silently)."""
+    if not prompt.cuts:
+        return
+    console.print(
+        Text(
+            f"note: the documents exceed the prompt budget of {prompt.budget:,} tokens "
+            f"(context {prompt.context_length:,} - {prompt.max_new_tokens:,} for the answer); cut:",
+            style="yellow",
+        )
+    )
+    for c in prompt.cuts:
+        console.print(Text(f"  {c.describe()}", style="yellow"))
+
+
+# -- density heatmaps ----------------------------------------------------------------------------
+
+_RAMP = ["#440154", "#46327e", "#365c8d", "#277f8e", "#1fa187", "#4ac16d", "#a0da39", "#fde725"]  # viridis, as the PNG
+
+
+def density_color(x: float) -> str:
+    """A colour for density ``x`` in [0, 1] (dark purple = sparse, yellow = dense)."""
+    x = min(1.0, max(0.0, float(x)))
+    return _RAMP[min(len(_RAMP) - 1, int(x * len(_RAMP)))]
+
+
+def heatmap_table(per_layer_head: Sequence[Sequence[float]]) -> Table:
+    """A rich table: one row per layer, one coloured cell per KV head, the layer mean at the end."""
+    heads = max((len(r) for r in per_layer_head), default=0)
+    t = Table(box=None, padding=(0, 0), show_edge=False)
+    t.add_column("layer", justify="right", style="bold")
+    t.add_column(" ")
+    for h in range(heads):
+        t.add_column(str(h) if heads <= 16 or h % 4 == 0 else "", justify="center", min_width=2)
+    t.add_column(" mean", justify="right")
+    for layer, row in enumerate(per_layer_head):
+        cells = [Text("  ", style=f"on {density_color(v)}") for v in row]
+        mean = sum(row) / len(row) if row else 0.0
+        t.add_row(str(layer), " ", *cells, *[""] * (heads - len(row)), f" {mean:.1%}")
+    return t
+
+
+def heatmap_legend() -> Text:
+    legend = Text("scale: ")
+    for i, color in enumerate(_RAMP):
+        legend.append("  ", style=f"on {color}")
+        if i in (0, len(_RAMP) - 1):
+            legend.append(" 0% " if i == 0 else " 100%")
+    return legend
+
+
+def write_heatmap_png(path: str | Path, per_layer_head: Sequence[Sequence[float]], title: str = "") -> Path:
+    """Save the density heatmap as a PNG (matplotlib, Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    data = np.array([list(r) for r in per_layer_head], dtype=float)
+    layers, heads = data.shape
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 + 0.35 * heads), max(3.0, 1.0 + 0.22 * layers)), dpi=120)
+    im = ax.imshow(data, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto", interpolation="nearest")
+    ax.set_xlabel("KV head")
+    ax.set_ylabel("layer")
+    ax.set_xticks(range(heads))
+    ax.set_yticks(range(0, layers, max(1, layers // 16)))
+    ax.set_title(title or "FlashPrefill attention density (selected / visible key blocks)", fontsize=9)
+    fig.colorbar(im, ax=ax, label="density")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

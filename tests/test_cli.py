@@ -1,0 +1,398 @@
+"""The ``fp`` command line, with the fake engine: stdout/stderr split, --json schema, exit codes."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from conftest import encrypt_pdf, make_pdf
+from fpcli.cli import app
+from fpcli.commands.bench import parse_heads, parse_lengths
+
+TESTS = Path(__file__).resolve().parent
+
+
+def invoke(runner, args, **kw):
+    env = {"COLUMNS": "200", **kw.pop("env", {})}
+    return runner.invoke(app, args, env=env, **kw)
+
+
+@pytest.fixture
+def doc(tmp_path):
+    path = tmp_path / "doc.txt"
+    path.write_text("Quarterly report.\nThe secret code is PLUM7.\nRevenue grew.\n", encoding="utf-8")
+    return path
+
+
+# -- fp ask ---------------------------------------------------------------------------------------
+
+
+def test_help_lists_commands(runner):
+    r = invoke(runner, ["--help"])
+    assert r.exit_code == 0
+    for cmd in ("ask", "bench", "profile", "serve", "model"):
+        assert cmd in r.stdout
+    assert invoke(runner, ["--version"]).stdout.startswith("fp ")
+
+
+def test_ask_streams_answer_to_stdout_summary_to_stderr(runner, fake_engine, doc):
+    r = invoke(runner, ["ask", str(doc), "What is the code?"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout == "The answer is 42.\n"
+    for item in ("prompt tokens", "TTFT", "total time", "decode", "attention density", "median",
+                 "FLOPs skipped", "engine", "fake", "model", "fake-model", "profile", "bf16"):
+        assert item in r.stderr, item
+    eng = fake_engine()
+    assert eng.closed
+    system, user = eng.prompts[-1]
+    assert f'<document name="{doc}">' in user and "PLUM7" in user
+    assert user.rstrip().endswith("Question: What is the code?")
+
+
+def test_ask_options_reach_the_engine(runner, fake_engine, doc):
+    r = invoke(runner, ["ask", str(doc), "q?", "--engine", "transformers", "--model", "some/model",
+                        "--max-new-tokens", "3", "--temperature", "0.5", "--profile", "fp8"])
+    assert r.exit_code == 0, r.output
+    eng = fake_engine()
+    assert eng.requested["engine"] == "transformers" and eng.requested["model"] == "some/model"
+    assert eng.requested["profile"].name == "fp8" and eng.requested["profile"].precision == "fp8"
+    assert eng.generated[-1]["max_new_tokens"] == 3 and eng.generated[-1]["temperature"] == 0.5
+    assert r.stdout.rstrip() == "The answer is"  # 3 tokens of the scripted answer
+
+
+SUMMARY_KEYS = {
+    "prompt_tokens", "output_tokens", "ttft_s", "prefill_s", "total_s", "decode_tokens_per_s", "finish_reason",
+    "engine", "model", "profile", "precision", "attention", "density", "density_per_layer_head",
+    "attention_flops_dense", "attention_flops_skipped", "attention_flops_skipped_fraction", "index_ms", "attention_ms",
+}
+
+
+def test_ask_json_is_one_object_same_as_report(runner, fake_engine, doc, tmp_path):
+    saved = tmp_path / "report.json"
+    r = invoke(runner, ["ask", str(doc), "What is the code?", "--json", "--report", str(saved)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)  # stdout holds exactly one JSON object
+    assert data["schema"] == "fp.ask/1"
+    assert data["answer"] == "The answer is 42." and data["question"] == "What is the code?"
+    assert set(data["summary"]) == SUMMARY_KEYS
+    d = data["summary"]["density"]
+    assert set(d) == {"overall", "min", "median", "max", "per_layer"} and d["min"] <= d["median"] <= d["max"]
+    assert data["summary"]["engine"] == "fake" and data["summary"]["profile"] == "bf16"
+    (docrow,) = data["ingestion"]["documents"]
+    assert docrow["name"] == str(doc) and docrow["kind"] == "text" and docrow["tokens"] > 0 and docrow["error"] is None
+    assert data["ingestion"]["prompt"]["truncated"] is False
+    assert json.loads(saved.read_text()) == data
+
+
+def test_ask_stdin(runner, fake_engine):
+    r = invoke(runner, ["ask", "-", "Which code?", "--json"], input="Memo: the secret code is ZED9.\n",
+               env={"FP_FAKE_ANSWER": "It is {fact}."})
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["answer"] == "It is ZED9."
+    assert data["ingestion"]["documents"][0]["kind"] == "stdin-text"
+
+
+def test_ask_missing_paths_exit_2_before_loading(runner, fake_engine, doc, tmp_path):
+    r = invoke(runner, ["ask", str(doc), str(tmp_path / "a.pdf"), str(tmp_path / "b.txt"), "q?"])
+    assert r.exit_code == 2
+    assert "a.pdf: no such file" in r.stderr and "b.txt: no such file" in r.stderr
+    assert r.stdout == ""
+    from conftest import LAST_FAKE
+
+    assert LAST_FAKE == []  # the model was never loaded
+
+
+def test_ask_needs_a_question(runner, fake_engine, doc):
+    assert invoke(runner, ["ask", str(doc)]).exit_code == 2  # one argument: no question
+    r = invoke(runner, ["ask", str(doc), "  "])
+    assert r.exit_code == 2 and "question is empty" in r.stderr
+
+
+def test_ask_truncation_is_reported(runner, fake_engine, tmp_path):
+    big = tmp_path / "big.txt"
+    big.write_text(" ".join(f"w{i}" for i in range(5000)))
+    small = tmp_path / "small.txt"
+    small.write_text("short note")
+    r = invoke(runner, ["ask", str(big), str(small), "q?", "--json"], env={"FP_FAKE_CONTEXT": "1000"})
+    assert r.exit_code == 0, r.output
+    assert "cut" in r.stderr and "big.txt: dropped" in r.stderr and "from the middle" in r.stderr
+    prompt = json.loads(r.stdout)["ingestion"]["prompt"]
+    assert prompt["truncated"] and prompt["cuts"][0]["file"] == str(big)
+    assert prompt["prompt_tokens"] <= prompt["budget"]
+
+
+def test_ask_encrypted_pdf_needs_password_others_survive(runner, fake_engine, doc, tmp_path):
+    locked = tmp_path / "locked.pdf"
+    encrypt_pdf(make_pdf(["The vault number is 8812"]), "pw", locked)
+    r = invoke(runner, ["ask", str(locked), str(doc), "q?", "--json"])
+    assert r.exit_code == 0, r.output
+    assert str(locked) in r.stderr and "--password" in r.stderr
+    docs = json.loads(r.stdout)["ingestion"]["documents"]
+    assert docs[0]["error"] and docs[1]["error"] is None
+
+    r = invoke(runner, ["ask", str(locked), "q?"])
+    assert r.exit_code == 1 and "no text to ask about" in r.stderr and "--password" in r.stderr
+
+    r = invoke(runner, ["ask", str(locked), "q?", "--password", "pw"])
+    assert r.exit_code == 0, r.output
+    assert "8812" in fake_engine().prompts[-1][1]
+
+
+def test_ask_scanned_pdf_is_reported(runner, fake_engine, doc, tmp_path):
+    scan = tmp_path / "scan.pdf"
+    make_pdf([None], scan)
+    r = invoke(runner, ["ask", str(scan), str(doc), "q?"])
+    assert r.exit_code == 0 and "no text layer" in r.stderr and "OCR" in r.stderr
+
+
+def test_ask_bad_profile_exit_2(runner, fake_engine, doc, tmp_path):
+    r = invoke(runner, ["ask", str(doc), "q?", "--profile", "turbo"])
+    assert r.exit_code == 2 and "unknown profile 'turbo'" in r.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\noperator:\n  alpha: 3\n")
+    r = invoke(runner, ["ask", str(doc), "q?", "--profile", str(bad)])
+    assert r.exit_code == 2 and str(bad) in r.stderr and "operator.alpha" in r.stderr
+
+
+def test_ask_engine_load_failure_is_one_line(runner, monkeypatch, doc):
+    import fpcli.engine
+
+    def broken(*a, **k):
+        raise RuntimeError("no such model: foo\nTraceback noise")
+
+    monkeypatch.setattr(fpcli.engine, "load_engine", broken, raising=False)
+    monkeypatch.delenv("FP_ENGINE_FACTORY", raising=False)
+    r = invoke(runner, ["ask", str(doc), "q?"])
+    assert r.exit_code == 1
+    assert "cannot load the model: no such model: foo" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_ask_quiet(runner, fake_engine, doc):
+    r = invoke(runner, ["ask", str(doc), "q?", "--quiet"])
+    assert r.exit_code == 0 and r.stdout == "The answer is 42.\n"
+    assert "TTFT" not in r.stderr
+
+
+# -- fp bench -------------------------------------------------------------------------------------
+
+
+def test_parse_lengths_and_heads():
+    assert parse_lengths("4k") == [4096]
+    assert parse_lengths("131072") == [131072]
+    assert parse_lengths("128k") == [131072]
+    assert parse_lengths("4k, 32K,1000") == [4096, 32768, 1000]
+    assert parse_lengths("0.5k") == [512]
+    for bad in ("abc", "4kk", "0", "1.3"):
+        with pytest.raises(ValueError, match="--len"):
+            parse_lengths(bad)
+    assert parse_heads("32/8") == (32, 8) and parse_heads("16") == (16, 16)
+    with pytest.raises(ValueError, match="multiple"):
+        parse_heads("32/6")
+
+
+@pytest.fixture
+def fake_operator_bench(monkeypatch):
+    calls = []
+
+    def run_operator_bench(lens, heads_q, heads_kv, head_dim, dtype, fp8=False, batch=1, progress=None, **kw):
+        calls.append(dict(lens=lens, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype, fp8=fp8, batch=batch, **kw))
+        rows = []
+        for n in lens:
+            rows.append({"len": n, "density": 0.25, "index_ms": 0.1, "attention_ms": 0.4, "total_ms": 0.5, "speedup_sdpa": 2.0})
+            if progress:
+                progress()
+        return rows
+
+    mod = types.ModuleType("flashprefill.bench")
+    mod.run_operator_bench = run_operator_bench
+    monkeypatch.setitem(sys.modules, "flashprefill.bench", mod)
+    return calls
+
+
+def test_bench_without_cuda_says_so(runner, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = invoke(runner, ["bench", "--len", "4k"])
+    assert r.exit_code == 1 and "needs a CUDA GPU" in r.stderr and "--cpu" in r.stderr
+
+
+def test_bench_cpu_run_is_labelled(runner, fake_operator_bench, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = invoke(runner, ["bench", "--cpu", "--len", "1k,2k", "--heads", "4/2", "--head-dim", "64", "--json"])
+    assert r.exit_code == 0, r.output
+    assert "NOT representative" in r.stderr
+    data = json.loads(r.stdout)
+    assert data["kind"] == "operator" and data["device"] == "cpu" and [row["len"] for row in data["rows"]] == [1024, 2048]
+    call = fake_operator_bench[-1]
+    assert call["heads_q"] == 4 and call["heads_kv"] == 2 and call["head_dim"] == 64 and call["device"] == "cpu"
+    assert call["dtype"] == torch.bfloat16
+
+    r = invoke(runner, ["bench", "--cpu", "--len", "2k"])
+    assert r.exit_code == 0 and "speedup_sdpa" in r.stdout and "2048" in r.stdout
+
+    r = invoke(runner, ["bench", "--cpu", "--len", "128k"])
+    assert r.exit_code == 2 and "--cpu runs lengths up to" in r.stderr
+
+
+def test_bench_on_gpu_passes_options(runner, fake_operator_bench, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake H200")
+    r = invoke(runner, ["bench", "--len", "128k", "--fp8", "--batch", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    call = fake_operator_bench[-1]
+    assert call["lens"] == [131072] and call["fp8"] and call["batch"] == 2 and "device" not in call
+    assert json.loads(r.stdout)["gpu"] == "Fake H200"
+
+
+def test_bench_bad_arguments(runner):
+    assert invoke(runner, ["bench", "--len", "lots"]).exit_code == 2
+    r = invoke(runner, ["bench", "--heads", "32/5"])
+    assert r.exit_code == 2 and "--heads" in r.stderr
+
+
+def test_bench_e2e(runner, monkeypatch):
+    seen = {}
+
+    def run_e2e_bench(lens, model, profile, progress=None, **kw):
+        seen.update(lens=lens, model=model, profile=profile)
+        return [{"len": n, "ttft_flashprefill_s": 1.0, "ttft_dense_s": 2.0, "speedup": 2.0} for n in lens]
+
+    mod = types.ModuleType("fpcli.bench_e2e")
+    mod.run_e2e_bench = run_e2e_bench
+    monkeypatch.setitem(sys.modules, "fpcli.bench_e2e", mod)
+    r = invoke(runner, ["bench", "--e2e", "--len", "32k", "--json", "--fp8"])
+    assert r.exit_code == 0, r.output
+    assert seen["lens"] == [32768] and seen["profile"].precision == "fp8"
+    assert json.loads(r.stdout)["rows"][0]["speedup"] == 2.0
+
+
+# -- fp profile -----------------------------------------------------------------------------------
+
+
+def test_profile_heatmap_png_and_json(runner, fake_engine, doc, tmp_path):
+    png = tmp_path / "heat.png"
+    r = invoke(runner, ["profile", str(doc), "What?", "--png", str(png)])
+    assert r.exit_code == 0, r.output
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "density per layer x KV head" in r.stdout and "mean" in r.stdout
+    assert "index 1.50 ms" in r.stdout
+    assert fake_engine().generated[-1]["max_new_tokens"] == 1
+
+    r = invoke(runner, ["profile", str(doc), "--png", str(png), "--json", "--fp8"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["schema"] == "fp.profile/1" and data["precision"] == "fp8"
+    assert len(data["density_per_layer_head"]) == 4 and len(data["density_per_layer_head"][0]) == 2
+    assert data["fp8_error_per_layer"] is None and data["png"] == str(png)
+
+
+def test_profile_fp8_error_unavailable_is_said(runner, fake_engine, doc, tmp_path):
+    r = invoke(runner, ["profile", str(doc), "--fp8", "--png", str(tmp_path / "h.png")])
+    assert r.exit_code == 0 and "FP8-vs-BF16 error per layer: unavailable" in r.stdout
+
+
+def test_profile_per_layer_times_and_fp8_error(runner, fake_engine, doc, tmp_path, monkeypatch):
+    from conftest import FakeEngine
+
+    real = FakeEngine.stats_for
+
+    def richer(self, n):
+        s = real(self, n)
+        s.index_ms_per_layer = [0.1, 0.2, 0.3, 0.4]
+        s.attention_ms_per_layer = [1.0, 1.0, 1.0, 1.0]
+        s.fp8_error_per_layer = [1e-3, 2e-3, 3e-3, 4e-3]
+        return s
+
+    monkeypatch.setattr(FakeEngine, "stats_for", richer)
+    r = invoke(runner, ["profile", str(doc), "--fp8", "--png", str(tmp_path / "h.png")])
+    assert r.exit_code == 0, r.output
+    assert "index vs attention time per layer" in r.stdout and "FP8-vs-BF16 output error per layer" in r.stdout
+    assert "4.00e-03" in r.stdout
+
+
+def test_profile_missing_file(runner, fake_engine, tmp_path):
+    r = invoke(runner, ["profile", str(tmp_path / "nope.pdf")])
+    assert r.exit_code == 2 and "nope.pdf: no such file" in r.stderr
+
+
+# -- fp serve -------------------------------------------------------------------------------------
+
+
+def test_serve_without_sglang_names_gpu_extras(runner, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
+    r = invoke(runner, ["serve", "--model-path", "x", "--port", "30000"])
+    assert r.exit_code == 1 and "pip install -e .[gpu]" in r.stderr
+
+
+def test_serve_passes_arguments_through(runner, monkeypatch):
+    import importlib.util
+
+    import torch
+
+    seen = {}
+    mod = types.ModuleType("fpcli.engine.sglang_engine")
+    mod.launch_server = lambda argv, profile: seen.update(argv=argv, profile=profile) or 0
+    monkeypatch.setitem(sys.modules, "fpcli.engine.sglang_engine", mod)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "sglang" else real(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    r = invoke(runner, ["serve", "--profile", "fp8", "--model-path", "Qwen/Qwen3-8B", "--tp", "2", "--enable-metrics"])
+    assert r.exit_code == 0, r.output
+    assert seen["argv"] == ["--model-path", "Qwen/Qwen3-8B", "--tp", "2", "--enable-metrics"]
+    assert seen["profile"].name == "fp8"
+
+
+# -- fp model -------------------------------------------------------------------------------------
+
+
+def test_model_list_and_path(runner, tmp_path, monkeypatch):
+    models = pytest.importorskip("fpcli.models")
+    monkeypatch.setenv("FP_CACHE_DIR", str(tmp_path / "cache"))
+    r = invoke(runner, ["model", "path"], env={"FP_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip() == str(models.model_path())
+    r = invoke(runner, ["model", "list", "--json"], env={"FP_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)["models"]
+    assert rows and rows[0]["cached"] is False
+    r = invoke(runner, ["model", "path", "no-such-model"])
+    assert r.exit_code == 1 and "no-such-model" in r.stderr
+
+
+# -- the installed entry point, in a real subprocess -----------------------------------------------
+
+
+def _fp() -> list[str]:
+    exe = shutil.which("fp") or str(Path(sys.executable).parent / "fp")
+    return [exe] if Path(exe).exists() else [sys.executable, "-m", "fpcli.cli"]
+
+
+def test_subprocess_entry_point(doc, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "COLUMNS": "200"}
+    env.pop("FP_ENGINE_FACTORY", None)
+    r = subprocess.run(_fp() + ["--help"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and "ask" in r.stdout
+
+    r = subprocess.run(_fp() + ["ask", str(tmp_path / "missing.pdf"), "q?"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "missing.pdf: no such file" in r.stderr and r.stdout == ""
+
+    env.update(FP_ENGINE_FACTORY="conftest:fake_load_engine", FP_FAKE_ANSWER="The code is {fact}.")
+    r = subprocess.run(_fp() + ["ask", "-", "What is the code?"], input=doc.read_text(), capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "The code is PLUM7.\n"
+    assert "TTFT" in r.stderr
