@@ -1,0 +1,220 @@
+"""End-to-end TTFT: FlashPrefill vs the same SGLang engine with a dense prefill backend (``triton``).
+
+Same process, same settings, radix cache off (every request prefills its whole prompt), a warm-up
+request per engine and per length first (JIT compiles, autotuning), then the median of
+``repeats`` timed requests. A planted needle (a number in the middle of a synthetic document)
+checks that the answer survives the sparsity. Lengths above ``yarn_above`` run with YaRN
+(factor 4 over the model's native context, ``fpcli.engine.sglang_engine.yarn_override``).
+
+    python -m fpcli.bench_e2e --model PATH --lens 4k,8k,16k,32k,64k,120k --json out.json
+
+Prints a table last; ``--json`` writes the rows (one dict per length).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+_WORDS = (
+    "river stone market lantern harvest orchard valley signal engine copper meadow harbor "
+    "winter garden archive compass thunder meadow silver village canal forest bridge clock "
+    "tower ledger spindle quarry beacon saddle mirror pepper timber anchor velvet candle "
+    "ribbon marble cellar pocket violet walnut barley pewter falcon summit"
+).split()
+
+NEEDLE_QUESTION = "What is the secret number mentioned in the document? Answer with the number only."
+
+
+def parse_lens(text: str) -> list[int]:
+    """``"4k,8k,32000"`` -> ``[4096, 8192, 32000]``."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        mult = 1024 if part.endswith("k") else 1
+        out.append(int(float(part.rstrip("k")) * mult))
+    return out
+
+
+def filler_sentences(seed: int = 0) -> Callable[[], str]:
+    rng = random.Random(seed)
+
+    def sentence() -> str:
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(8, 16))]
+        return " ".join(words).capitalize() + "."
+
+    return sentence
+
+
+def needle_document(count_tokens: Callable[[str], int], n_tokens: int, *, depth: float = 0.5,
+                    seed: int = 0, secret: int | None = None) -> tuple[str, str]:
+    """A synthetic document of about ``n_tokens`` tokens with ``The secret number is N.`` planted at
+    ``depth`` (0..1), followed by the question. Returns ``(user_text, secret)``."""
+    rng = random.Random(seed)
+    secret_s = str(secret if secret is not None else rng.randint(10000, 99999))
+    needle = f"The secret number is {secret_s}. Remember it: the secret number is {secret_s}."
+    make = filler_sentences(seed)
+    budget = max(0, n_tokens - count_tokens(needle) - count_tokens(NEEDLE_QUESTION) - 8)
+    sentences, used = [], 0
+    # Tokens of sentences add up closely enough (one leading space each); a 5% margin is trimmed
+    # by the caller's measurement of the final prompt.
+    while used < budget:
+        s = make()
+        sentences.append(s)
+        used += count_tokens(" " + s)
+    cut = int(len(sentences) * depth)
+    body = " ".join(sentences[:cut] + [needle] + sentences[cut:])
+    return f"Read the document and answer the question.\n\n{body}\n\n{NEEDLE_QUESTION}", secret_s
+
+
+def needle_prompt(engine: Any, n_tokens: int, *, depth: float = 0.5, seed: int = 0) -> tuple[list[int], str]:
+    """Chat-template token ids of a needle prompt of about ``n_tokens`` tokens, and the secret."""
+    text, secret = needle_document(engine.count_tokens, n_tokens - 24, depth=depth, seed=seed)
+    return engine.encode_chat(None, text), secret
+
+
+def answered(answer: str, secret: str) -> bool:
+    return secret in answer.replace(",", "").replace(" ", "")
+
+
+def _median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _measure(engine: Any, ids: list[int], secret: str | None, repeats: int, max_new_tokens: int) -> dict:
+    engine.generate(ids, max_new_tokens=max_new_tokens)  # warm-up at this length (JIT, autotune)
+    runs = [engine.generate(ids, max_new_tokens=max_new_tokens) for _ in range(repeats)]
+    last = runs[-1]
+    return {
+        "ttft_s": _median([r.ttft_s for r in runs]),
+        "ttft_all_s": [round(r.ttft_s, 5) for r in runs],
+        "prefill_s": _median([r.prefill_s for r in runs]),
+        "density": last.stats.density,
+        "density_per_layer": [round(x, 4) for x in last.stats.density_per_layer],
+        "answer": last.text.strip()[:80],
+        "needle": answered(last.text, secret) if secret else None,
+        "prompt_tokens": last.prompt_tokens,
+    }
+
+
+def run_e2e_bench(
+    lens: list[int],
+    model_path: str,
+    profile_sparse: Any,
+    profile_dense: Any,
+    needle: bool = True,
+    yarn_above: int = 32768,
+    progress: Callable[[str], None] | None = None,
+    *,
+    repeats: int = 3,
+    yarn_factor: float = 4.0,
+    max_new_tokens: int = 16,
+    server_overrides: dict | None = None,
+) -> list[dict]:
+    """TTFT of FlashPrefill vs dense prefill at each length (see the module docstring).
+
+    Returns one dict per length: ``target_len``, ``prompt_tokens``, ``yarn`` (factor or None),
+    ``ttft_dense_s``, ``ttft_sparse_s``, ``speedup``, ``prefill_sparse_s``, ``density``,
+    ``needle_dense``, ``needle_sparse``, the answers and the individual TTFTs.
+    """
+    from fpcli.engine.sglang_engine import SGLangEngine, native_context_length
+
+    say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    native = native_context_length(model_path) or 32768
+    regimes: dict[float | None, list[int]] = {}
+    for n in sorted(lens):
+        regimes.setdefault(yarn_factor if n > yarn_above else None, []).append(n)
+    rows: dict[int, dict] = {}
+    for factor, group in regimes.items():
+        limit = int(native * factor) if factor else native
+        for label, profile in (("dense", profile_dense), ("sparse", profile_sparse)):
+            t0 = time.perf_counter()
+            say(f"[bench] starting {label} engine (profile {getattr(profile, 'name', '?')}, yarn {factor})")
+            with SGLangEngine(model_path, profile, rope_scaling_factor=factor, disable_radix_cache=True,
+                              server_overrides=server_overrides) as eng:
+                say(f"[bench] {label} engine up in {time.perf_counter() - t0:.1f} s")
+                eng.generate(eng.encode_chat(None, "Say hello."), max_new_tokens=4)  # first-request JIT
+                for n in group:
+                    target = min(n, limit - max_new_tokens - 32)
+                    if needle:
+                        ids, secret = needle_prompt(eng, target)
+                    else:
+                        text, secret = needle_document(eng.count_tokens, target)
+                        ids, secret = eng.encode_chat(None, text), None
+                    if len(ids) > limit - max_new_tokens:
+                        ids = ids[-(limit - max_new_tokens - 1):]
+                    reps = max(1, repeats if n <= 32768 else min(repeats, 2))
+                    m = _measure(eng, ids, secret, reps, max_new_tokens)
+                    row = rows.setdefault(n, {"target_len": n, "yarn": factor})
+                    row["prompt_tokens"] = m["prompt_tokens"]
+                    for key in ("ttft_s", "ttft_all_s", "prefill_s", "answer", "needle"):
+                        row[f"{key.replace('_s', '')}_{label}_s" if key.endswith("_s") else f"{key}_{label}"] = m[key]
+                    if label == "sparse":
+                        row["density"] = m["density"]
+                        row["density_per_layer"] = m["density_per_layer"]
+                    say(f"[bench] {label} {n}: {m['prompt_tokens']} tokens, TTFT {m['ttft_s']:.4f} s, "
+                        f"density {m['density']:.3f}, needle {m['needle']}")
+    out = []
+    for n in sorted(rows):
+        r = rows[n]
+        d, s = r.get("ttft_dense_s"), r.get("ttft_sparse_s")
+        r["speedup"] = (d / s) if d and s and not math.isnan(d) and not math.isnan(s) else None
+        out.append(r)
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'len':>7} {'tokens':>7} {'yarn':>5} {'dense s':>9} {'sparse s':>9} {'speedup':>8} {'density':>8} {'needle d/s':>11}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        sp = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
+        nd = f"{r.get('needle_dense')!s:.1}/{r.get('needle_sparse')!s:.1}"
+        lines.append(
+            f"{r['target_len']:>7} {r.get('prompt_tokens', 0):>7} {str(r.get('yarn') or '-'):>5} "
+            f"{r.get('ttft_dense_s', float('nan')):>9.4f} {r.get('ttft_sparse_s', float('nan')):>9.4f} "
+            f"{sp:>8} {r.get('density', float('nan')):>8.3f} {nd:>11}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fpcli.bench_e2e", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="Hugging Face model folder")
+    ap.add_argument("--lens", default="4k,8k,16k,32k", help="prompt lengths, e.g. 4k,8k,16k,32k,64k,120k")
+    ap.add_argument("--profile", default="bf16", help="FlashPrefill profile (name or YAML path)")
+    ap.add_argument("--dense-profile", default=None,
+                    help="dense profile; default: the FlashPrefill profile with attention: dense (same engine settings)")
+    ap.add_argument("--no-needle", action="store_true")
+    ap.add_argument("--yarn-above", type=int, default=32768)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--mem-fraction", type=float, default=None, help="override mem_fraction_static")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    args = ap.parse_args(argv)
+
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from fpcli.profiles import load_profile
+
+    sparse = load_profile(args.profile)
+    dense = load_profile(args.dense_profile) if args.dense_profile else sparse.replace(attention="dense")
+    overrides = {"mem_fraction_static": args.mem_fraction} if args.mem_fraction else None
+    rows = run_e2e_bench(parse_lens(args.lens), args.model, sparse, dense, needle=not args.no_needle,
+                         yarn_above=args.yarn_above, repeats=args.repeats, server_overrides=overrides)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"model": args.model, "profile": sparse.name, "lens": args.lens, "rows": rows,
+                       "date": time.strftime("%Y-%m-%d %H:%M:%S")}, fh, indent=2)
+    print(format_table(rows), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

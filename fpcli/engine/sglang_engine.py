@@ -1,0 +1,534 @@
+"""``SGLangEngine``: the embedded SGLang 0.5.17 engine with the ``flashprefill`` prefill backend.
+
+- Starts ``sglang.srt.entrypoints.engine.Engine`` in this process (its scheduler and detokenizer
+  are spawned children) with ``prefill_attention_backend="flashprefill"``,
+  ``decode_attention_backend="triton"`` (decode keeps its CUDA graphs), ``sampling_backend=
+  "pytorch"``, prefill CUDA graphs off, chunked prefill and page size from the profile.
+- The backend is registered in the children by ``FlashPrefillEngine`` (scheduler entry wrapper)
+  and by the ``sglang.srt.plugins`` entry point; see ``fpcli/sglang_backend/plugin.py``.
+- Profile knobs reach the scheduler through the ``FP_SGLANG_BACKEND`` environment variable
+  (``fpcli/sglang_backend/settings.py``), set only while the children are spawned.
+- Prefill statistics come back through a temp folder (``fpcli/sglang_backend/stats.py``).
+- ``close`` (also ``__exit__`` and ``atexit``) stops the engine within ``shutdown_timeout_s`` and
+  then SIGKILLs whatever of its own child processes is still alive.
+
+YaRN: a model's native context (``max_position_embeddings``) is extended only when the caller opts
+in with ``rope_scaling_factor`` (> 1); SGLang then gets ``json_model_override_args`` with
+``rope_scaling = {"rope_type": "yarn", "factor": f, "original_max_position_embeddings": native,
+"rope_theta": theta}`` (``rope_theta`` inside, else SGLang's scheduler dies with KeyError
+'rope_theta') and ``max_position_embeddings = native * f``.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+from fpcli.engine.base import GenerationResult, PrefillStats
+from fpcli.sglang_backend.settings import BackendSettings, settings_from_profile
+from fpcli.sglang_backend.stats import read_prefill_stats
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "install the GPU extras with `pip install -e .[gpu]` on a CUDA machine, or use `--engine transformers`"
+DEFAULT_DENSE_BACKEND = "triton"
+MIN_CHUNKED_PREFILL = 8192
+_LIVE_ENGINES: "set[SGLangEngine]" = set()
+
+
+class EngineUnavailable(RuntimeError):
+    """SGLang (or CUDA) is missing; the message names what to install and the fallback engine."""
+
+
+def check_available() -> None:
+    """Raise ``EngineUnavailable`` unless ``import sglang`` works and a CUDA GPU is visible."""
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover
+        raise EngineUnavailable(f"the SGLang engine needs PyTorch ({exc}); {INSTALL_HINT}") from None
+    try:
+        import sglang  # noqa: F401
+    except Exception as exc:
+        raise EngineUnavailable(f"the SGLang engine is not available: cannot import sglang ({exc}); {INSTALL_HINT}") from None
+    if not torch.cuda.is_available():
+        raise EngineUnavailable(f"the SGLang engine needs a CUDA GPU and none is visible; {INSTALL_HINT}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Model context and YaRN
+# ----------------------------------------------------------------------------------------------
+
+
+def _model_config(model_path: str | os.PathLike) -> dict:
+    path = Path(model_path) / "config.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def native_context_length(model_path: str | os.PathLike) -> int | None:
+    """``max_position_embeddings`` of a Hugging Face folder (``None`` if unknown)."""
+    cfg = _model_config(model_path)
+    text = cfg.get("text_config") or {}
+    value = cfg.get("max_position_embeddings") or text.get("max_position_embeddings")
+    return int(value) if value else None
+
+
+def rope_theta(model_path: str | os.PathLike) -> float:
+    cfg = _model_config(model_path)
+    for src in (cfg, cfg.get("rope_parameters") or {}, cfg.get("rope_scaling") or {}, cfg.get("text_config") or {}):
+        if isinstance(src, dict) and src.get("rope_theta"):
+            return float(src["rope_theta"])
+    return 10000.0
+
+
+def yarn_override(model_path: str | os.PathLike, factor: float) -> dict:
+    """``json_model_override_args`` (as a dict) that turns on YaRN with ``factor``."""
+    native = native_context_length(model_path)
+    if not native:
+        raise ValueError(f"{model_path}: config.json has no max_position_embeddings; cannot apply YaRN")
+    if factor <= 1.0:
+        raise ValueError(f"rope_scaling_factor must be > 1, got {factor}")
+    return {
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": float(factor),
+            "original_max_position_embeddings": native,
+            "rope_theta": rope_theta(model_path),
+        },
+        "max_position_embeddings": int(native * factor),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Server arguments (pure: tested on CPU)
+# ----------------------------------------------------------------------------------------------
+
+
+def build_server_kwargs(
+    model_path: str | os.PathLike,
+    profile: Any,
+    *,
+    rope_scaling_factor: float | None = None,
+    context_length: int | None = None,
+    disable_radix_cache: bool = False,
+    log_level: str = "error",
+    overrides: dict | None = None,
+) -> dict:
+    """``ServerArgs`` keyword arguments for a profile (``Engine(**kwargs)``).
+
+    ``overrides`` wins over everything (tests use it for ``chunked_prefill_size=2048``,
+    ``page_size`` and ``disable_cuda_graph``).
+    """
+    eng = profile.engine
+    dense = bool(getattr(profile, "is_dense", False))
+    kwargs: dict[str, Any] = dict(
+        model_path=str(model_path),
+        attention_backend=DEFAULT_DENSE_BACKEND,
+        prefill_attention_backend=DEFAULT_DENSE_BACKEND if dense else "flashprefill",
+        decode_attention_backend=DEFAULT_DENSE_BACKEND,
+        sampling_backend="pytorch",
+        page_size=int(eng.page_size),
+        chunked_prefill_size=max(int(eng.chunked_prefill_size), MIN_CHUNKED_PREFILL),
+        mem_fraction_static=float(eng.mem_fraction_static),
+        disable_prefill_cuda_graph=True,  # flashprefill does not capture prefill; dense gets the same for fairness
+        disable_decode_cuda_graph=not bool(eng.cuda_graph_decode),
+        disable_radix_cache=bool(disable_radix_cache),
+        log_level=log_level,
+        random_seed=0,
+    )
+    if eng.dtype and eng.dtype != "auto":
+        kwargs["dtype"] = eng.dtype
+    ctx = context_length or eng.context_length
+    if rope_scaling_factor and rope_scaling_factor > 1.0:
+        override = yarn_override(model_path, rope_scaling_factor)
+        kwargs["json_model_override_args"] = json.dumps(override)
+        ctx = min(ctx, override["max_position_embeddings"]) if ctx else override["max_position_embeddings"]
+    if ctx:
+        kwargs["context_length"] = int(ctx)
+    if overrides:
+        kwargs.update(overrides)
+    return kwargs
+
+
+@contextmanager
+def _env(entries: dict[str, str]) -> Iterator[None]:
+    """Set environment entries while SGLang spawns its children; restore them afterwards."""
+    saved = {k: os.environ.get(k) for k in entries}
+    os.environ.update(entries)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _children() -> set[int]:
+    try:
+        import psutil
+
+        return {p.pid for p in psutil.Process().children(recursive=True)}
+    except Exception:
+        import multiprocessing
+
+        return {p.pid for p in multiprocessing.active_children() if p.pid}
+
+
+def _kill(pids: Sequence[int], wait_s: float = 10.0) -> list[int]:
+    """SIGKILL ``pids`` (our own children) and wait for them; returns the pids that were alive."""
+    alive = []
+    try:
+        import psutil
+
+        procs = []
+        for pid in pids:
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                continue
+        for p in procs:
+            try:
+                p.kill()
+                alive.append(p.pid)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(procs, timeout=wait_s)
+    except ImportError:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+    return alive
+
+
+def _finish_reason(meta: dict) -> str:
+    fr = meta.get("finish_reason")
+    if isinstance(fr, dict):
+        return str(fr.get("type") or "stop")
+    return str(fr) if fr else "length"
+
+
+class SGLangEngine:
+    """The ``fp`` engine contract (``fpcli.engine.base.Engine``) on embedded SGLang.
+
+    Args:
+        model_path: a Hugging Face folder.
+        profile: an ``fpcli.profiles.Profile`` (attention, operator knobs, engine settings).
+        rope_scaling_factor: opt in to YaRN with this factor (> 1) for prompts beyond the model's
+            native context.
+        context_length: cap on the context (tokens); default the profile's or the model's.
+        disable_radix_cache: turn the prefix cache off (benchmarks).
+        collect_stats: per-layer density and prefill time from the backend.
+        layer_timing: also time index and attention stages per layer.
+        server_overrides: extra ``ServerArgs`` fields, win over the profile.
+        shutdown_timeout_s: how long ``close`` waits for SGLang before killing its children.
+    """
+
+    name = "sglang"
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        profile: Any,
+        *,
+        rope_scaling_factor: float | None = None,
+        context_length: int | None = None,
+        disable_radix_cache: bool = False,
+        collect_stats: bool = True,
+        layer_timing: bool = False,
+        server_overrides: dict | None = None,
+        log_level: str | None = None,
+        shutdown_timeout_s: float = 30.0,
+        settings_overrides: dict | None = None,
+    ):
+        check_available()
+        self.model_path = str(model_path)
+        self.model_name = Path(model_path).name
+        self.profile = profile
+        self.profile_name = getattr(profile, "name", "?")
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.sparse = not bool(getattr(profile, "is_dense", False))
+        self._closed = False
+        self._engine = None
+        self._stats_dir = tempfile.mkdtemp(prefix="fp-sglang-stats-")
+        self.settings: BackendSettings = settings_from_profile(
+            profile, stats_dir=self._stats_dir, collect_stats=collect_stats, layer_timing=layer_timing,
+            **(settings_overrides or {}),
+        )
+        self.server_kwargs = build_server_kwargs(
+            model_path, profile, rope_scaling_factor=rope_scaling_factor, context_length=context_length,
+            disable_radix_cache=disable_radix_cache,
+            log_level=log_level or os.environ.get("FP_SGLANG_LOG_LEVEL", "error"), overrides=server_overrides,
+        )
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        from fpcli.sglang_backend.plugin import engine_class
+
+        before = _children()
+        t0 = time.perf_counter()
+        logger.info("starting SGLang: %s", self.server_kwargs)
+        try:
+            with _env(self.settings.to_env()):
+                self._engine = engine_class()(**self.server_kwargs)
+        except BaseException:
+            self._child_pids = sorted(_children() - before)
+            self._closed = True
+            _kill(self._child_pids)
+            shutil.rmtree(self._stats_dir, ignore_errors=True)
+            raise
+        self.startup_s = time.perf_counter() - t0
+        self._child_pids = sorted(_children() - before)
+        _LIVE_ENGINES.add(self)
+        atexit.register(self.close)
+        sa = getattr(self._engine, "server_args", None)
+        self.context_length = int(getattr(sa, "context_length", None) or self.server_kwargs.get("context_length")
+                                  or native_context_length(model_path) or 0)
+        self._incremental = bool(getattr(sa, "incremental_streaming_output", False))
+        logger.info("SGLang started in %.1f s (children %s)", self.startup_s, self._child_pids)
+
+    # -- tokens --------------------------------------------------------------------------------
+    def encode_chat(self, system: str | None, user: str) -> list[int]:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(x) for x in ids]
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    # -- generation ----------------------------------------------------------------------------
+    def _sampling_params(self, max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> dict:
+        params: dict[str, Any] = {"max_new_tokens": int(max_new_tokens), "temperature": float(temperature)}
+        if temperature > 0:
+            params.update(top_p=float(top_p), top_k=int(top_k))
+        return params
+
+    def generate(
+        self,
+        prompt_ids: list[int] | str,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        on_text: Callable[[str], None] | None = None,
+        *,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        rid: str | None = None,
+    ) -> GenerationResult:
+        """Greedy when ``temperature == 0``; streams text deltas to ``on_text``. ``prompt_ids`` may
+        be a string (tokenized here, no template). TTFT = submission to the first answer token."""
+        if self._closed:
+            raise RuntimeError("SGLangEngine is closed")
+        if isinstance(prompt_ids, str):
+            prompt_ids = self.tokenizer(prompt_ids, add_special_tokens=False)["input_ids"]
+        ids = [int(x) for x in prompt_ids]
+        rid = rid or f"fp-{uuid.uuid4().hex}"
+        t0 = time.perf_counter()
+        stream = self._engine.generate(
+            input_ids=ids, sampling_params=self._sampling_params(max_new_tokens, temperature, top_p, top_k),
+            stream=True, rid=rid,
+        )
+        first_t = None
+        out_ids: list[int] = []
+        meta: dict = {}
+        shown = ""
+        for chunk in stream:
+            new = list(chunk.get("output_ids") or [])
+            if self._incremental:
+                out_ids.extend(new)
+            elif new:
+                out_ids = new
+            if out_ids and first_t is None:
+                first_t = time.perf_counter()
+            meta = chunk.get("meta_info") or meta
+            if on_text is not None and out_ids:
+                text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
+                if text.startswith(shown) and not text.endswith("\ufffd") and len(text) > len(shown):
+                    on_text(text[len(shown):])
+                    shown = text
+        t_end = time.perf_counter()
+        text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
+        if on_text is not None and text.startswith(shown) and len(text) > len(shown):
+            on_text(text[len(shown):])
+        ttft = (first_t or t_end) - t0
+        prompt_tokens = int(meta.get("prompt_tokens", len(ids)))
+        stats, prefill_s = self._prefill_stats(rid, prompt_tokens, ttft)
+        result = GenerationResult(
+            text=text,
+            prompt_tokens=prompt_tokens,
+            output_tokens=len(out_ids),
+            ttft_s=ttft,
+            prefill_s=prefill_s,
+            total_s=t_end - t0,
+            engine=self.name,
+            model=self.model_name,
+            profile=self.profile_name,
+            stats=stats,
+            finish_reason=_finish_reason(meta),
+        )
+        result.cached_tokens = int(meta.get("cached_tokens", 0) or 0)  # extra, not in to_dict()
+        result.rid = rid
+        return result
+
+    def _prefill_stats(self, rid: str, prompt_tokens: int, ttft: float) -> tuple[PrefillStats, float]:
+        """(stats, prefill seconds) from the backend's JSONL; TTFT stands in for prefill time when
+        the backend wrote nothing (dense profile, or stats off)."""
+        if not (self.sparse and self.settings.collect_stats):
+            return PrefillStats(), ttft
+        rec = read_prefill_stats(self._stats_dir, rid, timeout_s=2.0, expect_tokens=prompt_tokens)
+        if rec is None:
+            logger.warning("flashprefill: no prefill statistics arrived for %s", rid)
+            return PrefillStats(), ttft
+        prefill_s = rec.prefill_ms / 1000.0 if rec.prefill_ms is not None else ttft
+        return rec.to_prefill_stats(), prefill_s
+
+    def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
+                       temperature: float = 0.0) -> list[GenerationResult]:
+        """Several prompts in one SGLang call (they are batched together). TTFT per request is not
+        observable here; ``ttft_s`` is the whole call's time."""
+        rids = [f"fp-{uuid.uuid4().hex}" for _ in prompts]
+        t0 = time.perf_counter()
+        outs = self._engine.generate(
+            input_ids=[[int(x) for x in p] for p in prompts],
+            sampling_params=self._sampling_params(max_new_tokens, temperature, 1.0, -1), rid=rids,
+        )
+        total = time.perf_counter() - t0
+        results = []
+        for rid, p, out in zip(rids, prompts, outs):
+            meta = out.get("meta_info") or {}
+            ids = list(out.get("output_ids") or [])
+            stats, prefill_s = self._prefill_stats(rid, int(meta.get("prompt_tokens", len(p))), total)
+            res = GenerationResult(
+                text=self.tokenizer.decode(ids, skip_special_tokens=True), prompt_tokens=int(meta.get("prompt_tokens", len(p))),
+                output_tokens=len(ids), ttft_s=total, prefill_s=prefill_s, total_s=total, engine=self.name,
+                model=self.model_name, profile=self.profile_name, stats=stats, finish_reason=_finish_reason(meta),
+            )
+            res.rid = rid
+            results.append(res)
+        return results
+
+    def first_token_logprobs(self, prompt_ids: Sequence[int], k: int = 20) -> list[tuple[float, int]]:
+        """Top-``k`` (logprob, token id) of the first answer token (one greedy step)."""
+        out = self._engine.generate(
+            input_ids=[int(x) for x in prompt_ids], sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+            return_logprob=True, top_logprobs_num=k,
+        )
+        top = (out.get("meta_info") or {}).get("output_top_logprobs") or []
+        if not top:
+            raise RuntimeError("SGLang returned no output_top_logprobs")
+        return [(float(e[0]), int(e[1])) for e in top[0]]
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop SGLang; kill its children if it does not stop within ``shutdown_timeout_s``."""
+        if self._closed:
+            return
+        self._closed = True
+        _LIVE_ENGINES.discard(self)
+        eng, self._engine = self._engine, None
+        t0 = time.perf_counter()
+        if eng is not None:
+            tm = getattr(eng, "tokenizer_manager", None)
+            watchdog = getattr(tm, "_subprocess_watchdog", None)
+            if watchdog is not None:
+                try:
+                    watchdog.stop()
+                except Exception:
+                    pass
+            if not _LIVE_ENGINES:
+                # Engine.shutdown kills every child of this process: only when no other engine lives.
+                worker = threading.Thread(target=eng.shutdown, name="fp-sglang-shutdown", daemon=True)
+                worker.start()
+                worker.join(self.shutdown_timeout_s)
+                if worker.is_alive():
+                    logger.warning("SGLang shutdown did not finish in %.0f s; killing its processes", self.shutdown_timeout_s)
+        killed = _kill(self._child_pids)
+        if killed:
+            logger.info("killed SGLang children %s", killed)
+        shutil.rmtree(self._stats_dir, ignore_errors=True)
+        logger.info("SGLang engine closed in %.1f s", time.perf_counter() - t0)
+
+    def __enter__(self) -> "SGLangEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# fp serve
+# ----------------------------------------------------------------------------------------------
+
+
+def serve_argv(argv: Sequence[str], profile: Any) -> list[str]:
+    """SGLang CLI arguments for ``fp serve``: ``--tp N`` / ``--dp N`` spelled out, the profile's
+    defaults added where the user gave none (pure; tested on CPU)."""
+    out: list[str] = []
+    alias = {"--tp": "--tp-size", "--dp": "--dp-size"}
+    for a in argv:
+        head, sep, tail = a.partition("=")
+        if head in alias:
+            a = alias[head] + (sep + tail if sep else "")
+        out.append(a)
+    given = {a.partition("=")[0] for a in out if a.startswith("--")}
+    eng = profile.engine
+    dense = bool(getattr(profile, "is_dense", False))
+    defaults = [
+        ("--attention-backend", DEFAULT_DENSE_BACKEND),
+        ("--prefill-attention-backend", DEFAULT_DENSE_BACKEND if dense else "flashprefill"),
+        ("--decode-attention-backend", DEFAULT_DENSE_BACKEND),
+        ("--sampling-backend", "pytorch"),
+        ("--page-size", str(eng.page_size)),
+        ("--chunked-prefill-size", str(max(int(eng.chunked_prefill_size), MIN_CHUNKED_PREFILL))),
+        ("--mem-fraction-static", str(eng.mem_fraction_static)),
+    ]
+    for flag, value in defaults:
+        if flag not in given:
+            out += [flag, value]
+    if "--disable-prefill-cuda-graph" not in given and "--cuda-graph-backend-prefill" not in given:
+        out.append("--disable-prefill-cuda-graph")
+    if not eng.cuda_graph_decode and "--disable-decode-cuda-graph" not in given:
+        out.append("--disable-decode-cuda-graph")
+    if eng.context_length and "--context-length" not in given:
+        out += ["--context-length", str(eng.context_length)]
+    return out
+
+
+def launch_server(argv: Sequence[str], profile: Any) -> None:
+    """``fp serve``: SGLang's OpenAI-compatible HTTP server with ``flashprefill`` registered in
+    every process (blocks until the server stops). ``argv`` are SGLang's own options
+    (``--model-path``, ``--port``, ``--tp``, ``--dp`` ...)."""
+    check_available()
+    from fpcli.sglang_backend.plugin import register, run_scheduler_process
+
+    register()  # argparse choices + registry in this process
+    from sglang.srt.entrypoints.http_server import launch_server as sglang_launch_server
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    full = serve_argv(argv, profile)
+    server_args = prepare_server_args(full)
+    settings = settings_from_profile(profile, collect_stats=False)
+    os.environ.update(settings.to_env())  # inherited by every spawned scheduler (TP/DP ranks)
+    logger.info("fp serve: sglang %s", " ".join(full))
+    try:
+        sglang_launch_server(server_args, run_scheduler_process_func=run_scheduler_process)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)

@@ -1,0 +1,348 @@
+"""``FlashPrefillAttnBackend``: FlashPrefill V2 block-sparse prefill inside stock SGLang 0.5.17.
+
+A thin ``AttentionBackend`` (style guide habit 11). It owns only the extend (prefill) path:
+
+- ``init_forward_metadata`` builds ``FlashPrefillMetadata`` once per batch (page table from
+  ``req_to_token``, ``cu_seqlens_q``, the operator's ``BatchPlan`` from SGLang's host-side
+  lengths, so no device-to-host copy) and a ``BatchStats`` (device counters, CUDA events).
+- ``forward_extend`` writes the new K/V into SGLang's pool, then calls
+  ``flashprefill.flashprefill_attention`` on the pool viewed as pages, with the batch plan.
+- Everything the operator does not cover runs on a stock SGLang backend (``dense_backend``,
+  ``triton`` by default) built from SGLang's own registry: the first ``dense_layers`` layers,
+  batches whose requests are all shorter than ``min_sparse_len``, sliding-window, cross and
+  encoder layers, logit soft-capping, sinks, FP8 KV scales, KV pools that are not plain
+  token-major MHA pools (SWA / unified / quantized / HND), speculative modes.
+- Decode is not ours: with ``prefill_attention_backend="flashprefill"`` and
+  ``decode_attention_backend="triton"`` SGLang's ``HybridAttnBackend`` sends decode (and its CUDA
+  graphs) to the decode backend. Used alone, this backend delegates decode and the decode CUDA
+  graph hooks to its dense backend.
+- Prefill CUDA graphs (SGLang's breakable / tc_piecewise capture of extend batches) are not
+  supported: the engine wrapper and ``fp serve`` set ``disable_prefill_cuda_graph``; a capture
+  attempt raises a ``RuntimeError`` that says so.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Optional
+
+import torch
+
+from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.layers.radix_attention import AttentionType
+
+from .metadata import FlashPrefillMetadata, build_metadata, check_page_table
+from .settings import BackendSettings
+from .stats import BatchStats, StatsWriter
+
+logger = logging.getLogger(__name__)
+
+_EXTRA_KWARGS_DENSE = ("sinks", "score_mod", "aux_tensors", "rel_bias", "q_descale", "k_descale", "v_descale")
+
+
+class FlashPrefillAttnBackend(AttentionBackend):
+    """Block-sparse prefill through ``flashprefill``; dense cases and decode on a stock backend."""
+
+    needs_cpu_seq_lens: bool = True  # the plan is built from seq_lens_cpu / extend_seq_lens_cpu
+
+    def __init__(self, model_runner: Any, settings: BackendSettings):
+        super().__init__()
+        import flashprefill  # the operator package (kernels/flashprefill)
+
+        self.settings = settings
+        self.model_runner = model_runner
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.req_to_token = self.req_to_token_pool.req_to_token
+        self.device = self.req_to_token.device
+        self.page_size = max(1, int(getattr(model_runner, "page_size", 1) or 1))
+
+        # The dense backend: every case the operator does not serve, and decode when used alone.
+        if settings.dense_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"flashprefill: dense_backend {settings.dense_backend!r} is not registered in SGLang")
+        self.dense = ATTENTION_BACKENDS[settings.dense_backend](model_runner)
+
+        pool = self.token_to_kv_pool
+        self.layer_offset = int(getattr(pool, "start_layer", 0) or 0)
+        self.num_layers = int(getattr(pool, "layer_num", 0) or 0) or int(model_runner.model_config.num_hidden_layers)
+        self.last_layer_id = int(getattr(pool, "end_layer", self.layer_offset + self.num_layers - 1))
+        self.num_q_heads, self.num_kv_heads, self.head_dim = self._head_geometry(model_runner)
+        self.group_size = max(1, self.num_q_heads // max(1, self.num_kv_heads))
+        self.unsupported_reason = self._check_pool(model_runner)
+        self.tp_rank = int(getattr(getattr(model_runner, "ps", None), "tp_rank", 0) or 0)
+
+        self._attention = flashprefill.flashprefill_attention
+        self._build_index = getattr(flashprefill, "build_index", None) if settings.collect_stats else None
+        attn_params = inspect.signature(self._attention).parameters
+        self._attn_kwargs: dict[str, Any] = {}
+        if "backend" in attn_params:
+            self._attn_kwargs["backend"] = settings.operator_backend
+        if "precision" in attn_params:
+            self._attn_kwargs["precision"] = settings.precision
+        elif settings.precision != "bf16":
+            logger.warning("flashprefill: the operator API takes no `precision`; running %s as bf16", settings.precision)
+        self._index_kwargs: dict[str, Any] = {}
+        if self._build_index is not None:
+            params = inspect.signature(self._build_index).parameters
+            self._index_kwargs = {k: v for k, v in (
+                ("backend", settings.operator_backend), ("precision", settings.precision)) if k in params}
+            self._index_takes = set(params)
+
+        self.writer = StatsWriter(settings.stats_dir, self.device) if settings.collect_stats and self.tp_rank == 0 else None
+        self.forward_metadata: Optional[FlashPrefillMetadata] = None
+        self._batch_stats: Optional[BatchStats] = None
+        self._dense_ready = False
+        self._logged_reasons: set[str] = set()
+        logger.info(
+            "flashprefill backend: layers %d (first %d dense), heads q=%d kv=%d d=%d, page_size %d, "
+            "config %s, precision %s, dense backend %s, stats %s%s",
+            self.num_layers, settings.dense_layers, self.num_q_heads, self.num_kv_heads, self.head_dim,
+            self.page_size, settings.sparse, settings.precision, settings.dense_backend,
+            settings.stats_dir if self.writer else "off",
+            f"; SPARSE DISABLED: {self.unsupported_reason}" if self.unsupported_reason else "",
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # construction helpers
+    # ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _head_geometry(model_runner: Any) -> tuple[int, int, int]:
+        cfg = model_runner.model_config
+        try:
+            from sglang.srt.runtime_context import get_parallel
+
+            tp = int(get_parallel().attn_tp_size)
+        except Exception:  # older layouts / mocks
+            tp = int(getattr(model_runner, "tp_size", 1) or 1)
+        hq = int(cfg.get_num_attention_heads(tp))
+        hkv = int(cfg.get_num_kv_heads(tp))
+        d = int(getattr(cfg, "head_dim", 0) or model_runner.token_to_kv_pool.get_key_buffer(0).shape[-1])
+        return hq, hkv, d
+
+    def _check_pool(self, model_runner: Any) -> str | None:
+        """Why the pool cannot be read as ``[pages, page_size, Hkv, d]`` (``None`` = it can)."""
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+        pool = self.token_to_kv_pool
+        if getattr(model_runner, "use_mla_backend", False):
+            return "MLA model"
+        if not isinstance(pool, MHATokenToKVPool):
+            return f"KV pool {type(pool).__name__} is not a plain MHATokenToKVPool (SWA/hybrid)"
+        if type(pool).__name__ != "MHATokenToKVPool":
+            return f"KV pool subclass {type(pool).__name__}"
+        if getattr(pool, "is_quantized_kv_cache", False):
+            return "quantized KV cache"
+        if getattr(pool, "use_hnd", False) or getattr(pool, "kv_cache_layout", "nhd") != "nhd":
+            return f"KV layout {getattr(pool, 'kv_cache_layout', '?')}"
+        alloc = getattr(model_runner, "token_to_kv_pool_allocator", None)
+        if getattr(alloc, "translate_kv_loc", None) is not None or getattr(alloc, "translate_kv_loc_dense", None) is not None:
+            return "unified (virtual-slot) KV pool"
+        if getattr(self.dense, "dcp_size", 1) > 1:
+            return "decode context parallelism"
+        kb = pool.get_key_buffer(self.layer_offset)
+        if kb.dim() != 3:
+            return f"key buffer of rank {kb.dim()}"
+        if kb.shape[0] % self.page_size:
+            logger.warning("flashprefill: pool rows %d not a multiple of page_size %d; the tail is unused",
+                           kb.shape[0], self.page_size)
+        return None
+
+    # ------------------------------------------------------------------------------------------
+    # per batch
+    # ------------------------------------------------------------------------------------------
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        mode = forward_batch.forward_mode
+        if mode.is_decode_or_idle():  # only when this backend is used alone
+            self.forward_metadata = None
+            self.dense.init_forward_metadata(forward_batch)
+            return
+        self._finish_batch()  # a batch whose last layer never called us (defensive)
+        self._dense_ready = False
+        dense_reason = self.unsupported_reason
+        if dense_reason is None and getattr(mode, "name", "") not in ("EXTEND", "MIXED"):
+            dense_reason = f"forward mode {getattr(mode, 'name', mode)}"
+        if dense_reason is None and forward_batch.encoder_lens is not None:
+            dense_reason = "encoder-decoder batch"
+        if dense_reason is None and getattr(forward_batch, "spec_info", None) is not None:
+            dense_reason = "speculative batch"
+        kv_host, q_host = self._host_lengths(forward_batch)
+        meta = build_metadata(
+            req_to_token=self.req_to_token,
+            req_pool_indices=forward_batch.req_pool_indices,
+            seq_lens=forward_batch.seq_lens,
+            extend_seq_lens=forward_batch.extend_seq_lens,
+            kv_lens_host=kv_host,
+            q_lens_host=q_host,
+            page_size=self.page_size,
+            pool_rows=int(self.token_to_kv_pool.get_key_buffer(self.layer_offset).shape[0]),
+            group_size=self.group_size,
+            block_size=self.settings.sparse.block_size,
+            min_sparse_len=self.settings.sparse.min_sparse_len,
+            dense_reason=dense_reason,
+            rids=getattr(forward_batch, "rids", None),
+        )
+        self.forward_metadata = meta
+        if self.settings.debug_checks and meta.sparse:
+            check_page_table(meta.page_table, self.req_to_token, forward_batch.req_pool_indices, meta.kv_lens, self.page_size)
+        if meta.dense_reason is not None:
+            self._log_once(f"batch dense: {meta.dense_reason}")
+        if self.settings.collect_stats:
+            self._batch_stats = BatchStats(
+                num_layers=self.num_layers,
+                layer_offset=self.layer_offset,
+                num_q_heads=self.num_q_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim,
+                q_lens=meta.q_lens,
+                kv_lens=meta.kv_lens,
+                rids=meta.rids,
+                device=self.device,
+                layer_timing=self.settings.layer_timing,
+                tile_request=meta.plan.tile_request if meta.plan is not None else None,
+            )
+
+    @staticmethod
+    def _host_lengths(forward_batch: Any) -> tuple[list[int], list[int]]:
+        """(Lk, Lq) per request from SGLang's host copies; device copies (a sync) only as fallback."""
+        seq_cpu = getattr(forward_batch, "seq_lens_cpu", None)
+        kv = seq_cpu.tolist() if seq_cpu is not None else forward_batch.seq_lens.tolist()
+        q = getattr(forward_batch, "extend_seq_lens_cpu", None)
+        if q is None:
+            q = forward_batch.extend_seq_lens.tolist() if forward_batch.extend_seq_lens is not None else kv
+        return [int(x) for x in kv], [int(x) for x in q]
+
+    def _ensure_dense(self, forward_batch: Any) -> None:
+        if not self._dense_ready:
+            self.dense.init_forward_metadata(forward_batch)
+            self._dense_ready = True
+
+    def _finish_batch(self) -> None:
+        stats, self._batch_stats = self._batch_stats, None
+        if stats is not None:
+            stats.finish()
+            if self.writer is not None:
+                self.writer.submit(stats)
+
+    def _log_once(self, reason: str) -> None:
+        if reason not in self._logged_reasons:
+            self._logged_reasons.add(reason)
+            logger.info("flashprefill: %s (logged once)", reason)
+
+    # ------------------------------------------------------------------------------------------
+    # per layer
+    # ------------------------------------------------------------------------------------------
+    def _layer_dense_reason(self, q, k, v, layer, meta, kwargs) -> str | None:
+        if meta is None:
+            return "no metadata"
+        if meta.dense_reason is not None:
+            return meta.dense_reason.split(" (")[0]
+        if layer.layer_id < self.settings.dense_layers:
+            return "dense_layers"
+        if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
+            return "sliding_window"
+        if layer.is_cross_attention or layer.attn_type != AttentionType.DECODER:
+            return "non-causal layer"
+        if layer.logit_cap and layer.logit_cap > 0:
+            return "logit_cap"
+        if layer.qk_head_dim != layer.v_head_dim:
+            return "qk/v head dims differ"
+        if k is None or v is None:
+            return "shared KV (k/v None)"
+        if any(kwargs.get(name) is not None for name in _EXTRA_KWARGS_DENSE):
+            return "extra attention inputs (sinks/score_mod/...)"
+        if layer.k_scale is not None or layer.v_scale is not None:
+            return "FP8 KV scales"
+        if layer.tp_q_head_num // layer.tp_k_head_num != meta.plan.group_size:
+            return "group size differs from the plan"
+        if q.shape[0] != meta.total_q:
+            return "padded tokens"
+        return None
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        meta = self.forward_metadata
+        reason = self._layer_dense_reason(q, k, v, layer, meta, kwargs)
+        if reason is None:
+            kb = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+            if kb.dtype != q.dtype:
+                reason = f"KV dtype {kb.dtype} != q dtype {q.dtype}"
+        if reason is not None:
+            self._ensure_dense(forward_batch)
+            out = self.dense.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+            if self._batch_stats is not None:
+                self._batch_stats.mark_dense(layer.layer_id, reason)
+        else:
+            out = self._sparse_extend(q, k, v, layer, forward_batch, save_kv_cache, meta)
+        if layer.layer_id == self.last_layer_id:
+            self._finish_batch()
+        return out
+
+    def _sparse_extend(self, q, k, v, layer, forward_batch, save_kv_cache, meta: FlashPrefillMetadata):
+        pool = self.token_to_kv_pool
+        if save_kv_cache:
+            pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+        hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
+        rows = meta.num_pages * meta.page_size
+        k_cache = pool.get_key_buffer(layer.layer_id)[:rows].view(meta.num_pages, meta.page_size, hkv, d)
+        v_cache = pool.get_value_buffer(layer.layer_id)[:rows].view(meta.num_pages, meta.page_size, hkv, d)
+        q3 = q.reshape(-1, hq, d)
+        stats = self._batch_stats
+        ev0 = stats.stage_event() if stats is not None else None
+        index = None
+        if self._build_index is not None:
+            index = self._call_build_index(q3, k_cache, v_cache, meta, layer.scaling)
+        ev1 = stats.stage_event() if stats is not None else None
+        out = self._attention(
+            q3, k_cache, v_cache, meta.page_table, meta.seq_lens, meta.cu_seqlens_q,
+            config=self.settings.sparse, softmax_scale=layer.scaling, plan=meta.plan, index=index,
+            **self._attn_kwargs,
+        )
+        if isinstance(out, tuple):
+            out = out[0]
+        ev2 = stats.stage_event() if stats is not None else None
+        if stats is not None:
+            if index is not None:
+                stats.add_index(layer.layer_id, index, meta.plan.n_tiles, (ev0, ev1, ev2))
+            else:
+                stats.mark_sparse_no_index(layer.layer_id)
+        return out.reshape(-1, hq * layer.v_head_dim)
+
+    def _call_build_index(self, q3, k_cache, v_cache, meta, scale):
+        kwargs = dict(self._index_kwargs)
+        for name, value in (("config", self.settings.sparse), ("softmax_scale", scale), ("plan", meta.plan)):
+            if name in self._index_takes:
+                kwargs[name] = value
+        return self._build_index(q3, k_cache, v_cache, meta.page_table, meta.seq_lens, meta.cu_seqlens_q, **kwargs)
+
+    # ------------------------------------------------------------------------------------------
+    # decode and CUDA graphs: the dense backend's (only reached when used without the hybrid split)
+    # ------------------------------------------------------------------------------------------
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        return self.dense.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        return self.dense.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return self.dense.get_cuda_graph_seq_len_fill_value()
+
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False):
+        if not forward_batch.forward_mode.is_decode_or_idle():
+            raise RuntimeError(
+                "flashprefill does not support prefill CUDA graphs; start SGLang with "
+                "disable_prefill_cuda_graph=True (--disable-prefill-cuda-graph)"
+            )
+        return self.dense.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+
+    def init_forward_metadata_in_graph(self, forward_batch: Any):
+        if forward_batch.forward_mode.is_decode_or_idle():
+            return self.dense.init_forward_metadata_in_graph(forward_batch)
+        return None
+
+    def init_forward_metadata_for_breakable_cuda_graph_capture(self, forward_batch: Any):
+        raise RuntimeError(
+            "flashprefill does not support breakable prefill CUDA graphs; set disable_prefill_cuda_graph=True"
+        )
+
+    def support_triton(self):
+        return self.dense.support_triton()

@@ -1,0 +1,92 @@
+"""Registration of the ``flashprefill`` attention backend into the installed SGLang (0.5.17).
+
+How the registration reaches every SGLang process (read in the 0.5.17 sources):
+
+1. Entry point. ``pyproject.toml`` declares ``[project.entry-points."sglang.srt.plugins"]
+   flashprefill = "fpcli.sglang_backend.plugin:register"``. SGLang's
+   ``sglang/srt/plugins/__init__.py::load_plugins`` runs every function of that group once per
+   process. It is called by ``Engine.__init__`` (``entrypoints/engine.py``, before ServerArgs is
+   built), by ``Engine._launch_subprocesses`` and, in the spawned scheduler (one per TP rank, also
+   under the DP controller), first thing in ``managers/scheduler.py::run_scheduler_process``; and
+   by ``sglang serve`` / ``python -m sglang.launch_server``. Needs ``pip install -e .`` so the
+   entry point is in the environment's metadata; ``SGLANG_PLUGINS`` (a whitelist) must include
+   ``flashprefill`` when it is set.
+2. Scheduler entry wrapper (works without the entry point). ``run_scheduler_process`` below
+   calls ``register()`` and then SGLang's own ``run_scheduler_process``. ``FlashPrefillEngine``
+   (an ``Engine`` subclass, its ``run_scheduler_process_func`` class attribute) and
+   ``launch_server`` (``http_server.launch_server(run_scheduler_process_func=...)``) pass it to
+   SGLang, which hands it to ``mp.Process(target=...)`` (and to the DP controller, which starts
+   the schedulers with it). It is a module-level function, so ``spawn`` pickles it by name and
+   the child imports this module.
+
+``register()`` is idempotent and does two things:
+
+- ``attention_registry.register_attention_backend("flashprefill")(factory)``: the factory reads
+  ``BackendSettings`` (``settings.current_settings()``: the ``FP_SGLANG_BACKEND`` env var) and
+  builds ``FlashPrefillAttnBackend``; the backend module is imported only then (lazily).
+- ``server_args.add_attention_backend_choices(["flashprefill"])``: argparse ``choices`` of
+  ``--attention-backend``, ``--prefill-attention-backend`` and ``--decode-attention-backend``
+  (the dataclass itself does not check names).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "flashprefill"
+
+
+def create_flashprefill_backend(runner: Any):
+    """SGLang's factory signature: ``ATTENTION_BACKENDS[name](model_runner)``."""
+    from .backend import FlashPrefillAttnBackend
+    from .settings import current_settings
+
+    return FlashPrefillAttnBackend(runner, current_settings())
+
+
+def is_registered() -> bool:
+    try:
+        from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    except ImportError:
+        return False
+    return BACKEND_NAME in ATTENTION_BACKENDS
+
+
+def register() -> None:
+    """Register ``flashprefill`` into the installed SGLang (idempotent; needs sglang)."""
+    from sglang.srt import server_args as sgl_server_args
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
+
+    if BACKEND_NAME not in sgl_server_args.ATTENTION_BACKEND_CHOICES:
+        sgl_server_args.add_attention_backend_choices([BACKEND_NAME])
+    if ATTENTION_BACKENDS.get(BACKEND_NAME) is not create_flashprefill_backend:
+        register_attention_backend(BACKEND_NAME)(create_flashprefill_backend)
+        logger.info("flashprefill: attention backend registered in SGLang (pid %d)", __import__("os").getpid())
+
+
+def run_scheduler_process(*args: Any, **kwargs: Any):
+    """SGLang's ``run_scheduler_process`` with ``register()`` first (the spawned child's entry)."""
+    register()
+    from sglang.srt.managers.scheduler import run_scheduler_process as _sglang_run_scheduler_process
+
+    return _sglang_run_scheduler_process(*args, **kwargs)
+
+
+_ENGINE_CLASS = None
+
+
+def engine_class():
+    """``FlashPrefillEngine``: ``sglang.srt.entrypoints.engine.Engine`` whose scheduler processes
+    register the backend before anything else (built lazily; needs sglang)."""
+    global _ENGINE_CLASS
+    if _ENGINE_CLASS is None:
+        register()
+        from sglang.srt.entrypoints.engine import Engine
+
+        class FlashPrefillEngine(Engine):
+            run_scheduler_process_func = staticmethod(run_scheduler_process)
+
+        _ENGINE_CLASS = FlashPrefillEngine
+    return _ENGINE_CLASS

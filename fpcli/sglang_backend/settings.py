@@ -1,0 +1,156 @@
+"""Backend settings: what the ``flashprefill`` SGLang backend reads in the scheduler process.
+
+SGLang starts its scheduler (one process per TP rank) with multiprocessing ``spawn``; nothing set
+in the parent's Python objects reaches it. The parent therefore serialises ``BackendSettings``
+to JSON in the environment variable ``FP_SGLANG_BACKEND`` before starting the engine; spawned
+children inherit the environment, and the backend's factory reads it once per backend instance.
+
+Example::
+
+    >>> s = BackendSettings(dense_layers=2)
+    >>> BackendSettings.from_json(s.to_json()) == s
+    True
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from flashprefill.config import SparseConfig
+
+ENV_VAR = "FP_SGLANG_BACKEND"  # inline JSON, or "@/path/to/settings.json"
+PRECISIONS = ("bf16", "fp8")
+DENSE_BACKENDS = ("triton", "torch_native", "fa3", "flashinfer")
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    """Knobs of the ``flashprefill`` backend (one engine, all layers, all requests).
+
+    Attributes:
+        sparse: the operator's method knobs (block size, sink/window/tail tokens, alpha, mean
+            correction, min_sparse_len); ``flashprefill.SparseConfig``.
+        dense_layers: the first ``dense_layers`` decoder layers run dense attention.
+        precision: ``bf16`` or ``fp8`` attention operands in the sparse prefill (passed to the
+            operator when its API takes ``precision``).
+        dense_backend: the stock SGLang backend that runs every dense case (dense layers,
+            batches of short requests only, sliding-window layers, unsupported KV pools) and
+            decode when this backend is used alone.
+        operator_backend: ``flashprefill_attention(backend=...)``: ``auto``, ``triton``, ``cute``
+            or ``reference``.
+        collect_stats: record per-layer density and prefill time (device tensors and CUDA
+            events; read by a writer thread after the forward).
+        layer_timing: also time the index and attention stages of every sparse layer (two
+            more CUDA events per layer).
+        stats_dir: folder where the scheduler writes ``stats-<pid>.jsonl``; ``None`` = keep
+            no stats on disk (they are still logged at debug level).
+        debug_checks: validate the page table against ``req_to_token`` every batch (host
+            syncs; for tests only).
+    """
+
+    sparse: SparseConfig = field(default_factory=SparseConfig)
+    dense_layers: int = 0
+    precision: str = "bf16"
+    dense_backend: str = "triton"
+    operator_backend: str = "auto"
+    collect_stats: bool = True
+    layer_timing: bool = False
+    stats_dir: str | None = None
+    debug_checks: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sparse, SparseConfig):
+            raise TypeError(f"BackendSettings.sparse must be a SparseConfig, got {type(self.sparse).__name__}")
+        if isinstance(self.dense_layers, bool) or not isinstance(self.dense_layers, int) or self.dense_layers < 0:
+            raise ValueError(f"BackendSettings.dense_layers must be an int >= 0, got {self.dense_layers!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"BackendSettings.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.dense_backend not in DENSE_BACKENDS:
+            raise ValueError(
+                f"BackendSettings.dense_backend must be one of {DENSE_BACKENDS}, got {self.dense_backend!r}"
+            )
+
+    # -- serialisation -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["sparse"] = dataclasses.asdict(self.sparse)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "BackendSettings":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"BackendSettings: unknown keys {unknown} (allowed: {sorted(known)})")
+        kwargs = dict(data)
+        if "sparse" in kwargs and not isinstance(kwargs["sparse"], SparseConfig):
+            sparse = dict(kwargs["sparse"] or {})
+            bad = sorted(set(sparse) - set(SparseConfig.field_names()))
+            if bad:
+                raise ValueError(f"BackendSettings.sparse: unknown keys {bad} (allowed: {list(SparseConfig.field_names())})")
+            kwargs["sparse"] = SparseConfig(**sparse)
+        return cls(**kwargs)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "BackendSettings":
+        return cls.from_dict(json.loads(text))
+
+    def replace(self, **changes: Any) -> "BackendSettings":
+        return dataclasses.replace(self, **changes)
+
+    # -- environment ---------------------------------------------------------------------------
+    def to_env(self) -> dict[str, str]:
+        """The environment entries that carry these settings to spawned scheduler processes."""
+        return {ENV_VAR: self.to_json()}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "BackendSettings":
+        """Settings from ``FP_SGLANG_BACKEND`` (inline JSON or ``@path``); defaults when unset.
+
+        Raises:
+            ValueError: naming the variable, when its JSON is malformed or has unknown keys.
+        """
+        env = os.environ if environ is None else environ
+        raw = env.get(ENV_VAR, "").strip()
+        if not raw:
+            return cls()
+        try:
+            if raw.startswith("@"):
+                with open(raw[1:], encoding="utf-8") as fh:
+                    raw = fh.read()
+            return cls.from_json(raw)
+        except (OSError, ValueError, TypeError) as exc:
+            raise ValueError(f"{ENV_VAR}: cannot read backend settings: {exc}") from exc
+
+
+def settings_from_profile(profile: Any, *, stats_dir: str | None = None, **overrides: Any) -> BackendSettings:
+    """``BackendSettings`` from an ``fpcli.profiles.Profile`` (duck-typed: ``sparse_config()``,
+    ``dense_layers``, ``precision``), plus keyword overrides."""
+    base = BackendSettings(
+        sparse=profile.sparse_config(),
+        dense_layers=int(getattr(profile, "dense_layers", 0)),
+        precision=str(getattr(profile, "precision", "bf16")),
+        stats_dir=stats_dir,
+    )
+    return base.replace(**overrides) if overrides else base
+
+
+# Process-local override used by in-process tests (a mock model runner): wins over the env var.
+_OVERRIDE: BackendSettings | None = None
+
+
+def set_settings_override(settings: BackendSettings | None) -> None:
+    """Make ``current_settings()`` return ``settings`` in this process (``None`` clears it)."""
+    global _OVERRIDE
+    _OVERRIDE = settings
+
+
+def current_settings() -> BackendSettings:
+    """The override if set, else ``BackendSettings.from_env()``."""
+    return _OVERRIDE if _OVERRIDE is not None else BackendSettings.from_env()

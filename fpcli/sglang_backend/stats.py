@@ -1,0 +1,358 @@
+"""Per-layer density and prefill timing of the ``flashprefill`` backend, and how they reach the CLI.
+
+Hot path (scheduler process, per extend batch): no host sync.
+
+- ``BatchStats`` is created in ``init_forward_metadata``: a start CUDA event and two int64 device
+  tensors ``selected`` / ``visible`` of shape ``[layers, B, Hkv]``.
+- Each sparse layer adds its ``BlockIndex`` counts with device ops: per segment
+  ``row_ptr[s+1] - row_ptr[s]`` selected blocks and ``n_visible[s]`` causally visible blocks,
+  summed per (request, KV head) through ``plan.tile_request`` (``index_add_``).
+- The last layer records an end event, enqueues non-blocking copies of the counters into pinned
+  host memory and a "copied" event, and hands the batch to ``StatsWriter``.
+
+Off the hot path: ``StatsWriter`` is a daemon thread in the scheduler process. It waits on the
+"copied" event (blocking only itself), reads the pinned counters and event times, and appends one
+JSON line per request to ``<stats_dir>/stats-<pid>.jsonl``.
+
+Across the process boundary (the choice, documented): SGLang's scheduler runs in a spawned
+process and its output path to the tokenizer manager carries only SGLang's own fields, so the
+parent passes ``stats_dir`` (a temp folder it owns) in the backend settings environment variable,
+and reads the JSONL lines of its request ids back after the answer (``read_prefill_stats``).
+Requests are matched by SGLang's ``rid``, which the engine wrapper chooses. A request prefilled
+in several chunks has one line per chunk; they are summed.
+
+Line schema (one per request per extend batch)::
+
+    {"rid": str, "pid": int, "batch": int, "batch_size": int, "q_len": int, "kv_len": int,
+     "num_q_heads": int, "num_kv_heads": int, "head_dim": int,
+     "prefill_ms": float | null,      # batch: init_forward_metadata -> end of the last layer's attention
+     "index_ms": float | null, "attention_ms": float | null,   # sparse layers, when layer_timing
+     "layers": [str, ...],            # per layer: "sparse" or "dense:<reason>"
+     "selected": [[int] * Hkv] | null per layer,   # null for dense layers
+     "visible":  [[int] * Hkv] | null per layer}
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_batch_counter = itertools.count()
+
+
+def _event(device: torch.device) -> Any:
+    """A timing CUDA event recorded now on the current stream; ``None`` off CUDA."""
+    if device.type != "cuda":
+        return None
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
+
+
+class BatchStats:
+    """Device-side statistics of one extend batch. All methods are sync-free on CUDA."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        layer_offset: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        q_lens: Sequence[int],
+        kv_lens: Sequence[int],
+        rids: Sequence[str],
+        device: torch.device | str,
+        layer_timing: bool = False,
+        tile_request: torch.Tensor | None = None,
+    ):
+        self.device = torch.device(device)
+        self.batch_id = next(_batch_counter)
+        self.num_layers = num_layers
+        self.layer_offset = layer_offset
+        self.num_q_heads = num_q_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.q_lens = tuple(int(x) for x in q_lens)
+        self.kv_lens = tuple(int(x) for x in kv_lens)
+        self.rids = tuple(rids) if rids else tuple(f"batch{self.batch_id}-req{b}" for b in range(len(self.q_lens)))
+        self.layer_timing = layer_timing and self.device.type == "cuda"
+        self.layer_modes: list[str | None] = [None] * num_layers
+        shape = (num_layers, len(self.q_lens), num_kv_heads)
+        self.selected = torch.zeros(shape, dtype=torch.int64, device=self.device)
+        self.visible = torch.zeros(shape, dtype=torch.int64, device=self.device)
+        self.tile_request = tile_request.to(torch.int64) if tile_request is not None else None
+        self.stage_events: list[tuple[Any, Any, Any]] = []  # (start, index done, attention done)
+        self.start = _event(self.device)
+        self.end = None
+        self.copied = None
+        self.host_selected: torch.Tensor | None = None
+        self.host_visible: torch.Tensor | None = None
+        self.finished = False
+
+    # -- per layer -----------------------------------------------------------------------------
+    def _slot(self, layer_id: int) -> int | None:
+        i = layer_id - self.layer_offset
+        return i if 0 <= i < self.num_layers else None
+
+    def mark_dense(self, layer_id: int, reason: str) -> None:
+        i = self._slot(layer_id)
+        if i is not None:
+            self.layer_modes[i] = f"dense:{reason}"
+
+    def stage_event(self) -> Any:
+        """A timing event for the per-layer stage timing (``None`` unless ``layer_timing``)."""
+        return _event(self.device) if self.layer_timing else None
+
+    def add_index(self, layer_id: int, index: Any, n_tiles: int, events: tuple[Any, Any, Any] | None = None) -> None:
+        """Add one sparse layer's block counts (``BlockIndex.row_ptr``, ``.n_visible``)."""
+        i = self._slot(layer_id)
+        if i is None:
+            return
+        self.layer_modes[i] = "sparse"
+        if events is not None and all(e is not None for e in events):
+            self.stage_events.append(events)
+        if index is None or self.tile_request is None or n_tiles == 0:
+            return
+        h = self.num_kv_heads
+        counts = (index.row_ptr[1:] - index.row_ptr[:-1]).to(torch.int64).view(h, n_tiles)  # [Hkv, tiles]
+        vis = index.n_visible.to(torch.int64).view(h, n_tiles)
+        # [tiles, Hkv] rows summed into their request: selected[i][b, h] += sum over b's tiles
+        self.selected[i].index_add_(0, self.tile_request, counts.t())
+        self.visible[i].index_add_(0, self.tile_request, vis.t())
+
+    def mark_sparse_no_index(self, layer_id: int) -> None:
+        i = self._slot(layer_id)
+        if i is not None:
+            self.layer_modes[i] = "sparse"
+
+    # -- end of the batch ----------------------------------------------------------------------
+    def finish(self) -> None:
+        """Record the end event and start the copies to pinned host memory (no sync)."""
+        if self.finished:
+            return
+        self.finished = True
+        self.end = _event(self.device)
+        pin = self.device.type == "cuda"
+        self.host_selected = torch.empty(self.selected.shape, dtype=torch.int64, pin_memory=pin)
+        self.host_visible = torch.empty(self.visible.shape, dtype=torch.int64, pin_memory=pin)
+        self.host_selected.copy_(self.selected, non_blocking=pin)
+        self.host_visible.copy_(self.visible, non_blocking=pin)
+        self.copied = _event(self.device)
+
+    def wait(self) -> None:
+        """Block until the counters are on the host (writer thread only)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+
+    def records(self) -> list[dict]:
+        """One JSON-ready dict per request. Call after ``wait``."""
+        prefill_ms = None
+        if self.start is not None and self.end is not None:
+            prefill_ms = float(self.start.elapsed_time(self.end))
+        index_ms = attention_ms = None
+        if self.stage_events:
+            index_ms = sum(float(a.elapsed_time(b)) for a, b, _ in self.stage_events)
+            attention_ms = sum(float(b.elapsed_time(c)) for _, b, c in self.stage_events)
+        sel = self.host_selected.tolist() if self.host_selected is not None else None
+        vis = self.host_visible.tolist() if self.host_visible is not None else None
+        modes = [m or "dense:not-called" for m in self.layer_modes]
+        out = []
+        for b, rid in enumerate(self.rids):
+            out.append({
+                "rid": rid,
+                "pid": os.getpid(),
+                "batch": self.batch_id,
+                "batch_size": len(self.rids),
+                "q_len": self.q_lens[b],
+                "kv_len": self.kv_lens[b],
+                "num_q_heads": self.num_q_heads,
+                "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim,
+                "prefill_ms": prefill_ms,
+                "index_ms": index_ms,
+                "attention_ms": attention_ms,
+                "layers": modes,
+                "selected": [sel[i][b] if modes[i] == "sparse" else None for i in range(self.num_layers)] if sel else None,
+                "visible": [vis[i][b] if modes[i] == "sparse" else None for i in range(self.num_layers)] if vis else None,
+            })
+        return out
+
+
+class StatsWriter:
+    """Daemon thread that turns finished ``BatchStats`` into JSON lines (scheduler process)."""
+
+    def __init__(self, stats_dir: str | os.PathLike | None, device: torch.device | str | None = None):
+        self.path = Path(stats_dir) / f"stats-{os.getpid()}.jsonl" if stats_dir else None
+        self.device = torch.device(device) if device is not None else None
+        self._queue: queue.Queue[BatchStats | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="fp-stats-writer", daemon=True)
+        self._thread.start()
+        self.written = 0
+
+    def submit(self, batch: BatchStats) -> None:
+        self._queue.put(batch)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while True:
+            batch = self._queue.get()
+            if batch is None:
+                return
+            try:
+                batch.wait()
+                lines = batch.records()
+                if self.path is not None:
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                    with open(self.path, "a", encoding="utf-8") as fh:
+                        for rec in lines:
+                            fh.write(json.dumps(rec) + "\n")
+                self.written += len(lines)
+                for rec in lines:
+                    logger.debug("flashprefill stats %s", rec)
+            except Exception:  # never kill the scheduler over statistics
+                logger.exception("flashprefill: could not write prefill statistics")
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading side (the CLI process)
+# ----------------------------------------------------------------------------------------------
+
+
+def iter_records(stats_dir: str | os.PathLike) -> Iterable[dict]:
+    """Every complete JSON line under ``stats_dir`` (half-written last lines are skipped)."""
+    for path in sorted(Path(stats_dir).glob("stats-*.jsonl")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+@dataclass
+class RequestPrefill:
+    """A request's prefill as the scheduler saw it, summed over its chunks."""
+
+    rid: str
+    chunks: int = 0
+    prompt_tokens: int = 0  # largest kv_len seen
+    prefill_ms: float | None = None  # sum over its batches (a batch's time counts fully for each request in it)
+    index_ms: float | None = None
+    attention_ms: float | None = None
+    layers: list[str] = field(default_factory=list)
+    selected: list[list[int] | None] = field(default_factory=list)
+    visible: list[list[int] | None] = field(default_factory=list)
+    dense_flops: list[float] = field(default_factory=list)  # per layer, dense-equivalent FLOPs
+
+    def to_prefill_stats(self):
+        """``fpcli.engine.base.PrefillStats`` of this request."""
+        from fpcli.engine.base import PrefillStats
+
+        per_layer, per_head = [], []
+        sel_total = vis_total = 0
+        flops_dense = float(sum(self.dense_flops))
+        flops_skipped = 0.0
+        for i, mode in enumerate(self.layers):
+            s, v = (self.selected[i] if i < len(self.selected) else None), (self.visible[i] if i < len(self.visible) else None)
+            if mode == "sparse" and s is not None and v is not None and sum(v) > 0:
+                per_head.append([si / vi if vi else 1.0 for si, vi in zip(s, v)])
+                d = sum(s) / sum(v)
+                per_layer.append(d)
+                sel_total += sum(s)
+                vis_total += sum(v)
+                if i < len(self.dense_flops):
+                    flops_skipped += self.dense_flops[i] * (1.0 - d)
+            else:
+                per_layer.append(1.0)
+                per_head.append([1.0] * (len(s) if s else 0))
+        return PrefillStats(
+            density=(sel_total / vis_total) if vis_total else 1.0,
+            density_per_layer=per_layer,
+            density_per_layer_head=per_head,
+            attention_flops_dense=flops_dense,
+            attention_flops_skipped=flops_skipped,
+            index_ms=self.index_ms,
+            attention_ms=self.attention_ms,
+        )
+
+
+def _causal_pairs(q_len: int, kv_len: int) -> int:
+    """(query, key) pairs a causal chunk attends: sum over t < Lq of (P + t + 1)."""
+    p = kv_len - q_len
+    return q_len * p + q_len * (q_len + 1) // 2
+
+
+def _add(a: float | None, b: float | None) -> float | None:
+    if b is None:
+        return a
+    return (a or 0.0) + b
+
+
+def aggregate(records: Iterable[dict], rid: str) -> RequestPrefill | None:
+    """Sum the lines of ``rid`` (one per prefill chunk); ``None`` if there are none."""
+    out = RequestPrefill(rid=rid)
+    for rec in records:
+        if rec.get("rid") != rid:
+            continue
+        out.chunks += 1
+        out.prompt_tokens = max(out.prompt_tokens, int(rec.get("kv_len", 0)))
+        out.prefill_ms = _add(out.prefill_ms, rec.get("prefill_ms"))
+        out.index_ms = _add(out.index_ms, rec.get("index_ms"))
+        out.attention_ms = _add(out.attention_ms, rec.get("attention_ms"))
+        layers = rec.get("layers") or []
+        n = len(layers)
+        if not out.layers:
+            out.layers = list(layers)
+            out.selected = [None] * n
+            out.visible = [None] * n
+            out.dense_flops = [0.0] * n
+        flops = 4.0 * rec.get("num_q_heads", 0) * rec.get("head_dim", 0) * _causal_pairs(rec.get("q_len", 0), rec.get("kv_len", 0))
+        sel = rec.get("selected") or [None] * n
+        vis = rec.get("visible") or [None] * n
+        for i in range(min(n, len(out.layers))):
+            out.dense_flops[i] += flops
+            if layers[i] == "sparse":
+                out.layers[i] = "sparse"
+                if sel[i] is not None and vis[i] is not None:
+                    out.selected[i] = [a + b for a, b in zip(out.selected[i] or [0] * len(sel[i]), sel[i])]
+                    out.visible[i] = [a + b for a, b in zip(out.visible[i] or [0] * len(vis[i]), vis[i])]
+    return out if out.chunks else None
+
+
+def read_prefill_stats(stats_dir: str | os.PathLike | None, rid: str, timeout_s: float = 2.0,
+                       expect_tokens: int | None = None) -> RequestPrefill | None:
+    """Wait up to ``timeout_s`` for ``rid``'s lines (and, with ``expect_tokens``, until the chunks
+    cover that many prompt tokens), then aggregate them. ``None`` when nothing arrives."""
+    if not stats_dir:
+        return None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = aggregate(iter_records(stats_dir), rid)
+        done = got is not None and (expect_tokens is None or got.prompt_tokens >= expect_tokens)
+        if done or time.monotonic() >= deadline:
+            return got
+        time.sleep(0.02)
