@@ -1,0 +1,495 @@
+"""PyTorch reference of FlashPrefill V2: the executable spec of ``docs/layout.md``.
+
+Plain PyTorch, any device, no optional dependency. Inputs are trusted (``flashprefill.api``
+validates them once). Math runs in float32, or float64 when the inputs are float64.
+
+Section numbers refer to ``shared/design/flashprefill-v2.md``:
+
+- block means over valid tokens, read through the page table (3.1),
+- GQA-packed query tiles of 128 rows (3.2),
+- tile energy ``E_j = Σ_ρ exp(τ⟨q_ρ, k̄_j⟩ − M)`` over scored blocks (3.3),
+- max-based threshold ``E_j >= α · max E`` (3.4),
+- sink / local window / dense tail / short requests always kept (3.5),
+- CSR output (3.6),
+- sparse attention with the ``ln n_j`` mean correction for pruned blocks fully seen by the whole
+  tile (4).
+
+Vectorised per request (and per KV head in the attention): no per-row, per-block or per-tile
+Python loop. The selection is built as a dense boolean ``[Hkv, n_tiles, n_blocks]`` mask with
+tensor ops and turned into CSR; the attention expands that mask to token level, appends one
+"mean key" column per block (``τ q·k̄_j + ln n_j``, masked to ``U``) and runs one softmax over
+chunks of ~16M logits.
+
+``python -m flashprefill.impl.reference`` prints the block map of a tiny case.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import SparseConfig
+from ..index import BlockIndex
+from ..plan import BatchPlan, make_plan
+
+# Logits materialised at once by the chunked attention / selection (elements, not bytes).
+CHUNK_ELEMS = 1 << 22
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _resolve(q, seq_lens, cu_seqlens_q, k_cache, block_size, softmax_scale, plan):
+    """Fill the defaults a direct caller may leave out (the API always passes them)."""
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    g = hq // hkv
+    if plan is None:
+        plan = make_plan(seq_lens, cu_seqlens_q, g, block_size)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+    return plan, float(softmax_scale), hkv, g
+
+
+def _host_tile_ptr(plan: BatchPlan) -> list[int]:
+    """Cumulative tiles per request on the host: ``ceil(Lq * g / tile_rows)`` (docs/layout.md)."""
+    ptr = [0]
+    for lq in plan.q_lens:
+        ptr.append(ptr[-1] + -(-lq * plan.group_size // plan.tile_rows))
+    return ptr
+
+
+def _gather_kv(cache: torch.Tensor, page_table: torch.Tensor, b: int, lk: int) -> torch.Tensor:
+    """KV of request ``b`` through the page table: ``[Lk, Hkv, d]`` (cache dtype).
+
+    Position ``p`` lives at ``cache[page_table[b, p // page_size], p % page_size]``.
+    """
+    page_size = cache.shape[1]
+    pos = torch.arange(lk, device=cache.device)
+    pages = page_table[b].to(torch.long)[pos // page_size]
+    return cache[pages, pos % page_size]
+
+
+def _block_means(x: torch.Tensor, block_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Means of each key block over its valid tokens only (section 3.1).
+
+    Args:
+        x: ``[Lk, Hkv, d]`` keys or values of one request.
+    Returns:
+        ``(mean [n_blocks, Hkv, d] in dtype, n [n_blocks] valid-token counts, int64)``.
+    """
+    lk, hkv, d = x.shape
+    nb = -(-lk // block_size)
+    pad = nb * block_size - lk
+    xs = x.to(dtype)
+    if pad:
+        # Zero padding only feeds the sum; the divisor is the valid count n_j, never B.
+        xs = torch.cat([xs, xs.new_zeros(pad, hkv, d)])
+    sums = xs.view(nb, block_size, hkv, d).sum(1)
+    starts = torch.arange(nb, device=x.device) * block_size
+    n = (torch.clamp(starts + block_size, max=lk) - starts).to(torch.int64)
+    return sums / n.to(dtype)[:, None, None], n
+
+
+def _tile_geometry(lq: int, g: int, tile_rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(t_first, t_last)`` tokens of each tile of a request, int64 ``[n_tiles]`` (section 3.2).
+
+    Example, ``g = 3``, ``Lq = 50``: 150 rows, tile 0 = rows 0..127 = tokens 0..42, tile 1 = rows
+    128..149 = tokens 42..49, so ``t_first = [0, 42]``, ``t_last = [42, 49]``.
+    """
+    rows = lq * g
+    n_tiles = -(-rows // tile_rows)
+    r0 = torch.arange(n_tiles, device=device, dtype=torch.int64) * tile_rows
+    r1 = torch.clamp(r0 + tile_rows, max=rows)
+    return r0 // g, (r1 - 1) // g
+
+
+def _select_request(
+    qb: torch.Tensor,
+    k_mean: torch.Tensor,
+    lq: int,
+    lk: int,
+    g: int,
+    tile_rows: int,
+    config: SparseConfig,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Selected blocks of every tile of one request (docs/layout.md "Selection").
+
+    Args:
+        qb: ``[Lq, Hq, d]`` queries of the request (any float dtype).
+        k_mean: ``[n_blocks, Hkv, d]`` block means (compute dtype).
+    Returns:
+        ``(S [Hkv, n_tiles, n_blocks] bool, n_visible [n_tiles] int64)``.
+    """
+    B = config.block_size
+    P = lk - lq
+    nb, hkv, d = k_mean.shape
+    dev = k_mean.device
+    dt = k_mean.dtype
+    rows = lq * g
+    t_first, t_last = _tile_geometry(lq, g, tile_rows, dev)
+    n_tiles = t_first.numel()
+    j = torch.arange(nb, device=dev, dtype=torch.int64)
+    e = torch.clamp((j + 1) * B, max=lk)                                   # block ends e_j
+    vis_last = (P + t_last) // B                                           # last causally visible block
+    visible = j[None, :] <= vis_last[:, None]                              # [T, nb]
+    scored = e[None, :] <= (P + t_last + 1)[:, None]                       # fully seen by the last row
+
+    # Energies (3.3) in chunks of tiles: ℓ is [Hkv, rows_chunk, nb].
+    qp = qb.to(dt).view(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, rows, d) * scale
+    kT = k_mean.permute(1, 2, 0)                                           # [Hkv, d, nb]
+    tiles_per_chunk = max(1, CHUNK_ELEMS // max(1, hkv * tile_rows * nb))
+    energies = []
+    for c0 in range(0, n_tiles, tiles_per_chunk):
+        c1 = min(n_tiles, c0 + tiles_per_chunk)
+        r0, r1 = c0 * tile_rows, min(rows, c1 * tile_rows)
+        ell = torch.bmm(qp[:, r0:r1], kT)                                  # [Hkv, r, nb]
+        pad = (c1 - c0) * tile_rows - (r1 - r0)
+        if pad:
+            ell = torch.cat([ell, ell.new_full((hkv, pad, nb), -math.inf)], 1)
+        rho = torch.arange(r0, r0 + (c1 - c0) * tile_rows, device=dev)
+        tok = rho // g
+        valid = (rho < rows)[:, None] & (e[None, :] <= (P + tok + 1)[:, None])   # [r, nb]
+        ell = ell.masked_fill(~valid, -math.inf).view(hkv, c1 - c0, tile_rows, nb)
+        m = ell.amax(dim=(2, 3), keepdim=True)                             # M per (head, tile)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))         # tile without valid pair
+        energies.append(torch.exp(ell - m).sum(2))                         # exp(-inf) = 0 off-valid
+    E = torch.cat(energies, 1) if energies else k_mean.new_zeros(hkv, 0, nb)    # [Hkv, T, nb]
+
+    # Max-based threshold (3.4): keep scored j iff E_j >= α max_j' E_j'.
+    e_max = torch.where(scored, E, torch.zeros_like(E)).amax(-1, keepdim=True) if nb else E
+    keep = scored & (E >= config.alpha * e_max)
+
+    # Always kept (3.5): sink, local window, dense tail, short request.
+    sink = (j * B < config.sink_tokens)[None, :]
+    win_lo = torch.clamp(P + t_first - config.window_tokens + 1, min=0) // B
+    window = j[None, :] >= win_lo[:, None]
+    dense = (t_last >= lq - config.dense_tail_tokens) | (lq < config.min_sparse_len)
+    always = sink | window | dense[:, None]
+    S = visible & (keep | always)
+    return S, vis_last + 1
+
+
+def build_index(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    config: SparseConfig | None = None,
+    softmax_scale: float | None = None,
+    plan: BatchPlan | None = None,
+) -> BlockIndex:
+    """Block index of a batch: block means + CSR of selected blocks (sections 3.1-3.6).
+
+    Args:
+        q: ``[total_q, Hq, d]`` packed new queries.
+        k_cache, v_cache: ``[num_pages, page_size, Hkv, d]`` paged KV pool.
+        page_table: int32 ``[batch, max_pages]``.
+        seq_lens: int32 ``[batch]``, ``Lk`` per request (new tokens included).
+        cu_seqlens_q: int32 ``[batch + 1]``.
+        config: method knobs (``SparseConfig()`` when None).
+        softmax_scale: ``τ`` (``1/sqrt(d)`` when None).
+        plan: the batch plan (built when None; must use ``config.block_size``).
+
+    Returns:
+        ``BlockIndex`` with ``k_mean``/``v_mean`` in float32 (float64 for float64 inputs).
+    """
+    config = config or SparseConfig()
+    plan, scale, hkv, g = _resolve(q, seq_lens, cu_seqlens_q, k_cache, config.block_size, softmax_scale, plan)
+    B = config.block_size
+    dt = _compute_dtype(q)
+    dev = q.device
+    d = q.shape[2]
+    tile_ptr = _host_tile_ptr(plan)
+    block_counts = [-(-lk // B) for lk in plan.kv_lens]
+    max_nb = max(block_counts, default=0)
+    n_tiles = tile_ptr[-1]
+
+    sel = torch.zeros(hkv, n_tiles, max_nb, dtype=torch.bool, device=dev)
+    n_visible = torch.zeros(n_tiles, dtype=torch.int64, device=dev)
+    k_means, v_means = [], []
+    for b, (lq, lk, qs) in enumerate(zip(plan.q_lens, plan.kv_lens, plan.q_starts)):
+        if lk == 0:
+            continue
+        km, _ = _block_means(_gather_kv(k_cache, page_table, b, lk), B, dt)
+        vm, _ = _block_means(_gather_kv(v_cache, page_table, b, lk), B, dt)
+        k_means.append(km)
+        v_means.append(vm)
+        if lq == 0:
+            continue
+        S, nv = _select_request(q[qs:qs + lq], km, lq, lk, g, plan.tile_rows, config, scale)
+        sel[:, tile_ptr[b]:tile_ptr[b + 1], :S.shape[2]] = S
+        n_visible[tile_ptr[b]:tile_ptr[b + 1]] = nv
+
+    counts = sel.sum(-1).reshape(-1)                                       # segment h*n_tiles + tile
+    row_ptr = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=dev)
+    row_ptr[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    # nonzero is row-major over (h, tile, block): exactly the segment order, ids ascending.
+    col_idx = torch.nonzero(sel)[:, 2].to(torch.int32).contiguous()
+    empty = q.new_zeros(0, hkv, d, dtype=dt)
+    return BlockIndex(
+        row_ptr=row_ptr,
+        col_idx=col_idx,
+        k_mean=torch.cat(k_means) if k_means else empty,
+        v_mean=torch.cat(v_means) if v_means else empty.clone(),
+        block_ptr=plan.block_ptr.clone(),
+        tile_ptr=plan.tile_ptr.clone(),
+        n_visible=n_visible.repeat(hkv).to(torch.int32),
+        block_size=B,
+        group_size=g,
+        tile_rows=plan.tile_rows,
+    )
+
+
+def _csr_to_mask(index: BlockIndex, hkv: int, n_tiles: int, max_nb: int) -> torch.Tensor:
+    """The CSR back to a dense ``[Hkv, n_tiles, max_nb]`` bool mask."""
+    mask = torch.zeros(hkv * n_tiles, max(max_nb, 1), dtype=torch.bool, device=index.col_idx.device)
+    counts = (index.row_ptr[1:] - index.row_ptr[:-1]).to(torch.int64)
+    seg = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+    mask[seg, index.col_idx.to(torch.int64)] = True
+    return mask[:, :max_nb].view(hkv, n_tiles, max_nb)
+
+
+def _attend_request(
+    qb: torch.Tensor,
+    kb: torch.Tensor,
+    vb: torch.Tensor,
+    lq: int,
+    lk: int,
+    g: int,
+    scale: float,
+    dt: torch.dtype,
+    block_size: int,
+    tile_rows: int,
+    sel: torch.Tensor | None,
+    k_mean: torch.Tensor | None,
+    v_mean: torch.Tensor | None,
+    mean_correction: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one request (section 4), one KV head at a time, rows in chunks.
+
+    For packed row ``ρ`` (token ``t``, tile ``i``) the logits are the exact keys
+    ``{τ q·k_p : block(p) ∈ S_i, p <= P + t}`` plus, with ``mean_correction``, the mean keys
+    ``{τ q·k̄_j + ln n_j : j ∈ U_i}``, ``U_i = {j ∉ S_i : e_j <= P + t_first(i) + 1}``; one softmax.
+    ``sel = None`` means dense causal attention (no mean keys).
+
+    Args:
+        qb: ``[Lq, Hq, d]``; kb, vb: ``[Lk, Hkv, d]``; sel: ``[Hkv, n_tiles, n_blocks]`` bool;
+        k_mean, v_mean: ``[n_blocks, Hkv, d]`` (dt).
+    Returns:
+        ``(out [Lq, Hq, d] dt, lse [Lq, Hq] dt)``.
+    """
+    B = block_size
+    P = lk - lq
+    hkv, d = kb.shape[1], kb.shape[2]
+    dev = qb.device
+    rows = lq * g
+    nb = -(-lk // B)
+    n_tiles = -(-rows // tile_rows)
+    use_means = sel is not None and mean_correction
+    t_first, _ = _tile_geometry(lq, g, tile_rows, dev)
+    j = torch.arange(nb, device=dev)
+    e = torch.clamp((j + 1) * B, max=lk)
+    if sel is not None:
+        U = (~sel) & (e[None, None, :] <= (P + t_first + 1)[None, :, None])   # [Hkv, T, nb]
+        ln_n = torch.log((e - j * B).to(dt))
+    qp = qb.to(dt).view(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, rows, d) * scale
+    out = torch.empty(hkv, rows, d, dtype=dt, device=dev)
+    lse = torch.empty(hkv, rows, dtype=dt, device=dev)
+    # Keys padded to whole blocks; the pad (positions >= Lk) is always causally masked to -inf.
+    kpad = torch.zeros(nb, B, hkv, d, dtype=dt, device=dev)
+    vpad = torch.zeros(nb, B, hkv, d, dtype=dt, device=dev)
+    kpad.view(nb * B, hkv, d)[:lk] = kb
+    vpad.view(nb * B, hkv, d)[:lk] = vb
+    offs = torch.arange(B, device=dev)
+    # A chunk of rows ending at token t_last sees at most P + t_last + 1 keys (+ nb mean keys).
+    tiles_per_chunk = max(1, CHUNK_ELEMS // max(1, tile_rows * (lk + nb)))
+    for h in range(hkv):
+        for c0 in range(0, n_tiles, tiles_per_chunk):
+            c1 = min(n_tiles, c0 + tiles_per_chunk)
+            r0, r1 = c0 * tile_rows, min(rows, c1 * tile_rows)
+            n_r = r1 - r0
+            rho = torch.arange(r0, r1, device=dev)
+            tok = rho // g
+            nbc = (P + (r1 - 1) // g) // B + 1                             # blocks any row here sees
+            # Exact keys: only the blocks some tile of the chunk selected (all when dense), gathered.
+            if sel is not None:
+                blk = sel[h, rho // tile_rows][:, :nbc]                    # [r, nbc] = S of each row's tile
+                ids = torch.nonzero(blk.any(0))[:, 0]
+                blk = blk[:, ids]
+            else:
+                ids = torch.arange(nbc, device=dev)
+            n_x = ids.numel()
+            x = n_x * B                                                    # exact-key columns
+            keys = kpad[ids, :, h].reshape(x, d)
+            vals = vpad[ids, :, h].reshape(x, d)
+            if use_means:
+                keys = torch.cat([keys, k_mean[:, h]])
+                vals = torch.cat([vals, v_mean[:, h]])
+            s = qp[h, r0:r1] @ keys.T                                      # [r, x (+ nb)]
+            if sel is not None and not bool(blk.all()):
+                s[:, :x].view(n_r, n_x, B).masked_fill_(~blk[:, :, None], -math.inf)
+            # Bottom-right causal p <= P + t; only blocks past the chunk's first row can need it.
+            k0 = int((ids * B + B - 1 <= P + r0 // g).sum())               # blocks fully seen by all rows
+            pos = (ids[k0:, None] * B + offs).reshape(-1)
+            s[:, k0 * B:x].masked_fill_(pos[None, :] > (P + tok)[:, None], -math.inf)
+            # Mean keys (section 4): τ q·k̄_j + ln n_j for j in U of the row's tile.
+            if use_means:
+                s[:, x:] += ln_n
+                s[:, x:].masked_fill_(~U[h, rho // tile_rows], -math.inf)
+            m = s.amax(1)
+            m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))   # row with no logit
+            p = s.sub_(m_safe[:, None]).exp_()
+            denom = p.sum(1)
+            out[h, r0:r1] = (p @ vals) / torch.where(denom > 0, denom, torch.ones_like(denom))[:, None]
+            lse[h, r0:r1] = m_safe + torch.log(denom)                      # -inf on an empty row
+    out = out.view(hkv, lq, g, d).permute(1, 0, 2, 3).reshape(lq, hkv * g, d)
+    lse = lse.view(hkv, lq, g).permute(1, 0, 2).reshape(lq, hkv * g)
+    return out, lse
+
+
+def _attention(q, k_cache, v_cache, page_table, plan, scale, block_size, sel_all, tile_ptr, index, mean_correction):
+    dt = _compute_dtype(q)
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:2], -math.inf, dtype=dt, device=q.device)
+    for b, (lq, lk, qs) in enumerate(zip(plan.q_lens, plan.kv_lens, plan.q_starts)):
+        if lq == 0:
+            continue
+        kb = _gather_kv(k_cache, page_table, b, lk)
+        vb = _gather_kv(v_cache, page_table, b, lk)
+        sel = km = vm = None
+        if sel_all is not None:
+            nb = -(-lk // block_size)
+            sel = sel_all[:, tile_ptr[b]:tile_ptr[b + 1], :nb]
+            bp = sum(-(-x // block_size) for x in plan.kv_lens[:b])
+            km, vm = index.k_mean[bp:bp + nb].to(dt), index.v_mean[bp:bp + nb].to(dt)
+        o, l = _attend_request(q[qs:qs + lq], kb, vb, lq, lk, plan.group_size, scale, dt, block_size,
+                               plan.tile_rows, sel, km, vm, mean_correction)
+        out[qs:qs + lq] = o.to(q.dtype)
+        lse[qs:qs + lq] = l
+    return out, lse
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    config: SparseConfig | None = None,
+    softmax_scale: float | None = None,
+    plan: BatchPlan | None = None,
+    index: BlockIndex | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse attention with mean correction (section 4, docs/layout.md).
+
+    Args: as ``build_index``, plus ``index`` (built when None).
+
+    Returns:
+        ``(out [total_q, Hq, d] in q's dtype, lse [total_q, Hq] float32 (float64 for float64 q))``;
+        ``lse`` is the natural-log corrected denominator.
+    """
+    config = config or SparseConfig()
+    plan, scale, hkv, g = _resolve(q, seq_lens, cu_seqlens_q, k_cache, config.block_size, softmax_scale, plan)
+    if index is None:
+        index = build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale, plan)
+    B = index.block_size
+    tile_ptr = _host_tile_ptr(plan)
+    max_nb = max((-(-lk // B) for lk in plan.kv_lens), default=0)
+    sel_all = _csr_to_mask(index, hkv, tile_ptr[-1], max_nb)
+    return _attention(q, k_cache, v_cache, page_table, plan, scale, B, sel_all, tile_ptr, index,
+                      config.mean_correction)
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    softmax_scale: float | None = None,
+    plan: BatchPlan | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense causal attention (bottom-right aligned) over the paged KV.
+
+    Returns:
+        ``(out [total_q, Hq, d] in q's dtype, lse [total_q, Hq] float32 (float64 for float64 q))``.
+    """
+    block_size = plan.block_size if plan is not None else 128
+    plan, scale, _, _ = _resolve(q, seq_lens, cu_seqlens_q, k_cache, block_size, softmax_scale, plan)
+    return _attention(q, k_cache, v_cache, page_table, plan, scale, plan.block_size, None, None, None, False)
+
+
+# --------------------------------------------------------------------------------------------
+# Block map of a tiny case.
+
+LEGEND = {"selected": "#", "mean": "m", "dropped": ".", "invisible": " "}
+
+
+def block_map(index: BlockIndex, plan: BatchPlan, b: int = 0, kv_head: int = 0,
+              mean_correction: bool = True) -> str:
+    """Text block map of request ``b``, KV head ``kv_head``: one line per tile, one char per block.
+
+    ``#`` selected (exact), ``m`` pruned but folded back as a mean key (``U``), ``.`` pruned and
+    dropped (visible, not in ``U``, or any pruned block without ``mean_correction``), blank:
+    causally invisible.
+    """
+    B, g, tr = index.block_size, plan.group_size, plan.tile_rows
+    lq, lk = plan.q_lens[b], plan.kv_lens[b]
+    P = lk - lq
+    tile_ptr = _host_tile_ptr(plan)
+    hkv = index.n_kv_heads
+    max_nb = max((-(-x // B) for x in plan.kv_lens), default=0)
+    sel = _csr_to_mask(index, hkv, tile_ptr[-1], max_nb)[kv_head, tile_ptr[b]:tile_ptr[b + 1]]
+    nb = -(-lk // B)
+    t_first, t_last = _tile_geometry(lq, g, tr, sel.device)
+    lines = [f"request {b}: Lq={lq} Lk={lk} P={P} g={g} B={B}; kv head {kv_head}; "
+             f"'#' selected, 'm' mean-corrected, '.' dropped, ' ' invisible"]
+    lines.append("tile  tokens      |" + "".join(str(j % 10) for j in range(nb)) + "|")
+    for i in range(sel.shape[0]):
+        tf, tl = int(t_first[i]), int(t_last[i])
+        chars = []
+        for j in range(nb):
+            e = min((j + 1) * B, lk)
+            if j > (P + tl) // B:
+                chars.append(LEGEND["invisible"])
+            elif bool(sel[i, j]):
+                chars.append(LEGEND["selected"])
+            elif mean_correction and e <= P + tf + 1:
+                chars.append(LEGEND["mean"])
+            else:
+                chars.append(LEGEND["dropped"])
+        lines.append(f"{i:4d}  {tf:5d}-{tl:<5d}|{''.join(chars)}|")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Print the block map of a tiny case (Lq = Lk = 2000, g = 2, B = 64)."""
+    torch.manual_seed(0)
+    lq, hkv, g, d, B, ps = 2000, 1, 2, 32, 64, 16
+    lk = lq
+    u = torch.randn(d)                                # a shared "needle" direction
+    q = torch.randn(lq, hkv * g, d) + 0.5 * u
+    n_pages = -(-lk // ps)
+    k = torch.randn(n_pages, ps, hkv, d)
+    k[torch.arange(n_pages) % 23 == 5] += 2.0 * u      # a few needle pages
+    v = torch.randn(n_pages, ps, hkv, d)
+    page_table = torch.arange(n_pages, dtype=torch.int32)[None]
+    seq_lens = torch.tensor([lk], dtype=torch.int32)
+    cu = torch.tensor([0, lq], dtype=torch.int32)
+    config = SparseConfig(block_size=B, sink_tokens=64, window_tokens=128, dense_tail_tokens=64, alpha=0.3)
+    plan = make_plan(seq_lens, cu, g, B)
+    index = build_index(q, k, v, page_table, seq_lens, cu, config, None, plan)
+    print(block_map(index, plan, mean_correction=config.mean_correction))
+    density = index.nnz / int(index.n_visible.sum())
+    print(f"density {density:.3f} ({index.nnz} of {int(index.n_visible.sum())} visible blocks)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Independent brute-force float64 definition of docs/layout.md, for the CPU tests.
+
+Written from the layout page, not from ``impl/reference.py``: explicit Python loops over
+requests, KV heads, tiles, rows and blocks on tiny shapes. Also the input builders shared by
+``test_reference.py`` and ``test_api.py``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def make_inputs(q_lens, kv_lens, hq, hkv, d, page_size, dtype=torch.float64, seed=0, structured=False,
+                shuffle_pages=True):
+    """Random paged batch. Pages are allocated per request (shuffled pool, a few spare pages).
+
+    ``structured``: keys carry a few strong "needle" blocks along a direction shared with the
+    queries over a smooth background, so that pruned blocks still carry softmax mass.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(q_lens)
+    pages_per = [-(-lk // page_size) for lk in kv_lens]
+    max_pages = max(max(pages_per), 1) + 1                 # one spare column
+    num_pages = sum(pages_per) + 3
+    perm = torch.randperm(num_pages, generator=gen) if shuffle_pages else torch.arange(num_pages)
+    page_table = torch.full((batch, max_pages), 0, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(pages_per):
+        page_table[b, :n] = perm[used:used + n].to(torch.int32)
+        # unused tail entries point at a real page too (as in SGLang), never read
+        page_table[b, n:] = perm[-1].to(torch.int32)
+        used += n
+    total_q = sum(q_lens)
+    q = torch.randn(total_q, hq, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(num_pages, page_size, hkv, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(num_pages, page_size, hkv, d, generator=gen, dtype=torch.float64)
+    if structured:
+        u = torch.randn(d, generator=gen, dtype=torch.float64)
+        u = u / u.norm() * math.sqrt(d)
+        q = 0.4 * q + u
+        # smooth background: keys drift slowly with position
+        k = 0.3 * k + 0.3 * torch.randn(1, 1, hkv, d, generator=gen, dtype=torch.float64)
+        for b in range(batch):
+            for p in range(kv_lens[b]):
+                if (p // 32) % 9 == 4:             # needle stretches of 32 tokens
+                    pid = int(page_table[b, p // page_size])
+                    k[pid, p % page_size] += 6.0 * u / math.sqrt(d)
+    seq_lens = torch.tensor(kv_lens, dtype=torch.int32)
+    cu = torch.tensor([0] + list(torch.cumsum(torch.tensor(q_lens), 0).tolist()), dtype=torch.int32)
+    return (q.to(dtype), k.to(dtype), v.to(dtype), page_table, seq_lens, cu)
+
+
+def _gather(cache, page_table, b, lk):
+    ps = cache.shape[1]
+    return torch.stack([cache[int(page_table[b, p // ps]), p % ps] for p in range(lk)]) if lk else \
+        cache.new_zeros(0, cache.shape[2], cache.shape[3])
+
+
+def brute_force(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale=None, dense=False):
+    """Returns ``(out [total_q, Hq, d] f64, lse [total_q, Hq] f64, segments)``.
+
+    ``segments``: dict ``(h, b, tile) -> sorted list of selected block ids``.
+    ``dense=True``: plain causal attention (no selection, no mean keys).
+    """
+    q, k_cache, v_cache = q.double(), k_cache.double(), v_cache.double()
+    total_q, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    g = hq // hkv
+    tau = scale if scale is not None else 1.0 / math.sqrt(d)
+    B = config.block_size
+    out = torch.zeros(total_q, hq, d, dtype=torch.float64)
+    lse = torch.full((total_q, hq), -math.inf, dtype=torch.float64)
+    segments = {}
+    for b in range(seq_lens.numel()):
+        qs, qe = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        lq, lk = qe - qs, int(seq_lens[b])
+        P = lk - lq
+        K = _gather(k_cache, page_table, b, lk)
+        V = _gather(v_cache, page_table, b, lk)
+        nb = -(-lk // B)
+        ends = [min((j + 1) * B, lk) for j in range(nb)]
+        n = [ends[j] - j * B for j in range(nb)]
+        kbar = [K[j * B:ends[j]].mean(0) for j in range(nb)]
+        vbar = [V[j * B:ends[j]].mean(0) for j in range(nb)]
+        rows = lq * g
+        n_tiles = -(-rows // 128)
+        for h in range(hkv):
+            for i in range(n_tiles):
+                rho_list = list(range(128 * i, min(128 * i + 128, rows)))
+                t_first, t_last = rho_list[0] // g, rho_list[-1] // g
+                vis_last = (P + t_last) // B
+                if dense:
+                    S = list(range(vis_last + 1))
+                    U = []
+                else:
+                    scored = [j for j in range(nb) if ends[j] <= P + t_last + 1]
+                    q_rows = torch.stack([q[qs + rho // g, h * g + rho % g] for rho in rho_list])
+                    dots = (q_rows @ torch.stack([kb[h] for kb in kbar]).T).tolist() if nb else []
+                    ell = {}                                # valid (row, block) pairs only
+                    for r, rho in enumerate(rho_list):
+                        t = rho // g
+                        for j in range(nb):
+                            if ends[j] <= P + t + 1:
+                                ell[(rho, j)] = tau * dots[r][j]
+                    kept = set()
+                    if ell:
+                        M = max(ell.values())
+                        E = {j: 0.0 for j in scored}
+                        for (rho, j), val in ell.items():
+                            if j in E:
+                                E[j] += math.exp(val - M)
+                        emax = max(E.values()) if E else 0.0
+                        kept = {j for j in scored if E[j] >= config.alpha * emax}
+                    win_lo = max(0, P + t_first - config.window_tokens + 1) // B
+                    is_dense = t_last >= lq - config.dense_tail_tokens or lq < config.min_sparse_len
+                    S = []
+                    for j in range(vis_last + 1):
+                        if (j in kept or j * B < config.sink_tokens or j >= win_lo or is_dense):
+                            S.append(j)
+                    U = [j for j in range(nb) if ends[j] <= P + t_first + 1 and j not in S] \
+                        if config.mean_correction else []
+                segments[(h, b, i)] = S
+                for rho in rho_list:
+                    t, head = rho // g, h * g + rho % g
+                    qv = q[qs + t, head]
+                    # exact keys: positions of selected blocks, causally visible, < Lk
+                    pos = [p for j in S for p in range(j * B, ends[j]) if p <= P + t]
+                    logits = [tau * (K[pos, h] @ qv)]
+                    vals = [V[pos, h]]
+                    if U:                                   # mean keys: n_j copies of the block mean
+                        kb = torch.stack([kbar[j][h] for j in U])
+                        logits.append(tau * (kb @ qv) + torch.log(torch.tensor([float(n[j]) for j in U],
+                                                                                 dtype=torch.float64)))
+                        vals.append(torch.stack([vbar[j][h] for j in U]))
+                    lg = torch.cat(logits)
+                    if lg.numel() == 0:
+                        continue
+                    w = torch.softmax(lg, 0)
+                    out[qs + t, head] = w @ torch.cat(vals)
+                    lse[qs + t, head] = torch.logsumexp(lg, 0)
+    return out, lse, segments
+
+
+def csr_segments(index, plan):
+    """The CSR of a BlockIndex as a dict ``(h, b, tile) -> list`` (same keys as brute_force)."""
+    row_ptr = index.row_ptr.tolist()
+    col = index.col_idx.tolist()
+    tile_ptr = index.tile_ptr.tolist()
+    n_tiles = tile_ptr[-1]
+    segs = {}
+    for h in range(index.n_kv_heads):
+        for b in range(len(tile_ptr) - 1):
+            for i in range(tile_ptr[b + 1] - tile_ptr[b]):
+                s = h * n_tiles + tile_ptr[b] + i
+                segs[(h, b, i)] = col[row_ptr[s]:row_ptr[s + 1]]
+    return segs
