@@ -1,0 +1,294 @@
+"""CPU tests of the SGLang integration: everything that runs without SGLang and CUDA.
+
+Page table from a fake ``req_to_token`` (shuffled pages, page sizes 1/4/16), the metadata builder,
+settings serialisation (profile -> env -> scheduler), the stats path (device counters -> JSONL ->
+PrefillStats), the server arguments and ``fp serve`` argv, the needle prompts, and the clear
+error when SGLang is missing. ``register()`` runs only where SGLang is installed.
+"""
+from __future__ import annotations
+
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flashprefill.config import SparseConfig
+from flashprefill.plan import make_plan
+from fpcli.sglang_backend.metadata import build_metadata, build_page_table, check_page_table
+from fpcli.sglang_backend.settings import ENV_VAR, BackendSettings, settings_from_profile
+from fpcli.sglang_backend.stats import BatchStats, StatsWriter, aggregate, iter_records, read_prefill_stats
+
+
+def fake_pool(kv_lens, page_size, max_ctx=512, seed=0):
+    """A ``req_to_token`` whose requests own whole pages in shuffled order (like SGLang's paged
+    allocator), with the rows of the batch at non-trivial pool indices."""
+    rng = random.Random(seed)
+    n_req_rows = len(kv_lens) + 3
+    req_to_token = torch.zeros(n_req_rows, max_ctx, dtype=torch.int32)
+    pages_needed = sum(-(-lk // page_size) for lk in kv_lens)
+    free_pages = list(range(1, pages_needed + 8))  # page 0 is SGLang's padding page
+    rng.shuffle(free_pages)
+    rows = [2, 0, 4, 1, 3][: len(kv_lens)]
+    for row, lk in zip(rows, kv_lens):
+        for k in range(-(-lk // page_size)):
+            page = free_pages.pop()
+            for off in range(page_size):
+                p = k * page_size + off
+                if p < lk:
+                    req_to_token[row, p] = page * page_size + off
+    pool_rows = (pages_needed + 9) * page_size
+    return req_to_token, torch.tensor(rows), pool_rows
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_page_table_matches_req_to_token(page_size):
+    kv = [37, 100, 1, 64]
+    r2t, rpi, _ = fake_pool(kv, page_size)
+    table = build_page_table(r2t, rpi, max(kv), page_size)
+    assert table.dtype == torch.int32 and table.shape == (4, -(-max(kv) // page_size))
+    check_page_table(table, r2t, rpi, kv, page_size)  # raises on any mismatch
+    for b, (row, lk) in enumerate(zip(rpi.tolist(), kv)):
+        for p in range(lk):
+            assert int(table[b, p // page_size]) * page_size + p % page_size == int(r2t[row, p])
+
+
+def test_page_table_check_catches_misaligned_pool():
+    r2t, rpi, _ = fake_pool([40], 8)
+    r2t[rpi[0], 9] += 1  # one token outside its page
+    table = build_page_table(r2t, rpi, 40, 8)
+    with pytest.raises(ValueError, match="position 9"):
+        check_page_table(table, r2t, rpi, [40], 8)
+
+
+def test_build_metadata_plan_and_cu_seqlens():
+    kv, q = [300, 129, 50], [300, 1, 20]  # request 1 is a decode-like token in a mixed batch
+    r2t, rpi, rows = fake_pool(kv, 16)
+    meta = build_metadata(
+        req_to_token=r2t, req_pool_indices=rpi, seq_lens=torch.tensor(kv), extend_seq_lens=torch.tensor(q),
+        kv_lens_host=kv, q_lens_host=q, page_size=16, pool_rows=rows, group_size=3, block_size=128,
+        rids=["a", "b", "c"],
+    )
+    assert meta.sparse and meta.rids == ("a", "b", "c")
+    assert meta.prefix_lens == (0, 128, 30) and meta.total_q == 321
+    assert meta.cu_seqlens_q.tolist() == [0, 300, 301, 321] and meta.cu_seqlens_q.dtype == torch.int32
+    assert meta.seq_lens.dtype == torch.int32 and meta.num_pages == rows // 16
+    ref = make_plan(torch.tensor(kv, dtype=torch.int32), meta.cu_seqlens_q, 3, 128)
+    assert meta.plan.q_lens == ref.q_lens and meta.plan.kv_lens == ref.kv_lens
+    assert torch.equal(meta.plan.tile_ptr, ref.tile_ptr) and torch.equal(meta.plan.tile_request, ref.tile_request)
+
+
+def test_build_metadata_short_batch_is_dense():
+    kv = [30, 40]
+    r2t, rpi, rows = fake_pool(kv, 1)
+    meta = build_metadata(
+        req_to_token=r2t, req_pool_indices=rpi, seq_lens=torch.tensor(kv), extend_seq_lens=torch.tensor(kv),
+        kv_lens_host=kv, q_lens_host=kv, page_size=1, pool_rows=rows, group_size=1, block_size=64, min_sparse_len=1024,
+    )
+    assert not meta.sparse and meta.dense_reason.startswith("short") and meta.plan is None and meta.page_table is None
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_page_table_feeds_operator_layout(page_size):
+    """The pool view + page table give the operator exactly each request's K/V (dense reference)."""
+    ref = pytest.importorskip("flashprefill.impl.reference")
+    torch.manual_seed(0)
+    kv, q, hq, hkv, d = [70, 33], [70, 5], 4, 2, 16
+    r2t, rpi, rows = fake_pool(kv, page_size)
+    k_buf = torch.randn(rows, hkv, d, dtype=torch.float64)
+    v_buf = torch.randn(rows, hkv, d, dtype=torch.float64)
+    meta = build_metadata(
+        req_to_token=r2t, req_pool_indices=rpi, seq_lens=torch.tensor(kv), extend_seq_lens=torch.tensor(q),
+        kv_lens_host=kv, q_lens_host=q, page_size=page_size, pool_rows=rows, group_size=hq // hkv, block_size=64,
+    )
+    n = meta.num_pages * page_size
+    k_cache = k_buf[:n].view(meta.num_pages, page_size, hkv, d)
+    v_cache = v_buf[:n].view(meta.num_pages, page_size, hkv, d)
+    qt = torch.randn(sum(q), hq, d, dtype=torch.float64)
+    out, _ = ref.dense_attention(qt, k_cache, v_cache, meta.page_table, meta.seq_lens, meta.cu_seqlens_q,
+                                 d ** -0.5, meta.plan)
+    start = 0
+    for b, (row, lk, lq) in enumerate(zip(rpi.tolist(), kv, q)):
+        slots = r2t[row, :lk].long()
+        kk = k_buf[slots].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [Hq, Lk, d]
+        vv = v_buf[slots].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+        qq = qt[start:start + lq].transpose(0, 1)  # [Hq, Lq, d]
+        mask = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
+        expect = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=d ** -0.5)
+        torch.testing.assert_close(out[start:start + lq], expect.transpose(0, 1), rtol=1e-9, atol=1e-9)
+        start += lq
+
+
+# ------------------------------------------------------------------------------------------------
+# settings: profile -> env -> scheduler
+# ------------------------------------------------------------------------------------------------
+
+
+def test_settings_env_round_trip(tmp_path):
+    from fpcli.profiles import load_profile
+
+    prof = load_profile("bf16")
+    s = settings_from_profile(prof, stats_dir=str(tmp_path), layer_timing=True)
+    assert s.sparse == prof.sparse_config() and s.dense_layers == prof.dense_layers and s.precision == prof.precision
+    env = s.to_env()
+    assert set(env) == {ENV_VAR}
+    assert BackendSettings.from_env(env) == s
+    path = tmp_path / "s.json"
+    path.write_text(s.to_json())
+    assert BackendSettings.from_env({ENV_VAR: f"@{path}"}) == s
+    assert BackendSettings.from_env({}) == BackendSettings()
+
+
+def test_settings_errors_name_the_key():
+    with pytest.raises(ValueError, match="unknown keys"):
+        BackendSettings.from_dict({"nope": 1})
+    with pytest.raises(ValueError, match=ENV_VAR):
+        BackendSettings.from_env({ENV_VAR: "{not json"})
+    with pytest.raises(ValueError, match="precision"):
+        BackendSettings(precision="fp4")
+    with pytest.raises(ValueError, match="block_size"):
+        BackendSettings.from_dict({"sparse": {"block_size": 96}})
+
+
+# ------------------------------------------------------------------------------------------------
+# stats: device counters -> JSONL -> PrefillStats
+# ------------------------------------------------------------------------------------------------
+
+
+def _fake_index(counts, visible):
+    """A BlockIndex stand-in: per segment ``counts`` selected of ``visible`` blocks."""
+    row_ptr = torch.zeros(len(counts) + 1, dtype=torch.int32)
+    row_ptr[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.int32), 0)
+    return SimpleNamespace(row_ptr=row_ptr, n_visible=torch.tensor(visible, dtype=torch.int32))
+
+
+def test_stats_end_to_end_on_cpu(tmp_path):
+    # 2 requests, tiles [2, 1] -> tile_request [0, 0, 1]; 2 KV heads -> 6 segments (head-major)
+    tile_request = torch.tensor([0, 0, 1], dtype=torch.int32)
+    st = BatchStats(num_layers=3, layer_offset=0, num_q_heads=4, num_kv_heads=2, head_dim=8, q_lens=[200, 10],
+                    kv_lens=[200, 300], rids=["r0", "r1"], device="cpu", tile_request=tile_request)
+    st.mark_dense(0, "dense_layers")
+    st.add_index(1, _fake_index([1, 2, 3, 4, 5, 6], [2, 2, 3, 4, 6, 6]), n_tiles=3)
+    st.add_index(2, _fake_index([2, 2, 3, 4, 6, 6], [2, 2, 3, 4, 6, 6]), n_tiles=3)
+    writer = StatsWriter(tmp_path)
+    st.finish()
+    writer.submit(st)
+    writer.close()
+    recs = list(iter_records(tmp_path))
+    assert [r["rid"] for r in recs] == ["r0", "r1"]
+    assert recs[0]["layers"] == ["dense:dense_layers", "sparse", "sparse"]
+    # layer 1, request 0: head 0 tiles 0,1 -> 1+2 of 2+2; head 1 -> 4+5 of 4+6
+    assert recs[0]["selected"][1] == [3, 9] and recs[0]["visible"][1] == [4, 10]
+    assert recs[1]["selected"][1] == [3, 6] and recs[1]["visible"][1] == [3, 6]
+    agg = aggregate(recs, "r0")
+    ps = agg.to_prefill_stats()
+    assert ps.density_per_layer[0] == 1.0 and ps.density_per_layer[2] == 1.0
+    assert ps.density_per_layer[1] == pytest.approx(12 / 14)
+    assert ps.density == pytest.approx((12 + 14) / (14 + 14))
+    assert ps.attention_flops_dense == pytest.approx(3 * 4.0 * 4 * 8 * (200 * 201 // 2))
+    assert 0 < ps.attention_flops_skipped < ps.attention_flops_dense
+    got = read_prefill_stats(tmp_path, "r1", timeout_s=0.1, expect_tokens=300)
+    assert got is not None and got.prompt_tokens == 300
+    assert read_prefill_stats(tmp_path, "missing", timeout_s=0.05) is None
+
+
+def test_stats_chunks_are_summed():
+    base = {"num_q_heads": 2, "num_kv_heads": 1, "head_dim": 4, "layers": ["sparse"], "prefill_ms": 1.5}
+    recs = [dict(base, rid="x", q_len=8, kv_len=8, selected=[[1]], visible=[[2]]),
+            dict(base, rid="x", q_len=8, kv_len=16, selected=[[3]], visible=[[4]]),
+            dict(base, rid="y", q_len=8, kv_len=8, selected=[[4]], visible=[[4]])]
+    agg = aggregate(recs, "x")
+    assert agg.chunks == 2 and agg.prompt_tokens == 16 and agg.prefill_ms == pytest.approx(3.0)
+    assert agg.to_prefill_stats().density == pytest.approx(4 / 6)
+
+
+# ------------------------------------------------------------------------------------------------
+# engine wrapper pieces that need no GPU
+# ------------------------------------------------------------------------------------------------
+
+
+def _model_dir(tmp_path, **cfg):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"max_position_embeddings": 32768, "rope_theta": 1000000.0, **cfg}))
+    return d
+
+
+def test_server_kwargs_from_profile(tmp_path):
+    from fpcli.engine.sglang_engine import build_server_kwargs
+    from fpcli.profiles import load_profile
+
+    prof = load_profile("bf16")
+    kw = build_server_kwargs(_model_dir(tmp_path), prof)
+    assert kw["prefill_attention_backend"] == "flashprefill" and kw["decode_attention_backend"] == "triton"
+    assert kw["attention_backend"] == "triton" and kw["sampling_backend"] == "pytorch"
+    assert kw["chunked_prefill_size"] >= 8192 and kw["page_size"] == prof.engine.page_size
+    assert kw["disable_prefill_cuda_graph"] is True and kw["disable_decode_cuda_graph"] is (not prof.engine.cuda_graph_decode)
+    assert "json_model_override_args" not in kw
+    dense = build_server_kwargs(tmp_path / "model", load_profile("dense"))
+    assert dense["prefill_attention_backend"] == "triton"
+    over = build_server_kwargs(tmp_path / "model", prof, overrides={"chunked_prefill_size": 2048})
+    assert over["chunked_prefill_size"] == 2048
+
+
+def test_yarn_override_has_rope_theta_inside(tmp_path):
+    from fpcli.engine.sglang_engine import build_server_kwargs
+    from fpcli.profiles import load_profile
+
+    kw = build_server_kwargs(_model_dir(tmp_path), load_profile("bf16"), rope_scaling_factor=4.0)
+    over = json.loads(kw["json_model_override_args"])
+    assert over["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+                                    "rope_theta": 1000000.0}
+    assert over["max_position_embeddings"] == 131072 and kw["context_length"] == 131072
+
+
+def test_serve_argv_passes_tp_dp_and_keeps_user_options():
+    from fpcli.engine.sglang_engine import serve_argv
+    from fpcli.profiles import load_profile
+
+    argv = serve_argv(["--model-path", "/m", "--tp", "2", "--dp=2", "--page-size", "16", "--port", "9000"],
+                      load_profile("bf16"))
+    assert argv[:8] == ["--model-path", "/m", "--tp-size", "2", "--dp-size=2", "--page-size", "16", "--port"]
+    assert argv.count("--page-size") == 1
+    i = argv.index("--prefill-attention-backend")
+    assert argv[i + 1] == "flashprefill" and "--disable-prefill-cuda-graph" in argv
+
+
+def test_engine_unavailable_names_the_fix():
+    from fpcli.engine import sglang_engine
+
+    try:
+        import sglang  # noqa: F401
+
+        have = torch.cuda.is_available()
+    except Exception:
+        have = False
+    if have:
+        pytest.skip("SGLang and CUDA are present")
+    with pytest.raises(sglang_engine.EngineUnavailable) as info:
+        sglang_engine.check_available()
+    msg = str(info.value)
+    assert "pip install -e .[gpu]" in msg and "--engine transformers" in msg
+
+
+def test_needle_document_plants_the_secret():
+    from fpcli.bench_e2e import answered, needle_document, parse_lens
+
+    count = lambda s: len(s.split())  # noqa: E731 - a whitespace "tokenizer"
+    text, secret = needle_document(count, 600, depth=0.3, seed=1)
+    assert secret in text and 550 <= count(text) <= 700
+    assert answered(f"The secret number is {secret}.", secret) and not answered("12345x", "99999")
+    assert parse_lens("4k, 32000,120k") == [4096, 32000, 122880]
+
+
+def test_register_into_installed_sglang():
+    pytest.importorskip("sglang")
+    from fpcli.sglang_backend import plugin
+    from sglang.srt import server_args
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    plugin.register()
+    plugin.register()
+    assert ATTENTION_BACKENDS["flashprefill"] is plugin.create_flashprefill_backend
+    assert server_args.ATTENTION_BACKEND_CHOICES.count("flashprefill") == 1
