@@ -226,3 +226,39 @@ def pdf_factory(tmp_path):
         return path
 
     return build
+
+
+_PUA_CMAP = b"""/CIDInit /ProcSet findresource begin
+12 dict begin
+begincmap
+/CMapName /Garble def
+/CMapType 2 def
+1 begincodespacerange
+<00> <FF>
+endcodespacerange
+1 beginbfrange
+<20> <7E> <E020>
+endbfrange
+endcmap
+CMapName currentdict /CMap defineresource pop
+end
+end
+"""
+
+
+def garble_pdf(data: bytes) -> bytes:
+    """``data`` with a ToUnicode map on every font that sends each character to the private-use
+    area (U+E020...), as PDFs with broken font encodings do: the text extracts as gibberish."""
+    from pypdf import PdfReader, PdfWriter
+    from pypdf.generic import DecodedStreamObject, NameObject
+
+    writer = PdfWriter(clone_from=PdfReader(io.BytesIO(data)))
+    for page in writer.pages:
+        fonts = page["/Resources"]["/Font"]
+        for name in fonts:
+            stream = DecodedStreamObject()
+            stream.set_data(_PUA_CMAP)
+            fonts[name].get_object()[NameObject("/ToUnicode")] = writer._add_object(stream)
+    buf = io.BytesIO()
+    writer.write(buf)
+    return buf.getvalue()

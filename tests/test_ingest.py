@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import encrypt_pdf, make_pdf
+from conftest import encrypt_pdf, garble_pdf, make_pdf
 from fpcli import ingest
 from fpcli.ingest import check_paths, garbled_fraction, ingest as ingest_all
 
@@ -142,7 +142,15 @@ def test_unrecoverable_pdf_is_skipped_rest_continues(tmp_path, pdf_factory):
     assert "survivor" in docs[2].text
 
 
-def test_garbled_pdf_text_warns(pdf_factory, monkeypatch):
+def test_garbled_pdf_text_warns(tmp_path):
+    path = tmp_path / "garbled.pdf"
+    path.write_bytes(garble_pdf(make_pdf(["This text has a font whose Unicode map is broken"])))
+    (doc,) = ingest_all([str(path)])
+    assert doc.ok and doc.text  # kept: the user decides, but is warned
+    assert any("looks garbled" in w and "100%" in w for w in doc.warnings)
+
+
+def test_garbled_replacement_chars_warn(pdf_factory, monkeypatch):
     path = pdf_factory("garbled.pdf", ["anything"])
     monkeypatch.setattr(ingest, "extract_page_text", lambda page: "\ue001\ue002\ue003 \ufffd\ufffd ok " * 20)
     (doc,) = ingest_all([str(path)])
