@@ -292,3 +292,47 @@ def test_register_into_installed_sglang():
     plugin.register()
     assert ATTENTION_BACKENDS["flashprefill"] is plugin.create_flashprefill_backend
     assert server_args.ATTENTION_BACKEND_CHOICES.count("flashprefill") == 1
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_backend_call_sequence_on_reference(page_size):
+    """What ``FlashPrefillAttnBackend._sparse_extend`` does per layer, on the CPU reference: the
+    metadata's plan and page table, ``build_index`` then ``flashprefill_attention(index=...)``;
+    alpha 0 equals dense attention, and the stats counters equal ``SparseStats.from_index``."""
+    fp = pytest.importorskip("flashprefill")
+    if not hasattr(fp, "flashprefill_attention"):
+        pytest.skip("flashprefill API not there yet")
+    from flashprefill.index import SparseStats
+
+    torch.manual_seed(1)
+    kv, q, hq, hkv, d = [300, 200], [300, 72], 6, 2, 32
+    r2t, rpi, rows = fake_pool(kv, page_size)
+    k_buf = torch.randn(rows, hkv, d)
+    v_buf = torch.randn(rows, hkv, d)
+    meta = build_metadata(
+        req_to_token=r2t, req_pool_indices=rpi, seq_lens=torch.tensor(kv), extend_seq_lens=torch.tensor(q),
+        kv_lens_host=kv, q_lens_host=q, page_size=page_size, pool_rows=rows, group_size=hq // hkv, block_size=64,
+    )
+    n = meta.num_pages * page_size
+    k_cache, v_cache = k_buf[:n].view(-1, page_size, hkv, d), v_buf[:n].view(-1, page_size, hkv, d)
+    qt = torch.randn(sum(q), hq, d)
+    args = (qt, k_cache, v_cache, meta.page_table, meta.seq_lens, meta.cu_seqlens_q)
+    for alpha in (0.0, 1.0):
+        cfg = SparseConfig(block_size=64, sink_tokens=64, window_tokens=64, dense_tail_tokens=32, alpha=alpha)
+        index = fp.build_index(*args, config=cfg, softmax_scale=d ** -0.5, plan=meta.plan, backend="reference")
+        out = fp.flashprefill_attention(*args, config=cfg, softmax_scale=d ** -0.5, plan=meta.plan, index=index,
+                                        backend="reference")
+        dense = fp.dense_attention(*args, softmax_scale=d ** -0.5, plan=meta.plan, backend="reference")
+        st = BatchStats(num_layers=1, layer_offset=0, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, q_lens=q,
+                        kv_lens=kv, rids=["a", "b"], device="cpu", tile_request=meta.plan.tile_request)
+        st.add_index(0, index, meta.plan.n_tiles)
+        st.finish()
+        rec = st.records()
+        sel = sum(sum(r["selected"][0]) for r in rec)
+        vis = sum(sum(r["visible"][0]) for r in rec)
+        ref_stats = SparseStats.from_index(index)
+        assert (sel, vis) == (ref_stats.selected_blocks, ref_stats.visible_blocks)
+        if alpha == 0.0:
+            torch.testing.assert_close(out, dense, rtol=1e-4, atol=1e-4)
+        else:
+            assert 0 < sel <= vis
