@@ -84,10 +84,6 @@ class Document:
         return d
 
 
-class PathProblem(ValueError):
-    """An input path that does not exist or cannot be read."""
-
-
 def check_paths(paths: list[str]) -> list[str]:
     """One message per unusable path (missing, a folder, unreadable); empty when all are fine."""
     problems = []

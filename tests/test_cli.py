@@ -262,20 +262,33 @@ def test_bench_bad_arguments(runner):
     assert r.exit_code == 2 and "--heads" in r.stderr
 
 
-def test_bench_e2e(runner, monkeypatch):
+def test_bench_e2e(runner, monkeypatch, tmp_path):
+    import torch
+
+    models = pytest.importorskip("fpcli.models")
     seen = {}
 
-    def run_e2e_bench(lens, model, profile, progress=None, **kw):
-        seen.update(lens=lens, model=model, profile=profile)
-        return [{"len": n, "ttft_flashprefill_s": 1.0, "ttft_dense_s": 2.0, "speedup": 2.0} for n in lens]
+    def run_e2e_bench(lens, model_path, profile_sparse, profile_dense, needle=True, yarn_above=32768, progress=None, **kw):
+        seen.update(lens=lens, model_path=model_path, sparse=profile_sparse, dense=profile_dense)
+        progress("[bench] starting")
+        return [{"target_len": n, "ttft_sparse_s": 1.0, "ttft_dense_s": 2.0, "speedup": 2.0} for n in lens]
 
     mod = types.ModuleType("fpcli.bench_e2e")
     mod.run_e2e_bench = run_e2e_bench
     monkeypatch.setitem(sys.modules, "fpcli.bench_e2e", mod)
-    r = invoke(runner, ["bench", "--e2e", "--len", "32k", "--json", "--fp8"])
+    monkeypatch.setattr(models, "resolve_model", lambda spec, progress=None: tmp_path / "model")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake H200")
+    r = invoke(runner, ["bench", "--e2e", "--len", "32k", "--json", "--fp8", "--model", "m"])
     assert r.exit_code == 0, r.output
-    assert seen["lens"] == [32768] and seen["profile"].precision == "fp8"
-    assert json.loads(r.stdout)["rows"][0]["speedup"] == 2.0
+    assert seen["lens"] == [32768] and seen["model_path"] == str(tmp_path / "model")
+    assert seen["sparse"].precision == "fp8" and seen["dense"].is_dense
+    data = json.loads(r.stdout)
+    assert data["kind"] == "e2e" and data["rows"][0]["speedup"] == 2.0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = invoke(runner, ["bench", "--e2e"])
+    assert r.exit_code == 1 and "needs a CUDA GPU" in r.stderr
 
 
 # -- fp profile -----------------------------------------------------------------------------------

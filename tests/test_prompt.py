@@ -1,7 +1,7 @@
 """Prompt building and the token budget, with the fake whitespace tokenizer."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 

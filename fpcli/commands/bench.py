@@ -77,12 +77,22 @@ def bench(
     cuda = _cuda_available()
     if e2e:
         prof = load_profile_or_exit(profile, fp8=fp8)
+        dense = load_profile_or_exit("dense")
+        if not cuda:
+            fail("the end-to-end benchmark runs the SGLang engine and needs a CUDA GPU (none found)")
         try:
             from fpcli.bench_e2e import run_e2e_bench
+            from fpcli.models import ModelError, resolve_model
         except ImportError as exc:
             fail(f"the end-to-end benchmark is unavailable ({exc}); install the GPU extras: pip install -e .[gpu]")
-        rows = _run_with_progress(err, "TTFT", len(lengths), lambda progress: run_e2e_bench(lengths, model, prof, progress=progress))
-        meta = {"kind": "e2e", "lens": lengths, "model": model, "profile": prof.name}
+        try:
+            model_path = str(resolve_model(model, progress=err))
+        except ModelError as exc:
+            fail(str(exc))
+        rows = _run_with_progress(
+            err, "TTFT", len(lengths), lambda progress: run_e2e_bench(lengths, model_path, prof, dense, progress=progress)
+        )
+        meta = {"kind": "e2e", "lens": lengths, "model": model_path, "profile": prof.name, "gpu": _gpu_name()}
     else:
         if not cuda and not cpu:
             fail(
