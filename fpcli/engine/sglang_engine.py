@@ -435,6 +435,11 @@ class SGLangEngine:
             raise RuntimeError("SGLang returned no output_top_logprobs")
         return [(float(e[0]), int(e[1])) for e in top[0]]
 
+    def flush_cache(self) -> None:
+        """Empty SGLang's radix (prefix) cache, so the next request prefills its whole prompt."""
+        if self._engine is not None:
+            self._engine.flush_cache()
+
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop SGLang; kill its children if it does not stop within ``shutdown_timeout_s``."""

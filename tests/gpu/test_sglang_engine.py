@@ -197,14 +197,19 @@ def test_page_sizes_same_greedy(engines, smol_needle):
     ids, _ = smol_needle
     outs = {}
     for ps in (64, 16, 1):
-        outs[ps] = smol_sparse(engines, page_size=ps).generate(ids, max_new_tokens=16).text
+        eng = smol_sparse(engines, page_size=ps)
+        eng.flush_cache()  # a full prefill, not a radix hit of an earlier test
+        outs[ps] = eng.generate(ids, max_new_tokens=16).text
     assert outs[64] == outs[16] == outs[1], outs
 
 
 def test_chunked_prefill_matches_one_shot(engines, smol_needle):
     ids, _ = smol_needle  # ~6K tokens: one chunk at 8192, three at 2048
-    one = smol_sparse(engines).first_token_logprobs(ids, k=10)
-    chunked = smol_sparse(engines, chunk=2048).first_token_logprobs(ids, k=10)
+    e_one, e_chunked = smol_sparse(engines), smol_sparse(engines, chunk=2048)
+    e_one.flush_cache()
+    e_chunked.flush_cache()
+    one = e_one.first_token_logprobs(ids, k=10)
+    chunked = e_chunked.first_token_logprobs(ids, k=10)
     log.info("one-shot top5 %s\nchunked  top5 %s", one[:5], chunked[:5])
     assert one[0][1] == chunked[0][1], f"argmax differs: {one[0]} vs {chunked[0]}"
     a, b = dict((t, lp) for lp, t in one), dict((t, lp) for lp, t in chunked)
@@ -227,7 +232,9 @@ def test_concurrent_requests_of_different_lengths(engines, smol_needle):
 def test_radix_prefix_hit(engines, smol_needle):
     ids, secret = smol_needle
     eng = smol_sparse(engines)
-    eng.generate(ids, max_new_tokens=4)
+    eng.flush_cache()
+    first = eng.generate(ids, max_new_tokens=4)
+    assert getattr(first, "cached_tokens", 0) == 0
     follow = ids[:-8] + eng.tokenizer("Reply with the digits only.", add_special_tokens=False)["input_ids"] + ids[-8:]
     r = eng.generate(follow, max_new_tokens=24)
     log.info("radix: cached %s of %d tokens, answer %r", getattr(r, "cached_tokens", None), r.prompt_tokens, r.text)
