@@ -1,0 +1,320 @@
+"""Triton block-sparse prefill attention with fused mean correction (design doc section 4).
+
+One kernel, ``_attn_fwd``, three modes chosen at compile time:
+
+- ``SPARSE=True, MEAN_CORR=True``: the product path. Exact keys of the segment's selected blocks
+  (``col_idx[row_ptr[seg]:row_ptr[seg+1]]``), then the mean keys of the pruned blocks ``U`` that
+  every row of the tile fully sees, all in one online softmax;
+- ``SPARSE=True, MEAN_CORR=False``: the same without the correction (ablation);
+- ``SPARSE=False``: dense causal attention over all visible blocks (the honest dense baseline of
+  the same kernel, and the fallback for dense layers).
+
+Grid ``(n_tiles * TILE_ROWS // BLOCK_M, Hkv)``: one program per (KV head, query tile, sub-tile of
+``BLOCK_M`` packed rows). Program ids run from the last tile to the first so the heaviest tiles
+(late in a request, dense tail) start first. A packed row ``ρ`` of KV head ``h`` is token
+``ρ // g`` and query head ``h*g + ρ % g`` (GQA packing, ``docs/layout.md``): one K/V load serves
+the whole group.
+
+Per program:
+  setup     load the packed Q tile once; tile geometry (``P``, ``t_first``, ``t_last``);
+  loop 1    selected blocks fully seen by every row of the tile (no mask);
+  loop 2    the trailing selected blocks that need the causal / ``p < Lk`` mask. They are exactly
+            the last ``n_vis - n_full`` entries of the segment: the local window always selects
+            every block from ``n_full = (P + t_first + 1) // B`` to ``n_vis - 1``;
+  loop 3    mean correction: candidates ``j < n_U`` (fully seen by the tile's first row) in chunks
+            of ``BLOCK_U``, membership in the ascending ``col_idx`` by a chunk-by-chunk compare (no
+            dense workspace); logit ``τ q·k̄_j + ln n_j``, value ``v̄_j``;
+  epilogue  ``out = acc / l`` in q's dtype, ``lse = ln l + m`` float32; a row with no logit gives
+            0 / -inf, never NaN.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # 1 / ln(2)
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2): lse = (m2 + log2 l) * LN2
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Kernel tiles of ``_attn_fwd``; chosen for an NVIDIA H200 (sm_90, 227 KiB smem per SM).
+
+    Attributes:
+        block_m: packed query rows per program (divides the 128-row tile).
+        block_n: keys per inner step (divides the key block ``B``).
+        block_u: mean-key candidates per step of the correction loop.
+        block_s: ``col_idx`` entries compared per step of the membership test.
+        num_warps, num_stages: Triton launch parameters.
+    """
+
+    block_m: int
+    block_n: int
+    block_u: int
+    block_s: int
+    num_warps: int
+    num_stages: int
+
+
+def get_config(head_dim: int, dtype: torch.dtype, block_size: int = 128) -> AttnConfig:
+    """Tile config for ``head_dim`` / ``dtype`` / key block size (H200, Triton 3.6).
+
+    d=64, 128: 128 packed rows x 128 keys, 8 warps (two warpgroups of WGMMA); K/V loads
+    pipelined with cp.async (d=128, 2 stages: 160 KiB smem, 0 spills; d=64, 3 stages: 81 KiB).
+    d=256: 128 rows x 64 keys, 8 warps, 1 stage (96 KiB smem; ~470 B of spills, the fp32
+    accumulator is 128 x 256). Checked by compiling for sm_90 with Triton 3.6's ptxas.
+    Never keyed on sequence lengths.
+    """
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be bfloat16 or float16, got {dtype}")
+    if head_dim == 256:
+        cfg = AttnConfig(block_m=128, block_n=64, block_u=64, block_s=64, num_warps=8, num_stages=1)
+    elif head_dim == 128:
+        cfg = AttnConfig(block_m=128, block_n=128, block_u=64, block_s=64, num_warps=8, num_stages=2)
+    else:
+        cfg = AttnConfig(block_m=128, block_n=128, block_u=64, block_s=64, num_warps=8, num_stages=3)
+    if cfg.block_n > block_size:
+        cfg = AttnConfig(cfg.block_m, block_size, cfg.block_u, cfg.block_s, cfg.num_warps, cfg.num_stages)
+    return cfg
+
+
+@triton.jit
+def _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, lo, hi,
+                P, lk, tok, scale_log2,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
+                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                PAGE_SIZE: tl.constexpr, SPARSE: tl.constexpr, MASK: tl.constexpr):
+    """Online softmax over key blocks ``col_idx[lo:hi]`` (``SPARSE``) or ``lo..hi-1`` (dense).
+
+    ``MASK``: apply the bottom-right causal mask ``p <= P + t`` and ``p < Lk`` (padded keys get
+    ``-inf``, never logit 0). Logits are in log2 units (``scale_log2 = τ log2 e``).
+    """
+    dims = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    for k in range(lo, hi):
+        if SPARSE:
+            j = tl.load(col_idx + k)
+        else:
+            j = k
+        for sub in tl.static_range(BLOCK_SIZE // BLOCK_N):
+            # -- gather K / V rows of positions p through the page table
+            pos = j * BLOCK_SIZE + sub * BLOCK_N + offs_n
+            if MASK:
+                p_ok = pos < lk
+                pos_c = tl.where(p_ok, pos, 0)
+            else:
+                pos_c = pos
+            if PAGE_SIZE % BLOCK_N == 0:
+                # the BLOCK_N keys (BLOCK_N-aligned) share one page: a scalar 64-bit base and
+                # 32-bit in-page offsets, contiguous rows
+                first = j * BLOCK_SIZE + sub * BLOCK_N
+                page = tl.load(pt_row + first // PAGE_SIZE).to(tl.int64)
+                slot = first % PAGE_SIZE + offs_n
+                k_base = k_cache + page * stride_kp + h * stride_kh
+                v_base = v_cache + page * stride_vp + h * stride_vh
+                k_ptrs = k_base + (slot * stride_ks)[:, None] + dims[None, :]
+                v_ptrs = v_base + (slot * stride_vs)[:, None] + dims[None, :]
+            else:
+                page = tl.load(pt_row + pos_c // PAGE_SIZE).to(tl.int64)
+                slot = (pos_c % PAGE_SIZE).to(tl.int64)
+                k_off = page * stride_kp + slot * stride_ks + h * stride_kh
+                v_off = page * stride_vp + slot * stride_vs + h * stride_vh
+                k_ptrs = k_cache + k_off[:, None] + dims[None, :]
+                v_ptrs = v_cache + v_off[:, None] + dims[None, :]
+            if MASK:
+                k = tl.load(k_ptrs, mask=p_ok[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+            # -- compute qk (log2 units)
+            qk = tl.dot(q, tl.trans(k)) * scale_log2
+            if MASK:
+                allowed = (pos[None, :] <= P + tok[:, None]) & p_ok[None, :]
+                qk = tl.where(allowed, qk, float("-inf"))
+            # -- update m_i and l_i
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(qk - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            # -- update acc
+            if MASK:
+                v = tl.load(v_ptrs, mask=p_ok[:, None], other=0.0)
+            else:
+                v = tl.load(v_ptrs)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(v.dtype), v, acc)
+            m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u, blk0, h, lk,
+                     scale_log2, stride_mb, stride_mh,
+                     HEAD_DIM: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_S: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr):
+    """Fold pruned blocks ``j < n_u``, ``j ∉ col_idx[start:end]``, in as ``n_j`` mean tokens.
+
+    Logit ``τ q·k̄_j + ln n_j`` (log2 units: ``scale_log2 q·k̄_j + log2 n_j``), value ``v̄_j``.
+    ``k_mean`` / ``v_mean`` are q's dtype copies (``[n_blocks, Hkv, d]``).
+    """
+    dims = tl.arange(0, HEAD_DIM)
+    for u0 in range(0, n_u, BLOCK_U):
+        js = u0 + tl.arange(0, BLOCK_U)
+        cand = js < n_u
+        # -- membership in the ascending selected list: chunk x chunk compare
+        in_s = tl.zeros([BLOCK_U], dtype=tl.int32)
+        for s0 in range(start, end, BLOCK_S):
+            offs = s0 + tl.arange(0, BLOCK_S)
+            cols = tl.load(col_idx + offs, mask=offs < end, other=-1)
+            hit = (js[:, None] == cols[None, :]).to(tl.int32)
+            in_s = tl.maximum(in_s, tl.max(hit, axis=1))
+        use = cand & (in_s == 0)
+        rows = (blk0 + js).to(tl.int64) * stride_mb + h * stride_mh
+        km = tl.load(k_mean + rows[:, None] + dims[None, :], mask=use[:, None], other=0.0)
+        n_j = tl.minimum((js + 1) * BLOCK_SIZE, lk) - js * BLOCK_SIZE
+        log2_n = tl.log2(tl.maximum(n_j, 1).to(tl.float32))
+        s = tl.dot(q, tl.trans(km)) * scale_log2 + log2_n[None, :]
+        s = tl.where(use[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vm = tl.load(v_mean + rows[:, None] + dims[None, :], mask=use[:, None], other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(vm.dtype), vm, acc)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attn_fwd(
+    q_ptr, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, tile_request, tile_local, block_ptr,
+    row_ptr, col_idx, k_mean, v_mean,
+    out_ptr, lse_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_pt, stride_mb, stride_mh,
+    n_tiles, n_programs, scale_log2,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    SPARSE: tl.constexpr,
+    MEAN_CORR: tl.constexpr,
+):
+    tl.static_assert(TILE_ROWS % BLOCK_M == 0)
+    tl.static_assert(BLOCK_SIZE % BLOCK_N == 0)
+    SUBS: tl.constexpr = TILE_ROWS // BLOCK_M
+    # ---------------------------------------------------------------- setup
+    idx = n_programs - 1 - tl.program_id(0)      # heaviest (last) tiles first
+    h = tl.program_id(1)
+    tile = idx // SUBS
+    sub = idx % SUBS
+    b = tl.load(tile_request + tile)
+    i = tl.load(tile_local + tile)
+    q_start = tl.load(cu_seqlens_q + b)
+    lq = tl.load(cu_seqlens_q + b + 1) - q_start
+    lk = tl.load(seq_lens + b)
+    P = lk - lq
+    n_rows = lq * GROUP
+    t_first = (i * TILE_ROWS) // GROUP                    # of the whole 128-row tile
+    t_last = (tl.minimum(i * TILE_ROWS + TILE_ROWS, n_rows) - 1) // GROUP
+    n_vis = (P + t_last) // BLOCK_SIZE + 1
+    n_full = (P + t_first + 1) // BLOCK_SIZE              # blocks 0..n_full-1: no mask needed
+    rows = i * TILE_ROWS + sub * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    tok = rows // GROUP
+    head = h * GROUP + rows % GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q_off = (q_start + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+    q = tl.load(q_ptr + q_off[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
+    pt_row = page_table + b.to(tl.int64) * stride_pt
+    seg = h * n_tiles + tile
+    if SPARSE:
+        start = tl.load(row_ptr + seg)
+        end = tl.load(row_ptr + seg + 1)
+    else:
+        start = 0
+        end = n_vis
+    split = tl.maximum(end - (n_vis - n_full), start)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # ---------------------------------------------------------------- exact keys
+    acc, m_i, l_i = _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, start, split,
+                                P, lk, tok, scale_log2,
+                                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
+                                HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, SPARSE, False)
+    acc, m_i, l_i = _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, split, end,
+                                P, lk, tok, scale_log2,
+                                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
+                                HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, SPARSE, True)
+    # ---------------------------------------------------------------- mean correction
+    if SPARSE and MEAN_CORR:
+        nb = (lk + BLOCK_SIZE - 1) // BLOCK_SIZE
+        x = P + t_first + 1
+        n_u = tl.where(x >= lk, nb, x // BLOCK_SIZE)     # blocks with e_j <= P + t_first + 1
+        n_u = tl.where(end - start >= n_vis, 0, n_u)     # everything selected: U is empty
+        blk0 = tl.load(block_ptr + b)
+        acc, m_i, l_i = _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u,
+                                         blk0, h, lk, scale_log2, stride_mb, stride_mh,
+                                         HEAD_DIM, BLOCK_U, BLOCK_S, BLOCK_SIZE)
+    # ---------------------------------------------------------------- epilogue
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
+    o_off = (q_start + tok).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+    tl.store(out_ptr + o_off[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    l_off = (q_start + tok).to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh
+    tl.store(lse_ptr + l_off, lse, mask=row_ok)
+
+
+def launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, softmax_scale, plan,
+                     *, sparse: bool, mean_correction: bool, row_ptr=None, col_idx=None,
+                     k_mean=None, v_mean=None, block_size: int | None = None):
+    """Allocate ``out`` / ``lse`` and launch ``_attn_fwd`` (no host sync).
+
+    ``k_mean`` / ``v_mean``: ``[n_blocks, Hkv, d]`` in q's dtype (only read with the correction).
+    """
+    total_q, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    page_size = k_cache.shape[1]
+    B = block_size or plan.block_size
+    cfg = get_config(d, q.dtype, B)
+    out = torch.empty_like(q)
+    lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
+    if plan.n_tiles == 0 or total_q == 0:
+        return out, lse
+    if not sparse:
+        row_ptr = col_idx = plan.tile_ptr      # unused placeholders (dense mode)
+    if k_mean is None:
+        k_mean = v_mean = q.new_zeros(1, hkv, d)
+    grid = (plan.n_tiles * (plan.tile_rows // cfg.block_m), hkv)
+    _attn_fwd[grid](
+        q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, plan.tile_request, plan.tile_local,
+        plan.block_ptr, row_ptr, col_idx, k_mean, v_mean, out, lse,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        page_table.stride(0), k_mean.stride(0), k_mean.stride(1),
+        plan.n_tiles, grid[0], float(softmax_scale) * LOG2E,
+        GROUP=plan.group_size, HEAD_DIM=d, TILE_ROWS=plan.tile_rows, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_SIZE=B, BLOCK_U=cfg.block_u, BLOCK_S=cfg.block_s,
+        PAGE_SIZE=page_size, SPARSE=sparse, MEAN_CORR=mean_correction,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse

@@ -1,0 +1,178 @@
+"""Triton (CUDA) implementation of the ``flashprefill`` operator: host side of the kernels.
+
+Same three functions and signatures as ``impl/reference.py`` (``docs/layout.md``
+"Implementations"). Inputs are validated by ``flashprefill.api``; here we only refuse what the
+kernels cannot take (head_dim not in 64/128/256, dtype not bf16/fp16) with a ``ValueError``.
+
+Host syncs: none, except one in ``build_index`` to read ``nnz`` (the CSR total) before allocating
+``col_idx``. The ``plan`` carries every host length the launches need.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from ..config import SparseConfig
+from ..index import BlockIndex
+from ..plan import BatchPlan
+from . import triton_index as ti
+from .triton_attention import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, launch_attention
+
+# Selection kernel tiles (H200): BLOCK_J mean keys scored per dot; programs per SM of the
+# persistent selection grid.
+SELECT_BLOCK_J = 64
+SELECT_PROGRAMS_PER_SM = 4
+SELECT_NUM_WARPS = 8
+SELECT_NUM_STAGES = 2
+EXPAND_WORDS = 8                 # 256 blocks per expand step
+MEANS_TOKENS = 32                # tokens summed per step of the block-means kernel
+# EXACT_SCORES: ℓ = τ q·k̄ from k̄ split hi/lo (two 16-bit dots, ~fp32). False: one dot on k̄
+# rounded to q's dtype (half the index FLOPs, a few more threshold ties vs the reference).
+EXACT_SCORES = True
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _check(q: torch.Tensor) -> None:
+    d = q.shape[-1]
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"triton backend: q [total_q, Hq, d] has d = {d}; the kernels take d in {SUPPORTED_HEAD_DIMS}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"triton backend: q must be bfloat16 or float16 [total_q, Hq, d], got {q.dtype}")
+
+
+def _n_programs(device: torch.device, n_segments: int) -> int:
+    if device.type != "cuda":           # TRITON_INTERPRET on CPU tensors
+        return max(1, min(n_segments, 4))
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return max(1, min(n_segments, _SM_COUNT[idx] * SELECT_PROGRAMS_PER_SM))
+
+
+def _scale(softmax_scale, d: int) -> float:
+    return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+
+
+def _block_request(plan: BatchPlan, device) -> torch.Tensor:
+    """Request of each pooled key block, int32 ``[n_blocks]`` (device op, no sync)."""
+    gb = torch.arange(plan.n_blocks, device=device, dtype=torch.int32)
+    return (torch.searchsorted(plan.block_ptr, gb, right=True) - 1).to(torch.int32)
+
+
+def block_means(k_cache, v_cache, page_table, seq_lens, plan: BatchPlan, block_size: int):
+    """``(k_mean, v_mean)`` float32 ``[n_blocks, Hkv, d]`` over valid tokens (section 3.1)."""
+    _, page_size, hkv, d = k_cache.shape
+    k_mean = torch.empty(plan.n_blocks, hkv, d, dtype=torch.float32, device=k_cache.device)
+    v_mean = torch.empty_like(k_mean)
+    if plan.n_blocks:
+        ti._block_means_kernel[(plan.n_blocks, hkv)](
+            k_cache, v_cache, page_table, seq_lens, plan.block_ptr, _block_request(plan, k_cache.device),
+            k_mean, v_mean,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            page_table.stride(0), k_mean.stride(0), k_mean.stride(1),
+            HEAD_DIM=d, BLOCK_SIZE=block_size, TOKENS=min(MEANS_TOKENS, block_size), PAGE_SIZE=page_size,
+            num_warps=4,
+        )
+    return k_mean, v_mean
+
+
+def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config: SparseConfig,
+                softmax_scale, plan: BatchPlan) -> BlockIndex:
+    """Block means, selection and CSR of a batch (sections 3.1-3.6) on the GPU.
+
+    Memory: the index tensors (``k_mean``/``v_mean`` ``2 x n_blocks x Hkv x d x 4`` bytes, CSR
+    ``4 x (n_segments + 1 + nnz)`` bytes) plus, during the call only, a bitmask of
+    ``n_segments x ceil(max_blocks / 32)`` int32 and a scratch of ``n_programs x max_blocks``
+    float32 (at 128K, 32/8 heads, d 128: 8 MiB means, ~4 MiB bitmask, 2 MiB scratch).
+
+    One host sync: ``row_ptr[-1]`` (``nnz``) to size ``col_idx``.
+    """
+    _check(q)
+    B = config.block_size
+    if plan.block_size != B:
+        raise ValueError(f"plan.block_size {plan.block_size} != config.block_size {B}")
+    d = q.shape[2]
+    hkv = k_cache.shape[2]
+    g = plan.group_size
+    dev = q.device
+    scale = _scale(softmax_scale, d)
+    k_mean, v_mean = block_means(k_cache, v_cache, page_table, seq_lens, plan, B)
+
+    n_tiles = plan.n_tiles
+    n_seg = hkv * n_tiles
+    max_nb = max((-(-lk // B) for lk in plan.kv_lens), default=0)
+    n_words = max(1, -(-max_nb // ti.BITS_PER_WORD))
+    counts = torch.empty(n_seg, dtype=torch.int32, device=dev)
+    n_visible = torch.empty(n_seg, dtype=torch.int32, device=dev)
+    if n_seg:
+        bits = torch.empty(n_seg, n_words, dtype=torch.int32, device=dev)
+        n_prog = _n_programs(dev, n_seg)
+        scratch_cols = max(SELECT_BLOCK_J, triton.cdiv(max_nb, SELECT_BLOCK_J) * SELECT_BLOCK_J)
+        scratch = torch.empty(n_prog, scratch_cols, dtype=torch.float32, device=dev)
+        alpha = float(config.alpha)
+        ti._select_kernel[(n_prog,)](
+            q, k_mean, plan.tile_request, plan.tile_local, cu_seqlens_q, seq_lens, plan.block_ptr,
+            scratch, counts, n_visible, bits,
+            q.stride(0), q.stride(1), k_mean.stride(0), k_mean.stride(1), scratch.stride(0), n_words,
+            n_tiles, n_seg, n_prog, scale * ti.LOG2E, math.log2(alpha) if alpha > 0 else 0.0,
+            config.sink_tokens, config.window_tokens, config.dense_tail_tokens, config.min_sparse_len,
+            GROUP=g, HEAD_DIM=d, TILE_ROWS=plan.tile_rows, BLOCK_SIZE=B, BLOCK_J=SELECT_BLOCK_J,
+            KEEP_ALL_SCORED=alpha == 0.0, EXACT=EXACT_SCORES,
+            num_warps=SELECT_NUM_WARPS, num_stages=SELECT_NUM_STAGES,
+        )
+        del scratch
+    row_ptr = torch.zeros(n_seg + 1, dtype=torch.int32, device=dev)
+    if n_seg:
+        torch.cumsum(counts, 0, out=row_ptr[1:])
+    nnz = int(row_ptr[-1].item()) if n_seg else 0      # the one host sync
+    col_idx = torch.empty(nnz, dtype=torch.int32, device=dev)
+    if n_seg:
+        ti._expand_kernel[(n_seg,)](bits, row_ptr, n_visible, col_idx, n_words,
+                                    WORDS=EXPAND_WORDS, num_warps=4)
+        del bits
+    return BlockIndex(
+        row_ptr=row_ptr,
+        col_idx=col_idx,
+        k_mean=k_mean,
+        v_mean=v_mean,
+        block_ptr=plan.block_ptr.clone(),
+        tile_ptr=plan.tile_ptr.clone(),
+        n_visible=n_visible,
+        block_size=B,
+        group_size=g,
+        tile_rows=plan.tile_rows,
+    )
+
+
+def sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config: SparseConfig,
+                     softmax_scale, plan: BatchPlan, index: BlockIndex):
+    """Block-sparse attention with mean correction (section 4). No host sync.
+
+    Returns ``(out [total_q, Hq, d] q.dtype, lse [total_q, Hq] float32, natural log)``.
+    """
+    _check(q)
+    scale = _scale(softmax_scale, q.shape[2])
+    mc = bool(config.mean_correction)
+    # 16-bit copies of the means for the correction's tensor-core dots (half the L2 traffic).
+    km = index.k_mean.to(q.dtype) if mc else None
+    vm = index.v_mean.to(q.dtype) if mc else None
+    return launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, scale, plan,
+                            sparse=True, mean_correction=mc, row_ptr=index.row_ptr, col_idx=index.col_idx,
+                            k_mean=km, v_mean=vm, block_size=index.block_size)
+
+
+def dense_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, softmax_scale, plan: BatchPlan):
+    """Dense causal attention (bottom-right aligned) over the paged KV: the same kernel, all
+    causally visible blocks, no correction. No host sync.
+
+    Returns ``(out [total_q, Hq, d] q.dtype, lse [total_q, Hq] float32, natural log)``.
+    """
+    _check(q)
+    scale = _scale(softmax_scale, q.shape[2])
+    return launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, scale, plan,
+                            sparse=False, mean_correction=False)

@@ -1,0 +1,257 @@
+"""Triton kernels of the index stage (design doc sections 3.1-3.6, ``docs/layout.md``).
+
+Three launches, no dense ``tiles x blocks`` float workspace:
+
+1. ``_block_means_kernel``  grid ``(n_blocks, Hkv)``: mean key / value of one key block of one
+   KV head, read through the page table (any page size), float32 sums of the ``n_j`` valid
+   tokens only. Reads K and V once: ~0.1 ms at 128K on an H200.
+2. ``_select_kernel``  persistent grid ``(n_programs,)`` looping over segments
+   ``seg = h * n_tiles + tile``. Per segment:
+     - setup: load the GQA-packed Q tile once (packed row ``ρ`` = token ``ρ // g``, head
+       ``h*g + ρ % g``);
+     - pass A sweeps the scored blocks in chunks of ``BLOCK_J``: ``ℓ = τ q·k̄`` (in log2 units,
+       k̄ split hi/lo into two 16-bit dots so ``ℓ`` has ~fp32 accuracy) and writes the chunk's
+       absolute log-energy ``log2 E_j = M_c + log2 Σ_ρ 2^(ℓ - M_c)`` (``M_c`` the running max)
+       to a per-program scratch row ``[max_blocks]`` (L2-resident, ``n_programs x max_blocks``
+       floats: 2 MiB at 128K) and keeps ``max_j log2 E_j``. ``E_j / max E`` does not depend on
+       ``M``, so no second sweep of dot products is needed;
+     - pass B sweeps every causally visible block in chunks of ``BLOCK_J`` (a multiple of 32):
+       keep = dense tile | sink | window | (scored & ``log2 E_j >= log2 α + max``); writes the
+       segment's count, ``n_visible`` and a packed bitmask (int32 words, ``n_seg x ceil(max_blocks
+       / 32)``: 4 MiB at 128K, freed after the call).
+3. ``_expand_kernel``  grid ``(n_segments,)``: after ``row_ptr = cumsum(counts)`` (one host sync
+   for ``nnz``), turn each segment's bitmask into ascending ``col_idx`` entries.
+
+Example (``B = 128``, ``P = 0``, ``g = 4``, tile 3 = rows 384..511 = tokens 96..127): one scored
+block? ``e_0 = 128 <= P + t_last + 1 = 128`` yes, so block 0 is scored (and also in the window).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) = exp2(x * LOG2E)
+# Relative slack of the threshold test in the log2 domain: keeps a block whose energy equals the
+# max up to float rounding (alpha = 1 must keep the arg-max block). ~1e-6 relative in E.
+TIE_LOG2_SLACK = tl.constexpr(1.5e-6)
+BITS_PER_WORD = 32
+
+
+@triton.jit
+def _kv_rows(pt_row, pos, PAGE_SIZE: tl.constexpr, stride_page, stride_slot):
+    """Element offsets (of head 0, dim 0) of KV positions ``pos`` through one page-table row.
+
+    ``pos`` lives at ``cache[page_table[b, pos // PAGE_SIZE], pos % PAGE_SIZE]``. Callers mask
+    ``pos >= Lk``; masked positions read page-table entry 0 of the row (always allocated).
+    """
+    page = tl.load(pt_row + pos // PAGE_SIZE).to(tl.int64)
+    return page * stride_page + (pos % PAGE_SIZE).to(tl.int64) * stride_slot
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Block means
+
+
+@triton.jit
+def _block_means_kernel(
+    k_ptr, v_ptr, page_table, seq_lens, block_ptr, block_request,
+    k_mean, v_mean,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_pt,
+    stride_mb, stride_mh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TOKENS: tl.constexpr,          # tokens summed per step (BLOCK_SIZE % TOKENS == 0)
+    PAGE_SIZE: tl.constexpr,
+):
+    tl.static_assert(BLOCK_SIZE % TOKENS == 0)
+    # --- setup: global block -> (request, local block)
+    gb = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.load(block_request + gb)
+    j = gb - tl.load(block_ptr + b)
+    lk = tl.load(seq_lens + b)
+    pt_row = page_table + b.to(tl.int64) * stride_pt
+    n_valid = tl.minimum(BLOCK_SIZE, lk - j * BLOCK_SIZE)
+    dims = tl.arange(0, HEAD_DIM)
+    k_sum = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    v_sum = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    # --- loop: fp32 sums of the valid tokens
+    for s in tl.static_range(BLOCK_SIZE // TOKENS):
+        pos = j * BLOCK_SIZE + s * TOKENS + tl.arange(0, TOKENS)
+        ok = pos < lk
+        pos = tl.where(ok, pos, 0)
+        page = tl.load(pt_row + pos // PAGE_SIZE).to(tl.int64)
+        slot = (pos % PAGE_SIZE).to(tl.int64)
+        k_off = page * stride_kp + slot * stride_ks + h * stride_kh
+        v_off = page * stride_vp + slot * stride_vs + h * stride_vh
+        k = tl.load(k_ptr + k_off[:, None] + dims[None, :], mask=ok[:, None], other=0.0)
+        v = tl.load(v_ptr + v_off[:, None] + dims[None, :], mask=ok[:, None], other=0.0)
+        k_sum += tl.sum(k.to(tl.float32), axis=0)
+        v_sum += tl.sum(v.to(tl.float32), axis=0)
+    # --- epilogue: divide by n_j (never by B)
+    inv = 1.0 / n_valid.to(tl.float32)
+    out = gb.to(tl.int64) * stride_mb + h * stride_mh + dims
+    tl.store(k_mean + out, k_sum * inv)
+    tl.store(v_mean + out, v_sum * inv)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Selection
+
+
+@triton.jit
+def _tile_geometry(tile, h, n_tiles, tile_request, tile_local, cu_seqlens_q, seq_lens, block_ptr,
+                   GROUP: tl.constexpr, TILE_ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Scalars of one tile (docs/layout.md "GQA packing and tiles", "Key blocks").
+
+    Returns ``(b, i, q_start, lq, lk, P, t_first, t_last, n_vis, blk0)``; ``n_vis`` =
+    ``(P + t_last) // B + 1`` causally visible blocks.
+    """
+    b = tl.load(tile_request + tile)
+    i = tl.load(tile_local + tile)
+    q_start = tl.load(cu_seqlens_q + b)
+    lq = tl.load(cu_seqlens_q + b + 1) - q_start
+    lk = tl.load(seq_lens + b)
+    P = lk - lq
+    row_end = tl.minimum(i * TILE_ROWS + TILE_ROWS, lq * GROUP)
+    t_first = (i * TILE_ROWS) // GROUP
+    t_last = (row_end - 1) // GROUP
+    n_vis = (P + t_last) // BLOCK_SIZE + 1
+    blk0 = tl.load(block_ptr + b)
+    return b, i, q_start, lq, lk, P, t_first, t_last, n_vis, blk0
+
+
+@triton.jit
+def _n_fully_seen(x, lk, BLOCK_SIZE: tl.constexpr):
+    """Number of blocks ``j`` with ``e_j = min((j+1)B, Lk) <= x`` (``x <= Lk``); they are 0..n-1."""
+    nb = (lk + BLOCK_SIZE - 1) // BLOCK_SIZE
+    return tl.where(x >= lk, nb, x // BLOCK_SIZE)
+
+
+@triton.jit
+def _score_chunk(q, k_mean, j0, n_scored, blk0, h, rows_tok, row_ok, P, lk, scale_log2,
+                 stride_mb, stride_mh,
+                 HEAD_DIM: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 EXACT: tl.constexpr):
+    """Log2-energy of blocks ``j0 .. j0+BLOCK_J-1``: ``log2 Σ_{valid ρ} 2^(ℓ2(ρ, j))``.
+
+    ``ℓ2 = τ q·k̄ · log2(e)``; ``EXACT`` splits the fp32 k̄ into hi + lo in q's 16-bit type (two
+    tensor-core dots, ~fp32 accuracy of ``ℓ``), else one dot on k̄ rounded to q's type.
+    Blocks past ``n_scored`` get ``-inf``.
+    """
+    js = j0 + tl.arange(0, BLOCK_J)
+    j_ok = js < n_scored
+    dims = tl.arange(0, HEAD_DIM)
+    km = tl.load(k_mean + (blk0 + js).to(tl.int64)[:, None] * stride_mb + h * stride_mh + dims[None, :],
+                 mask=j_ok[:, None], other=0.0)                                   # [BLOCK_J, d] fp32
+    hi = km.to(q.dtype)
+    ell = tl.dot(q, tl.trans(hi))
+    if EXACT:
+        lo = (km - hi.to(tl.float32)).to(q.dtype)
+        ell += tl.dot(q, tl.trans(lo))
+    ell = ell * scale_log2                                                         # [BLOCK_M, BLOCK_J]
+    e_j = tl.minimum((js + 1) * BLOCK_SIZE, lk)
+    valid = row_ok[:, None] & j_ok[None, :] & (e_j[None, :] <= P + rows_tok[:, None] + 1)
+    ell = tl.where(valid, ell, float("-inf"))
+    m_c = tl.max(tl.max(ell, axis=1), axis=0)
+    m_c = tl.where(m_c == float("-inf"), 0.0, m_c)
+    energy = tl.sum(tl.exp2(ell - m_c), axis=0)                                   # [BLOCK_J]
+    return tl.where(j_ok, m_c + tl.log2(energy), float("-inf"))
+
+
+@triton.jit
+def _select_kernel(
+    q_ptr, k_mean, tile_request, tile_local, cu_seqlens_q, seq_lens, block_ptr,
+    scratch, counts, n_visible, bits,
+    stride_qt, stride_qh, stride_mb, stride_mh, stride_scratch, n_words,
+    n_tiles, n_segments, n_prog, scale_log2, log2_alpha,
+    sink_tokens, window_tokens, dense_tail_tokens, min_sparse_len,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    KEEP_ALL_SCORED: tl.constexpr,   # alpha == 0
+    EXACT: tl.constexpr,
+):
+    tl.static_assert(BLOCK_J % 32 == 0)
+    tl.static_assert(TILE_ROWS >= 16)
+    WORDS: tl.constexpr = BLOCK_J // 32
+    pid = tl.program_id(0)
+    dims = tl.arange(0, HEAD_DIM)
+    scratch_row = scratch + pid.to(tl.int64) * stride_scratch
+    for seg0 in range(0, n_segments, n_prog):
+        # --- setup (the last round's spare programs redo the last segment, stores masked off)
+        seg_live = seg0 + pid < n_segments
+        seg = tl.minimum(seg0 + pid, n_segments - 1)
+        h = seg // n_tiles
+        tile = seg - h * n_tiles
+        b, i, q_start, lq, lk, P, t_first, t_last, n_vis, blk0 = _tile_geometry(
+            tile, h, n_tiles, tile_request, tile_local, cu_seqlens_q, seq_lens, block_ptr,
+            GROUP, TILE_ROWS, BLOCK_SIZE)
+        rows = i * TILE_ROWS + tl.arange(0, TILE_ROWS)
+        row_ok = rows < lq * GROUP
+        tok = rows // GROUP
+        head = h * GROUP + rows % GROUP
+        q_off = (q_start + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+        q = tl.load(q_ptr + q_off[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
+        dense = (t_last >= lq - dense_tail_tokens) | (lq < min_sparse_len)
+        n_scored = _n_fully_seen(P + t_last + 1, lk, BLOCK_SIZE)
+        n_score_loop = tl.where(dense, 0, n_scored)
+        if KEEP_ALL_SCORED:
+            n_score_loop = 0
+        win_lo = tl.maximum(P + t_first - window_tokens + 1, 0) // BLOCK_SIZE
+        # --- pass A: log2-energies of scored blocks -> scratch, and their max
+        e_max = float("-inf")
+        for j0 in range(0, n_score_loop, BLOCK_J):
+            log_e = _score_chunk(q, k_mean, j0, n_score_loop, blk0, h, tok, row_ok, P, lk, scale_log2,
+                                 stride_mb, stride_mh, HEAD_DIM, BLOCK_J, BLOCK_SIZE, EXACT)
+            tl.store(scratch_row + j0 + tl.arange(0, BLOCK_J), log_e)
+            e_max = tl.maximum(e_max, tl.max(log_e, axis=0))
+        tl.debug_barrier()  # scratch written by other threads of this program
+        threshold = e_max + log2_alpha - TIE_LOG2_SLACK * tl.abs(e_max)
+        # --- pass B: rules + threshold -> bitmask words, count
+        count = 0
+        for j0 in range(0, n_vis, BLOCK_J):
+            js = j0 + tl.arange(0, BLOCK_J)
+            vis = js < n_vis
+            log_e = tl.load(scratch_row + js, mask=js < n_score_loop, other=float("-inf"))
+            keep = (log_e >= threshold) & (js < n_score_loop)
+            if KEEP_ALL_SCORED:
+                keep = js < n_scored
+            keep = keep | dense | (js * BLOCK_SIZE < sink_tokens) | (js >= win_lo)
+            keep = keep & vis
+            count += tl.sum(keep.to(tl.int32), axis=0)
+            shifted = keep.to(tl.int32) << (tl.arange(0, BLOCK_J) % 32)
+            words = tl.sum(tl.reshape(shifted, [WORDS, 32]), axis=1)
+            w_idx = j0 // 32 + tl.arange(0, WORDS)
+            tl.store(bits + seg.to(tl.int64) * n_words + w_idx, words, mask=(w_idx < n_words) & seg_live)
+        tl.debug_barrier()  # the next segment's pass A overwrites scratch
+        tl.store(counts + seg, count, mask=seg_live)
+        tl.store(n_visible + seg, n_vis, mask=seg_live)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Bitmask -> CSR
+
+
+@triton.jit
+def _expand_kernel(bits, row_ptr, n_visible, col_idx, n_words,
+                   WORDS: tl.constexpr):
+    seg = tl.program_id(0)
+    start = tl.load(row_ptr + seg)
+    n_vis = tl.load(n_visible + seg)
+    CHUNK: tl.constexpr = WORDS * 32
+    shifts = tl.arange(0, 32)
+    written = 0
+    for j0 in range(0, n_vis, CHUNK):
+        w_idx = j0 // 32 + tl.arange(0, WORDS)
+        words = tl.load(bits + seg.to(tl.int64) * n_words + w_idx, mask=w_idx < n_words, other=0)
+        sel = tl.reshape((words[:, None] >> shifts[None, :]) & 1, [CHUNK])
+        js = j0 + tl.arange(0, CHUNK)
+        sel = tl.where(js < n_vis, sel, 0)
+        pos = tl.cumsum(sel, axis=0) - 1
+        tl.store(col_idx + start + written + pos, js, mask=sel != 0)
+        written += tl.sum(sel, axis=0)
