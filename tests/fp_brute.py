@@ -121,18 +121,24 @@ def brute_force(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config,
                     U = [j for j in range(nb) if ends[j] <= P + t_first + 1 and j not in S] \
                         if config.mean_correction else []
                 segments[(h, b, i)] = S
+                in_S = torch.zeros(lk, dtype=torch.bool)           # positions of the blocks of S
+                for j in S:
+                    in_S[j * B:ends[j]] = True
+                if U:                                               # mean keys: n_j copies of the mean
+                    kU = torch.stack([kbar[j][h] for j in U])
+                    vU = torch.stack([vbar[j][h] for j in U])
+                    lnU = torch.log(torch.tensor([float(n[j]) for j in U], dtype=torch.float64))
+                positions = torch.arange(lk)
                 for rho in rho_list:
                     t, head = rho // g, h * g + rho % g
                     qv = q[qs + t, head]
-                    # exact keys: positions of selected blocks, causally visible, < Lk
-                    pos = [p for j in S for p in range(j * B, ends[j]) if p <= P + t]
-                    logits = [tau * (K[pos, h] @ qv)]
-                    vals = [V[pos, h]]
-                    if U:                                   # mean keys: n_j copies of the block mean
-                        kb = torch.stack([kbar[j][h] for j in U])
-                        logits.append(tau * (kb @ qv) + torch.log(torch.tensor([float(n[j]) for j in U],
-                                                                                 dtype=torch.float64)))
-                        vals.append(torch.stack([vbar[j][h] for j in U]))
+                    # exact keys: positions of selected blocks, causally visible (p <= P + t), p < Lk
+                    keep = in_S & (positions <= P + t)
+                    logits = [tau * (K[keep, h] @ qv)]
+                    vals = [V[keep, h]]
+                    if U:
+                        logits.append(tau * (kU @ qv) + lnU)
+                        vals.append(vU)
                     lg = torch.cat(logits)
                     if lg.numel() == 0:
                         continue

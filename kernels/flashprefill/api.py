@@ -1,0 +1,379 @@
+"""Public API of ``flashprefill``: input validation once, then lazy dispatch to a backend.
+
+Backends (``impl/reference.py``, ``impl/triton_backend.py``) expose the same three functions with
+the signatures of ``docs/layout.md`` ("Implementations") and never import each other.
+``backend="auto"`` sends CUDA tensors to Triton and everything else to the reference; an
+explicitly requested backend never falls back silently (attention-gym ``api.py`` pattern).
+
+Tensor arguments (``docs/layout.md`` defines every layout; design doc sections in brackets)::
+
+    q             [total_q, Hq, d]                   bf16/fp16 (fp32/fp64 on the reference), last dim contiguous
+    k_cache       [num_pages, page_size, Hkv, d]     same dtype as q, paged KV pool, new tokens written
+    v_cache       [num_pages, page_size, Hkv, d]     same as k_cache
+    page_table    [batch, max_pages]                 int32 page ids, in order
+    seq_lens      [batch]                            int32 Lk per request (new tokens included)
+    cu_seqlens_q  [batch + 1]                        int32 cumulative Lq
+
+Host syncs (``.tolist()``) happen only in ``make_plan``. Build the plan once per batch and pass
+``plan=`` to every layer's call: then no call here syncs (the SGLang backend relies on it).
+
+Example::
+
+    plan = flashprefill.make_plan(seq_lens, cu_seqlens_q, group_size=Hq // Hkv, block_size=cfg.block_size)
+    out, stats = flashprefill.flashprefill_attention(q, k_cache, v_cache, page_table, seq_lens,
+                                                     cu_seqlens_q, cfg, return_stats=True, plan=plan)
+    ref = flashprefill.dense_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, plan=plan)
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import os
+
+import torch
+
+from .config import SparseConfig
+from .index import BlockIndex, SparseStats
+from .plan import BatchPlan, make_plan
+
+BACKENDS = ("auto", "reference", "triton")
+_MODULES = {"reference": "flashprefill.impl.reference", "triton": "flashprefill.impl.triton_backend"}
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+TRITON_DTYPES = (torch.bfloat16, torch.float16)
+TRITON_HEAD_DIMS = (64, 128, 256)
+
+
+# --------------------------------------------------------------------------------------------
+# Backend selection
+
+
+def _triton_interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _pick_backend(backend: str, q: torch.Tensor) -> str:
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if q.is_cuda else "reference"
+    if backend == "triton" and not q.is_cuda and not _triton_interpret():
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors, got q on {q.device} "
+            "(use backend='reference' or 'auto', or set TRITON_INTERPRET=1 to run the kernels in the interpreter)"
+        )
+    return backend
+
+
+def _load(name: str):
+    """Import a backend module lazily; a missing one is an error, never a silent fallback."""
+    try:
+        return importlib.import_module(_MODULES[name])
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise RuntimeError(f"flashprefill backend {name!r} is unavailable: {exc}") from exc
+
+
+# --------------------------------------------------------------------------------------------
+# Validation (once, at the boundary; skipped while torch.compile traces)
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def _check_tensor(name: str, t, ndim: int, expected: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {expected}, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {expected}, got shape {_shape(t)}")
+
+
+def _check_int32(name: str, t: torch.Tensor, expected: str) -> None:
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32 {expected}, got {t.dtype}")
+
+
+def _validate(
+    q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, softmax_scale, backend: str, plan,
+) -> None:
+    """Shapes, dtypes, devices and layouts of the tensor arguments (no host sync)."""
+    _check_tensor("q", q, 3, "[total_q, Hq, d]")
+    _check_tensor("k_cache", k_cache, 4, "[num_pages, page_size, Hkv, d]")
+    _check_tensor("v_cache", v_cache, 4, "[num_pages, page_size, Hkv, d]")
+    _check_tensor("page_table", page_table, 2, "[batch, max_pages]")
+    _check_tensor("seq_lens", seq_lens, 1, "[batch]")
+    _check_tensor("cu_seqlens_q", cu_seqlens_q, 1, "[batch + 1]")
+    total_q, hq, d = q.shape
+    num_pages, page_size, hkv, dk = k_cache.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"v_cache must have k_cache's shape [num_pages, page_size, Hkv, d] = {_shape(k_cache)}, "
+            f"got {_shape(v_cache)}"
+        )
+    if dk != d:
+        raise ValueError(f"k_cache head_dim d must equal q's d = {d}, got k_cache {_shape(k_cache)}")
+    if hkv < 1 or hq < 1:
+        raise ValueError(f"need Hq >= 1 and Hkv >= 1, got q {_shape(q)} (Hq={hq}), k_cache {_shape(k_cache)} (Hkv={hkv})")
+    if hq % hkv != 0:
+        raise ValueError(
+            f"q heads Hq={hq} must be a multiple of k_cache heads Hkv={hkv} (GQA group g = Hq / Hkv), "
+            f"got q {_shape(q)}, k_cache {_shape(k_cache)}"
+        )
+    if page_size < 1:
+        raise ValueError(f"k_cache page_size must be >= 1, got k_cache {_shape(k_cache)}")
+    # dtypes
+    if q.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"q must be one of {_FLOAT_DTYPES}, got {q.dtype}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+    _check_int32("page_table", page_table, "[batch, max_pages]")
+    _check_int32("seq_lens", seq_lens, "[batch]")
+    _check_int32("cu_seqlens_q", cu_seqlens_q, "[batch + 1]")
+    batch = seq_lens.shape[0]
+    if cu_seqlens_q.shape[0] != batch + 1:
+        raise ValueError(
+            f"cu_seqlens_q must be [batch + 1] = [{batch + 1}] for seq_lens [batch] = [{batch}], "
+            f"got {_shape(cu_seqlens_q)}"
+        )
+    if page_table.shape[0] != batch:
+        raise ValueError(
+            f"page_table must be [batch, max_pages] with batch = {batch} (seq_lens), got {_shape(page_table)}"
+        )
+    # devices
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("page_table", page_table),
+                    ("seq_lens", seq_lens), ("cu_seqlens_q", cu_seqlens_q)):
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    # layouts: the kernels take any page / token / head stride but need a unit stride on d
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(
+                f"{name} must be contiguous in its last dim (stride(-1) == 1), got strides {tuple(t.stride())}; "
+                f"pass {name}.contiguous()"
+            )
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+        if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+            raise ValueError(f"softmax_scale must be a finite float > 0, got {softmax_scale}")
+    if backend == "triton":
+        if q.dtype not in TRITON_DTYPES:
+            raise TypeError(f"q must be bfloat16 or float16 for backend='triton', got {q.dtype}")
+        if d not in TRITON_HEAD_DIMS:
+            raise ValueError(f"q head_dim d must be one of {TRITON_HEAD_DIMS} for backend='triton', got {d}")
+    if plan is not None:
+        if not isinstance(plan, BatchPlan):
+            raise TypeError(f"plan must be a flashprefill.BatchPlan (flashprefill.make_plan), got {type(plan).__name__}")
+        if plan.batch != batch:
+            raise ValueError(f"plan was built for batch {plan.batch}, got seq_lens [batch] = [{batch}]")
+        if plan.group_size != hq // hkv:
+            raise ValueError(
+                f"plan was built for group_size {plan.group_size}, got Hq / Hkv = {hq} / {hkv} = {hq // hkv}"
+            )
+
+
+def _validate_plan(plan: BatchPlan, q, page_table, k_cache, config: SparseConfig | None) -> None:
+    """Checks that need the host lengths (free: they live in the plan)."""
+    total = sum(plan.q_lens)
+    if total != q.shape[0]:
+        raise ValueError(f"q must have total_q = cu_seqlens_q[-1] = {total} rows, got q {_shape(q)}")
+    if config is not None and plan.block_size != config.block_size:
+        raise ValueError(
+            f"plan was built for block_size {plan.block_size}, got config.block_size {config.block_size}"
+        )
+    page_size = k_cache.shape[1]
+    cap = page_table.shape[1] * page_size
+    for b, lk in enumerate(plan.kv_lens):
+        if lk > cap:
+            raise ValueError(
+                f"page_table too short for seq_lens: request {b} has seq_len {lk} but page_table "
+                f"{_shape(page_table)} holds max_pages * page_size = {page_table.shape[1]} * {page_size} = {cap} tokens"
+            )
+
+
+def _check_page_ids(page_table: torch.Tensor, plan: BatchPlan, num_pages: int, page_size: int) -> None:
+    """Page ids of the used part of ``page_table`` lie in ``[0, num_pages)`` (one host sync)."""
+    if page_table.numel() == 0:
+        return
+    need = torch.tensor([-(-lk // page_size) for lk in plan.kv_lens], device=page_table.device)
+    used = torch.arange(page_table.shape[1], device=page_table.device)[None, :] < need[:, None]
+    bad = used & ((page_table < 0) | (page_table >= num_pages))
+    if bool(bad.any()):
+        b, col = (int(x) for x in torch.nonzero(bad)[0].tolist())
+        raise ValueError(
+            f"page_table[{b}, {col}] = {int(page_table[b, col])} is out of range for k_cache with "
+            f"num_pages = {num_pages} (request {b} uses its first {int(need[b])} pages)"
+        )
+
+
+def _prepare(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale, plan, backend,
+             dense: bool = False):
+    """Validate, resolve defaults, build the plan when absent. Returns (config, scale, plan, module).
+
+    ``dense``: for ``dense_attention``, where a given plan's block size does not matter.
+    """
+    if config is None:
+        config = SparseConfig()
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        if not isinstance(config, SparseConfig):
+            raise TypeError(f"config must be a flashprefill.SparseConfig or None, got {type(config).__name__}")
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"q must be a torch.Tensor [total_q, Hq, d], got {type(q).__name__}")
+    name = _pick_backend(backend, q)
+    if not compiling:
+        _validate(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, softmax_scale, name, plan)
+    built = plan is None
+    if built:
+        plan = make_plan(seq_lens, cu_seqlens_q, q.shape[1] // k_cache.shape[2], config.block_size)
+    if not compiling:
+        _validate_plan(plan, q, page_table, k_cache, None if dense else config)
+        if built:  # already synced for the plan: the page-id range check is cheap here
+            _check_page_ids(page_table, plan, k_cache.shape[0], k_cache.shape[1])
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
+    return config, scale, plan, _load(name)
+
+
+def _check_index(index, plan: BatchPlan, config: SparseConfig, hkv: int) -> None:
+    if not isinstance(index, BlockIndex):
+        raise TypeError(f"index must be a flashprefill.BlockIndex (flashprefill.build_index), got {type(index).__name__}")
+    if index.block_size != config.block_size:
+        raise ValueError(f"index was built with block_size {index.block_size}, got config.block_size {config.block_size}")
+    if index.group_size != plan.group_size:
+        raise ValueError(f"index was built for group_size {index.group_size}, got Hq / Hkv = {plan.group_size}")
+    if index.n_segments != hkv * plan.n_tiles:
+        raise ValueError(
+            f"index has {index.n_segments} segments, expected Hkv * n_tiles = {hkv} * {plan.n_tiles} "
+            "(was it built for another batch?)"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+
+
+def build_index(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    config: SparseConfig | None = None,
+    softmax_scale: float | None = None,
+    *,
+    plan: BatchPlan | None = None,
+    backend: str = "auto",
+) -> BlockIndex:
+    """Block index of a batch: K/V block means and the CSR of selected blocks (sections 3.1-3.6).
+
+    Args:
+        q: ``[total_q, Hq, d]`` new queries, varlen-packed (see module docstring for all tensors).
+        k_cache, v_cache: ``[num_pages, page_size, Hkv, d]``, ``q``'s dtype.
+        page_table: int32 ``[batch, max_pages]``.
+        seq_lens: int32 ``[batch]``, ``Lk`` per request, new tokens included.
+        cu_seqlens_q: int32 ``[batch + 1]``.
+        config: ``SparseConfig`` (defaults when None).
+        softmax_scale: ``τ``; ``1/sqrt(d)`` when None.
+        plan: from ``make_plan`` with ``group_size = Hq // Hkv`` and ``config.block_size``; built
+            (one host sync) when None.
+        backend: ``"auto"`` | ``"reference"`` | ``"triton"``.
+
+    Returns:
+        ``BlockIndex`` (``row_ptr`` int32 ``[Hkv * n_tiles + 1]``, ``col_idx`` int32 ``[nnz]``,
+        ``k_mean``/``v_mean`` float32 ``[n_blocks, Hkv, d]``; see ``docs/layout.md``).
+
+    Raises:
+        ValueError / TypeError: naming the argument, the expected shape/dtype/device and what was found.
+    """
+    config, scale, plan, mod = _prepare(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q,
+                                        config, softmax_scale, plan, backend)
+    return mod.build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale, plan)
+
+
+def flashprefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    config: SparseConfig | None = None,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    return_stats: bool = False,
+    *,
+    plan: BatchPlan | None = None,
+    index: BlockIndex | None = None,
+    backend: str = "auto",
+):
+    """Block-sparse causal prefill attention with mean correction (FlashPrefill V2, sections 3-4).
+
+    Query token ``t`` of a request sees KV positions ``p <= P + t`` (``P = Lk - Lq``, bottom-right
+    causal). Selected blocks are computed exactly; pruned blocks fully seen by the whole tile are
+    folded back as ``n_j`` copies of their mean key/value (``config.mean_correction``).
+
+    Args:
+        q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale, plan,
+            backend: as ``build_index``.
+        return_lse: also return ``lse``.
+        return_stats: also return ``SparseStats`` (density overall and per KV head, the index).
+        index: a ``BlockIndex`` of this batch and config (built when None).
+
+    Returns:
+        ``out`` ``[total_q, Hq, d]`` in q's dtype; with ``return_lse`` / ``return_stats`` a tuple
+        ``(out, lse)``, ``(out, stats)`` or ``(out, lse, stats)``. ``lse`` ``[total_q, Hq]``
+        float32 (float64 for float64 inputs on the reference): natural log of the corrected softmax
+        denominator. ``stats`` = ``SparseStats.from_index(index)`` (it syncs; ask only when needed).
+
+    Raises:
+        ValueError / TypeError: naming the argument, the expected shape/dtype/device and what was found.
+    """
+    config, scale, plan, mod = _prepare(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q,
+                                        config, softmax_scale, plan, backend)
+    if index is None:
+        index = mod.build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale, plan)
+    elif not torch.compiler.is_compiling():
+        _check_index(index, plan, config, k_cache.shape[2])
+    out, lse = mod.sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale,
+                                    plan, index)
+    result = (out,)
+    if return_lse:
+        result += (lse,)
+    if return_stats:
+        result += (SparseStats.from_index(index),)
+    return result[0] if len(result) == 1 else result
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    *,
+    plan: BatchPlan | None = None,
+    backend: str = "auto",
+):
+    """Dense causal attention over the paged KV (bottom-right aligned), the comparison baseline.
+
+    Args: as ``flashprefill_attention`` (no config; ``plan`` may use any block size).
+
+    Returns:
+        ``out`` ``[total_q, Hq, d]`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
+    """
+    _, scale, plan, mod = _prepare(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q,
+                                   None, softmax_scale, plan, backend, dense=True)
+    out, lse = mod.dense_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, scale, plan)
+    return (out, lse) if return_lse else out
+
+
+plan = make_plan  # alias: ``flashprefill.plan(seq_lens, cu_seqlens_q, group_size, block_size)``
+
+__all__ = [
+    "SparseConfig", "BlockIndex", "SparseStats", "BatchPlan", "make_plan", "plan",
+    "build_index", "flashprefill_attention", "dense_attention", "BACKENDS",
+]
