@@ -1,0 +1,235 @@
+"""Operator benchmark: FlashPrefill V2 (Triton) vs dense attention baselines, batch 1 by default.
+
+    python -m flashprefill.bench --lens 4k,8k,32k,128k --heads 32/8 --head-dim 128 --dtype bf16 --json out.json
+
+Inputs are SYNTHETIC with sink / local / needle structure (``synthetic_inputs``): a shared
+direction ``u`` in every query, the first 4 keys and one key block in 37 ("needles") along ``u``,
+and a slowly varying positional component shared by q_t and k_t (locality). Default
+``SparseConfig``. Paged KV (page size 64 unless ``--page-size``).
+
+Per length: index ms, attention ms, total, density, index memory (the ``BlockIndex`` tensors and
+the peak allocation delta of ``build_index``), our dense mode, and dense baselines measured in the
+same run: FA4 CuTe (``flash_attn.cute``, if installed), cuDNN SDPA, FA2 (SDPA flash backend).
+Times are ``triton.testing.do_bench`` medians after warm-up (one helper, ``time_ms``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Callable
+
+import torch
+
+from .config import SparseConfig
+from .plan import make_plan
+
+FP8_NOTE = "FP8 e4m3 path not implemented in the Triton kernels yet (bf16/fp16 only)"
+WARMUP_MS = 50
+REP_MS = 300
+
+
+def parse_len(s: str) -> int:
+    """``4k`` -> 4096, ``128k`` -> 131072, ``131072`` -> 131072."""
+    s = s.strip().lower()
+    if s.endswith("k"):
+        return int(float(s[:-1]) * 1024)
+    if s.endswith("m"):
+        return int(float(s[:-1]) * 1024 * 1024)
+    return int(s)
+
+
+def time_ms(fn: Callable[[], object]) -> float:
+    """Median milliseconds of ``fn`` on the GPU (CUDA events, warm-up first)."""
+    import triton.testing
+    return float(triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median"))
+
+
+def synthetic_inputs(L: int, hq: int, hkv: int, d: int, dtype, page_size: int = 64, batch: int = 1, seed: int = 0):
+    """Paged batch of ``batch`` requests of ``L`` tokens with sink / local / needle structure."""
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    g = hq // hkv
+    total = L * batch
+    pages_per = -(-L // page_size)
+    n_pages = pages_per * batch
+    q = torch.randn(total, hq, d, generator=gen, device=dev, dtype=torch.float32)
+    k = torch.randn(n_pages * page_size, hkv, d, generator=gen, device=dev, dtype=torch.float32)
+    v = torch.randn(n_pages * page_size, hkv, d, generator=gen, device=dev, dtype=torch.float32)
+    u = torch.randn(hkv, d, generator=gen, device=dev)
+    u = u / u.norm(dim=-1, keepdim=True) * math.sqrt(d)
+    for b in range(batch):
+        pos = torch.arange(L, device=dev)
+        slow = torch.randn(L // 256 + 2, hkv, d, generator=gen, device=dev) * 0.5
+        drift = slow[pos // 256]                                              # local structure
+        base = b * pages_per * page_size
+        k[base:base + L] += drift
+        q[b * L:(b + 1) * L] += drift.repeat_interleave(g, 1) + 0.5 * u.repeat_interleave(g, 0)
+        pick = (pos < 4) | ((pos // 128) % 37 == 5)                            # sink + needles
+        k[base:base + L][pick] += 0.7 * u
+    k = k.view(n_pages, page_size, hkv, d).to(dtype)
+    v = v.view(n_pages, page_size, hkv, d).to(dtype)
+    perm = torch.randperm(n_pages, generator=gen, device=dev).to(torch.int32)
+    inv = torch.empty_like(perm)
+    inv[perm.long()] = torch.arange(n_pages, dtype=torch.int32, device=dev)
+    # scatter the pages: logical page i of the pool now lives at physical page perm[i]
+    k_cache = torch.empty_like(k)
+    v_cache = torch.empty_like(v)
+    k_cache[perm.long()] = k
+    v_cache[perm.long()] = v
+    page_table = perm.view(batch, pages_per).contiguous()
+    seq_lens = torch.full((batch,), L, dtype=torch.int32, device=dev)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=dev) * L
+    return q.to(dtype), k_cache, v_cache, page_table, seq_lens, cu, k.view(-1, hkv, d), v.view(-1, hkv, d)
+
+
+def _dense_baselines(q, k_lin, v_lin, L, batch, hq, hkv, d, scale):
+    """FA4 CuTe, cuDNN SDPA, FA2 (SDPA flash): ms or a note each."""
+    res, notes = {}, {}
+    g = hq // hkv
+    qb = q.view(batch, L, hq, d)
+    kb = k_lin.view(batch, -1, hkv, d)[:, :L]
+    vb = v_lin.view(batch, -1, hkv, d)[:, :L]
+    try:
+        from flash_attn.cute import flash_attn_func  # FA4, imported lazily
+        qc, kc, vc = qb.contiguous(), kb.contiguous(), vb.contiguous()
+        res["fa4_ms"] = time_ms(lambda: flash_attn_func(qc, kc, vc, softmax_scale=scale, causal=True))
+    except Exception as e:  # absent or failing: say so, never fake it
+        notes["fa4"] = f"skipped: {type(e).__name__}: {str(e)[:160]}"
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    qs = qb.transpose(1, 2)
+    ks = kb.repeat_interleave(g, 2).transpose(1, 2).contiguous()
+    vs = vb.repeat_interleave(g, 2).transpose(1, 2).contiguous()
+    qs = qs.contiguous()
+    for key, backend in (("cudnn_ms", SDPBackend.CUDNN_ATTENTION), ("fa2_ms", SDPBackend.FLASH_ATTENTION)):
+        try:
+            def run(backend=backend):
+                with sdpa_kernel(backend):
+                    return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+            res[key] = time_ms(run)
+        except Exception as e:
+            notes[key[:-3]] = f"skipped: {type(e).__name__}: {str(e)[:160]}"
+    del ks, vs
+    return res, notes
+
+
+def run_operator_bench(lens, heads_q: int, heads_kv: int, head_dim: int, dtype, fp8: bool = False, batch: int = 1,
+                       progress=None, page_size: int = 64, config: SparseConfig | None = None,
+                       baselines: bool = True) -> list[dict]:
+    """Benchmark each length; one dict per length (the JSON rows). ``dtype``: torch dtype or
+    'bf16'/'fp16'. ``progress``: optional callable(str)."""
+    from .impl import triton_backend as tb
+    if isinstance(dtype, str):
+        dtype = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+                 "float16": torch.float16}[dtype]
+    if not torch.cuda.is_available():
+        raise RuntimeError("flashprefill.bench needs a CUDA GPU")
+    config = config or SparseConfig()
+    say = progress or (lambda s: print(s, file=sys.stderr, flush=True))
+    gpu = torch.cuda.get_device_name()
+    rows = []
+    for L in [parse_len(x) if isinstance(x, str) else int(x) for x in lens]:
+        say(f"[bench] L={L} batch={batch} heads {heads_q}/{heads_kv} d={head_dim} {dtype}")
+        row = {"gpu": gpu, "L": L, "batch": batch, "heads_q": heads_q, "heads_kv": heads_kv, "head_dim": head_dim,
+               "dtype": str(dtype).replace("torch.", ""), "page_size": page_size, "inputs": "synthetic sink/local/needle",
+               "config": {f: getattr(config, f) for f in config.field_names()}, "notes": {}}
+        if fp8:
+            row["notes"]["fp8"] = FP8_NOTE
+        q, kc, vc, pt, sl, cu, k_lin, v_lin = synthetic_inputs(L, heads_q, heads_kv, head_dim, dtype, page_size, batch)
+        scale = 1.0 / math.sqrt(head_dim)
+        plan = make_plan(sl, cu, heads_q // heads_kv, config.block_size)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        index = tb.build_index(q, kc, vc, pt, sl, cu, config, scale, plan)
+        torch.cuda.synchronize()
+        row["index_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        row["index_mib"] = index.nbytes() / 2**20
+        row["density"] = index.nnz / max(1, int(index.n_visible.sum()))
+        row["index_ms"] = time_ms(lambda: tb.build_index(q, kc, vc, pt, sl, cu, config, scale, plan))
+        row["attn_ms"] = time_ms(lambda: tb.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, index))
+
+        def total():
+            idx = tb.build_index(q, kc, vc, pt, sl, cu, config, scale, plan)
+            return tb.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, idx)
+        row["total_ms"] = time_ms(total)
+        row["dense_mode_ms"] = time_ms(lambda: tb.dense_attention(q, kc, vc, pt, sl, cu, scale, plan))
+        # causal dense FLOPs: 4 * L^2/2 * d * Hq per request
+        flops = 4.0 * (L * L / 2) * head_dim * heads_q * batch
+        row["dense_mode_tflops"] = flops / row["dense_mode_ms"] / 1e9
+        if baselines:
+            res, notes = _dense_baselines(q, k_lin, v_lin, L, batch, heads_q, heads_kv, head_dim, scale)
+            row.update(res)
+            row["notes"].update(notes)
+            for key in ("fa4_ms", "cudnn_ms", "fa2_ms"):
+                if key in row:
+                    row["speedup_vs_" + key[:-3]] = row[key] / row["total_ms"]
+        rows.append(row)
+        del q, kc, vc, k_lin, v_lin, index
+        torch.cuda.empty_cache()
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    cols = [("L", "L", "{:d}"), ("density", "density", "{:.3f}"), ("index_ms", "index ms", "{:.2f}"),
+            ("attn_ms", "attn ms", "{:.2f}"), ("total_ms", "total ms", "{:.2f}"),
+            ("index_mib", "index MiB", "{:.1f}"), ("index_peak_mib", "peak MiB", "{:.1f}"),
+            ("dense_mode_ms", "our dense ms", "{:.2f}"), ("fa4_ms", "FA4 ms", "{:.2f}"),
+            ("cudnn_ms", "cuDNN ms", "{:.2f}"), ("fa2_ms", "FA2 ms", "{:.2f}"),
+            ("speedup_vs_fa4", "x FA4", "{:.2f}"), ("speedup_vs_cudnn", "x cuDNN", "{:.2f}")]
+    head = [c[1] for c in cols]
+    body = [[(c[2].format(r[c[0]]) if c[0] in r else "-") for c in cols] for r in rows]
+    w = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+    lines = ["  ".join(h.rjust(w[i]) for i, h in enumerate(head))]
+    lines += ["  ".join(x.rjust(w[i]) for i, x in enumerate(b)) for b in body]
+    if rows:
+        r = rows[0]
+        lines.insert(0, f"{r['gpu']}  batch {r['batch']}  heads {r['heads_q']}/{r['heads_kv']}  d {r['head_dim']}  "
+                        f"{r['dtype']}  page {r['page_size']}  inputs: {r['inputs']}  config: default SparseConfig")
+        notes = {k: v for r in rows for k, v in r["notes"].items()}
+        lines += [f"note {k}: {v}" for k, v in notes.items()]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flashprefill.bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--lens", default="4k,8k,32k,128k", help="comma list: 4k, 128k, 131072")
+    ap.add_argument("--heads", default="32/8", help="Hq/Hkv")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--fp8", action="store_true", help="FP8 e4m3 path (not implemented: reported as such)")
+    ap.add_argument("--no-baselines", action="store_true")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    a = ap.parse_args(argv)
+    hq, hkv = (int(x) for x in a.heads.split("/"))
+    rows = run_operator_bench(a.lens.split(","), hq, hkv, a.head_dim, a.dtype, fp8=a.fp8, batch=a.batch,
+                              page_size=a.page_size, baselines=not a.no_baselines)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    text = format_table(rows)
+    try:
+        from rich.console import Console
+        from rich.table import Table
+        lines = text.splitlines()
+        console = Console()
+        console.print(lines[0], markup=False)
+        t = Table()
+        for name in ("L", "density", "index ms", "attn ms", "total ms", "index MiB", "peak MiB", "our dense ms",
+                     "FA4 ms", "cuDNN ms", "FA2 ms", "x FA4", "x cuDNN"):
+            t.add_column(name, justify="right")
+        for line in lines[2:2 + len(rows)]:
+            t.add_row(*line.split())
+        console.print(t)
+        for line in lines[2 + len(rows):]:
+            console.print(line, markup=False)
+    except ImportError:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
