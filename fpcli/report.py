@@ -199,23 +199,30 @@ def density_color(x: float) -> str:
 
 
 def heatmap_table(per_layer_head: Sequence[Sequence[float]]) -> Table:
-    """A rich table: one row per layer, one coloured cell per KV head, the layer mean at the end."""
+    """A rich table: one row per layer, one coloured cell per KV head (with its density in percent,
+    readable without colours too), the layer mean at the end."""
     heads = max((len(r) for r in per_layer_head), default=0)
-    t = Table(box=None, padding=(0, 0), show_edge=False)
+    t = Table(box=None, padding=(0, 1, 0, 0), show_edge=False)
     t.add_column("layer", justify="right", style="bold")
     t.add_column(" ")
     for h in range(heads):
         t.add_column(str(h) if heads <= 16 or h % 4 == 0 else "", justify="center", min_width=2)
     t.add_column(" mean", justify="right")
     for layer, row in enumerate(per_layer_head):
-        cells = [Text("  ", style=f"on {density_color(v)}") for v in row]
+        cells = [Text(f"{min(99, round(v * 100)):2d}", style=f"{_ink(v)} on {density_color(v)}") for v in row]
         mean = sum(row) / len(row) if row else 0.0
         t.add_row(str(layer), " ", *cells, *[""] * (heads - len(row)), f" {mean:.1%}")
     return t
 
 
+def _ink(x: float) -> str:
+    """Readable text colour on ``density_color(x)``."""
+    return "black" if x >= 0.6 else "white"
+
+
 def heatmap_legend() -> Text:
-    legend = Text("scale: ")
+    """Colour scale; cells also print the density in percent (99 = 99-100%) for plain terminals."""
+    legend = Text("cells: density in % (99 = 99-100%); scale: ")
     for i, color in enumerate(_RAMP):
         legend.append("  ", style=f"on {color}")
         if i in (0, len(_RAMP) - 1):
