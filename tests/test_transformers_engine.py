@@ -1,0 +1,237 @@
+"""The transformers engine on a tiny randomly initialised Llama (CPU, float32, no download).
+
+- the FlashPrefill attention function with a config that keeps every block gives the logits of
+  transformers' own SDPA attention (prefill from scratch, and a second chunk after a prefix);
+- a sparse config on a 1K-token input gives density < 1, finite logits and populated stats;
+- the engine (tokenizer, chat template, greedy/sampled decode, streaming, stats) end to end;
+- ``load_engine``: engine choice and the SGLang-unavailable error.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from flashprefill import SparseConfig
+from fpcli.engine.transformers_engine import (
+    ATTN_NAME,
+    FlashPrefillRuntime,
+    TransformersEngine,
+    causal_attention_flops,
+    install_flashprefill,
+)
+from fpcli.profiles import load_profile
+
+HQ, HKV, D, LAYERS = 6, 2, 32, 2  # g = 3: GQA packing with an odd group
+KEEP_ALL = SparseConfig(block_size=64, sink_tokens=0, window_tokens=1, dense_tail_tokens=0, alpha=0.0)
+SPARSE = SparseConfig(block_size=64, sink_tokens=64, window_tokens=64, dense_tail_tokens=64, alpha=1.0)
+WORDS = [f"w{i}" for i in range(200)]
+
+
+def tiny_config(**kw):
+    from transformers import LlamaConfig
+
+    base = dict(vocab_size=256, hidden_size=HQ * D, intermediate_size=256, num_hidden_layers=LAYERS,
+                num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D, max_position_embeddings=4096,
+                rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    base.update(kw)
+    return LlamaConfig(**base)
+
+
+def tiny_model(attn: str):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config())
+    # Larger q/k weights give peaked attention, so block selection has something to find.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8.0)
+            layer.self_attn.k_proj.weight.mul_(8.0)
+    model.set_attn_implementation(attn)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def ref_model():
+    return tiny_model("sdpa")
+
+
+def fp_model(config, dense_layers=0):
+    model = tiny_model("sdpa")
+    rt = install_flashprefill(model, FlashPrefillRuntime(config=config, dense_layers=dense_layers))
+    assert model.config._attn_implementation == ATTN_NAME
+    return model, rt
+
+
+def ids(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 256, (1, n), generator=g)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("n", [1, 77, 300])
+def test_keep_all_matches_sdpa(ref_model, n):
+    model, rt = fp_model(KEEP_ALL)
+    x = ids(n)
+    want = ref_model(x).logits
+    got = model(x).logits
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    if n > 1:
+        assert sorted(rt.layers) == [0, 1] and all(s.sparse and s.density == 1.0 for s in rt.layers.values())
+
+
+@torch.inference_mode()
+def test_dense_layers_and_chunk_after_prefix(ref_model):
+    """Prefill 200 tokens, then a 130-token chunk (P = 200) through the cache: the operator's
+    bottom-right causal alignment must match SDPA on the whole sequence."""
+    from transformers import DynamicCache
+
+    model, rt = fp_model(KEEP_ALL, dense_layers=1)
+    x = ids(330)
+    want = ref_model(x).logits[:, 200:]
+    cache = DynamicCache()
+    model(x[:, :200], cache=cache, use_cache=True)
+    rt.reset()
+    got = model(x[:, 200:], cache=cache, use_cache=True).logits
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    assert not rt.layers[0].sparse and rt.layers[1].sparse
+    assert (rt.layers[1].q_len, rt.layers[1].kv_len) == (130, 330)
+
+
+@torch.inference_mode()
+def test_sparse_config_is_sparse_and_finite(ref_model):
+    model, rt = fp_model(SPARSE, dense_layers=1)
+    x = ids(1100)
+    logits = model(x).logits
+    assert torch.isfinite(logits).all()
+    stats = rt.stats(LAYERS)
+    assert stats.density_per_layer[0] == 1.0  # the dense layer
+    assert 0.0 < stats.density_per_layer[1] < 1.0
+    assert stats.density == pytest.approx(stats.density_per_layer[1])
+    assert len(stats.density_per_layer_head) == LAYERS and len(stats.density_per_layer_head[1]) == HKV
+    assert all(0.0 < h <= 1.0 for h in stats.density_per_layer_head[1])
+    dense_flops = causal_attention_flops(1100, 1100, D, HQ)
+    assert stats.attention_flops_dense == pytest.approx(LAYERS * dense_flops)
+    assert stats.attention_flops_skipped == pytest.approx(dense_flops * (1 - stats.density_per_layer[1]))
+    assert stats.index_ms is not None and stats.attention_ms is not None and stats.attention_ms > 0
+    # Sparse, yet close to the dense model: the window, sink, dense tail and mean correction.
+    want = ref_model(x).logits
+    assert (logits[0, -1].argmax() == want[0, -1].argmax()) or torch.allclose(logits[0, -1], want[0, -1], atol=0.5)
+
+
+def test_flops_formula():
+    # 4 * d * Hq * sum_{t < Lq} (P + t + 1)
+    assert causal_attention_flops(3, 5, 2, 1) == 4 * 2 * 1 * (3 + 4 + 5)
+    assert causal_attention_flops(2048, 2048, 64, 9) == pytest.approx(4 * 64 * 9 * 2048 * 2049 / 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine on a saved folder with a word-level tokenizer and a chat template
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny-chat-llama")
+    special = ["<unk>", "<s>", "<|im_end|>", "<|im_start|>"]
+    vocab = {t: i for i, t in enumerate(special + ["system", "user", "assistant"] + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="<|im_end|>",
+                                   pad_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    tiny_model("sdpa").save_pretrained(path)
+    return path
+
+
+def profile(name, **op):
+    p = load_profile(name)
+    if op:
+        p = dataclasses.replace(p, operator=p.operator.replace(**op))
+    return p
+
+
+def test_engine_contract(model_dir):
+    prof = profile("bf16", block_size=64, sink_tokens=64, window_tokens=64, dense_tail_tokens=64, alpha=1.0)
+    with TransformersEngine(model_dir, prof, model_name="tiny") as eng:
+        assert (eng.name, eng.model_name, eng.context_length) == ("transformers", "tiny", 4096)
+        assert eng.dtype == torch.float32
+        assert eng.count_tokens("w1 w2 w3") == 3
+        prompt = eng.encode_chat("w7 w8", "w5 w6")
+        assert eng.tokenizer.decode(prompt).split() == "<|im_start|> system w7 w8 <|im_end|> <|im_start|> user w5 w6 <|im_end|> <|im_start|> assistant".split()
+        user = " ".join(WORDS[i % 200] for i in range(1000))
+        pieces: list[str] = []
+        r = eng.generate(eng.encode_chat(None, user), max_new_tokens=6, on_text=pieces.append)
+        assert r.prompt_tokens == 1000 + 5 and 1 <= r.output_tokens <= 6
+        assert "".join(pieces) == r.text
+        assert 0 < r.ttft_s <= r.total_s and 0 < r.prefill_s <= r.ttft_s
+        assert (r.engine, r.model, r.profile) == ("transformers", "tiny", "bf16")
+        s = r.stats
+        assert len(s.density_per_layer) == LAYERS and s.density_per_layer[:2] == [1.0, 1.0]  # dense_layers: 2
+        assert s.attention_flops_dense > 0 and s.attention_flops_skipped == 0.0
+        json.dumps(r.to_dict())
+        sampled = eng.generate(prompt, max_new_tokens=4, temperature=1.0)
+        assert 1 <= sampled.output_tokens <= 4 or sampled.finish_reason == "stop"
+    assert eng.model is None  # closed
+
+
+def test_engine_sparse_layers_report_density(model_dir):
+    prof = dataclasses.replace(profile("bf16", block_size=64, sink_tokens=64, window_tokens=64, dense_tail_tokens=64,
+                                       alpha=1.0), dense_layers=0)
+    with TransformersEngine(model_dir, prof) as eng:
+        r = eng.generate(eng.encode_chat(None, " ".join(WORDS * 5)), max_new_tokens=2)
+    assert r.stats.density < 1.0 and r.stats.attention_flops_skipped > 0
+    assert all(len(h) == HKV for h in r.stats.density_per_layer_head)
+
+
+def test_engine_greedy_matches_transformers_generate(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    with TransformersEngine(model_dir, load_profile("dense")) as eng:
+        prompt = eng.encode_chat(None, " ".join(WORDS[:50]))
+        r = eng.generate(prompt, max_new_tokens=8)
+        assert r.stats.density == 1.0 and r.stats.density_per_layer == [1.0] * LAYERS
+        ref = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32)
+        out = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=sorted(eng.eos_ids),
+                           pad_token_id=0)
+        want = eng.tokenizer.decode(out[0, len(prompt):], skip_special_tokens=True)
+    assert r.text == want
+
+
+def test_engine_rejects_overlong_prompt(model_dir):
+    prof = dataclasses.replace(load_profile("dense"),
+                               engine=dataclasses.replace(load_profile("dense").engine, context_length=256))
+    with TransformersEngine(model_dir, prof) as eng:
+        assert eng.context_length == 256
+        with pytest.raises(ValueError, match="fills the context"):
+            eng.generate([5] * 256)
+
+
+# ---------------------------------------------------------------------------------------------
+# load_engine
+
+
+def test_load_engine_choices(model_dir, monkeypatch):
+    import fpcli.engine as engine_mod
+
+    with pytest.raises(ValueError, match="unknown engine 'tpu'"):
+        engine_mod.load_engine("tpu")
+    monkeypatch.setattr(engine_mod, "_sglang_missing", lambda: "sglang is not installed")
+    with pytest.raises(engine_mod.EngineUnavailable, match=r"pip install -e \.\[gpu\].*--engine transformers"):
+        engine_mod.load_engine("sglang", model=str(model_dir))
+    assert engine_mod.available_engines() == ["transformers"]
+    with engine_mod.load_engine("auto", model=str(model_dir), profile="dense", progress=False) as eng:
+        assert eng.name == "transformers" and eng.model_name == model_dir.name
+        assert eng.profile.name == "dense"
