@@ -3,10 +3,12 @@
 Run on the device: ``PYTHONPATH=kernels:. pytest tests/gpu/test_kernels.py -q -x``.
 
 - Selection: the Triton CSR equals the reference's (threshold ties at most 1% of visible blocks).
-- Attention: the Triton sparse output, given the Triton index, vs the reference's sparse attention
-  given the SAME index, computed in fp32. Budget: max error <= K_LOWP x the error of rounding the
-  fp32 reference to q's dtype, plus ATOL; relative norm error < REL_TOL. Output buffers are
-  poisoned with NaN before each launch (the caching allocator hands the same memory back).
+- Attention: the Triton sparse output, given the Triton index, vs an fp32 ground truth: the
+  reference's sparse attention given the SAME index on the float32-upcast inputs. Budget: max
+  error <= K_LOWP x the error of a 16-bit PyTorch run (the reference on the bf16/fp16 inputs, whose
+  result is rounded to q's dtype) against that truth, plus ATOL; relative norm error < REL_TOL.
+  Output buffers are poisoned with NaN before each launch (the caching allocator hands the same
+  memory back).
 - 130000 tokens: CSR vs the reference, and a sample of rows vs an independent fp32 evaluation of
   ``docs/layout.md`` "Attention with mean correction" restricted to those rows.
 - Mean correction lowers the error vs dense attention on structured inputs.
@@ -86,19 +88,34 @@ def csr_mismatch(a, b, hkv, n_tiles, max_nb):
     return int((ma != mb).sum())
 
 
-def check_outputs(name, out, lse, ref_out, ref_lse, dtype):
+def check_outputs(name, out, lse, truth_out, truth_lse, dtype, lowp_out=None):
+    """``truth_out``: fp32 (or fp64) ground truth. ``lowp_out``: a 16-bit PyTorch computation of
+    the same thing (default: the truth rounded to ``dtype``, what the reference returns on 16-bit
+    inputs). The fast path may err by at most K_LOWP x that run's error, plus ATOL."""
+    assert truth_out.dtype in (torch.float32, torch.float64), f"{name}: ground truth must be fp32, got {truth_out.dtype}"
     assert torch.isfinite(out).all(), f"{name}: NaN/Inf in out"
     assert not torch.isnan(lse).any(), f"{name}: NaN in lse"
-    r = ref_out.float()
-    lowp = (r.to(dtype).float() - r).abs().max().item()
+    r = truth_out.float()
+    if lowp_out is None:
+        lowp_out = r.to(dtype)
+    assert lowp_out.dtype == dtype, f"{name}: baseline must be a {dtype} run, got {lowp_out.dtype}"
+    lowp = (lowp_out.float() - r).abs().max().item()
     err = (out.float() - r).abs().max().item()
     rel = ((out.float() - r).norm() / r.norm().clamp_min(1e-12)).item()
     assert err <= K_LOWP * lowp + ATOL, f"{name}: max err {err:.3e} > {K_LOWP} x {lowp:.3e} + {ATOL}"
     assert rel < REL_TOL, f"{name}: rel err {rel:.3e}"
-    fin = torch.isfinite(ref_lse)
+    fin = torch.isfinite(truth_lse)
     assert torch.equal(fin, torch.isfinite(lse)), f"{name}: lse finiteness differs"
-    lerr = (lse[fin] - ref_lse[fin].float()).abs().max().item() if fin.any() else 0.0
+    lerr = (lse[fin] - truth_lse[fin].float()).abs().max().item() if fin.any() else 0.0
     assert lerr < 2e-2, f"{name}: lse err {lerr:.3e}"
+
+
+def truth_and_lowp(fn, q, k, v, *args):
+    """``fn`` (a reference attention) on the float32-upcast inputs (the ground truth) and on the
+    16-bit inputs (the low-precision baseline, rounded to q's dtype)."""
+    t_out, t_lse = fn(q.float(), k.float(), v.float(), *args)
+    l_out, _ = fn(q, k, v, *args)
+    return t_out, t_lse, l_out
 
 
 def run_case(name, q_lens, prefixes, hkv, g, d, ps, dtype, config=SMALL):
@@ -117,8 +134,8 @@ def run_case(name, q_lens, prefixes, hkv, g, d, ps, dtype, config=SMALL):
     assert km_err < 1e-4, f"{name}: k_mean err {km_err}"
     poison(q.numel() * q.element_size() * 2)
     out, lse = tb.sparse_attention(q, k, v, pt, sl, cu, config, None, plan, idx)
-    r_out, r_lse = ref.sparse_attention(q, k, v, pt, sl, cu, config, None, plan, idx)
-    check_outputs(name + "/sparse", out, lse, r_out, r_lse, dtype)
+    r_out, r_lse, l_out = truth_and_lowp(ref.sparse_attention, q, k, v, pt, sl, cu, config, None, plan, idx)
+    check_outputs(name + "/sparse", out, lse, r_out, r_lse, dtype, l_out)
     return idx
 
 
@@ -154,13 +171,13 @@ def test_dense_attention_and_no_mc_paths(ps):
     plan = make_plan(sl, cu, 4, 128)
     poison(q.numel() * 4)
     out, lse = tb.dense_attention(q, k, v, pt, sl, cu, None, plan)
-    r_out, r_lse = ref.dense_attention(q, k, v, pt, sl, cu, None, plan)
-    check_outputs(f"dense ps{ps}", out, lse, r_out, r_lse, torch.bfloat16)
+    r_out, r_lse, l_out = truth_and_lowp(ref.dense_attention, q, k, v, pt, sl, cu, None, plan)
+    check_outputs(f"dense ps{ps}", out, lse, r_out, r_lse, torch.bfloat16, l_out)
     cfg = SMALL.replace(mean_correction=False)
     idx = tb.build_index(q, k, v, pt, sl, cu, cfg, None, plan)
     out, lse = tb.sparse_attention(q, k, v, pt, sl, cu, cfg, None, plan, idx)
-    r_out, r_lse = ref.sparse_attention(q, k, v, pt, sl, cu, cfg, None, plan, idx)
-    check_outputs(f"sparse-no-mc ps{ps}", out, lse, r_out, r_lse, torch.bfloat16)
+    r_out, r_lse, l_out = truth_and_lowp(ref.sparse_attention, q, k, v, pt, sl, cu, cfg, None, plan, idx)
+    check_outputs(f"sparse-no-mc ps{ps}", out, lse, r_out, r_lse, torch.bfloat16, l_out)
 
 
 @pytest.mark.parametrize("L", [128, 1000, 4097])
