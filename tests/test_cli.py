@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import encrypt_pdf, make_pdf
+from fp_fakes import encrypt_pdf, make_pdf
 from fpcli.cli import app
 from fpcli.commands.bench import parse_heads, parse_lengths
 
@@ -104,7 +104,7 @@ def test_ask_missing_paths_exit_2_before_loading(runner, fake_engine, doc, tmp_p
     assert r.exit_code == 2
     assert "a.pdf: no such file" in r.stderr and "b.txt: no such file" in r.stderr
     assert r.stdout == ""
-    from conftest import LAST_FAKE
+    from fp_fakes import LAST_FAKE
 
     assert LAST_FAKE == []  # the model was never loaded
 
@@ -317,7 +317,7 @@ def test_profile_fp8_error_unavailable_is_said(runner, fake_engine, doc, tmp_pat
 
 
 def test_profile_per_layer_times_and_fp8_error(runner, fake_engine, doc, tmp_path, monkeypatch):
-    from conftest import FakeEngine
+    from fp_fakes import FakeEngine
 
     real = FakeEngine.stats_for
 
@@ -404,7 +404,7 @@ def test_subprocess_entry_point(doc, tmp_path):
     r = subprocess.run(_fp() + ["ask", str(tmp_path / "missing.pdf"), "q?"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and "missing.pdf: no such file" in r.stderr and r.stdout == ""
 
-    env.update(FP_ENGINE_FACTORY="conftest:fake_load_engine", FP_FAKE_ANSWER="The code is {fact}.")
+    env.update(FP_ENGINE_FACTORY="fp_fakes:fake_load_engine", FP_FAKE_ANSWER="The code is {fact}.")
     r = subprocess.run(_fp() + ["ask", "-", "What is the code?"], input=doc.read_text(), capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout == "The code is PLUM7.\n"

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import encrypt_pdf, garble_pdf, make_pdf
+from fp_fakes import encrypt_pdf, garble_pdf, make_pdf
 from fpcli import ingest
 from fpcli.ingest import check_paths, garbled_fraction, ingest as ingest_all
 

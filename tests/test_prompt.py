@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from conftest import TEMPLATE_TOKENS, FakeEngine
+from fp_fakes import TEMPLATE_TOKENS, FakeEngine
 from fpcli.ingest import Document
 from fpcli.prompt import SYSTEM_PROMPT, PromptError, build_prompt, format_user, water_fill
 

@@ -1,0 +1,235 @@
+"""Test helpers shared by the CPU tests (imported as ``fp_fakes``; ``tests/`` is on ``sys.path``).
+
+A module with a unique name, not ``conftest``: ``tests/gpu/conftest.py`` also exists, and
+``from conftest import ...`` would pick whichever conftest was imported first.
+
+``FakeEngine`` implements ``fpcli.engine.base.Engine`` with a whitespace tokenizer: one token per
+whitespace-separated word, plus ``TEMPLATE_TOKENS`` for the chat template. It streams a scripted
+answer and reports synthetic ``PrefillStats``. Use it directly, through the ``fake_engine``
+fixture of ``tests/conftest.py`` (which routes ``fpcli.engine.load_engine`` to it), or from a
+subprocess with ``FP_ENGINE_FACTORY=fp_fakes:fake_load_engine`` and ``tests/`` on ``PYTHONPATH``.
+``make_pdf``, ``encrypt_pdf`` and ``garble_pdf`` build real PDFs for the ingestion tests.
+"""
+from __future__ import annotations
+
+import io
+import re
+import time
+from typing import Callable
+
+from fpcli.engine.base import GenerationResult, PrefillStats
+
+TEMPLATE_TOKENS = 7  # tokens the fake chat template adds around system + user
+
+
+class FakeEngine:
+    """A deterministic stand-in for a loaded model.
+
+    Args:
+        answer: the text ``generate`` streams (a ``{fact}`` placeholder is filled with the first
+            "secret code is X" sentence found in the prompt, to test end-to-end plumbing).
+        context_length: max positions (prompt + answer).
+        num_layers, num_kv_heads: shape of the synthetic density statistics.
+        profile: the profile name to report.
+    """
+
+    name = "fake"
+
+    def __init__(
+        self,
+        answer: str = "The answer is 42.",
+        context_length: int = 4096,
+        num_layers: int = 4,
+        num_kv_heads: int = 2,
+        profile: str = "bf16",
+        model_name: str = "fake-model",
+    ) -> None:
+        self.answer = answer
+        self.context_length = context_length
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.profile = profile
+        self.model_name = model_name
+        self.prompts: list[tuple[str | None, str]] = []  # (system, user) of every encode_chat call
+        self.generated: list[dict] = []  # arguments of every generate call
+        self.closed = False
+
+    # -- Engine contract -------------------------------------------------------------------------
+    def count_tokens(self, text: str) -> int:
+        return len(text.split())
+
+    def encode_chat(self, system: str | None, user: str) -> list[int]:
+        self.prompts.append((system, user))
+        words = (system or "").split() + user.split()
+        return [1] * TEMPLATE_TOKENS + [hash(w) % 50000 + 2 for w in words]
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        on_text: Callable[[str], None] | None = None,
+    ) -> GenerationResult:
+        if len(prompt_ids) + max_new_tokens > self.context_length:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens exceeds the context "
+                f"length {self.context_length}"
+            )
+        self.generated.append({"prompt_len": len(prompt_ids), "max_new_tokens": max_new_tokens, "temperature": temperature})
+        t0 = time.perf_counter()
+        text = self.answer
+        if "{fact}" in text:
+            user = self.prompts[-1][1] if self.prompts else ""
+            m = re.search(r"secret code is (\w+)", user)
+            text = text.replace("{fact}", m.group(1) if m else "unknown")
+        pieces = re.findall(r"\S+\s*", text)[:max_new_tokens]
+        ttft = None
+        for piece in pieces:
+            if ttft is None:
+                ttft = time.perf_counter() - t0 + 0.010
+            if on_text:
+                on_text(piece)
+        total = time.perf_counter() - t0 + 0.050
+        return GenerationResult(
+            text="".join(pieces),
+            prompt_tokens=len(prompt_ids),
+            output_tokens=len(pieces),
+            ttft_s=ttft or total,
+            prefill_s=(ttft or total) * 0.9,
+            total_s=total,
+            engine=self.name,
+            model=self.model_name,
+            profile=self.profile,
+            stats=self.stats_for(len(prompt_ids)),
+            finish_reason="stop" if len(pieces) < max_new_tokens else "length",
+        )
+
+    def stats_for(self, n: int) -> PrefillStats:
+        """Synthetic statistics: layer 0 dense, deeper layers sparser, heads differ a little."""
+        per_head = []
+        for layer in range(self.num_layers):
+            base = 1.0 if layer == 0 else max(0.05, 0.6 / layer)
+            per_head.append([round(min(1.0, base * (1.0 + 0.1 * h)), 4) for h in range(self.num_kv_heads)])
+        per_layer = [sum(row) / len(row) for row in per_head]
+        overall = sum(per_layer) / len(per_layer)
+        flops = 4.0 * n * n / 2 * 64 * self.num_kv_heads * self.num_layers
+        return PrefillStats(
+            density=overall,
+            density_per_layer=per_layer,
+            density_per_layer_head=per_head,
+            attention_flops_dense=flops,
+            attention_flops_skipped=flops * (1.0 - overall),
+            index_ms=1.5,
+            attention_ms=6.0,
+        )
+
+    def close(self) -> None:
+        self.closed = True
+
+    def __enter__(self) -> "FakeEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+LAST_FAKE: list[FakeEngine] = []  # engines made by fake_load_engine, newest last
+
+
+def fake_load_engine(engine: str = "auto", model: str | None = None, profile=None, progress=None, **kwargs) -> FakeEngine:
+    """Drop-in for ``fpcli.engine.load_engine``; also the ``FP_ENGINE_FACTORY`` hook for subprocess
+    tests. ``$FP_FAKE_ANSWER`` and ``$FP_FAKE_CONTEXT`` set the answer and the context length."""
+    import os
+
+    fake = FakeEngine(
+        answer=os.environ.get("FP_FAKE_ANSWER", "The answer is 42."),
+        context_length=int(os.environ.get("FP_FAKE_CONTEXT", "4096")),
+        profile=getattr(profile, "name", str(profile)),
+        model_name=model or "fake-model",
+    )
+    fake.requested = {"engine": engine, "model": model, "profile": profile}
+    LAST_FAKE.append(fake)
+    return fake
+
+
+# -- PDF builders (reportlab) --------------------------------------------------------------------
+
+
+def make_pdf(pages: list[str | None], path=None) -> bytes:
+    """A real PDF with one page per entry: a string is drawn as text lines; ``None`` makes an
+    image-only page (no text layer, like a scan). Written to ``path`` when given."""
+    from reportlab.lib.utils import ImageReader
+    from reportlab.pdfgen import canvas
+
+    buf = io.BytesIO()
+    c = canvas.Canvas(buf)
+    for content in pages:
+        if content is None:
+            c.drawImage(ImageReader(_scan_image()), 72, 300, width=400, height=400)
+        else:
+            y = 760
+            for line in content.splitlines() or [""]:
+                c.drawString(72, y, line)
+                y -= 14
+        c.showPage()
+    c.save()
+    data = buf.getvalue()
+    if path is not None:
+        with open(path, "wb") as f:
+            f.write(data)
+    return data
+
+
+def encrypt_pdf(data: bytes, user_password: str, path) -> None:
+    """Write ``data`` encrypted with RC4-128 (pypdf reads RC4 without extra packages)."""
+    from pypdf import PdfReader, PdfWriter
+
+    writer = PdfWriter(clone_from=PdfReader(io.BytesIO(data)))
+    writer.encrypt(user_password=user_password, owner_password="owner-secret", algorithm="RC4-128")
+    with open(path, "wb") as f:
+        writer.write(f)
+
+
+def _scan_image():
+    """A small grey-noise PIL image standing in for a scanned page."""
+    from PIL import Image
+
+    img = Image.new("L", (64, 64))
+    img.putdata([(x * 7 + y * 13) % 256 for y in range(64) for x in range(64)])
+    return img
+
+
+_PUA_CMAP = b"""/CIDInit /ProcSet findresource begin
+12 dict begin
+begincmap
+/CMapName /Garble def
+/CMapType 2 def
+1 begincodespacerange
+<00> <FF>
+endcodespacerange
+1 beginbfrange
+<20> <7E> <E020>
+endbfrange
+endcmap
+CMapName currentdict /CMap defineresource pop
+end
+end
+"""
+
+
+def garble_pdf(data: bytes) -> bytes:
+    """``data`` with a ToUnicode map on every font that sends each character to the private-use
+    area (U+E020...), as PDFs with broken font encodings do: the text extracts as gibberish."""
+    from pypdf import PdfReader, PdfWriter
+    from pypdf.generic import DecodedStreamObject, NameObject
+
+    writer = PdfWriter(clone_from=PdfReader(io.BytesIO(data)))
+    for page in writer.pages:
+        fonts = page["/Resources"]["/Font"]
+        for name in fonts:
+            stream = DecodedStreamObject()
+            stream.set_data(_PUA_CMAP)
+            fonts[name].get_object()[NameObject("/ToUnicode")] = writer._add_object(stream)
+    buf = io.BytesIO()
+    writer.write(buf)
+    return buf.getvalue()
