@@ -54,8 +54,8 @@ def _kv_rows(pt_row, pos, PAGE_SIZE: tl.constexpr, stride_page, stride_slot):
 
 @triton.jit
 def _block_means_kernel(
-    k_ptr, v_ptr, page_table, seq_lens, block_ptr, block_request,
-    k_mean, v_mean,
+    k_ptr, v_ptr, page_table, seq_lens, block_ptr,
+    k_mean, v_mean, k_lowp,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
     stride_pt,
@@ -64,14 +64,18 @@ def _block_means_kernel(
     BLOCK_SIZE: tl.constexpr,
     TOKENS: tl.constexpr,          # tokens summed per step (BLOCK_SIZE % TOKENS == 0)
     PAGE_SIZE: tl.constexpr,
+    WRITE_LOWP: tl.constexpr,      # also write k̄ rounded to k_lowp's dtype (one-dot scores)
 ):
+    """Grid ``(max blocks per request, Hkv, batch)``: programs past a request's last block exit."""
     tl.static_assert(BLOCK_SIZE % TOKENS == 0)
-    # --- setup: global block -> (request, local block)
-    gb = tl.program_id(0)
+    # --- setup: (local block, head, request) -> pooled block
+    j = tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.load(block_request + gb)
-    j = gb - tl.load(block_ptr + b)
+    b = tl.program_id(2)
     lk = tl.load(seq_lens + b)
+    if j * BLOCK_SIZE >= lk:
+        return
+    gb = tl.load(block_ptr + b) + j
     pt_row = page_table + b.to(tl.int64) * stride_pt
     n_valid = tl.minimum(BLOCK_SIZE, lk - j * BLOCK_SIZE)
     dims = tl.arange(0, HEAD_DIM)
@@ -95,6 +99,8 @@ def _block_means_kernel(
     out = gb.to(tl.int64) * stride_mb + h * stride_mh + dims
     tl.store(k_mean + out, k_sum * inv)
     tl.store(v_mean + out, v_sum * inv)
+    if WRITE_LOWP:
+        tl.store(k_lowp + out, (k_sum * inv).to(k_lowp.dtype.element_ty))
 
 
 # --------------------------------------------------------------------------------------------
@@ -131,40 +137,49 @@ def _n_fully_seen(x, lk, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _score_chunk(q, k_mean, j0, n_scored, blk0, h, rows_tok, row_ok, P, lk, scale_log2,
-                 stride_mb, stride_mh,
+def _score_chunk(qT, k_mean, k_lowp, j0, n_scored, blk0, h, rows_tok, row_ok, P, lk, scale_log2,
+                 stride_mb, stride_mh, need_mask,
                  HEAD_DIM: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  EXACT: tl.constexpr):
     """Log2-energy of blocks ``j0 .. j0+BLOCK_J-1``: ``log2 Σ_{valid ρ} 2^(ℓ2(ρ, j))``.
 
-    ``ℓ2 = τ q·k̄ · log2(e)``; ``EXACT`` splits the fp32 k̄ into hi + lo in q's 16-bit type (two
-    tensor-core dots, ~fp32 accuracy of ``ℓ``), else one dot on k̄ rounded to q's type.
-    Blocks past ``n_scored`` get ``-inf``.
+    Transposed product ``ℓᵀ = k̄ qᵀ`` ``[BLOCK_J, TILE_ROWS]``: the per-block reductions over the
+    tile's rows run along the accumulator's rows (inside a warp: shuffles, no shared-memory
+    round trip). ``ℓ2 = τ q·k̄ · log2(e)``; ``EXACT`` splits the fp32 k̄ into hi + lo in q's
+    16-bit type (two tensor-core dots, ~fp32 accuracy of ``ℓ``), else one dot on the 16-bit copy
+    ``k_lowp``. ``need_mask`` (runtime): some (row, block) pair of the chunk is not valid (a block
+    not fully seen by the tile's first row, or a partial tile); otherwise the mask is skipped.
+    Each block's own max is subtracted (exact log-sum-exp per block). Blocks past ``n_scored``
+    get ``-inf``.
     """
     js = j0 + tl.arange(0, BLOCK_J)
     j_ok = js < n_scored
     dims = tl.arange(0, HEAD_DIM)
-    km = tl.load(k_mean + (blk0 + js).to(tl.int64)[:, None] * stride_mb + h * stride_mh + dims[None, :],
-                 mask=j_ok[:, None], other=0.0)                                   # [BLOCK_J, d] fp32
-    hi = km.to(q.dtype)
-    ell = tl.dot(q, tl.trans(hi))
+    offs = (blk0 + js).to(tl.int64)[:, None] * stride_mb + h * stride_mh + dims[None, :]
     if EXACT:
-        lo = (km - hi.to(tl.float32)).to(q.dtype)
-        ell += tl.dot(q, tl.trans(lo))
-    ell = ell * scale_log2                                                         # [BLOCK_M, BLOCK_J]
-    e_j = tl.minimum((js + 1) * BLOCK_SIZE, lk)
-    valid = row_ok[:, None] & j_ok[None, :] & (e_j[None, :] <= P + rows_tok[:, None] + 1)
-    ell = tl.where(valid, ell, float("-inf"))
-    m_c = tl.max(tl.max(ell, axis=1), axis=0)
-    m_c = tl.where(m_c == float("-inf"), 0.0, m_c)
-    energy = tl.sum(tl.exp2(ell - m_c), axis=0)                                   # [BLOCK_J]
-    return tl.where(j_ok, m_c + tl.log2(energy), float("-inf"))
+        km = tl.load(k_mean + offs, mask=j_ok[:, None], other=0.0)                # [BLOCK_J, d] fp32
+        hi = km.to(qT.dtype)
+        lo = (km - hi.to(tl.float32)).to(qT.dtype)
+        ellT = tl.dot(hi, qT)
+        ellT = tl.dot(lo, qT, ellT)
+    else:
+        kl = tl.load(k_lowp + offs, mask=j_ok[:, None], other=0.0)                # [BLOCK_J, d] 16-bit
+        ellT = tl.dot(kl, qT)
+    ellT = ellT * scale_log2                                                        # [BLOCK_J, TILE_ROWS]
+    if need_mask:
+        e_j = tl.minimum((js + 1) * BLOCK_SIZE, lk)
+        valid = row_ok[None, :] & j_ok[:, None] & (e_j[:, None] <= P + rows_tok[None, :] + 1)
+        ellT = tl.where(valid, ellT, float("-inf"))
+    m_j = tl.max(ellT, axis=1)
+    m_j = tl.where(m_j == float("-inf"), 0.0, m_j)
+    energy = tl.sum(tl.exp2(ellT - m_j[:, None]), axis=1)                         # [BLOCK_J]
+    return tl.where(j_ok, m_j + tl.log2(energy), float("-inf"))
 
 
 @triton.jit
 def _select_kernel(
-    q_ptr, k_mean, tile_request, tile_local, cu_seqlens_q, seq_lens, block_ptr,
-    scratch, counts, n_visible, bits,
+    q_ptr, k_mean, k_lowp, tile_request, tile_local, cu_seqlens_q, seq_lens, block_ptr,
+    scratch, row_ptr, n_visible, bits,
     stride_qt, stride_qh, stride_mb, stride_mh, stride_scratch, n_words,
     n_tiles, n_segments, n_prog, scale_log2, log2_alpha,
     sink_tokens, window_tokens, dense_tail_tokens, min_sparse_len,
@@ -197,19 +212,25 @@ def _select_kernel(
         head = h * GROUP + rows % GROUP
         q_off = (q_start + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
         q = tl.load(q_ptr + q_off[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
+        qT = tl.trans(q)                                                           # [d, TILE_ROWS]
         dense = (t_last >= lq - dense_tail_tokens) | (lq < min_sparse_len)
         n_scored = _n_fully_seen(P + t_last + 1, lk, BLOCK_SIZE)
         n_score_loop = tl.where(dense, 0, n_scored)
         if KEEP_ALL_SCORED:
             n_score_loop = 0
+        # chunks ending at or before n_first need no mask: every row fully sees their blocks
+        n_first = tl.where(lq * GROUP - i * TILE_ROWS >= TILE_ROWS,
+                           _n_fully_seen(P + t_first + 1, lk, BLOCK_SIZE), 0)
         win_lo = tl.maximum(P + t_first - window_tokens + 1, 0) // BLOCK_SIZE
         # --- pass A: log2-energies of scored blocks -> scratch, and their max
-        e_max = float("-inf")
+        e_max_v = tl.full([BLOCK_J], float("-inf"), dtype=tl.float32)
         for j0 in range(0, n_score_loop, BLOCK_J):
-            log_e = _score_chunk(q, k_mean, j0, n_score_loop, blk0, h, tok, row_ok, P, lk, scale_log2,
-                                 stride_mb, stride_mh, HEAD_DIM, BLOCK_J, BLOCK_SIZE, EXACT)
+            log_e = _score_chunk(qT, k_mean, k_lowp, j0, n_score_loop, blk0, h, tok, row_ok, P, lk,
+                                 scale_log2, stride_mb, stride_mh, j0 + BLOCK_J > n_first,
+                                 HEAD_DIM, BLOCK_J, BLOCK_SIZE, EXACT)
             tl.store(scratch_row + j0 + tl.arange(0, BLOCK_J), log_e)
-            e_max = tl.maximum(e_max, tl.max(log_e, axis=0))
+            e_max_v = tl.maximum(e_max_v, log_e)
+        e_max = tl.max(e_max_v, axis=0)
         tl.debug_barrier()  # scratch written by other threads of this program
         threshold = e_max + log2_alpha - TIE_LOG2_SLACK * tl.abs(e_max)
         # --- pass B: rules + threshold -> bitmask words, count
@@ -229,8 +250,9 @@ def _select_kernel(
             w_idx = j0 // 32 + tl.arange(0, WORDS)
             tl.store(bits + seg.to(tl.int64) * n_words + w_idx, words, mask=(w_idx < n_words) & seg_live)
         tl.debug_barrier()  # the next segment's pass A overwrites scratch
-        tl.store(counts + seg, count, mask=seg_live)
+        tl.store(row_ptr + 1 + seg, count, mask=seg_live)     # counts; cumsum'd on the host side
         tl.store(n_visible + seg, n_vis, mask=seg_live)
+    tl.store(row_ptr, 0, mask=pid == 0)
 
 
 # --------------------------------------------------------------------------------------------
