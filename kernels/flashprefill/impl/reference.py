@@ -270,12 +270,15 @@ def _attend_request(
     v_mean: torch.Tensor | None,
     mean_correction: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one request (section 4), one KV head at a time, rows in chunks.
+    """Attention of one request (section 4), one KV head at a time, tiles in batched chunks.
 
     For packed row ``ρ`` (token ``t``, tile ``i``) the logits are the exact keys
     ``{τ q·k_p : block(p) ∈ S_i, p <= P + t}`` plus, with ``mean_correction``, the mean keys
     ``{τ q·k̄_j + ln n_j : j ∈ U_i}``, ``U_i = {j ∉ S_i : e_j <= P + t_first(i) + 1}``; one softmax.
-    ``sel = None`` means dense causal attention (no mean keys).
+    ``sel = None`` means dense causal attention: ``S_i`` = every causally visible block, no mean keys.
+
+    Each tile gathers the keys of its own selected blocks (padded to the chunk's largest ``|S_i|``),
+    so the work scales with the number of selected blocks, as in the kernels.
 
     Args:
         qb: ``[Lq, Hq, d]``; kb, vb: ``[Lk, Hkv, d]``; sel: ``[Hkv, n_tiles, n_blocks]`` bool;
@@ -283,70 +286,80 @@ def _attend_request(
     Returns:
         ``(out [Lq, Hq, d] dt, lse [Lq, Hq] dt)``.
     """
-    B = block_size
+    B, TR = block_size, tile_rows
     P = lk - lq
     hkv, d = kb.shape[1], kb.shape[2]
     dev = qb.device
     rows = lq * g
     nb = -(-lk // B)
-    n_tiles = -(-rows // tile_rows)
+    n_tiles = -(-rows // TR)
     use_means = sel is not None and mean_correction
-    t_first, _ = _tile_geometry(lq, g, tile_rows, dev)
+    t_first, t_last = _tile_geometry(lq, g, TR, dev)
     j = torch.arange(nb, device=dev)
     e = torch.clamp((j + 1) * B, max=lk)
-    if sel is not None:
+    if sel is None:                                                        # dense: all visible blocks
+        sel = (j[None, :] <= ((P + t_last) // B)[:, None]).expand(hkv, n_tiles, nb)
+    if use_means:
         U = (~sel) & (e[None, None, :] <= (P + t_first + 1)[None, :, None])   # [Hkv, T, nb]
         ln_n = torch.log((e - j * B).to(dt))
-    qp = qb.to(dt).view(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, rows, d) * scale
-    out = torch.empty(hkv, rows, d, dtype=dt, device=dev)
-    lse = torch.empty(hkv, rows, dtype=dt, device=dev)
+    # Packed rows, padded to whole tiles (pad rows are computed and dropped).
+    qp = torch.zeros(hkv, n_tiles * TR, d, dtype=dt, device=dev)
+    qp[:, :rows] = qb.to(dt).view(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, rows, d) * scale
+    qp = qp.view(hkv, n_tiles, TR, d)
+    tok = (torch.arange(n_tiles * TR, device=dev) // g).view(n_tiles, TR)       # token of each row
+    out = torch.empty(hkv, n_tiles, TR, d, dtype=dt, device=dev)
+    lse = torch.empty(hkv, n_tiles, TR, dtype=dt, device=dev)
     # Keys padded to whole blocks; the pad (positions >= Lk) is always causally masked to -inf.
     kpad = torch.zeros(nb, B, hkv, d, dtype=dt, device=dev)
     vpad = torch.zeros(nb, B, hkv, d, dtype=dt, device=dev)
     kpad.view(nb * B, hkv, d)[:lk] = kb
     vpad.view(nb * B, hkv, d)[:lk] = vb
     offs = torch.arange(B, device=dev)
-    # A chunk of rows ending at token t_last sees at most P + t_last + 1 keys (+ nb mean keys).
-    tiles_per_chunk = max(1, CHUNK_ELEMS // max(1, tile_rows * (lk + nb)))
+    counts = sel.sum(-1)                                                   # |S_i|, [Hkv, T]
+    chunk = CHUNK_ELEMS if dev.type == "cpu" else CHUNK_ELEMS * 16
+    # Selected whole blocks (no padded slot) fully seen by the tile's first row need no causal
+    # mask; they come first among a tile's columns. A partial last block always gets the mask.
+    full = (sel & (((j + 1) * B)[None, None, :] <= (P + t_first + 1)[None, :, None])).sum(-1)   # [Hkv, T]
     for h in range(hkv):
+        kh, vh = kpad[:, :, h].contiguous(), vpad[:, :, h].contiguous()   # [nb, B, d]
+        widest = max(1, int(counts[h].max()))
+        tiles_per_chunk = max(1, chunk // (TR * (widest * B + nb)))
         for c0 in range(0, n_tiles, tiles_per_chunk):
             c1 = min(n_tiles, c0 + tiles_per_chunk)
-            r0, r1 = c0 * tile_rows, min(rows, c1 * tile_rows)
-            n_r = r1 - r0
-            rho = torch.arange(r0, r1, device=dev)
-            tok = rho // g
-            nbc = (P + (r1 - 1) // g) // B + 1                             # blocks any row here sees
-            # Exact keys: only the blocks some tile of the chunk selected (all when dense), gathered.
-            if sel is not None:
-                blk = sel[h, rho // tile_rows][:, :nbc]                    # [r, nbc] = S of each row's tile
-                ids = torch.nonzero(blk.any(0))[:, 0]
-                blk = blk[:, ids]
-            else:
-                ids = torch.arange(nbc, device=dev)
-            n_x = ids.numel()
-            x = n_x * B                                                    # exact-key columns
-            keys = kpad[ids, :, h].reshape(x, d)
-            vals = vpad[ids, :, h].reshape(x, d)
+            s_c = sel[h, c0:c1]                                            # [T, nb]
+            n_sel = counts[h, c0:c1]
+            n_max = max(1, int(n_sel.max()))
+            # Selected block ids of each tile first, ascending; slots past |S_i| are padding.
+            ids = torch.argsort((~s_c).to(torch.uint8), dim=1, stable=True)[:, :n_max]    # [T, n_max]
+            slot_ok = torch.arange(n_max, device=dev)[None, :] < n_sel[:, None]
+            keys = kh[ids].flatten(1, 2)                                   # [T, n_max * B, d]
+            vals = vh[ids].flatten(1, 2)
+            q_c = qp[h, c0:c1]                                             # [T, TR, d]
+            s = torch.bmm(q_c, keys.transpose(1, 2))                       # [T, TR, n_max * B]
+            # Exact keys: S_i of the row's tile, bottom-right causal p <= P + t (pad slots never
+            # pass). Columns before k0 * B hold blocks every row of its tile fully sees.
+            k0 = int(full[h, c0:c1].min())
+            pos = (ids[:, k0:, None] * B + offs).flatten(1)                # KV position of each column
+            pos = torch.where(slot_ok[:, k0:].repeat_interleave(B, dim=1), pos, lk + P + n_tiles * TR)
+            s[:, :, k0 * B:].masked_fill_(pos[:, None, :] > (P + tok[c0:c1])[:, :, None], -math.inf)
+            m = s.amax(-1)
             if use_means:
-                keys = torch.cat([keys, k_mean[:, h]])
-                vals = torch.cat([vals, v_mean[:, h]])
-            s = qp[h, r0:r1] @ keys.T                                      # [r, x (+ nb)]
-            if sel is not None and not bool(blk.all()):
-                s[:, :x].view(n_r, n_x, B).masked_fill_(~blk[:, :, None], -math.inf)
-            # Bottom-right causal p <= P + t; only blocks past the chunk's first row can need it.
-            k0 = int((ids * B + B - 1 <= P + r0 // g).sum())               # blocks fully seen by all rows
-            pos = (ids[k0:, None] * B + offs).reshape(-1)
-            s[:, k0 * B:x].masked_fill_(pos[None, :] > (P + tok)[:, None], -math.inf)
-            # Mean keys (section 4): τ q·k̄_j + ln n_j for j in U of the row's tile.
-            if use_means:
-                s[:, x:] += ln_n
-                s[:, x:].masked_fill_(~U[h, rho // tile_rows], -math.inf)
-            m = s.amax(1)
+                # Mean keys (section 4): τ q·k̄_j + ln n_j for j in U_i; same softmax.
+                sm = q_c @ k_mean[:, h].T + ln_n                           # [T, TR, nb]
+                sm.masked_fill_(~U[h, c0:c1, None, :], -math.inf)
+                m = torch.maximum(m, sm.amax(-1))
             m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))   # row with no logit
-            p = s.sub_(m_safe[:, None]).exp_()
-            denom = p.sum(1)
-            out[h, r0:r1] = (p @ vals) / torch.where(denom > 0, denom, torch.ones_like(denom))[:, None]
-            lse[h, r0:r1] = m_safe + torch.log(denom)                      # -inf on an empty row
+            p = s.sub_(m_safe[..., None]).exp_()                           # exp(-inf) = 0
+            denom = p.sum(-1)
+            o = torch.bmm(p, vals)
+            if use_means:
+                pm = sm.sub_(m_safe[..., None]).exp_()
+                denom = denom + pm.sum(-1)
+                o = o + pm @ v_mean[:, h]
+            out[h, c0:c1] = o / torch.where(denom > 0, denom, torch.ones_like(denom))[..., None]
+            lse[h, c0:c1] = m_safe + torch.log(denom)                      # -inf on an empty row: out 0
+    out = out.view(hkv, n_tiles * TR, d)[:, :rows]
+    lse = lse.view(hkv, n_tiles * TR)[:, :rows]
     out = out.view(hkv, lq, g, d).permute(1, 0, 2, 3).reshape(lq, hkv * g, d)
     lse = lse.view(hkv, lq, g).permute(1, 0, 2).reshape(lq, hkv * g)
     return out, lse
