@@ -21,10 +21,11 @@ from . import triton_index as ti
 from .triton_attention import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, launch_attention
 
 # Selection kernel tiles (H200): BLOCK_J mean keys scored per dot (the M side of the transposed
-# product k̄ qᵀ: 64 = one warpgroup's wgmma M); programs per SM of the persistent selection grid
-# (smem per program: qᵀ 32 KiB + k̄ stages 2 x 16 KiB, so ~3 fit in 227 KiB).
+# product k̄ qᵀ: 64 = one warpgroup's wgmma M); programs per SM of the persistent selection grid =
+# its occupancy (scripts/compile_sm90.py, Triton 3.6: 4 warps, 255 registers, 48 KiB smem -> 2
+# resident per SM; more would queue behind the first wave and double the time).
 SELECT_BLOCK_J = 64
-SELECT_PROGRAMS_PER_SM = 3
+SELECT_PROGRAMS_PER_SM = 2
 SELECT_NUM_WARPS = 4
 SELECT_NUM_STAGES = 2
 EXPAND_WORDS = 8                 # 256 blocks per expand step

@@ -137,34 +137,44 @@ def _n_fully_seen(x, lk, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _score_chunk(qT, k_mean, k_lowp, j0, n_scored, blk0, h, rows_tok, row_ok, P, lk, scale_log2,
-                 stride_mb, stride_mh, need_mask,
-                 HEAD_DIM: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 EXACT: tl.constexpr):
-    """Log2-energy of blocks ``j0 .. j0+BLOCK_J-1``: ``log2 Σ_{valid ρ} 2^(ℓ2(ρ, j))``.
-
-    Transposed product ``ℓᵀ = k̄ qᵀ`` ``[BLOCK_J, TILE_ROWS]``: the per-block reductions over the
-    tile's rows run along the accumulator's rows (inside a warp: shuffles, no shared-memory
-    round trip). ``ℓ2 = τ q·k̄ · log2(e)``; ``EXACT`` splits the fp32 k̄ into hi + lo in q's
-    16-bit type (two tensor-core dots, ~fp32 accuracy of ``ℓ``), else one dot on the 16-bit copy
-    ``k_lowp``. ``need_mask`` (runtime): some (row, block) pair of the chunk is not valid (a block
-    not fully seen by the tile's first row, or a partial tile); otherwise the mask is skipped.
-    Each block's own max is subtracted (exact log-sum-exp per block). Blocks past ``n_scored``
-    get ``-inf``.
-    """
+def _load_mean_keys(k_mean, k_lowp, j0, n_scored, blk0, h, stride_mb, stride_mh,
+                    HEAD_DIM: tl.constexpr, BLOCK_J: tl.constexpr, EXACT: tl.constexpr):
+    """Mean keys of blocks ``j0 .. j0+BLOCK_J-1`` (rows past ``n_scored`` are 0): float32 ``k̄``
+    when ``EXACT``, else the 16-bit copy. Issued one chunk ahead of its use (register prefetch:
+    the global-load latency overlaps the previous chunk's dot and exponentials)."""
     js = j0 + tl.arange(0, BLOCK_J)
     j_ok = js < n_scored
     dims = tl.arange(0, HEAD_DIM)
     offs = (blk0 + js).to(tl.int64)[:, None] * stride_mb + h * stride_mh + dims[None, :]
     if EXACT:
-        km = tl.load(k_mean + offs, mask=j_ok[:, None], other=0.0)                # [BLOCK_J, d] fp32
-        hi = km.to(qT.dtype)
-        lo = (km - hi.to(tl.float32)).to(qT.dtype)
+        return tl.load(k_mean + offs, mask=j_ok[:, None], other=0.0)
+    else:
+        return tl.load(k_lowp + offs, mask=j_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _score_chunk(kc, qT, j0, n_scored, rows_tok, row_ok, P, lk, scale_log2, need_mask,
+                 BLOCK_J: tl.constexpr, BLOCK_SIZE: tl.constexpr, EXACT: tl.constexpr):
+    """Log2-energy of blocks ``j0 .. j0+BLOCK_J-1``: ``log2 Σ_{valid ρ} 2^(ℓ2(ρ, j))``.
+
+    ``kc``: their mean keys (``_load_mean_keys``). Transposed product ``ℓᵀ = k̄ qᵀ``
+    ``[BLOCK_J, TILE_ROWS]``: the per-block reductions over the tile's rows run along the
+    accumulator's rows (inside a warp: shuffles, no shared-memory round trip).
+    ``ℓ2 = τ q·k̄ · log2(e)``; ``EXACT`` splits the fp32 k̄ into hi + lo in q's 16-bit type (two
+    tensor-core dots, ~fp32 accuracy of ``ℓ``), else one dot on the 16-bit copy. ``need_mask``
+    (runtime): some (row, block) pair of the chunk is not valid (a block not fully seen by the
+    tile's first row, or a partial tile); otherwise the mask is skipped. Each block's own max is
+    subtracted (exact log-sum-exp per block). Blocks past ``n_scored`` get ``-inf``.
+    """
+    js = j0 + tl.arange(0, BLOCK_J)
+    j_ok = js < n_scored
+    if EXACT:
+        hi = kc.to(qT.dtype)
+        lo = (kc - hi.to(tl.float32)).to(qT.dtype)
         ellT = tl.dot(hi, qT)
         ellT = tl.dot(lo, qT, ellT)
     else:
-        kl = tl.load(k_lowp + offs, mask=j_ok[:, None], other=0.0)                # [BLOCK_J, d] 16-bit
-        ellT = tl.dot(kl, qT)
+        ellT = tl.dot(kc, qT)
     ellT = ellT * scale_log2                                                        # [BLOCK_J, TILE_ROWS]
     if need_mask:
         e_j = tl.minimum((js + 1) * BLOCK_SIZE, lk)
@@ -224,10 +234,14 @@ def _select_kernel(
         win_lo = tl.maximum(P + t_first - window_tokens + 1, 0) // BLOCK_SIZE
         # --- pass A: log2-energies of scored blocks -> scratch, and their max
         e_max_v = tl.full([BLOCK_J], float("-inf"), dtype=tl.float32)
+        kc = _load_mean_keys(k_mean, k_lowp, 0, n_score_loop, blk0, h, stride_mb, stride_mh,
+                             HEAD_DIM, BLOCK_J, EXACT)
         for j0 in range(0, n_score_loop, BLOCK_J):
-            log_e = _score_chunk(qT, k_mean, k_lowp, j0, n_score_loop, blk0, h, tok, row_ok, P, lk,
-                                 scale_log2, stride_mb, stride_mh, j0 + BLOCK_J > n_first,
-                                 HEAD_DIM, BLOCK_J, BLOCK_SIZE, EXACT)
+            k_cur = kc
+            kc = _load_mean_keys(k_mean, k_lowp, j0 + BLOCK_J, n_score_loop, blk0, h, stride_mb, stride_mh,
+                                 HEAD_DIM, BLOCK_J, EXACT)
+            log_e = _score_chunk(k_cur, qT, j0, n_score_loop, tok, row_ok, P, lk, scale_log2,
+                                 j0 + BLOCK_J > n_first, BLOCK_J, BLOCK_SIZE, EXACT)
             tl.store(scratch_row + j0 + tl.arange(0, BLOCK_J), log_e)
             e_max_v = tl.maximum(e_max_v, log_e)
         e_max = tl.max(e_max_v, axis=0)
