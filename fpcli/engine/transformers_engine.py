@@ -12,7 +12,8 @@ operator's layout (``docs/layout.md``): ``q -> [Lq, Hq, d]``; K/V -> a paged cac
 ``PAGE_SIZE``-token pages ``[ceil(Lk/64), 64, Hkv, d]`` (zero padded), page table ``arange``,
 ``seq_lens = [Lk]``, ``cu_seqlens_q = [0, Lq]``; then
 ``flashprefill.flashprefill_attention(..., config=profile.sparse_config(), return_stats=True)``
-(``backend="auto"``: the PyTorch reference on CPU, Triton on CUDA). Dense layers, the ``dense``
+(``backend="auto"``: the PyTorch reference on CPU, Triton on CUDA when it supports the dtype and
+head dim, see ``_backend_for``). Dense layers, the ``dense``
 profile and decode steps (``Lq == 1``) run ``torch.nn.functional.scaled_dot_product_attention``
 with bottom-right causal alignment.
 
@@ -25,9 +26,16 @@ Statistics (``PrefillStats``), per layer of the last prefill:
   visible keys per query; skipped = dense x (1 - density) per sparse layer;
 - index / attention time per layer (ms), synchronised on CUDA.
 
-CPU dtype: float32. Measured on this project's 2-core AMD EPYC CI-class machine with SmolLM2-135M:
-bf16 weights made decode several times slower (no AMX: bf16 GEMV is converted, not native) and gave
-no reliable prefill gain, while the reference operator computes in float32 anyway. GPU: bfloat16.
+CPU dtype (``engine.dtype: auto``): float32. Measured with SmolLM2-135M, 2K-token prompt, dense
+profile, 2-core AMD EPYC with AVX512-BF16 (no AMX): bf16 weights cut prefill CPU time ~1.4x
+(7.5 s vs 10.3 s) but slowed decode ~1.6x (3.3 vs 5.5 tokens/s), and on CPUs without bf16 units
+bf16 matmuls are emulated and much slower. float32 also keeps the dequantized GGUF weights exact,
+and the reference operator computes in float32 anyway. A profile can ask for ``bfloat16``.
+GPU: bfloat16 (the Triton operator's dtype).
+
+Threads: torch's OpenMP threads spin while idle; on a busy or shared CPU that made a 1K-token
+prefill 4x slower here (18 s vs 4.6 s). ``OMP_WAIT_POLICY=PASSIVE`` (set before torch is imported)
+avoids it.
 """
 from __future__ import annotations
 
@@ -157,6 +165,18 @@ def _paged(x: torch.Tensor) -> torch.Tensor:
     return pages.view(n_pages, PAGE_SIZE, hkv, d)
 
 
+def _backend_for(requested: str, q: torch.Tensor) -> str:
+    """``"auto"`` -> Triton on CUDA when it supports ``q`` (bf16/fp16, d in 64/128/256), else the
+    reference (e.g. a float32 model on GPU). An explicit backend is passed through unchanged."""
+    if requested != "auto" or not q.is_cuda:
+        return requested
+    from flashprefill import api
+
+    if q.dtype in api.TRITON_DTYPES and q.shape[-1] in api.TRITON_HEAD_DIMS:
+        return "triton"
+    return "reference"
+
+
 def flashprefill_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -221,18 +241,19 @@ def flashprefill_attention_forward(
         plan = flashprefill.make_plan(seq_lens, cu, groups, rt.config.block_size)
         geom = rt._plans[key_geom] = (page_table, seq_lens, cu, plan)
     page_table, seq_lens, cu, plan = geom
+    backend = _backend_for(rt.backend, q)
     t0 = _now(sync)
     index_ms = None
     index = None
     if rt.timing:  # build the index separately to time the two stages
         index = flashprefill.build_index(q, k_cache, v_cache, page_table, seq_lens, cu, config=rt.config,
-                                         softmax_scale=scaling, plan=plan, backend=rt.backend)
+                                         softmax_scale=scaling, plan=plan, backend=backend)
         t1 = _now(sync)
         index_ms = (t1 - t0) * 1e3
         t0 = t1
     out, st = flashprefill.flashprefill_attention(
         q, k_cache, v_cache, page_table, seq_lens, cu, config=rt.config, softmax_scale=scaling,
-        return_stats=True, plan=plan, index=index, backend=rt.backend,
+        return_stats=True, plan=plan, index=index, backend=backend,
     )
     att_ms = (_now(sync) - t0) * 1e3 if rt.timing else None
     per_head = [float(x) for x in st.density_per_kv_head.tolist()]
