@@ -39,7 +39,12 @@ def _sig(fn, ptrs: dict, consts: dict, floats=()):
 
 
 def compile_one(label, fn, ptrs, consts, floats=(), num_warps=4, num_stages=2):
-    src = ASTSource(fn, _sig(fn, ptrs, consts, floats), consts)
+    sig = _sig(fn, ptrs, consts, floats)
+    # what a real launch specializes: pointers 16-byte aligned, ints divisible by 16 (strides,
+    # counts) get tt.divisibility 16 -- without it every load compiles to 2-byte scalars
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n].startswith("*") or (sig[n] == "i32" and n.startswith("stride"))}
+    src = ASTSource(fn, sig, consts, attrs)
     try:
         k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
     except Exception as e:  # report and go on

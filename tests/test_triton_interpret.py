@@ -36,6 +36,10 @@ CASES = {
     "alpha0_dense_scored": ([300], [700], 1, 2, 64, 16, 64, {"alpha": 0.0}, True),
     "alpha1": ([300], [700], 1, 2, 64, 16, 64, {"alpha": 1.0}, True),
     "short_request_dense": ([300], [100], 1, 2, 64, 16, 64, {"min_sparse_len": 400}, True),
+    # ~140 mean-correction candidates: several BLOCK_U chunks of the col_idx pointer walk, and
+    # several BLOCK_J chunks of the selection (the d=128 config, BLOCK_U = 128)
+    "long_prefix_d64": ([100], [9000], 1, 2, 64, 16, 64, {"window_tokens": 5000}, True),
+    "long_prefix_d128": ([100], [9000], 1, 2, 128, 64, 64, {}, True),
 }
 # Shared sparse knobs for tiny shapes (B = 64 gives enough blocks at a few hundred tokens).
 BASE_CONFIG = dict(sink_tokens=64, window_tokens=64, dense_tail_tokens=32, alpha=0.3)

@@ -9,8 +9,10 @@ One kernel, ``_attn_fwd``, three modes chosen at compile time:
 - ``SPARSE=False``: dense causal attention over all visible blocks (the honest dense baseline of
   the same kernel, and the fallback for dense layers).
 
-Grid ``(n_tiles * TILE_ROWS // BLOCK_M, Hkv)``: one program per (KV head, query tile, sub-tile of
-``BLOCK_M`` packed rows). Program ids run from the last tile to the first so the heaviest tiles
+Grid ``(n_tiles * TILE_ROWS // BLOCK_M * Hkv,)``: one program per (KV head, query tile, sub-tile
+of ``BLOCK_M`` packed rows), the KV head fastest. Program ids run from the last tile to the first
+(all heads of a tile together, so "heaviest first" holds across heads, not only inside each
+head's slice of the grid) so the heaviest tiles
 (late in a request, dense tail) start first. A packed row ``ρ`` of KV head ``h`` is token
 ``ρ // g`` and query head ``h*g + ρ % g`` (GQA packing, ``docs/layout.md``): one K/V load serves
 the whole group.
@@ -49,7 +51,8 @@ class AttnConfig:
         block_m: packed query rows per program (divides the 128-row tile).
         block_n: keys per inner step (divides the key block ``B``).
         block_u: mean-key candidates per step of the correction loop.
-        block_s: ``col_idx`` entries compared per step of the membership test.
+        block_s: unused since the membership test walks ``col_idx`` with a pointer (kept so
+            configs stay comparable across versions).
         num_warps, num_stages: Triton launch parameters.
     """
 
@@ -77,7 +80,8 @@ def get_config(head_dim: int, dtype: torch.dtype, block_size: int = 128) -> Attn
     if head_dim == 256:
         cfg = AttnConfig(block_m=128, block_n=64, block_u=64, block_s=64, num_warps=8, num_stages=1)
     elif head_dim == 128:
-        cfg = AttnConfig(block_m=128, block_n=128, block_u=64, block_s=64, num_warps=8, num_stages=2)
+        # block_u 128: half the correction steps of 64 (162.5 KiB smem, 0 spills: compile_sm90.py)
+        cfg = AttnConfig(block_m=128, block_n=128, block_u=128, block_s=64, num_warps=8, num_stages=2)
     else:
         cfg = AttnConfig(block_m=128, block_n=128, block_u=64, block_s=64, num_warps=8, num_stages=3)
     if cfg.block_n > block_size:
@@ -115,7 +119,9 @@ def _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, lo, hi,
                 # the BLOCK_N keys (BLOCK_N-aligned) share one page: a scalar 64-bit base and
                 # 32-bit in-page offsets, contiguous rows
                 first = j * BLOCK_SIZE + sub * BLOCK_N
-                page = tl.load(pt_row + first // PAGE_SIZE).to(tl.int64)
+                # (clamped: a sub-block past Lk of a partial last block must not read past the
+                # request's page-table row; its keys are masked anyway)
+                page = tl.load(pt_row + tl.minimum(first, lk - 1) // PAGE_SIZE).to(tl.int64)
                 slot = first % PAGE_SIZE + offs_n
                 k_base = k_cache + page * stride_kp + h * stride_kh
                 v_base = v_cache + page * stride_vp + h * stride_vh
@@ -157,27 +163,34 @@ def _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, lo, hi,
 @triton.jit
 def _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u, blk0, h, lk,
                      scale_log2, stride_mb, stride_mh,
-                     HEAD_DIM: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_S: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK_U: tl.constexpr,
                      BLOCK_SIZE: tl.constexpr):
     """Fold pruned blocks ``j < n_u``, ``j ∉ col_idx[start:end]``, in as ``n_j`` mean tokens.
 
     Logit ``τ q·k̄_j + ln n_j`` (log2 units: ``scale_log2 q·k̄_j + log2 n_j``), value ``v̄_j``.
     ``k_mean`` / ``v_mean`` are q's dtype copies (``[n_blocks, Hkv, d]``).
+    Membership: ``col_idx[start:end]`` is ascending and duplicate-free, so the entries inside a
+    candidate chunk ``[u0, u0 + BLOCK_U)`` are the next (at most ``BLOCK_U``) entries after those
+    of the previous chunks: one load of ``BLOCK_U`` entries from a running pointer per chunk
+    (``O(n_u)`` work, not ``O(n_u x |S|)``). The mean keys/values are loaded for every candidate
+    (not only the pruned ones) so the loads do not wait on the membership test.
     """
     dims = tl.arange(0, HEAD_DIM)
+    ptr = start
     for u0 in range(0, n_u, BLOCK_U):
         js = u0 + tl.arange(0, BLOCK_U)
         cand = js < n_u
-        # -- membership in the ascending selected list: chunk x chunk compare
-        in_s = tl.zeros([BLOCK_U], dtype=tl.int32)
-        for s0 in range(start, end, BLOCK_S):
-            offs = s0 + tl.arange(0, BLOCK_S)
-            cols = tl.load(col_idx + offs, mask=offs < end, other=-1)
-            hit = (js[:, None] == cols[None, :]).to(tl.int32)
-            in_s = tl.maximum(in_s, tl.max(hit, axis=1))
-        use = cand & (in_s == 0)
         rows = (blk0 + js).to(tl.int64) * stride_mb + h * stride_mh
-        km = tl.load(k_mean + rows[:, None] + dims[None, :], mask=use[:, None], other=0.0)
+        km = tl.load(k_mean + rows[:, None] + dims[None, :], mask=cand[:, None], other=0.0)
+        vm = tl.load(v_mean + rows[:, None] + dims[None, :], mask=cand[:, None], other=0.0)
+        # -- membership: the selected entries of this chunk are col_idx[ptr : ptr + count]
+        offs = ptr + tl.arange(0, BLOCK_U)
+        cols = tl.load(col_idx + offs, mask=offs < end, other=2147483647)
+        in_chunk = cols < u0 + BLOCK_U
+        ptr += tl.sum(in_chunk.to(tl.int32), axis=0)
+        hit = (js[:, None] == cols[None, :]).to(tl.int32)
+        in_s = tl.max(hit, axis=1)
+        use = cand & (in_s == 0)
         n_j = tl.minimum((js + 1) * BLOCK_SIZE, lk) - js * BLOCK_SIZE
         log2_n = tl.log2(tl.maximum(n_j, 1).to(tl.float32))
         s = tl.dot(q, tl.trans(km)) * scale_log2 + log2_n[None, :]
@@ -187,7 +200,6 @@ def _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u,
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        vm = tl.load(v_mean + rows[:, None] + dims[None, :], mask=use[:, None], other=0.0)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(vm.dtype), vm, acc)
         m_i = m_new
@@ -202,7 +214,7 @@ def _attn_fwd(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_pt, stride_mb, stride_mh,
-    n_tiles, n_programs, scale_log2,
+    n_tiles, n_programs, n_kv_heads, scale_log2,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     TILE_ROWS: tl.constexpr,
@@ -219,8 +231,9 @@ def _attn_fwd(
     tl.static_assert(BLOCK_SIZE % BLOCK_N == 0)
     SUBS: tl.constexpr = TILE_ROWS // BLOCK_M
     # ---------------------------------------------------------------- setup
-    idx = n_programs - 1 - tl.program_id(0)      # heaviest (last) tiles first
-    h = tl.program_id(1)
+    pid = tl.program_id(0)
+    h = pid % n_kv_heads
+    idx = n_programs - 1 - pid // n_kv_heads    # heaviest (last) tiles first, all heads together
     tile = idx // SUBS
     sub = idx % SUBS
     b = tl.load(tile_request + tile)
@@ -272,7 +285,7 @@ def _attn_fwd(
         blk0 = tl.load(block_ptr + b)
         acc, m_i, l_i = _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u,
                                          blk0, h, lk, scale_log2, stride_mb, stride_mh,
-                                         HEAD_DIM, BLOCK_U, BLOCK_S, BLOCK_SIZE)
+                                         HEAD_DIM, BLOCK_U, BLOCK_SIZE)
     # ---------------------------------------------------------------- epilogue
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -303,7 +316,8 @@ def launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, so
         row_ptr = col_idx = plan.tile_ptr      # unused placeholders (dense mode)
     if k_mean is None:
         k_mean = v_mean = q.new_zeros(1, hkv, d)
-    grid = (plan.n_tiles * (plan.tile_rows // cfg.block_m), hkv)
+    per_head = plan.n_tiles * (plan.tile_rows // cfg.block_m)
+    grid = (per_head * hkv,)
     _attn_fwd[grid](
         q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, plan.tile_request, plan.tile_local,
         plan.block_ptr, row_ptr, col_idx, k_mean, v_mean, out, lse,
@@ -311,7 +325,7 @@ def launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, so
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         page_table.stride(0), k_mean.stride(0), k_mean.stride(1),
-        plan.n_tiles, grid[0], float(softmax_scale) * LOG2E,
+        plan.n_tiles, per_head, hkv, float(softmax_scale) * LOG2E,
         GROUP=plan.group_size, HEAD_DIM=d, TILE_ROWS=plan.tile_rows, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_SIZE=B, BLOCK_U=cfg.block_u, BLOCK_S=cfg.block_s,
         PAGE_SIZE=page_size, SPARSE=sparse, MEAN_CORR=mean_correction,
