@@ -16,7 +16,7 @@ import torch
 
 from flashprefill.config import SparseConfig
 from flashprefill.plan import make_plan
-from fpcli.sglang_backend.metadata import build_metadata, build_page_table, check_page_table
+from fpcli.sglang_backend.metadata import build_metadata, build_page_table, check_page_table, last_attention_layer_id
 from fpcli.sglang_backend.settings import ENV_VAR, BackendSettings, settings_from_profile
 from fpcli.sglang_backend.stats import BatchStats, StatsWriter, aggregate, iter_records, read_prefill_stats
 
@@ -193,6 +193,74 @@ def test_stats_end_to_end_on_cpu(tmp_path):
     assert read_prefill_stats(tmp_path, "missing", timeout_s=0.05) is None
 
 
+class RadixAttention(torch.nn.Module):  # stands in for sglang's (matched by class name)
+    def __init__(self, layer_id):
+        super().__init__()
+        self.layer_id = layer_id
+
+
+class _FakeModel(torch.nn.Module):
+    def __init__(self, ids):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Module() for _ in ids])
+        for layer, i in zip(self.layers, ids):
+            layer.attn = RadixAttention(i)
+
+
+def test_last_attention_layer_id_ignores_exclusive_end_layer():
+    """The first H200 run: SGLang's model runner builds the KV pool with the model's *exclusive*
+    ``end_layer`` (30 for SmolLM2's 30 layers); the backend took it as the last layer id, so
+    ``_finish_batch`` never ran on a forward and no statistics line was ever written."""
+    pool = SimpleNamespace(start_layer=0, end_layer=30, layer_num=30)  # as ModelRunner passes them
+    assert last_attention_layer_id(_FakeModel(range(30)), pool) == (29, "model RadixAttention layers")
+    assert last_attention_layer_id(None, pool)[0] == 29
+    assert last_attention_layer_id(SimpleNamespace(), SimpleNamespace(start_layer=12, layer_num=12))[0] == 23
+    assert last_attention_layer_id(None, SimpleNamespace(), num_hidden_layers=24)[0] == 23
+    with pytest.raises(ValueError):
+        last_attention_layer_id(None, SimpleNamespace())
+
+
+def test_stats_reach_the_reader_after_the_last_layer(tmp_path):
+    """The backend's per-batch flow (``forward_extend`` per layer, finish on the last layer id,
+    writer thread) against a reader that polls: the line arrives although it is written after the
+    reader started waiting (the writer is delayed)."""
+    import threading
+    import time
+
+    layers, pool = 30, SimpleNamespace(start_layer=0, end_layer=30, layer_num=30)
+    last, _ = last_attention_layer_id(_FakeModel(range(layers)), pool)
+    tile_request = torch.tensor([0], dtype=torch.int32)
+    st = BatchStats(num_layers=layers, layer_offset=0, num_q_heads=2, num_kv_heads=1, head_dim=8, q_lens=[6040],
+                    kv_lens=[6040], rids=["fp-abc"], device="cpu", tile_request=tile_request)
+    writer = StatsWriter(tmp_path)
+    submitted = []
+
+    def forward():
+        time.sleep(0.3)  # the forward (and the writer) finish after the reader started polling
+        for layer_id in range(layers):
+            if layer_id < 2:
+                st.mark_dense(layer_id, "dense_layers")
+            else:
+                st.add_index(layer_id, _fake_index([1], [2]), n_tiles=1)
+            if layer_id == last:
+                st.finish()
+                writer.submit(st)
+                submitted.append(layer_id)
+
+    t = threading.Thread(target=forward)
+    t.start()
+    got = read_prefill_stats(tmp_path, "fp-abc", timeout_s=5.0, expect_tokens=6040)
+    t.join()
+    writer.close()
+    assert submitted == [29]
+    assert got is not None and got.chunks == 1
+    ps = got.to_prefill_stats()
+    assert len(ps.density_per_layer) == 30 and ps.density_per_layer[:2] == [1.0, 1.0]
+    assert ps.density == pytest.approx(0.5)
+    # the old rule (pool.end_layer as the last layer id) never finishes the batch
+    assert pool.end_layer not in range(layers)
+
+
 def test_stats_chunks_are_summed():
     base = {"num_q_heads": 2, "num_kv_heads": 1, "head_dim": 4, "layers": ["sparse"], "prefill_ms": 1.5}
     recs = [dict(base, rid="x", q_len=8, kv_len=8, selected=[[1]], visible=[[2]]),
@@ -336,3 +404,18 @@ def test_backend_call_sequence_on_reference(page_size):
             torch.testing.assert_close(out, dense, rtol=1e-4, atol=1e-4)
         else:
             assert 0 < sel <= vis
+
+
+def test_warmup_length_covers_the_sparse_path_with_and_without_prefix():
+    from fpcli.engine.sglang_engine import SGLangEngine
+
+    eng = object.__new__(SGLangEngine)  # no SGLang: only the length rule
+    eng.sparse = True
+    eng.settings = BackendSettings(sparse=SparseConfig(min_sparse_len=4096))
+    eng.server_kwargs = {"chunked_prefill_size": 8192}
+    eng.context_length = 32768
+    assert eng.warmup_length() == 8192 + 4096 + 256  # a full chunk, then a sparse chunk with a prefix
+    eng.context_length = 8192  # SmolLM2: one chunk, still >= min_sparse_len
+    assert eng.warmup_length() == 8192 - 64
+    eng.context_length = 4096  # too short for a sparse prompt: short warm-up only
+    assert eng.warmup_length() == 0

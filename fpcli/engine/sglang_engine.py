@@ -241,6 +241,7 @@ class SGLangEngine:
     """
 
     name = "sglang"
+    stats_timeout_s = 5.0  # how long generate() waits for the scheduler's statistics line (normally ms)
 
     def __init__(
         self,
@@ -256,6 +257,7 @@ class SGLangEngine:
         log_level: str | None = None,
         shutdown_timeout_s: float = 30.0,
         settings_overrides: dict | None = None,
+        warmup: bool = True,
     ):
         check_available()
         self.model_path = str(model_path)
@@ -302,6 +304,41 @@ class SGLangEngine:
                                   or native_context_length(model_path) or 0)
         self._incremental = bool(getattr(sa, "incremental_streaming_output", False))
         logger.info("SGLang started in %.1f s (children %s)", self.startup_s, self._child_pids)
+        self.warmup_s = 0.0
+        if warmup:
+            try:
+                self.warmup()
+            except BaseException:
+                self.close()
+                raise
+
+    def warmup_length(self) -> int:
+        """Tokens of the start-up warm-up prompt: one full chunk plus a second one of at least
+        ``min_sparse_len`` + 256 tokens (the sparse path without and with a prefix), capped by the
+        context; 0 when even ``min_sparse_len`` + 256 does not fit (then a short prompt only)."""
+        min_sparse = int(self.settings.sparse.min_sparse_len) if self.sparse else 0
+        chunk = int(self.server_kwargs.get("chunked_prefill_size") or MIN_CHUNKED_PREFILL)
+        cap = (self.context_length or 0) - 64
+        want = chunk + max(min_sparse, 1024) + 256
+        n = min(want, cap)
+        return n if n >= min_sparse + 256 else 0
+
+    def warmup(self) -> float:
+        """Compile every kernel a first request would (our Triton operator, SGLang's dense extend
+        kernels, sampling) with a dummy prompt, then flush the radix cache, so measured TTFTs
+        exclude JIT compilation. Returns the seconds it took (also ``self.warmup_s``)."""
+        t0 = time.perf_counter()
+        n = self.warmup_length()
+        vocab = max(1000, min(len(self.tokenizer), int(getattr(self.tokenizer, "vocab_size", 0) or 0) or 32000))
+        lengths = [n] if n else []
+        lengths.append(64)  # a short (dense) batch as well
+        for length in lengths:
+            ids = [(i * 7919 + 13) % (vocab - 200) + 100 for i in range(length)]
+            self.generate(ids, max_new_tokens=2, rid=f"fp-warmup-{uuid.uuid4().hex[:8]}")
+        self.flush_cache()
+        self.warmup_s = time.perf_counter() - t0
+        logger.info("SGLang warm-up (prompts of %s tokens, radix cache flushed) in %.1f s", lengths, self.warmup_s)
+        return self.warmup_s
 
     # -- tokens --------------------------------------------------------------------------------
     def encode_chat(self, system: str | None, user: str) -> list[int]:
@@ -392,7 +429,7 @@ class SGLangEngine:
         the backend wrote nothing (dense profile, or stats off)."""
         if not (self.sparse and self.settings.collect_stats):
             return PrefillStats(), ttft
-        rec = read_prefill_stats(self._stats_dir, rid, timeout_s=2.0, expect_tokens=prompt_tokens)
+        rec = read_prefill_stats(self._stats_dir, rid, timeout_s=self.stats_timeout_s, expect_tokens=prompt_tokens)
         if rec is None:
             logger.warning("flashprefill: no prefill statistics arrived for %s", rid)
             return PrefillStats(), ttft
@@ -523,7 +560,7 @@ def launch_server(argv: Sequence[str], profile: Any) -> None:
     check_available()
     from fpcli.sglang_backend.plugin import register, run_scheduler_process
 
-    register()  # argparse choices + registry in this process
+    register(source="direct")  # argparse choices + registry in this process
     from sglang.srt.entrypoints.http_server import launch_server as sglang_launch_server
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree

@@ -32,13 +32,19 @@ from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 
-from .metadata import FlashPrefillMetadata, build_metadata, check_page_table
+from .metadata import FlashPrefillMetadata, build_metadata, check_page_table, last_attention_layer_id
 from .settings import BackendSettings
 from .stats import BatchStats, StatsWriter
 
 logger = logging.getLogger(__name__)
 
 _EXTRA_KWARGS_DENSE = ("sinks", "score_mod", "aux_tensors", "rel_bias", "q_descale", "k_descale", "v_descale")
+
+
+def _registered_by() -> str:
+    from . import plugin
+
+    return plugin.REGISTERED_BY or "unknown"
 
 
 class FlashPrefillAttnBackend(AttentionBackend):
@@ -66,7 +72,9 @@ class FlashPrefillAttnBackend(AttentionBackend):
         pool = self.token_to_kv_pool
         self.layer_offset = int(getattr(pool, "start_layer", 0) or 0)
         self.num_layers = int(getattr(pool, "layer_num", 0) or 0) or int(model_runner.model_config.num_hidden_layers)
-        self.last_layer_id = int(getattr(pool, "end_layer", self.layer_offset + self.num_layers - 1))
+        # Not pool.end_layer: SGLang passes the model's exclusive end there (see last_attention_layer_id).
+        self.last_layer_id, last_src = last_attention_layer_id(
+            getattr(model_runner, "model", None), pool, getattr(model_runner.model_config, "num_hidden_layers", None))
         self.num_q_heads, self.num_kv_heads, self.head_dim = self._head_geometry(model_runner)
         self.group_size = max(1, self.num_q_heads // max(1, self.num_kv_heads))
         self.unsupported_reason = self._check_pool(model_runner)
@@ -96,9 +104,9 @@ class FlashPrefillAttnBackend(AttentionBackend):
         self._logged_reasons: set[str] = set()
         logger.info(
             "flashprefill backend: layers %d (first %d dense), heads q=%d kv=%d d=%d, page_size %d, "
-            "config %s, precision %s, dense backend %s, stats %s%s",
+            "last layer id %d (%s), registered by the %s path, config %s, precision %s, dense backend %s, stats %s%s",
             self.num_layers, settings.dense_layers, self.num_q_heads, self.num_kv_heads, self.head_dim,
-            self.page_size, settings.sparse, settings.precision, settings.dense_backend,
+            self.page_size, self.last_layer_id, last_src, _registered_by(), settings.sparse, settings.precision, settings.dense_backend,
             settings.stats_dir if self.writer else "off",
             f"; SPARSE DISABLED: {self.unsupported_reason}" if self.unsupported_reason else "",
         )
@@ -273,7 +281,11 @@ class FlashPrefillAttnBackend(AttentionBackend):
                 self._batch_stats.mark_dense(layer.layer_id, reason)
         else:
             out = self._sparse_extend(q, k, v, layer, forward_batch, save_kv_cache, meta)
-        if layer.layer_id == self.last_layer_id:
+        if layer.layer_id >= self.last_layer_id:
+            if layer.layer_id > self.last_layer_id:  # defensive: never seen with the RadixAttention scan
+                logger.warning("flashprefill: layer %d after the expected last layer %d; finishing stats there",
+                               layer.layer_id, self.last_layer_id)
+                self.last_layer_id = layer.layer_id
             self._finish_batch()
         return out
 

@@ -197,3 +197,36 @@ def build_metadata(
     return FlashPrefillMetadata(
         page_table=page_table, seq_lens=seq_lens_i32, cu_seqlens_q=cu, plan=plan, dense_reason=None, **common
     )
+
+
+def last_attention_layer_id(model: object, pool: object, num_hidden_layers: int | None = None) -> tuple[int, str]:
+    """The ``layer_id`` of the last attention layer a forward calls, and where it was read.
+
+    The backend finishes a batch's statistics (end event, copies to the host, hand-off to the
+    writer thread) when that layer's attention returns, so this id must be one a forward really
+    reaches. SGLang 0.5.17 is inconsistent about ``KVCache.end_layer``: the pool's own default
+    is inclusive (``layer_num - 1``) but the model runner passes the model's *exclusive*
+    ``end_layer`` (``range(start_layer, end_layer)``), e.g. 30 for a 30-layer model whose last
+    layer id is 29. Trusting it meant the batch was never finished, and no statistics arrived.
+
+    Order: the largest ``layer_id`` of the model's ``RadixAttention`` modules (exact); else
+    ``start_layer + layer_num - 1`` of the pool; else ``num_hidden_layers - 1``.
+    """
+    ids = []
+    modules = getattr(model, "modules", None)
+    if callable(modules):
+        try:
+            for m in modules():
+                if type(m).__name__ == "RadixAttention" and isinstance(getattr(m, "layer_id", None), int):
+                    ids.append(m.layer_id)
+        except Exception:  # a model whose module walk fails: fall back to the pool
+            ids = []
+    if ids:
+        return max(ids), "model RadixAttention layers"
+    start = int(getattr(pool, "start_layer", 0) or 0)
+    layer_num = getattr(pool, "layer_num", None)
+    if layer_num:
+        return start + int(layer_num) - 1, "KV pool start_layer + layer_num - 1"
+    if num_hidden_layers:
+        return int(num_hidden_layers) - 1, "model config num_hidden_layers - 1"
+    raise ValueError("cannot tell the last attention layer: no RadixAttention modules, pool layer_num or config")

@@ -54,8 +54,22 @@ def is_registered() -> bool:
     return BACKEND_NAME in ATTENTION_BACKENDS
 
 
-def register() -> None:
-    """Register ``flashprefill`` into the installed SGLang (idempotent; needs sglang)."""
+# How this process got the backend: "entry point" (SGLang's load_plugins called ``register()``),
+# "engine subclass" (the scheduler entry wrapper), "direct" (``register(source="direct")``, tests,
+# ``fp serve`` in the parent); ``None`` until registered.
+REGISTERED_BY: str | None = None
+
+
+def register(source: str = "entry point") -> None:
+    """Register ``flashprefill`` into the installed SGLang (idempotent; needs sglang).
+
+    ``source`` only labels the log line: SGLang's ``load_plugins`` calls this with no argument
+    (hence the default ``"entry point"``); the scheduler wrapper passes ``"engine subclass"``.
+    Every call logs which path registered the backend in this process, once per path.
+    """
+    global REGISTERED_BY
+    import os
+
     from sglang.srt import server_args as sgl_server_args
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
 
@@ -63,12 +77,33 @@ def register() -> None:
         sgl_server_args.add_attention_backend_choices([BACKEND_NAME])
     if ATTENTION_BACKENDS.get(BACKEND_NAME) is not create_flashprefill_backend:
         register_attention_backend(BACKEND_NAME)(create_flashprefill_backend)
-        logger.info("flashprefill: attention backend registered in SGLang (pid %d)", __import__("os").getpid())
+        REGISTERED_BY = source
+        _say(f"flashprefill: attention backend registered in SGLang by the {source} path (pid {os.getpid()})")
+    elif source not in _SEEN_SOURCES:
+        _say(f"flashprefill: the {source} path found the backend already registered by the "
+             f"{REGISTERED_BY or 'unknown'} path (pid {os.getpid()})")
+    _SEEN_SOURCES.add(source)
+
+
+_SEEN_SOURCES: set[str] = set()
+
+
+def _say(msg: str) -> None:
+    """Log and also print to stderr: in a fresh scheduler process the registration runs before
+    SGLang configures logging, so an INFO record would be dropped."""
+    import sys
+
+    logger.info(msg)
+    if not logging.getLogger().handlers:
+        print(f"[fp] {msg}", file=sys.stderr, flush=True)
 
 
 def run_scheduler_process(*args: Any, **kwargs: Any):
-    """SGLang's ``run_scheduler_process`` with ``register()`` first (the spawned child's entry)."""
-    register()
+    """SGLang's ``run_scheduler_process`` with ``register()`` first (the spawned child's entry).
+
+    SGLang's own ``run_scheduler_process`` then calls ``load_plugins()``; with the entry point
+    installed that registration finds the backend there already (logged)."""
+    register(source="engine subclass")
     from sglang.srt.managers.scheduler import run_scheduler_process as _sglang_run_scheduler_process
 
     return _sglang_run_scheduler_process(*args, **kwargs)
@@ -82,7 +117,7 @@ def engine_class():
     register the backend before anything else (built lazily; needs sglang)."""
     global _ENGINE_CLASS
     if _ENGINE_CLASS is None:
-        register()
+        register(source="direct")
         from sglang.srt.entrypoints.engine import Engine
 
         class FlashPrefillEngine(Engine):
