@@ -5,6 +5,7 @@
 #   source .fpdev/bin/env.sh && bash scripts/gpu_kernels.sh     # with flash-attn-4 for the FA4 baseline
 #   FP_SKIP_TESTS=1 bash scripts/gpu_kernels.sh        # bench only
 #   FP_BENCH_LENS=8k,128k FP_SKIP_TESTS=1 bash scripts/gpu_kernels.sh
+#   FP_BENCH_ARGS="--variants --profile" FP_SKIP_TESTS=1 bash scripts/gpu_kernels.sh   # where the time goes
 #
 # Writes under $OUT (default ./out-gpu-kernels): env.txt, gpu_tests.log, bench.log, bench.json.
 set -u
@@ -27,7 +28,7 @@ if [ "${FP_SKIP_TESTS:-0}" != "1" ]; then
 fi
 if [ "${FP_SKIP_BENCH:-0}" != "1" ]; then
   python -m flashprefill.bench --lens "$LENS" --heads 32/8 --head-dim 128 --dtype bf16 \
-      --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" || rc=1
+      --json "$OUT/bench.json" ${FP_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || rc=1
 fi
 echo "gpu_kernels.sh: rc=$rc (tests log: $OUT/gpu_tests.log, bench: $OUT/bench.json)"
 exit $rc

@@ -11,6 +11,12 @@ Per length: index ms, attention ms, total, density, index memory (the ``BlockInd
 the peak allocation delta of ``build_index``), our dense mode, and dense baselines measured in the
 same run: FA4 CuTe (``flash_attn.cute``, if installed), cuDNN SDPA, FA2 (SDPA flash backend).
 Times are ``triton.testing.do_bench`` medians after warm-up (one helper, ``time_ms``).
+
+``--variants`` adds where-the-time-goes columns: attention without mean correction (same index),
+the index with exact (two-dot, ~fp32) scores, the block-means kernel alone, and the host time of
+one ``build_index`` call (the launch + sync floor). ``--profile`` prints the device time of every
+kernel of one index + attention call (torch.profiler, mean of 5 calls). The plain-text table is
+printed last.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from typing import Callable
 
 import torch
@@ -114,9 +121,40 @@ def _dense_baselines(q, k_lin, v_lin, L, batch, hq, hkv, d, scale):
     return res, notes
 
 
+def host_ms(fn: Callable[[], object], n: int = 20) -> float:
+    """Mean host (wall) milliseconds of ``fn`` per call, the GPU synchronised before and after:
+    for a call that syncs internally (``build_index`` reads ``nnz``) this is its latency floor."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / n
+
+
+def profile_kernels(fn: Callable[[], object], n: int = 5) -> list[tuple[str, float, int]]:
+    """``(kernel name, device ms per call, launches per call)`` of ``fn``, by torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None)
+        if t is None:
+            t = getattr(ev, "cuda_time_total", 0.0)
+        if t and ev.count:
+            rows.append((ev.key[:60], t / 1e3 / n, ev.count // n))
+    rows.sort(key=lambda r: -r[1])
+    return rows
+
+
 def run_operator_bench(lens, heads_q: int, heads_kv: int, head_dim: int, dtype, fp8: bool = False, batch: int = 1,
                        progress=None, page_size: int = 64, config: SparseConfig | None = None,
-                       baselines: bool = True) -> list[dict]:
+                       baselines: bool = True, variants: bool = False, profile: bool = False) -> list[dict]:
     """Benchmark each length; one dict per length (the JSON rows). ``dtype``: torch dtype or
     'bf16'/'fp16'. ``progress``: optional callable(str)."""
     from .impl import triton_backend as tb
@@ -154,6 +192,28 @@ def run_operator_bench(lens, heads_q: int, heads_kv: int, head_dim: int, dtype, 
             idx = tb.build_index(q, kc, vc, pt, sl, cu, config, scale, plan)
             return tb.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, idx)
         row["total_ms"] = time_ms(total)
+        if variants:
+            cfg_nomc = config.replace(mean_correction=False)
+            row["attn_nomc_ms"] = time_ms(lambda: tb.sparse_attention(q, kc, vc, pt, sl, cu, cfg_nomc, scale, plan, index))
+            saved = tb.EXACT_SCORES
+            try:
+                tb.EXACT_SCORES = not saved
+                key = "index_exact_ms" if not saved else "index_onedot_ms"
+                row[key] = time_ms(lambda: tb.build_index(q, kc, vc, pt, sl, cu, config, scale, plan))
+                alt = tb.build_index(q, kc, vc, pt, sl, cu, config, scale, plan)
+                row["exact_vs_onedot_csr_equal"] = bool(torch.equal(alt.row_ptr, index.row_ptr)
+                                                        and torch.equal(alt.col_idx, index.col_idx))
+                del alt
+            finally:
+                tb.EXACT_SCORES = saved
+            row["means_ms"] = time_ms(lambda: tb.block_means(kc, vc, pt, sl, plan, config.block_size))
+            row["index_host_ms"] = host_ms(lambda: tb.build_index(q, kc, vc, pt, sl, cu, config, scale, plan))
+        if profile:
+            try:
+                row["profile"] = profile_kernels(total)
+                say(f"[profile] L={L}: " + "; ".join(f"{k} {ms:.3f} ms x{c}" for k, ms, c in row["profile"]))
+            except Exception as e:  # CUPTI missing etc.: say so
+                row["notes"]["profile"] = f"failed: {type(e).__name__}: {str(e)[:160]}"
         row["dense_mode_ms"] = time_ms(lambda: tb.dense_attention(q, kc, vc, pt, sl, cu, scale, plan))
         # causal dense FLOPs: 4 * L^2/2 * d * Hq per request
         flops = 4.0 * (L * L / 2) * head_dim * heads_q * batch
@@ -171,24 +231,40 @@ def run_operator_bench(lens, heads_q: int, heads_kv: int, head_dim: int, dtype, 
     return rows
 
 
-def format_table(rows: list[dict]) -> str:
-    cols = [("L", "L", "{:d}"), ("density", "density", "{:.3f}"), ("index_ms", "index ms", "{:.2f}"),
-            ("attn_ms", "attn ms", "{:.2f}"), ("total_ms", "total ms", "{:.2f}"),
-            ("index_mib", "index MiB", "{:.1f}"), ("index_peak_mib", "peak MiB", "{:.1f}"),
-            ("dense_mode_ms", "our dense ms", "{:.2f}"), ("fa4_ms", "FA4 ms", "{:.2f}"),
-            ("cudnn_ms", "cuDNN ms", "{:.2f}"), ("fa2_ms", "FA2 ms", "{:.2f}"),
-            ("speedup_vs_fa4", "x FA4", "{:.2f}"), ("speedup_vs_cudnn", "x cuDNN", "{:.2f}")]
+TABLE_COLS = [("L", "L", "{:d}"), ("density", "density", "{:.4f}"), ("index_ms", "index ms", "{:.3f}"),
+              ("attn_ms", "attn ms", "{:.3f}"), ("total_ms", "total ms", "{:.3f}"),
+              ("index_mib", "idx MiB", "{:.1f}"), ("index_peak_mib", "peak MiB", "{:.1f}"),
+              ("dense_mode_ms", "our dense ms", "{:.3f}"), ("fa4_ms", "FA4 ms", "{:.3f}"),
+              ("cudnn_ms", "cuDNN ms", "{:.3f}"), ("fa2_ms", "FA2 ms", "{:.3f}"),
+              ("speedup_vs_fa4", "x FA4", "{:.2f}"), ("speedup_vs_cudnn", "x cuDNN", "{:.2f}")]
+VARIANT_COLS = [("L", "L", "{:d}"), ("attn_ms", "attn ms", "{:.3f}"), ("attn_nomc_ms", "attn no-MC ms", "{:.3f}"),
+                ("index_ms", "index ms", "{:.3f}"), ("index_exact_ms", "idx exact ms", "{:.3f}"),
+                ("index_onedot_ms", "idx 1-dot ms", "{:.3f}"), ("exact_vs_onedot_csr_equal", "same CSR", "{}"),
+                ("means_ms", "means ms", "{:.3f}"), ("index_host_ms", "idx host ms", "{:.3f}")]
+
+
+def _plain(rows: list[dict], cols) -> list[str]:
+    cols = [c for c in cols if c[0] == "L" or any(c[0] in r for r in rows)]
     head = [c[1] for c in cols]
     body = [[(c[2].format(r[c[0]]) if c[0] in r else "-") for c in cols] for r in rows]
     w = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     lines = ["  ".join(h.rjust(w[i]) for i, h in enumerate(head))]
     lines += ["  ".join(x.rjust(w[i]) for i, x in enumerate(b)) for b in body]
-    if rows:
-        r = rows[0]
-        lines.insert(0, f"{r['gpu']}  batch {r['batch']}  heads {r['heads_q']}/{r['heads_kv']}  d {r['head_dim']}  "
-                        f"{r['dtype']}  page {r['page_size']}  inputs: {r['inputs']}  config: default SparseConfig")
-        notes = {k: v for r in rows for k, v in r["notes"].items()}
-        lines += [f"note {k}: {v}" for k, v in notes.items()]
+    return lines
+
+
+def format_table(rows: list[dict]) -> str:
+    """Plain-text tables (fixed-width, no truncation): main columns, then variants if measured."""
+    if not rows:
+        return "(no rows)"
+    r = rows[0]
+    lines = [f"{r['gpu']}  batch {r['batch']}  heads {r['heads_q']}/{r['heads_kv']}  d {r['head_dim']}  "
+             f"{r['dtype']}  page {r['page_size']}  inputs: {r['inputs']}  config: default SparseConfig"]
+    lines += _plain(rows, TABLE_COLS)
+    if any("attn_nomc_ms" in r for r in rows):
+        lines += ["", "variants (where the time goes):"] + _plain(rows, VARIANT_COLS)
+    notes = {k: v for r in rows for k, v in r["notes"].items()}
+    lines += [f"note {k}: {v}" for k, v in notes.items()]
     return "\n".join(lines)
 
 
@@ -203,31 +279,22 @@ def main(argv=None) -> int:
     ap.add_argument("--fp8", action="store_true", help="FP8 e4m3 path (not implemented: reported as such)")
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time attention without mean correction, the index with the other score mode, "
+                         "block means alone, build_index host latency")
+    ap.add_argument("--profile", action="store_true", help="per-kernel device times of one index + attention call")
     a = ap.parse_args(argv)
     hq, hkv = (int(x) for x in a.heads.split("/"))
     rows = run_operator_bench(a.lens.split(","), hq, hkv, a.head_dim, a.dtype, fp8=a.fp8, batch=a.batch,
-                              page_size=a.page_size, baselines=not a.no_baselines)
+                              page_size=a.page_size, baselines=not a.no_baselines, variants=a.variants,
+                              profile=a.profile)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=2)
-    text = format_table(rows)
-    try:
-        from rich.console import Console
-        from rich.table import Table
-        lines = text.splitlines()
-        console = Console()
-        console.print(lines[0], markup=False)
-        t = Table()
-        for name in ("L", "density", "index ms", "attn ms", "total ms", "index MiB", "peak MiB", "our dense ms",
-                     "FA4 ms", "cuDNN ms", "FA2 ms", "x FA4", "x cuDNN"):
-            t.add_column(name, justify="right")
-        for line in lines[2:2 + len(rows)]:
-            t.add_row(*line.split())
-        console.print(t)
-        for line in lines[2 + len(rows):]:
-            console.print(line, markup=False)
-    except ImportError:
-        print(text)
+    for r in rows:
+        for name, ms, count in r.get("profile", []):
+            print(f"profile L={r['L']:>7d}  {ms:9.3f} ms  x{count:<3d} {name}")
+    print(format_table(rows), flush=True)
     return 0
 
 
