@@ -172,7 +172,8 @@ def _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u,
     Membership: ``col_idx[start:end]`` is ascending and duplicate-free, so the entries inside a
     candidate chunk ``[u0, u0 + BLOCK_U)`` are the next (at most ``BLOCK_U``) entries after those
     of the previous chunks: one load of ``BLOCK_U`` entries from a running pointer per chunk
-    (``O(n_u)`` work, not ``O(n_u x |S|)``). The mean keys/values are loaded for every candidate
+    (``O(n_u)`` loads, not ``O(n_u x |S|)``), turned into 64-bit words of a chunk bitmask.
+    ``BLOCK_U`` must be a multiple of 64. The mean keys/values are loaded for every candidate
     (not only the pruned ones) so the loads do not wait on the membership test.
     """
     dims = tl.arange(0, HEAD_DIM)
@@ -188,8 +189,17 @@ def _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u,
         cols = tl.load(col_idx + offs, mask=offs < end, other=2147483647)
         in_chunk = cols < u0 + BLOCK_U
         ptr += tl.sum(in_chunk.to(tl.int32), axis=0)
-        hit = (js[:, None] == cols[None, :]).to(tl.int32)
-        in_s = tl.max(hit, axis=1)
+        # chunk-local bitmask of the selected entries, 64 candidates per int64 word (distinct
+        # entries: the sum is an OR), then each candidate reads its bit: O(BLOCK_U^2 / 64) work
+        rel = tl.where(in_chunk, cols - u0, -1)
+        rel_j = js - u0
+        in_s = tl.zeros([BLOCK_U], dtype=tl.int64)
+        for w in tl.static_range(BLOCK_U // 64):
+            mine = (rel >= w * 64) & (rel < w * 64 + 64)
+            bit = tl.full([BLOCK_U], 1, tl.int64) << (tl.where(mine, rel - w * 64, 0)).to(tl.int64)
+            word = tl.sum(tl.where(mine, bit, 0), axis=0)
+            own = (rel_j >= w * 64) & (rel_j < w * 64 + 64)
+            in_s += tl.where(own, (word >> (tl.where(own, rel_j - w * 64, 0)).to(tl.int64)) & 1, 0)
         use = cand & (in_s == 0)
         n_j = tl.minimum((js + 1) * BLOCK_SIZE, lk) - js * BLOCK_SIZE
         log2_n = tl.log2(tl.maximum(n_j, 1).to(tl.float32))
@@ -228,6 +238,7 @@ def _attn_fwd(
     MEAN_CORR: tl.constexpr,
 ):
     tl.static_assert(TILE_ROWS % BLOCK_M == 0)
+    tl.static_assert(BLOCK_U % 64 == 0)
     tl.static_assert(BLOCK_SIZE % BLOCK_N == 0)
     SUBS: tl.constexpr = TILE_ROWS // BLOCK_M
     # ---------------------------------------------------------------- setup
