@@ -89,7 +89,7 @@ def _median(xs: Sequence[float]) -> float:
 
 
 def _measure(engine: Any, ids: list[int], secret: str | None, repeats: int, max_new_tokens: int) -> dict:
-    engine.generate(ids, max_new_tokens=max_new_tokens)  # warm-up at this length (JIT, autotune)
+    engine.generate(ids, max_new_tokens=2)  # warm-up at this length (autotune, allocator)
     runs = [engine.generate(ids, max_new_tokens=max_new_tokens) for _ in range(repeats)]
     last = runs[-1]
     return {
@@ -117,6 +117,7 @@ def run_e2e_bench(
     yarn_factor: float = 4.0,
     max_new_tokens: int = 16,
     server_overrides: dict | None = None,
+    on_rows: Callable[[list[dict]], None] | None = None,
 ) -> list[dict]:
     """TTFT of FlashPrefill vs dense prefill at each length (see the module docstring).
 
@@ -132,24 +133,29 @@ def run_e2e_bench(
     for n in sorted(lens):
         regimes.setdefault(yarn_factor if n > yarn_above else None, []).append(n)
     rows: dict[int, dict] = {}
+    prompts: dict[int, tuple[list[int], str | None]] = {}  # same tokenizer for every engine: build once
     for factor, group in regimes.items():
         limit = int(native * factor) if factor else native
         for label, profile in (("dense", profile_dense), ("sparse", profile_sparse)):
             t0 = time.perf_counter()
             say(f"[bench] starting {label} engine (profile {getattr(profile, 'name', '?')}, yarn {factor})")
+            # SGLangEngine warms up at start (a dummy prefill over the sparse path, radix cache
+            # flushed), so no JIT compilation lands in a measured TTFT.
             with SGLangEngine(model_path, profile, rope_scaling_factor=factor, disable_radix_cache=True,
                               server_overrides=server_overrides) as eng:
-                say(f"[bench] {label} engine up in {time.perf_counter() - t0:.1f} s")
-                eng.generate(eng.encode_chat(None, "Say hello."), max_new_tokens=4)  # first-request JIT
+                say(f"[bench] {label} engine up in {time.perf_counter() - t0:.1f} s (warm-up {eng.warmup_s:.1f} s)")
                 for n in group:
-                    target = min(n, limit - max_new_tokens - 256)
-                    if needle:
-                        ids, secret = needle_prompt(eng, target)
-                    else:
-                        text, secret = needle_document(eng.count_tokens, target)
-                        ids, secret = eng.encode_chat(None, text), None
-                    if len(ids) > limit - max_new_tokens:
-                        ids = ids[-(limit - max_new_tokens - 1):]
+                    if n not in prompts:
+                        target = min(n, limit - max_new_tokens - 256)
+                        if needle:
+                            ids, secret = needle_prompt(eng, target)
+                        else:
+                            text, _ = needle_document(eng.count_tokens, target)
+                            ids, secret = eng.encode_chat(None, text), None
+                        if len(ids) > limit - max_new_tokens:
+                            ids = ids[-(limit - max_new_tokens - 1):]
+                        prompts[n] = (ids, secret)
+                    ids, secret = prompts[n]
                     reps = max(1, repeats if n <= 32768 else min(repeats, 2))
                     m = _measure(eng, ids, secret, reps, max_new_tokens)
                     row = rows.setdefault(n, {"target_len": n, "yarn": factor})
@@ -160,7 +166,14 @@ def run_e2e_bench(
                         row["density"] = m["density"]
                         row["density_per_layer"] = m["density_per_layer"]
                     say(f"[bench] {label} {n}: {m['prompt_tokens']} tokens, TTFT {m['ttft_s']:.4f} s, "
-                        f"density {m['density']:.3f}, needle {m['needle']}")
+                        f"prefill {m['prefill_s']:.4f} s, density {m['density']:.3f}, needle {m['needle']} "
+                        f"({m['answer']!r})")
+                    if on_rows is not None:
+                        on_rows(_finish_rows(rows))
+    return _finish_rows(rows)
+
+
+def _finish_rows(rows: dict[int, dict]) -> list[dict]:
     out = []
     for n in sorted(rows):
         r = rows[n]
@@ -195,8 +208,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--yarn-above", type=int, default=32768)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mem-fraction", type=float, default=None, help="override mem_fraction_static")
-    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--json", default=None, help="write the rows here (rewritten after every length)")
+    ap.add_argument("--preset", choices=("issue3",), default=None,
+                    help="issue3: Qwen 4k,8k,16k,32k native and 64k,120k with YaRN x4 in one run, one warm-up "
+                         "and one measurement per length (about 5 minutes on an H200)")
     args = ap.parse_args(argv)
+    if args.preset == "issue3":
+        args.lens, args.repeats, args.yarn_above = "4k,8k,16k,32k,64k,120k", 1, 32768
 
     import logging
 
@@ -208,12 +226,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = {"cuda_graph_max_bs_decode": 16}  # TTFT only: a short decode-graph capture at start
     if args.mem_fraction:
         overrides["mem_fraction_static"] = args.mem_fraction
+    t_start = time.perf_counter()
+
+    def write(rows: list[dict], done: bool = False) -> None:
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump({"model": args.model, "profile": sparse.name, "lens": args.lens, "repeats": args.repeats,
+                           "complete": done, "wall_s": round(time.perf_counter() - t_start, 1), "rows": rows,
+                           "date": time.strftime("%Y-%m-%d %H:%M:%S")}, fh, indent=2)
+
     rows = run_e2e_bench(parse_lens(args.lens), args.model, sparse, dense, needle=not args.no_needle,
-                         yarn_above=args.yarn_above, repeats=args.repeats, server_overrides=overrides)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump({"model": args.model, "profile": sparse.name, "lens": args.lens, "rows": rows,
-                       "date": time.strftime("%Y-%m-%d %H:%M:%S")}, fh, indent=2)
+                         yarn_above=args.yarn_above, repeats=args.repeats, server_overrides=overrides, on_rows=write)
+    write(rows, done=True)
+    print(f"e2e bench: {time.perf_counter() - t_start:.0f} s", flush=True)
     print(format_table(rows), flush=True)
     return 0
 

@@ -419,3 +419,53 @@ def test_warmup_length_covers_the_sparse_path_with_and_without_prefix():
     assert eng.warmup_length() == 8192 - 64
     eng.context_length = 4096  # too short for a sparse prompt: short warm-up only
     assert eng.warmup_length() == 0
+
+
+def test_e2e_bench_one_invocation_native_and_yarn(monkeypatch, tmp_path):
+    """``run_e2e_bench`` with a fake engine: native lengths on one engine pair, YaRN lengths on a
+    second, prompts built once per length, one warm-up + one measurement each, rows reported
+    after every length."""
+    import fpcli.engine.sglang_engine as se
+    from fpcli import bench_e2e
+    from fpcli.engine.base import GenerationResult, PrefillStats
+
+    started, calls = [], []
+
+    class FakeEngine:
+        warmup_s = 0.5
+
+        def __init__(self, model_path, profile, rope_scaling_factor=None, **kw):
+            started.append((profile, rope_scaling_factor, kw.get("disable_radix_cache")))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def count_tokens(self, text):
+            return len(text.split())
+
+        def encode_chat(self, system, text):
+            FakeEngine.secret = [w.rstrip(".") for w in text.split() if w.rstrip(".").isdigit()][0]
+            return list(range(len(text.split())))
+
+        def generate(self, ids, max_new_tokens=16):
+            calls.append(len(ids))
+            return GenerationResult(text=self.secret, prompt_tokens=len(ids), output_tokens=1, ttft_s=0.01,
+                                    prefill_s=0.008, total_s=0.02, engine="fake", model="m", profile="p",
+                                    stats=PrefillStats(density=0.4, density_per_layer=[1.0, 0.4]))
+
+    monkeypatch.setattr(se, "SGLangEngine", FakeEngine)
+    monkeypatch.setattr(se, "native_context_length", lambda path: 32768)
+    seen = []
+    rows = bench_e2e.run_e2e_bench([4096, 131072 // 2, 8192], "m", "sparse", "dense", repeats=1,
+                                   progress=lambda m: None, on_rows=lambda r: seen.append(len(r)))
+    assert [(p, f) for p, f, _ in started] == [("dense", None), ("sparse", None), ("dense", 4.0), ("sparse", 4.0)]
+    assert all(radix_off for _, _, radix_off in started)
+    assert [r["target_len"] for r in rows] == [4096, 8192, 65536]
+    assert [r["yarn"] for r in rows] == [None, None, 4.0]
+    assert all(r["needle_sparse"] and r["needle_dense"] and r["density"] == 0.4 for r in rows)
+    assert len(calls) == 3 * 2 * 2  # per length and engine: one warm-up, one measurement
+    assert seen == [1, 2, 2, 2, 3, 3]  # dense 4k, 8k; sparse 4k, 8k; dense 64k; sparse 64k
+    assert "65536" in bench_e2e.format_table(rows)
