@@ -21,6 +21,7 @@ printed last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -206,6 +207,13 @@ def run_operator_bench(lens, heads_q: int, heads_kv: int, head_dim: int, dtype, 
                 del alt
             finally:
                 tb.EXACT_SCORES = saved
+            from .impl import triton_attention as ta
+            base_cfg = ta.get_config
+            try:  # the same kernel with 128 mean-key candidates per correction step
+                ta.get_config = lambda *a, **k: dataclasses.replace(base_cfg(*a, **k), block_u=128)
+                row["attn_bu128_ms"] = time_ms(lambda: tb.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, index))
+            finally:
+                ta.get_config = base_cfg
             row["means_ms"] = time_ms(lambda: tb.block_means(kc, vc, pt, sl, plan, config.block_size))
             row["index_host_ms"] = host_ms(lambda: tb.build_index(q, kc, vc, pt, sl, cu, config, scale, plan))
         if profile:

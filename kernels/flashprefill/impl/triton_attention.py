@@ -80,8 +80,10 @@ def get_config(head_dim: int, dtype: torch.dtype, block_size: int = 128) -> Attn
     if head_dim == 256:
         cfg = AttnConfig(block_m=128, block_n=64, block_u=64, block_s=64, num_warps=8, num_stages=1)
     elif head_dim == 128:
-        # block_u 128: half the correction steps of 64 (162.5 KiB smem, 0 spills: compile_sm90.py)
-        cfg = AttnConfig(block_m=128, block_n=128, block_u=128, block_s=64, num_warps=8, num_stages=2)
+        # block_u 64: a short request's tiles have few candidates (n_u < 64 at 8K); 128 also fits
+        # (160.5 KiB smem, 0 spills: scripts/compile_sm90.py) and halves the steps at 128K --
+        # the bench's --variants times both (attn_bu128_ms)
+        cfg = AttnConfig(block_m=128, block_n=128, block_u=64, block_s=64, num_warps=8, num_stages=2)
     else:
         cfg = AttnConfig(block_m=128, block_n=128, block_u=64, block_s=64, num_warps=8, num_stages=3)
     if cfg.block_n > block_size:
