@@ -122,6 +122,12 @@ def _dense_baselines(q, k_lin, v_lin, L, batch, hq, hkv, d, scale):
     return res, notes
 
 
+# --variants: attention tile configs timed besides the default (d=128: all fit in sm_90 smem,
+# scripts/compile_sm90.py)
+ATTN_CONFIG_VARIANTS = [("attn_bu128_ms", {"block_u": 128}), ("attn_st3_ms", {"num_stages": 3}),
+                        ("attn_bn64s3_ms", {"block_n": 64, "num_stages": 3})]
+
+
 def host_ms(fn: Callable[[], object], n: int = 20) -> float:
     """Mean host (wall) milliseconds of ``fn`` per call, the GPU synchronised before and after:
     for a call that syncs internally (``build_index`` reads ``nnz``) this is its latency floor."""
@@ -209,11 +215,14 @@ def run_operator_bench(lens, heads_q: int, heads_kv: int, head_dim: int, dtype, 
                 tb.EXACT_SCORES = saved
             from .impl import triton_attention as ta
             base_cfg = ta.get_config
-            try:  # the same kernel with 128 mean-key candidates per correction step
-                ta.get_config = lambda *a, **k: dataclasses.replace(base_cfg(*a, **k), block_u=128)
-                row["attn_bu128_ms"] = time_ms(lambda: tb.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, index))
-            finally:
-                ta.get_config = base_cfg
+            for key, over in ATTN_CONFIG_VARIANTS:   # the same kernel, other tiles (sm_90 fit checked)
+                try:
+                    ta.get_config = lambda *a, _o=over, **k: dataclasses.replace(base_cfg(*a, **k), **_o)
+                    row[key] = time_ms(lambda: tb.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, index))
+                except Exception as e:  # e.g. out of shared memory: report, go on
+                    row["notes"][key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+                finally:
+                    ta.get_config = base_cfg
             row["means_ms"] = time_ms(lambda: tb.block_means(kc, vc, pt, sl, plan, config.block_size))
             row["index_host_ms"] = host_ms(lambda: tb.build_index(q, kc, vc, pt, sl, cu, config, scale, plan))
         if profile:
