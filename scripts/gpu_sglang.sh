@@ -6,6 +6,7 @@
 #   FP_SKIP_TESTS=1 bash scripts/gpu_sglang.sh      # bench only (python -m fpcli.bench_e2e --preset issue3)
 #   FP_BENCH_LENS=4k,32k FP_SKIP_TESTS=1 bash scripts/gpu_sglang.sh   # other lengths (3 repeats)
 #   FP_GPU_SLOW=1 ...                               # tests also run Qwen + YaRN 120K (a worker process)
+#   FP_SKIP_INSTALL=1 ...                           # no pip step (a second call on the same machine)
 #
 # Writes under $OUT (default ./out-gpu-sglang): env.txt, install.log, pytest.log, junit.xml,
 # workers/ (one log + result per engine worker process), bench.log, e2e.json, summary.txt.
@@ -38,7 +39,9 @@ cat "$OUT/env.txt"
 
 # 1. Install fp without dependencies, with the python that runs the tests, so the
 #    sglang.srt.plugins entry point is in its metadata (the Engine subclass registers anyway).
-if "$PY" -m pip install --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1; then
+if [ -n "${FP_SKIP_INSTALL:-}" ]; then
+  note "install: skipped (FP_SKIP_INSTALL; PYTHONPATH has the checkout)"
+elif "$PY" -m pip install --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1; then
   note "install: pip ok ($("$PY" -c 'import sys; print(sys.executable)'))"
 else
   note "install: FAILED (see install.log); PYTHONPATH and the Engine subclass still register the backend"
@@ -67,8 +70,8 @@ rc_tests=skipped
 if [ -z "${FP_SKIP_TESTS:-}" ]; then
   t0=$(date +%s)
   TO=""
-  "$PY" -c "import pytest_timeout" 2>/dev/null && TO="--timeout=${FP_PER_TEST_TIMEOUT:-450}"
-  timeout -k 10 "${FP_TEST_TIMEOUT:-560}" "$PY" -m pytest tests/gpu/test_sglang_engine.py -q -s -rA $TO \
+  "$PY" -c "import pytest_timeout" 2>/dev/null && TO="--timeout=${FP_PER_TEST_TIMEOUT:-420}"
+  timeout -k 10 "${FP_TEST_TIMEOUT:-480}" "$PY" -m pytest tests/gpu/test_sglang_engine.py -q -s -rA $TO \
       --junitxml="$OUT/junit.xml" -p no:cacheprovider > "$OUT/pytest.log" 2>&1
   rc_tests=$?
   # worker process groups left by a pytest killed on timeout (each worker is a session leader)
@@ -93,7 +96,7 @@ if [ -z "${FP_SKIP_BENCH:-}" ]; then
   if [ -f "$BENCH_MODEL/config.json" ]; then
     t0=$(date +%s)
     if [ -n "$LENS" ]; then BARGS="--lens $LENS --repeats ${FP_BENCH_REPEATS:-3}"; else BARGS="--preset issue3"; fi
-    timeout -k 10 "${FP_BENCH_TIMEOUT:-560}" "$PY" -m fpcli.bench_e2e --model "$BENCH_MODEL" $BARGS \
+    timeout -k 10 "${FP_BENCH_TIMEOUT:-500}" "$PY" -m fpcli.bench_e2e --model "$BENCH_MODEL" $BARGS \
         --json "$OUT/e2e.json" --mem-fraction "${FP_BENCH_MEM:-0.5}" > "$OUT/bench.log" 2>&1
     rc_bench=$?
     note "bench: rc=$rc_bench in $(( $(date +%s) - t0 )) s (model $BENCH_MODEL, $BARGS)"

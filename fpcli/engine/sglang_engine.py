@@ -472,10 +472,22 @@ class SGLangEngine:
             raise RuntimeError("SGLang returned no output_top_logprobs")
         return [(float(e[0]), int(e[1])) for e in top[0]]
 
-    def flush_cache(self) -> None:
-        """Empty SGLang's radix (prefix) cache, so the next request prefills its whole prompt."""
-        if self._engine is not None:
-            self._engine.flush_cache()
+    def flush_cache(self, timeout_s: float = 3.0) -> bool:
+        """Empty SGLang's radix (prefix) cache, so the next request prefills its whole prompt.
+
+        SGLang refuses (``success=False``) while a request is still in its running batch, which
+        happens right after an answer streamed out; retried until ``timeout_s``."""
+        if self._engine is None:
+            return False
+        deadline = time.monotonic() + timeout_s
+        while True:
+            out = self._engine.flush_cache()
+            ok = bool(getattr(out, "success", True))
+            if ok or time.monotonic() >= deadline:
+                if not ok:
+                    logger.warning("SGLang did not flush its cache: %s", getattr(out, "message", ""))
+                return ok
+            time.sleep(0.05)
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:

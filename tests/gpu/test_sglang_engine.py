@@ -129,7 +129,7 @@ QWEN_OVERRIDES = {"mem_fraction_static": 0.5, "max_total_tokens": 49152, "cuda_g
 QWEN_NEEDLE = {"needle_tokens": 28000, "seed": 5}
 LOG_DIR = os.environ.get("FP_GPU_LOG_DIR")
 WORKER = Path(__file__).resolve().parent / "sglang_worker.py"
-WORKER_TIMEOUT_S = float(os.environ.get("FP_GPU_WORKER_TIMEOUT", "420"))
+WORKER_TIMEOUT_S = float(os.environ.get("FP_GPU_WORKER_TIMEOUT", "380"))
 
 
 def _smol_prompts():
@@ -233,17 +233,8 @@ class Workers:
                 proc.wait(timeout=10)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def workers(tmp_path_factory):
-    folder = Path(LOG_DIR) / "workers" if LOG_DIR else tmp_path_factory.mktemp("sglang-workers")
-    folder.mkdir(parents=True, exist_ok=True)
-    pool = Workers(folder)
-    yield pool
-    pool.close()
-
-
 @pytest.fixture(scope="module")
-def smol(workers):
+def smol():
     t0 = time.perf_counter()
     eng = SGLangEngine(SMOL, BF16, server_overrides=SMOL_OVERRIDES, log_level="info",
                        settings_overrides={"sparse": BF16.sparse_config().replace(min_sparse_len=SMOL_MIN_SPARSE)})
@@ -253,7 +244,20 @@ def smol(workers):
     eng.close()
 
 
-def test_needle_smol_6k(smol):
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory, smol):
+    """Started right after the in-process engine (requested first by the first engine test, after
+    the mock-runner tests, which ran before any engine in the original order): that one's start-up and warm-up fill the JIT
+    caches (SGLang's decode kernels, ~70 s on a fresh machine; our Triton kernels), so the
+    workers load compiled kernels instead of compiling the same ones concurrently."""
+    folder = Path(LOG_DIR) / "workers" if LOG_DIR else tmp_path_factory.mktemp("sglang-workers")
+    folder.mkdir(parents=True, exist_ok=True)
+    pool = Workers(folder)
+    yield pool
+    pool.close()
+
+
+def test_needle_smol_6k(smol, workers):  # `workers`: launch them now, they start while this runs
     smol.flush_cache()
     r = smol.generate(PROMPTS["needle"], max_new_tokens=16)
     log.info("smol 6K: %d tokens, ttft %.4f s, prefill %.4f s, density %.3f, per layer %s, answer %r",
