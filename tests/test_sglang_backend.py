@@ -469,3 +469,65 @@ def test_e2e_bench_one_invocation_native_and_yarn(monkeypatch, tmp_path):
     assert len(calls) == 3 * 2 * 2  # per length and engine: one warm-up, one measurement
     assert seen == [1, 2, 2, 2, 3, 3]  # dense 4k, 8k; sparse 4k, 8k; dense 64k; sparse 64k
     assert "65536" in bench_e2e.format_table(rows)
+
+
+def test_gpu_worker_script_with_a_fake_engine(monkeypatch, tmp_path):
+    """``tests/gpu/sglang_worker.py`` (one engine per process on the device) end to end on CPU."""
+    import importlib.util
+    from pathlib import Path
+
+    import fpcli.engine.sglang_engine as se
+    from fpcli.engine.base import GenerationResult, PrefillStats
+
+    made = []
+
+    class FakeEngine:
+        warmup_s = 0.25
+
+        def __init__(self, model_path, profile, **kw):
+            made.append((profile, kw))
+            self._engine = SimpleNamespace(server_args=SimpleNamespace(
+                cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full")), disable_cuda_graph=False))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            made.append("closed")
+
+        def count_tokens(self, text):
+            return len(text.split())
+
+        def encode_chat(self, system, text):
+            FakeEngine.secret = [w.rstrip(".") for w in text.split() if w.rstrip(".").isdigit()][0]
+            return list(range(len(text.split())))
+
+        def generate(self, ids, max_new_tokens=16):
+            return GenerationResult(text=f"It is {FakeEngine.secret}.", prompt_tokens=len(ids), output_tokens=3,
+                                    ttft_s=0.01, prefill_s=0.008, total_s=0.02, engine="fake", model="m", profile="p",
+                                    stats=PrefillStats(density=0.5, density_per_layer=[1.0, 0.5]))
+
+        def first_token_logprobs(self, ids, k=20):
+            return [(-0.1, 7), (-2.5, 9)][:k]
+
+        def flush_cache(self):
+            made.append("flush")
+
+    monkeypatch.setattr(se, "SGLangEngine", FakeEngine)
+    spec_path = Path(__file__).resolve().parent / "gpu" / "sglang_worker.py"
+    mod_spec = importlib.util.spec_from_file_location("sglang_worker", spec_path)
+    worker = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(worker)
+    spec = {"name": "w", "model": "m", "profile": "bf16", "min_sparse_len": 4096, "overrides": {"page_size": 16},
+            "requests": [{"key": "needle", "needle_tokens": 400, "seed": 5, "max_new_tokens": 8, "flush": True},
+                         {"key": "lp", "ids": [1, 2, 3], "logprobs": 1}]}
+    out_path = tmp_path / "w.json"
+    assert worker.run(spec, str(out_path)) == 0
+    out = json.loads(out_path.read_text())
+    assert out["error"] is None and out["closed_t"] and out["decode_graph"] == "full"
+    assert out["results"]["needle"]["answered"] is True and out["results"]["needle"]["density"] == 0.5
+    assert out["results"]["lp"]["top"] == [[-0.1, 7]]
+    profile, kw = made[0]
+    assert kw["server_overrides"] == {"page_size": 16}
+    assert kw["settings_overrides"]["sparse"].min_sparse_len == 4096
+    assert made[1:] == ["flush", "closed"]

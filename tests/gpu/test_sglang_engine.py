@@ -72,7 +72,7 @@ def _run_case(backend: str, page_size: int, prefix: tuple, extend: tuple, name: 
 @pytest.mark.parametrize("prefix,extend", [((0, 0), (517, 200)), ((300, 129), (200, 1)), ((640,), (300,))])
 def test_backend_alpha0_equals_dense_on_mock_runner(page_size, prefix, extend):
     """Operator path (dense_layers 0, alpha 0 keeps every block) == torch_native == fp32 reference."""
-    plugin.register()
+    plugin.register(source="direct")
     set_settings_override(BackendSettings(sparse=SparseConfig(alpha=0.0, block_size=64, min_sparse_len=0),
                                           dense_layers=0, debug_checks=True, collect_stats=True))
     try:
@@ -88,7 +88,7 @@ def test_backend_alpha0_equals_dense_on_mock_runner(page_size, prefix, extend):
 
 
 def test_backend_sparse_config_runs_and_records_stats(tmp_path):
-    plugin.register()
+    plugin.register(source="direct")
     set_settings_override(BackendSettings(sparse=SparseConfig(block_size=64, sink_tokens=64, window_tokens=128,
                                                               dense_tail_tokens=64, alpha=0.3),
                                           stats_dir=str(tmp_path), debug_checks=True))
