@@ -101,7 +101,7 @@ def _index(bf):
     # selection
     for exact in (False, True):
         ptrs = {n: "*i32" for n in ("tile_request", "tile_local", "cu_seqlens_q", "seq_lens", "block_ptr",
-                                    "row_ptr", "n_visible", "bits")}
+                                    "counts", "row_ptr", "n_visible", "bits")}
         ptrs.update({"q_ptr": bf, "k_mean": "*fp32", "k_lowp": bf, "scratch": "*fp32"})
         consts = dict(GROUP=4, HEAD_DIM=128, TILE_ROWS=128, BLOCK_SIZE=128, BLOCK_J=tb.SELECT_BLOCK_J,
                       KEEP_ALL_SCORED=False, EXACT=exact)

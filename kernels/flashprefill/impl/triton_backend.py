@@ -114,8 +114,9 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
     n_seg = hkv * n_tiles
     max_nb = max((-(-lk // B) for lk in plan.kv_lens), default=0)
     n_words = max(1, -(-max_nb // ti.BITS_PER_WORD))
-    # the select kernel writes row_ptr[0] = 0 and the segment counts to row_ptr[1:]
+    # the select kernel writes row_ptr[0] = 0 and the segment counts; row_ptr[1:] = cumsum(counts)
     row_ptr = torch.empty(n_seg + 1, dtype=torch.int32, device=dev)
+    counts = torch.empty(n_seg, dtype=torch.int32, device=dev)
     n_visible = torch.empty(n_seg, dtype=torch.int32, device=dev)
     if n_seg:
         bits = torch.empty(n_seg, n_words, dtype=torch.int32, device=dev)
@@ -126,7 +127,7 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
         ti._select_kernel[(n_prog,)](
             q, k_mean, k_lowp if k_lowp is not None else k_mean, plan.tile_request, plan.tile_local,
             cu_seqlens_q, seq_lens, plan.block_ptr,
-            scratch, row_ptr, n_visible, bits,
+            scratch, counts, row_ptr, n_visible, bits,
             q.stride(0), q.stride(1), k_mean.stride(0), k_mean.stride(1), scratch.stride(0), n_words,
             n_tiles, n_seg, n_prog, scale * ti.LOG2E, math.log2(alpha) if alpha > 0 else 0.0,
             config.sink_tokens, config.window_tokens, config.dense_tail_tokens, config.min_sparse_len,
@@ -135,7 +136,7 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
             num_warps=SELECT_NUM_WARPS, num_stages=SELECT_NUM_STAGES,
         )
         del scratch
-        row_ptr[1:].cumsum_(0)
+        torch.cumsum(counts, 0, out=row_ptr[1:])
     else:
         row_ptr.zero_()
     # owned copies of the plan's pointers, made before the sync so they overlap the GPU work

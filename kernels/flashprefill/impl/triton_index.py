@@ -189,7 +189,7 @@ def _score_chunk(kc, qT, j0, n_scored, rows_tok, row_ok, P, lk, scale_log2, need
 @triton.jit
 def _select_kernel(
     q_ptr, k_mean, k_lowp, tile_request, tile_local, cu_seqlens_q, seq_lens, block_ptr,
-    scratch, row_ptr, n_visible, bits,
+    scratch, counts, row_ptr, n_visible, bits,
     stride_qt, stride_qh, stride_mb, stride_mh, stride_scratch, n_words,
     n_tiles, n_segments, n_prog, scale_log2, log2_alpha,
     sink_tokens, window_tokens, dense_tail_tokens, min_sparse_len,
@@ -264,9 +264,9 @@ def _select_kernel(
             w_idx = j0 // 32 + tl.arange(0, WORDS)
             tl.store(bits + seg.to(tl.int64) * n_words + w_idx, words, mask=(w_idx < n_words) & seg_live)
         tl.debug_barrier()  # the next segment's pass A overwrites scratch
-        tl.store(row_ptr + 1 + seg, count, mask=seg_live)     # counts; cumsum'd on the host side
+        tl.store(counts + seg, count, mask=seg_live)
         tl.store(n_visible + seg, n_vis, mask=seg_live)
-    tl.store(row_ptr, 0, mask=pid == 0)
+    tl.store(row_ptr, 0, mask=pid == 0)        # row_ptr[1:] = cumsum(counts), by the host side
 
 
 # --------------------------------------------------------------------------------------------
