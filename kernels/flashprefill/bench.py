@@ -144,12 +144,14 @@ def profile_kernels(fn: Callable[[], object], n: int = 5) -> list[tuple[str, flo
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             fn()
         torch.cuda.synchronize()
     rows = []
     for ev in prof.key_averages():
+        if str(getattr(ev, "device_type", "")).endswith("CPU") and ev.key.startswith(("aten::", "cuda")):
+            continue                    # host-side ops: their kernels are listed by name
         t = getattr(ev, "device_time_total", None)
         if t is None:
             t = getattr(ev, "cuda_time_total", 0.0)
@@ -258,6 +260,8 @@ TABLE_COLS = [("L", "L", "{:d}"), ("density", "density", "{:.4f}"), ("index_ms",
               ("cudnn_ms", "cuDNN ms", "{:.3f}"), ("fa2_ms", "FA2 ms", "{:.3f}"),
               ("speedup_vs_fa4", "x FA4", "{:.2f}"), ("speedup_vs_cudnn", "x cuDNN", "{:.2f}")]
 VARIANT_COLS = [("L", "L", "{:d}"), ("attn_ms", "attn ms", "{:.3f}"), ("attn_nomc_ms", "attn no-MC ms", "{:.3f}"),
+                ("attn_bu128_ms", "attn U128 ms", "{:.3f}"), ("attn_st3_ms", "attn st3 ms", "{:.3f}"),
+                ("attn_bn64s3_ms", "attn N64 st3 ms", "{:.3f}"),
                 ("index_ms", "index ms", "{:.3f}"), ("index_exact_ms", "idx exact ms", "{:.3f}"),
                 ("index_onedot_ms", "idx 1-dot ms", "{:.3f}"), ("exact_vs_onedot_mismatch", "CSR diff frac", "{:.2e}"),
                 ("means_ms", "means ms", "{:.3f}"), ("index_host_ms", "idx host ms", "{:.3f}")]
