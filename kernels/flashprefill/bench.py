@@ -124,6 +124,9 @@ def _dense_baselines(q, k_lin, v_lin, L, batch, hq, hkv, d, scale):
 
 # --variants: attention tile configs timed besides the default (d=128: all fit in sm_90 smem,
 # scripts/compile_sm90.py)
+INDEX_VARIANTS = [("index_bj128w4_ms", {"SELECT_BLOCK_J": 128, "SELECT_NUM_WARPS": 4}),
+                  ("index_bj128w8_ms", {"SELECT_BLOCK_J": 128, "SELECT_NUM_WARPS": 8}),
+                  ("index_bj64w8_ms", {"SELECT_BLOCK_J": 64, "SELECT_NUM_WARPS": 8})]
 ATTN_CONFIG_VARIANTS = [("attn_bu128_ms", {"block_u": 128}), ("attn_st3_ms", {"num_stages": 3}),
                         ("attn_bn64s3_ms", {"block_n": 64, "num_stages": 3})]
 
@@ -228,6 +231,18 @@ def run_operator_bench(lens, heads_q: int, heads_kv: int, head_dim: int, dtype, 
                     row["notes"][key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
                 finally:
                     ta.get_config = base_cfg
+            for key, over in INDEX_VARIANTS:         # selection tiles (module constants of the backend)
+                saved = {k: getattr(tb, k) for k in over}
+                try:
+                    for k, v in over.items():
+                        setattr(tb, k, v)
+                    row[key] = time_ms(lambda: tb.build_index(q, kc, vc, pt, sl, cu, config, scale, plan))
+                except Exception as e:
+                    row["notes"][key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+                finally:
+                    for k, v in saved.items():
+                        setattr(tb, k, v)
+            row["select_programs_per_sm"] = sorted(set(tb._SELECT_OCC.values()))
             row["means_ms"] = time_ms(lambda: tb.block_means(kc, vc, pt, sl, plan, config.block_size))
             row["index_host_ms"] = host_ms(lambda: tb.build_index(q, kc, vc, pt, sl, cu, config, scale, plan))
         if profile:
@@ -264,6 +279,8 @@ VARIANT_COLS = [("L", "L", "{:d}"), ("attn_ms", "attn ms", "{:.3f}"), ("attn_nom
                 ("attn_bn64s3_ms", "attn N64 st3 ms", "{:.3f}"),
                 ("index_ms", "index ms", "{:.3f}"), ("index_exact_ms", "idx exact ms", "{:.3f}"),
                 ("index_onedot_ms", "idx 1-dot ms", "{:.3f}"), ("exact_vs_onedot_mismatch", "CSR diff frac", "{:.2e}"),
+                ("index_bj128w4_ms", "idx J128w4", "{:.3f}"), ("index_bj128w8_ms", "idx J128w8", "{:.3f}"),
+                ("index_bj64w8_ms", "idx J64w8", "{:.3f}"),
                 ("means_ms", "means ms", "{:.3f}"), ("index_host_ms", "idx host ms", "{:.3f}")]
 
 
@@ -287,6 +304,9 @@ def format_table(rows: list[dict]) -> str:
     lines += _plain(rows, TABLE_COLS)
     if any("attn_nomc_ms" in r for r in rows):
         lines += ["", "variants (where the time goes):"] + _plain(rows, VARIANT_COLS)
+    occ = sorted({x for r in rows for x in r.get("select_programs_per_sm", [])})
+    if occ:
+        lines.append(f"select kernel resident programs per SM (compiled variants): {occ}")
     notes = {k: v for r in rows for k, v in r["notes"].items()}
     lines += [f"note {k}: {v}" for k, v in notes.items()]
     return "\n".join(lines)

@@ -22,8 +22,9 @@ from .triton_attention import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, launch_atte
 
 # Selection kernel tiles (H200): BLOCK_J mean keys scored per dot (the M side of the transposed
 # product k̄ qᵀ: 64 = one warpgroup's wgmma M); programs per SM of the persistent selection grid =
-# its occupancy (scripts/compile_sm90.py, Triton 3.6: 4 warps, 255 registers, 48 KiB smem -> 2
-# resident per SM; more would queue behind the first wave and double the time).
+# its occupancy (scripts/compile_sm90.py, Triton 3.6: 4 warps, 195 registers, 48 KiB smem -> 2
+# resident per SM; more would queue behind the first wave). SELECT_PROGRAMS_PER_SM is the first
+# call's guess; later calls use the occupancy of the compiled kernel (``_occupancy``).
 SELECT_BLOCK_J = 64
 SELECT_PROGRAMS_PER_SM = 2
 SELECT_NUM_WARPS = 4
@@ -47,13 +48,41 @@ def _check(q: torch.Tensor) -> None:
         raise ValueError(f"triton backend: q must be bfloat16 or float16 [total_q, Hq, d], got {q.dtype}")
 
 
-def _n_programs(device: torch.device, n_segments: int) -> int:
+# Resident programs per SM of each compiled selection variant, measured from the compiled kernel
+# after its first launch (the persistent grid must not exceed one wave).
+_SELECT_OCC: dict[tuple, int] = {}
+
+
+def _n_programs(device: torch.device, n_segments: int, occ_key=None) -> int:
     if device.type != "cuda":           # TRITON_INTERPRET on CPU tensors
         return max(1, min(n_segments, 4))
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return max(1, min(n_segments, _SM_COUNT[idx] * SELECT_PROGRAMS_PER_SM))
+    per_sm = _SELECT_OCC.get(occ_key, SELECT_PROGRAMS_PER_SM)
+    return max(1, min(n_segments, _SM_COUNT[idx] * per_sm))
+
+
+def _occupancy(kernel, device: torch.device) -> int | None:
+    """Programs of a compiled Triton kernel resident per SM: the least of the register, shared
+    memory and thread limits (registers allocated per warp in units of 256). None if unknown."""
+    try:
+        regs = int(kernel.n_regs)
+        smem = int(kernel.metadata.shared)
+        warps = int(kernel.metadata.num_warps)
+        props = torch.cuda.get_device_properties(device)
+    except Exception:
+        return None
+    if regs <= 0 or warps <= 0:
+        return None
+    regs_sm = int(getattr(props, "regs_per_multiprocessor", 65536))
+    smem_sm = int(getattr(props, "shared_memory_per_multiprocessor", 228 * 1024))
+    threads_sm = int(getattr(props, "max_threads_per_multi_processor", 2048))
+    per_warp = -(-regs * 32 // 256) * 256
+    by_regs = regs_sm // (per_warp * warps)
+    by_smem = smem_sm // (smem + 1024) if smem else threads_sm
+    by_threads = threads_sm // (32 * warps)
+    return max(1, min(by_regs, by_smem, by_threads))
 
 
 def _scale(softmax_scale, d: int) -> float:
@@ -120,11 +149,13 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
     n_visible = torch.empty(n_seg, dtype=torch.int32, device=dev)
     if n_seg:
         bits = torch.empty(n_seg, n_words, dtype=torch.int32, device=dev)
-        n_prog = _n_programs(dev, n_seg)
+        occ_key = (dev, d, q.dtype, g, B, plan.tile_rows, SELECT_BLOCK_J, SELECT_NUM_WARPS, SELECT_NUM_STAGES,
+                   exact, float(config.alpha) == 0.0)
+        n_prog = _n_programs(dev, n_seg, occ_key)
         scratch_cols = max(SELECT_BLOCK_J, triton.cdiv(max_nb, SELECT_BLOCK_J) * SELECT_BLOCK_J)
         scratch = torch.empty(n_prog, scratch_cols, dtype=torch.float32, device=dev)
         alpha = float(config.alpha)
-        ti._select_kernel[(n_prog,)](
+        compiled = ti._select_kernel[(n_prog,)](
             q, k_mean, k_lowp if k_lowp is not None else k_mean, plan.tile_request, plan.tile_local,
             cu_seqlens_q, seq_lens, plan.block_ptr,
             scratch, counts, row_ptr, n_visible, bits,
@@ -135,6 +166,9 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
             KEEP_ALL_SCORED=alpha == 0.0, EXACT=exact,
             num_warps=SELECT_NUM_WARPS, num_stages=SELECT_NUM_STAGES,
         )
+        if dev.type == "cuda" and occ_key not in _SELECT_OCC:
+            occ = _occupancy(compiled, dev)
+            _SELECT_OCC[occ_key] = occ if occ is not None else SELECT_PROGRAMS_PER_SM
         del scratch
         torch.cumsum(counts, 0, out=row_ptr[1:])
     else:
