@@ -86,7 +86,7 @@ def _attn(bf):
                 ptrs = {n: "*i32" for n in ta._attn_fwd.arg_names if n in (
                     "page_table", "seq_lens", "cu_seqlens_q", "tile_request", "tile_local", "block_ptr",
                     "row_ptr", "col_idx")}
-                ptrs.update({"q_ptr": bf, "k_cache": bf, "v_cache": bf, "k_mean": bf, "v_mean": bf,
+                ptrs.update({"q_ptr": bf, "k_cache": bf, "v_cache": bf, "k_mean": "*fp32", "v_mean": "*fp32",
                              "out_ptr": bf, "lse_ptr": "*fp32"})
                 consts = dict(GROUP=4, HEAD_DIM=d, TILE_ROWS=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                               BLOCK_SIZE=128, BLOCK_U=cfg.block_u, BLOCK_S=cfg.block_s, PAGE_SIZE=ps,

@@ -170,7 +170,8 @@ def _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u,
     """Fold pruned blocks ``j < n_u``, ``j ∉ col_idx[start:end]``, in as ``n_j`` mean tokens.
 
     Logit ``τ q·k̄_j + ln n_j`` (log2 units: ``scale_log2 q·k̄_j + log2 n_j``), value ``v̄_j``.
-    ``k_mean`` / ``v_mean`` are q's dtype copies (``[n_blocks, Hkv, d]``).
+    ``k_mean`` / ``v_mean``: ``[n_blocks, Hkv, d]``, float32 (the index's) or q's dtype; rounded
+    to q's dtype after the load for the tensor-core dots.
     Membership: ``col_idx[start:end]`` is ascending and duplicate-free, so the entries inside a
     candidate chunk ``[u0, u0 + BLOCK_U)`` are the next (at most ``BLOCK_U``) entries after those
     of the previous chunks: one load of ``BLOCK_U`` entries from a running pointer per chunk
@@ -184,8 +185,8 @@ def _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u,
         js = u0 + tl.arange(0, BLOCK_U)
         cand = js < n_u
         rows = (blk0 + js).to(tl.int64) * stride_mb + h * stride_mh
-        km = tl.load(k_mean + rows[:, None] + dims[None, :], mask=cand[:, None], other=0.0)
-        vm = tl.load(v_mean + rows[:, None] + dims[None, :], mask=cand[:, None], other=0.0)
+        km = tl.load(k_mean + rows[:, None] + dims[None, :], mask=cand[:, None], other=0.0).to(q.dtype)
+        vm = tl.load(v_mean + rows[:, None] + dims[None, :], mask=cand[:, None], other=0.0).to(q.dtype)
         # -- membership: the selected entries of this chunk are col_idx[ptr : ptr + count]
         offs = ptr + tl.arange(0, BLOCK_U)
         cols = tl.load(col_idx + offs, mask=offs < end, other=2147483647)
@@ -314,7 +315,8 @@ def launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, so
                      k_mean=None, v_mean=None, block_size: int | None = None):
     """Allocate ``out`` / ``lse`` and launch ``_attn_fwd`` (no host sync).
 
-    ``k_mean`` / ``v_mean``: ``[n_blocks, Hkv, d]`` in q's dtype (only read with the correction).
+    ``k_mean`` / ``v_mean``: ``[n_blocks, Hkv, d]`` float32 or q's dtype (only read with the
+    correction).
     """
     total_q, hq, d = q.shape
     hkv = k_cache.shape[2]

@@ -30,6 +30,7 @@ SELECT_PROGRAMS_PER_SM = 2
 SELECT_NUM_WARPS = 4
 SELECT_NUM_STAGES = 2
 EXPAND_WORDS = 8                 # 256 blocks per expand step
+MEANS_DIRECT_MAX_KV = 32768      # sparse_attention reads the float32 means directly up to this Lk
 MEANS_TOKENS = 32                # tokens summed per step of the block-means kernel
 # EXACT_SCORES: ℓ = τ q·k̄ from k̄ split hi/lo (two 16-bit dots, ~fp32). False: one dot on k̄
 # rounded to q's dtype (half the index FLOPs and k̄ bytes; threshold ties vs the float32 reference
@@ -204,9 +205,16 @@ def sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, co
     _check(q)
     scale = _scale(softmax_scale, q.shape[2])
     mc = bool(config.mean_correction)
-    # 16-bit copies of the means for the correction's tensor-core dots (half the L2 traffic).
-    km = index.k_mean.to(q.dtype) if mc else None
-    vm = index.v_mean.to(q.dtype) if mc else None
+    km = vm = None
+    if mc:
+        if plan.max_kv_len <= MEANS_DIRECT_MAX_KV:
+            # short: the kernel reads the float32 means and rounds them itself (saves two
+            # conversion launches + allocations per call, ~tens of us of host time)
+            km, vm = index.k_mean, index.v_mean
+        else:
+            # long: 16-bit copies halve the correction loop's L2 traffic (every tile re-reads
+            # the means of all its pruned blocks: ~8.6 GB in bf16 at 128K)
+            km, vm = index.k_mean.to(q.dtype), index.v_mean.to(q.dtype)
     return launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, scale, plan,
                             sparse=True, mean_correction=mc, row_ptr=index.row_ptr, col_idx=index.col_idx,
                             k_mean=km, v_mean=vm, block_size=index.block_size)
