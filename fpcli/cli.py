@@ -10,10 +10,11 @@ from typing import Annotated
 import typer
 
 from fpcli import __version__
-from fpcli.commands import ask, bench, model, profile, serve
+from fpcli.commands import FpGroup, ask, bench, model, profile, serve
 
 app = typer.Typer(
     name="fp",
+    cls=FpGroup,
     help="Ask questions about long documents with a local LLM, fast: FlashPrefill V2 block-sparse prefill.",
     no_args_is_help=True,
     add_completion=False,

@@ -4,14 +4,16 @@ Every input yields one ``Document``; a problem with one file or page is recorded
 ``Document`` (``error``, ``warnings``, ``skipped_pages``) and the rest of the batch goes on.
 The cases handled, each with a test in ``tests/test_ingest.py``:
 
-- encrypted PDF with an empty user password: decrypted, noted in ``warnings``;
+- encrypted PDF with an empty user password: decrypted, said in ``notes`` (not a problem);
 - encrypted PDF with a real password: ``error`` names the file and ``--password``
   (a wrong ``--password`` is said to be wrong);
 - a page whose extraction hangs or raises: a per-page time limit (``page_timeout``, extraction
   runs in a daemon worker thread), the page is skipped and its number reported;
 - pages with no text layer (scanned images): reported; ``fp`` does no OCR;
 - a broken cross-reference table or trailer: pypdf's tolerant parser (``strict=False``) rebuilds
-  it; a file it still cannot open is skipped with an ``error``;
+  it; a file it still cannot open is skipped with an ``error`` that says why (``pdf_problem``):
+  not a PDF at all (no ``%PDF-`` header), truncated (no ``startxref`` / ``%%EOF`` at the end:
+  re-download it), or damaged (repair it with ``qpdf in.pdf out.pdf``, or re-download it);
 - text that is mostly U+FFFD or private-use characters: a "looks garbled" warning;
 - text files that are not valid UTF-8: decoded with replacement characters and a warning.
 
@@ -48,7 +50,8 @@ class Document:
             ``(page_number, offset)`` pairs, 1-based page numbers (PDF only).
         skipped_pages: 1-based pages skipped because extraction failed or timed out.
         empty_pages: 1-based pages with no text layer (scanned images; no OCR is done).
-        warnings: one line each, for the user.
+        notes: one line each: facts worth knowing that are not problems (e.g. decrypted).
+        warnings: one line each, for the user: the text may be incomplete or wrong.
         error: why the file was skipped, or ``None``.
     """
 
@@ -59,6 +62,7 @@ class Document:
     page_starts: list[tuple[int, int]] = field(default_factory=list)
     skipped_pages: list[int] = field(default_factory=list)
     empty_pages: list[int] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     error: str | None = None
 
@@ -124,7 +128,10 @@ def ingest(
     for p in paths:
         if on_file:
             on_file(p)
-        docs.append(ingest_one(p, password=password, page_timeout=page_timeout, stdin=stdin))
+        doc = ingest_one(p, password=password, page_timeout=page_timeout, stdin=stdin)
+        if doc.ok and not doc.text.strip() and not doc.warnings:  # say why a file adds nothing
+            doc.warnings.append(f"{p}: no text extracted")
+        docs.append(doc)
     return docs
 
 
@@ -189,23 +196,83 @@ def read_pdf(
     return doc
 
 
+def pdf_problem(head: bytes, tail: bytes) -> str | None:
+    """What is structurally wrong with a file given as PDF, from its first and last KiB:
+    ``"not-pdf"`` (no ``%PDF-`` header), ``"truncated"`` (neither ``startxref`` nor ``%%EOF``
+    near the end: an incomplete download or copy), or ``None`` (looks whole; damage, if any, is
+    inside)."""
+    if b"%PDF-" not in head:
+        return "not-pdf"
+    if b"%%EOF" not in tail and b"startxref" not in tail:
+        return "truncated"
+    return None
+
+
+def _what_it_is(head: bytes) -> str:
+    """A few words on a non-PDF file's content, for the error message."""
+    start = head.lstrip()[:64].lower()
+    if not head:
+        return "the file is empty"
+    if start.startswith((b"<!doctype html", b"<html")) or b"<html" in head.lower():
+        return "it is an HTML page, perhaps a failed or redirected download"
+    if b"\x00" in head:
+        return "it is some other binary format"
+    return "it looks like text"
+
+
+def _parse_failure(name: str, problem: str | None, head: bytes, detail: str) -> str:
+    if problem == "not-pdf":
+        return f"{name}: not a PDF file (no %PDF- header; {_what_it_is(head)}); skipped"
+    if problem == "truncated":
+        return (f"{name}: truncated PDF (no startxref / %%EOF at the end: an incomplete download or copy); "
+                f"re-download it; skipped [{detail}]")
+    return (f"{name}: damaged PDF (cross-reference table or objects unreadable: {detail}); repair it with "
+            f"`qpdf {name} repaired.pdf` (qpdf rebuilds the table) or re-download it; skipped")
+
+
+def _head_tail(source) -> tuple[bytes, bytes]:
+    """First and last KiB of a path or seekable binary stream (the position is restored)."""
+    if isinstance(source, (str, os.PathLike)):
+        with open(source, "rb") as f:
+            head = f.read(1024)
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 1024))
+            return head, f.read()
+    pos = source.tell()
+    head = source.read(1024)
+    source.seek(0, os.SEEK_END)
+    source.seek(max(0, source.tell() - 1024))
+    tail = source.read()
+    source.seek(pos)
+    return head, tail
+
+
 def _read_pdf_pages(doc: Document, source, name: str, password: str | None, page_timeout: float) -> None:
     from pypdf import PdfReader
     from pypdf.errors import DependencyError, FileNotDecryptedError, PdfReadError
 
     try:
+        head, tail = _head_tail(source)
+    except OSError as exc:
+        doc.error = f"{name}: cannot read: {exc.strerror or exc}"
+        return
+    problem = pdf_problem(head, tail)
+    if problem == "not-pdf":  # pypdf's "Stream has ended unexpectedly" would say nothing useful
+        doc.error = _parse_failure(name, problem, head, "")
+        return
+    try:
         reader = PdfReader(source, strict=False)
     except (PdfReadError, ValueError, KeyError, TypeError, AttributeError, IndexError, OSError) as exc:
-        doc.error = f"{name}: cannot parse the PDF ({_one_line(exc)}); skipped"
+        doc.error = _parse_failure(name, problem, head, _one_line(exc))
         return
     except Exception as exc:  # pypdf raises a wide range on damaged files
-        doc.error = f"{name}: cannot parse the PDF ({type(exc).__name__}: {_one_line(exc)}); skipped"
+        doc.error = _parse_failure(name, problem, head, f"{type(exc).__name__}: {_one_line(exc)}")
         return
 
     if reader.is_encrypted:
         try:
             if reader.decrypt(""):
-                doc.warnings.append(f"{name}: encrypted with an empty password; decrypted")
+                doc.notes.append(f"{name}: encrypted with an empty password; decrypted")
             elif password is None:
                 doc.error = f"{name}: the PDF is password-protected; pass its password with --password"
                 return
@@ -224,11 +291,14 @@ def _read_pdf_pages(doc: Document, source, name: str, password: str | None, page
 
     try:
         pages = list(reader.pages)
-    except (FileNotDecryptedError, PdfReadError) as exc:
+    except FileNotDecryptedError as exc:
         doc.error = f"{name}: cannot read the page tree ({_one_line(exc)}); skipped"
         return
+    except PdfReadError as exc:
+        doc.error = _parse_failure(name, problem, head, f"page tree: {_one_line(exc)}")
+        return
     except Exception as exc:
-        doc.error = f"{name}: cannot read the page tree ({type(exc).__name__}: {_one_line(exc)}); skipped"
+        doc.error = _parse_failure(name, problem, head, f"page tree: {type(exc).__name__}: {_one_line(exc)}")
         return
     doc.pages = len(pages)
 
@@ -273,7 +343,7 @@ def _read_pdf_pages(doc: Document, source, name: str, password: str | None, page
         else:
             doc.warnings.append(
                 f"{name}: page(s) {_ranges(doc.empty_pages)} have no text layer (scanned images?); "
-                "fp does no OCR, their content is missing"
+                "fp does no OCR, their content is missing (run the file through ocrmypdf first)"
             )
     _check_garbled(doc)
     return

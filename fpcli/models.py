@@ -85,6 +85,7 @@ class EmbeddedModel:
     wheel_bytes: int
     license: str
     description: str
+    context_length: int  # max_position_embeddings of the converted model
 
 
 EMBEDDED: dict[str, EmbeddedModel] = {
@@ -100,6 +101,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         license="Apache-2.0",
         description="SmolLM2-135M-Instruct (Llama, 30 layers, 9 q / 3 kv heads, d 64, 8K context), "
         "Q4_1 GGUF dequantized to float32",
+        context_length=8192,
     ),
 }
 
@@ -195,6 +197,51 @@ def resolve_model(spec: str | os.PathLike | None = None, progress=None) -> Path:
             "or a Hugging Face id in the local cache)"
         )
     return _from_hf_cache(text)
+
+
+def check_model(spec: str | os.PathLike | None) -> None:
+    """Check that ``spec`` can name a model, without fetching or converting anything (the CLI
+    calls it before loading, so a bad ``--model`` is a usage error, exit code 2).
+
+    Raises:
+        ModelError: the same one-line messages as ``resolve_model``.
+    """
+    if spec is None or os.fspath(spec) in EMBEDDED:
+        return
+    text = os.fspath(spec)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file() or len(list(path.glob("*.gguf"))) == 1:
+            return
+        raise ModelError(
+            f"model folder {text} has no config.json (expected a Hugging Face model folder, or a .gguf file)"
+        )
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return
+        raise ModelError(f"model file {text} is not a .gguf file (pass a .gguf file or a Hugging Face folder)")
+    if not _HF_ID.match(text):
+        raise ModelError(
+            f"model {text!r} not found: no such file or folder "
+            f"(embedded models: {', '.join(EMBEDDED)}; or a Hugging Face folder, a .gguf file, "
+            "or a Hugging Face id in the local cache)"
+        )
+    _from_hf_cache(text)
+
+
+def known_context_length(spec: str | os.PathLike | None) -> int | None:
+    """The model's context length (``max_position_embeddings``) when it can be read without
+    loading, fetching or converting: embedded models and Hugging Face folders; else ``None``."""
+    import json
+
+    if spec is None or os.fspath(spec) in EMBEDDED:
+        return _embedded(DEFAULT_MODEL if spec is None else os.fspath(spec)).context_length
+    config = Path(os.fspath(spec)).expanduser() / "config.json"
+    try:
+        value = json.loads(config.read_text(encoding="utf-8")).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def _from_hf_cache(repo_id: str) -> Path:
@@ -549,9 +596,9 @@ class _UI:
         if progress is False:
             self.console = None
         elif progress is None or progress is True:
-            from rich.console import Console
+            from fpcli.commands import stderr_console
 
-            self.console = Console(stderr=True)
+            self.console = stderr_console()
         else:
             self.console = progress
 
@@ -564,6 +611,10 @@ class _UI:
         if self.console is None:
             yield
             return
+        if not self.console.is_terminal:  # no spinner in a log: say it once
+            self.console.print(f"{msg} ...", highlight=False)
+            yield
+            return
         with self.console.status(msg):
             yield
 
@@ -571,6 +622,13 @@ class _UI:
     def bar(self, label: str, total: int, bytes_: bool = False):
         if self.console is None:
             yield lambda n: None
+            return
+        if not self.console.is_terminal:  # a log or a pipe: two plain lines, no redrawn bar
+            size = f" ({total / 1e6:.0f} MB)" if bytes_ else ""
+            t0 = time.perf_counter()
+            self.console.print(f"{label}{size} ...", highlight=False)
+            yield lambda n: None
+            self.console.print(f"{label}: done in {time.perf_counter() - t0:.1f} s", highlight=False)
             return
         from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                                    TransferSpeedColumn)

@@ -151,10 +151,21 @@ def load_profile(name_or_path: str | Path = "bf16") -> Profile:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
-        raise ProfileError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
+        raise ProfileError(f"{path}: not valid YAML: {_yaml_problem(exc)}") from None
     except OSError as exc:
         raise ProfileError(f"{path}: cannot read: {exc.strerror or exc}") from None
     return profile_from_dict(data, source=path)
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """'line 3, column 5: mapping values are not allowed here' (1-based, from yaml's marks)."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+    context = getattr(exc, "context", None)
+    what = f"{context}: {problem}" if context else str(problem)
+    if mark is None:
+        return what
+    return f"line {mark.line + 1}, column {mark.column + 1}: {what}"
 
 
 def profile_from_dict(data: Any, source: Path | None = None) -> Profile:

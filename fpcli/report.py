@@ -10,15 +10,22 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
       "question": "...", "answer": "...",
       "summary": {
         "prompt_tokens", "output_tokens", "ttft_s", "prefill_s", "total_s", "decode_tokens_per_s",
-        "finish_reason", "engine", "model", "profile", "precision", "attention",
-        "density": {"overall", "min", "median", "max", "per_layer": [...]},
+        "finish_reason", "engine", "model", "profile",
+        "precision",             # attention precision that RAN (bf16/fp16/fp32), not the request
+        "precision_requested",   # the profile's precision (fp8 is not implemented yet)
+        "attention",
+        "density": {"overall", "min", "median", "max", "per_layer": [...],
+                    "over": "sparse layers" | "all layers",   # what "overall" averages
+                    "sparse_layers": [...]},                  # layer indices that ran sparse
+        # skipped FLOPs are over ALL layers (dense layers skip none):
+        #   skipped_fraction = sum_l flops_l * (1 - density_l) / sum_l flops_l
         "density_per_layer_head": [[...], ...],
         "attention_flops_dense", "attention_flops_skipped", "attention_flops_skipped_fraction",
         "index_ms", "attention_ms"
       },
       "ingestion": {
         "documents": [{"name", "kind", "pages", "chars", "tokens", "skipped_pages", "empty_pages",
-                       "warnings", "error"}],
+                       "notes", "warnings", "error"}],
         "prompt": {"prompt_tokens", "context_length", "max_new_tokens", "budget", "doc_tokens",
                    "truncated", "cuts": [{"file", "tokens_total", "tokens_kept", "tokens_dropped",
                                           "where", "char_start", "char_end", "first_page", "last_page"}]}
@@ -40,18 +47,42 @@ from rich.text import Text
 SCHEMA = "fp.ask/1"
 
 
-def density_summary(per_layer: Sequence[float], overall: float | None = None) -> dict:
-    """``{"overall", "min", "median", "max", "per_layer"}``; ``None`` values when unknown."""
+def density_summary(per_layer: Sequence[float], overall: float | None = None,
+                    sparse_layers: Sequence[int] | None = None) -> dict:
+    """``{"overall", "min", "median", "max", "per_layer", "over", "sparse_layers"}``; ``None``
+    values when unknown.
+
+    ``overall`` is the engine's density over its sparse layers when ``sparse_layers`` is known
+    (``over = "sparse layers"``), else the given value or the mean over all layers (``"all layers"``).
+    min / median / max are over all layers (dense layers count as 1.0).
+    """
     values = [float(v) for v in per_layer]
+    sparse = [int(i) for i in (sparse_layers or [])]
+    over = "sparse layers" if sparse else "all layers"
     if not values:
-        return {"overall": overall, "min": None, "median": None, "max": None, "per_layer": []}
+        return {"overall": overall, "min": None, "median": None, "max": None, "per_layer": [],
+                "over": over, "sparse_layers": sparse}
     return {
         "overall": float(overall) if overall is not None else statistics.fmean(values),
         "min": min(values),
         "median": statistics.median(values),
         "max": max(values),
         "per_layer": values,
+        "over": over,
+        "sparse_layers": sparse,
     }
+
+
+def layer_ranges(layers: Sequence[int]) -> str:
+    """[2, 3, 4, 7] -> 'layers 2-4, 7'; [5] -> 'layer 5'."""
+    out: list[str] = []
+    for i in sorted(set(layers)):
+        if out and out[-1][1] == i - 1:
+            out[-1] = (out[-1][0], i)
+        else:
+            out.append((i, i))
+    text = ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in out)
+    return ("layer " if len(layers) == 1 else "layers ") + text
 
 
 def ask_report(result, question: str, docs: Sequence, prompt, profile) -> dict:
@@ -80,9 +111,10 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile) -> dict:
         "engine": result.engine,
         "model": result.model,
         "profile": result.profile or profile.name,
-        "precision": profile.precision,
+        "precision": getattr(result, "precision", None) or profile.precision,
+        "precision_requested": profile.precision,
         "attention": profile.attention,
-        "density": density_summary(stats.density_per_layer, stats.density),
+        "density": density_summary(stats.density_per_layer, stats.density, getattr(stats, "sparse_layers", None)),
         "density_per_layer_head": [list(map(float, row)) for row in stats.density_per_layer_head],
         "attention_flops_dense": dense,
         "attention_flops_skipped": skipped,
@@ -143,24 +175,49 @@ def render_summary(console: Console, report: dict) -> None:
     t.add_row("TTFT", f"{s['ttft_s']:.3f} s (prefill {s['prefill_s']:.3f} s)")
     t.add_row("total time", f"{s['total_s']:.3f} s")
     t.add_row("decode", f"{s['decode_tokens_per_s']:.1f} tokens/s")
-    if d["per_layer"]:
-        t.add_row(
-            "attention density",
-            f"{d['overall']:.1%} overall; per layer min {d['min']:.1%} / median {d['median']:.1%} / max {d['max']:.1%}",
-        )
-    else:
-        t.add_row("attention density", f"{_fmt(d['overall'], '.1%')} overall (no per-layer data)")
+    t.add_row("attention density", density_line(d, s.get("attention")))
+    dense_layers = len(d["per_layer"]) - len(d.get("sparse_layers") or [])
+    scope = "all layers" + (
+        (f"; the {dense_layers} dense layers skip none" if dense_layers > 1 else "; the dense layer skips none")
+        if d.get("sparse_layers") and dense_layers > 0 else ""
+    )
     t.add_row(
         "attention FLOPs skipped",
         f"{format_flops(s['attention_flops_skipped'])} of {format_flops(s['attention_flops_dense'])} dense-equivalent "
-        f"({s['attention_flops_skipped_fraction']:.1%})",
+        f"({s['attention_flops_skipped_fraction']:.1%}, {scope})",
     )
-    if s.get("index_ms") is not None or s.get("attention_ms") is not None:
-        t.add_row("index / attention", f"{_fmt(s.get('index_ms'), '.1f')} ms / {_fmt(s.get('attention_ms'), '.1f')} ms")
+    if s.get("index_ms") is not None and s.get("attention_ms") is not None:
+        t.add_row("index / attention", f"{s['index_ms']:.1f} ms / {s['attention_ms']:.1f} ms")
+    elif s.get("attention_ms") is not None:
+        t.add_row("attention", f"{s['attention_ms']:.1f} ms (no index stage)")
+    elif s.get("index_ms") is not None:
+        t.add_row("index", f"{s['index_ms']:.1f} ms")
     t.add_row("engine", s["engine"])
     t.add_row("model", s["model"])
-    t.add_row("profile", f"{s['profile']} ({s['attention']}, {s['precision']})")
+    precision = s["precision"]
+    requested = s.get("precision_requested")
+    if requested and requested != precision:
+        precision = f"{precision}; {requested} requested, not implemented yet"
+    t.add_row("profile", f"{s['profile']} ({s['attention']}, {precision})")
     console.print(t)
+
+
+def density_line(d: dict, attention: str | None = None) -> str:
+    """'89.5% over sparse layers (layers 2-29); per layer min ... / median ... / max ... (all 30 layers)'."""
+    if d.get("overall") is None:
+        return "n/a (not reported by this engine)"
+    if d.get("sparse_layers"):
+        head = f"{d['overall']:.1%} over sparse layers ({layer_ranges(d['sparse_layers'])})"
+    elif d["per_layer"] and attention == "dense":
+        head = f"{d['overall']:.1%} (dense attention: every layer)"
+    elif d["per_layer"] and all(v >= 1.0 for v in d["per_layer"]):
+        head = f"{d['overall']:.1%} (no layer ran sparse)"
+    else:
+        head = f"{d['overall']:.1%} over all layers"
+    if not d["per_layer"]:
+        return head + " (no per-layer data)"
+    n = len(d["per_layer"])
+    return head + f"; per layer min {d['min']:.1%} / median {d['median']:.1%} / max {d['max']:.1%} (all {n} layers)"
 
 
 def render_ingestion(console: Console, docs: Sequence) -> None:
@@ -168,6 +225,8 @@ def render_ingestion(console: Console, docs: Sequence) -> None:
     for d in docs:
         if d.error:
             console.print(Text(f"skipped: {d.error}", style="red"))
+        for n in getattr(d, "notes", []):
+            console.print(Text(f"note: {n}", style="dim"))
         for w in d.warnings:
             console.print(Text(f"warning: {w}", style="yellow"))
 

@@ -34,6 +34,7 @@ class FakeEngine:
     """
 
     name = "fake"
+    precision = "bf16"  # like the real engines: FP8 is not implemented, whatever the profile asks
 
     def __init__(
         self,
@@ -102,23 +103,36 @@ class FakeEngine:
             profile=self.profile,
             stats=self.stats_for(len(prompt_ids)),
             finish_reason="stop" if len(pieces) < max_new_tokens else "length",
+            precision=self.precision,
         )
 
     def stats_for(self, n: int) -> PrefillStats:
-        """Synthetic statistics: layer 0 dense, deeper layers sparser, heads differ a little."""
+        """Synthetic statistics: layer 0 dense, deeper layers sparser, heads differ a little;
+        computed like the real engines (overall density over the sparse layers 1..; skipped FLOPs
+        over all layers, the dense layer skipping none). The ``dense`` profile: all dense, no index."""
+        flops_per_layer = 4.0 * n * n / 2 * 64 * self.num_kv_heads
+        if self.profile == "dense":
+            return PrefillStats(
+                density=1.0,
+                density_per_layer=[1.0] * self.num_layers,
+                density_per_layer_head=[[1.0] * self.num_kv_heads for _ in range(self.num_layers)],
+                attention_flops_dense=flops_per_layer * self.num_layers,
+                attention_ms=6.0,
+            )
         per_head = []
         for layer in range(self.num_layers):
             base = 1.0 if layer == 0 else max(0.05, 0.6 / layer)
             per_head.append([round(min(1.0, base * (1.0 + 0.1 * h)), 4) for h in range(self.num_kv_heads)])
         per_layer = [sum(row) / len(row) for row in per_head]
-        overall = sum(per_layer) / len(per_layer)
-        flops = 4.0 * n * n / 2 * 64 * self.num_kv_heads * self.num_layers
+        sparse = list(range(1, self.num_layers))
+        overall = sum(per_layer[i] for i in sparse) / len(sparse)
         return PrefillStats(
             density=overall,
             density_per_layer=per_layer,
             density_per_layer_head=per_head,
-            attention_flops_dense=flops,
-            attention_flops_skipped=flops * (1.0 - overall),
+            sparse_layers=sparse,
+            attention_flops_dense=flops_per_layer * self.num_layers,
+            attention_flops_skipped=sum(flops_per_layer * (1.0 - per_layer[i]) for i in sparse),
             index_ms=1.5,
             attention_ms=6.0,
         )

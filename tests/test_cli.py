@@ -55,12 +55,15 @@ def test_ask_streams_answer_to_stdout_summary_to_stderr(runner, fake_engine, doc
     assert user.rstrip().endswith("Question: What is the code?")
 
 
-def test_ask_options_reach_the_engine(runner, fake_engine, doc):
-    r = invoke(runner, ["ask", str(doc), "q?", "--engine", "transformers", "--model", "some/model",
+def test_ask_options_reach_the_engine(runner, fake_engine, doc, tmp_path):
+    folder = tmp_path / "some-model"  # a Hugging Face folder: --model is checked before loading
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    r = invoke(runner, ["ask", str(doc), "q?", "--engine", "transformers", "--model", str(folder),
                         "--max-new-tokens", "3", "--temperature", "0.5", "--profile", "fp8"])
     assert r.exit_code == 0, r.output
     eng = fake_engine()
-    assert eng.requested["engine"] == "transformers" and eng.requested["model"] == "some/model"
+    assert eng.requested["engine"] == "transformers" and eng.requested["model"] == str(folder)
     assert eng.requested["profile"].name == "fp8" and eng.requested["profile"].precision == "fp8"
     assert eng.generated[-1]["max_new_tokens"] == 3 and eng.generated[-1]["temperature"] == 0.5
     assert r.stdout.rstrip() == "The answer is"  # 3 tokens of the scripted answer
@@ -68,7 +71,7 @@ def test_ask_options_reach_the_engine(runner, fake_engine, doc):
 
 SUMMARY_KEYS = {
     "prompt_tokens", "output_tokens", "ttft_s", "prefill_s", "total_s", "decode_tokens_per_s", "finish_reason",
-    "engine", "model", "profile", "precision", "attention", "density", "density_per_layer_head",
+    "engine", "model", "profile", "precision", "precision_requested", "attention", "density", "density_per_layer_head",
     "attention_flops_dense", "attention_flops_skipped", "attention_flops_skipped_fraction", "index_ms", "attention_ms",
 }
 
@@ -82,7 +85,8 @@ def test_ask_json_is_one_object_same_as_report(runner, fake_engine, doc, tmp_pat
     assert data["answer"] == "The answer is 42." and data["question"] == "What is the code?"
     assert set(data["summary"]) == SUMMARY_KEYS
     d = data["summary"]["density"]
-    assert set(d) == {"overall", "min", "median", "max", "per_layer"} and d["min"] <= d["median"] <= d["max"]
+    assert set(d) == {"overall", "min", "median", "max", "per_layer", "over", "sparse_layers"}
+    assert d["min"] <= d["median"] <= d["max"]
     assert data["summary"]["engine"] == "fake" and data["summary"]["profile"] == "bf16"
     (docrow,) = data["ingestion"]["documents"]
     assert docrow["name"] == str(doc) and docrow["kind"] == "text" and docrow["tokens"] > 0 and docrow["error"] is None
@@ -138,7 +142,8 @@ def test_ask_encrypted_pdf_needs_password_others_survive(runner, fake_engine, do
     assert docs[0]["error"] and docs[1]["error"] is None
 
     r = invoke(runner, ["ask", str(locked), "q?"])
-    assert r.exit_code == 1 and "no text to ask about" in r.stderr and "--password" in r.stderr
+    assert r.exit_code == 1 and "no readable document" in r.stderr
+    assert r.stderr.count("--password") == 1  # the reason once, not repeated by the final error
 
     r = invoke(runner, ["ask", str(locked), "q?", "--password", "pw"])
     assert r.exit_code == 0, r.output
@@ -178,6 +183,129 @@ def test_ask_quiet(runner, fake_engine, doc):
     r = invoke(runner, ["ask", str(doc), "q?", "--quiet"])
     assert r.exit_code == 0 and r.stdout == "The answer is 42.\n"
     assert "TTFT" not in r.stderr
+
+
+def test_help_shows_flags_as_flags_and_a_conventional_usage_line(runner):
+    r = invoke(runner, ["ask", "--help"])
+    assert r.exit_code == 0
+    assert "Usage: fp ask [OPTIONS] FILE... QUESTION" in r.stdout
+    assert "{FILE}" not in r.stdout and "{question}" not in r.stdout
+    for args in (["--help"], ["ask", "--help"], ["bench", "--help"], ["profile", "--help"], ["model", "list", "--help"]):
+        out = invoke(runner, args).stdout
+        assert "--help" in out and "<bool>" not in out, args  # flags take no value
+    assert "--json" in r.stdout and "--quiet" in r.stdout
+
+
+def test_ask_missing_question_is_named(runner, fake_engine, doc, tmp_path):
+    r = invoke(runner, ["ask", str(doc)])
+    assert r.exit_code == 2 and "missing QUESTION" in r.stderr and "fp ask FILE... QUESTION" in r.stderr
+    assert "Missing argument 'FILE'" not in r.output
+    other = tmp_path / "other.txt"
+    other.write_text("more")
+    r = invoke(runner, ["ask", str(doc), str(other)])  # two files, no question
+    assert r.exit_code == 2 and "missing QUESTION" in r.stderr
+    r = invoke(runner, ["ask", "What is the code?"])  # a question, no file
+    assert r.exit_code == 2 and "missing FILE" in r.stderr
+    from fp_fakes import LAST_FAKE
+
+    assert LAST_FAKE == []
+
+
+def test_ask_question_first_gets_a_hint(runner, fake_engine, doc):
+    r = invoke(runner, ["ask", "What is the code word?", str(doc)])
+    assert r.exit_code == 2
+    assert "What is the code word?: no such file" in r.stderr
+    assert "the question goes last" in r.stderr and "fp ask FILE... QUESTION" in r.stderr
+
+
+def test_ask_bad_model_and_max_new_tokens_are_usage_errors(runner, fake_engine, doc, tmp_path):
+    from fp_fakes import LAST_FAKE
+
+    r = invoke(runner, ["ask", str(doc), "q?", "--model", str(tmp_path / "no-such-model")])
+    assert r.exit_code == 2 and "--model" in r.stderr and "not found" in r.stderr
+    notgguf = tmp_path / "weights.bin"
+    notgguf.write_bytes(b"x")
+    r = invoke(runner, ["ask", str(doc), "q?", "--model", str(notgguf)])
+    assert r.exit_code == 2 and "not a .gguf file" in r.stderr
+    # the embedded model's context (8192) is known before loading
+    r = invoke(runner, ["ask", str(doc), "q?", "--max-new-tokens", "100000"])
+    assert r.exit_code == 2 and "--max-new-tokens 100000" in r.stderr
+    assert LAST_FAKE == []  # all of the above: nothing loaded
+    # a model whose context is only known once loaded (the fake's 4096): still exit 2
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    r = invoke(runner, ["ask", str(doc), "q?", "--model", str(folder), "--max-new-tokens", "5000"])
+    assert r.exit_code == 2 and "--max-new-tokens 5000" in r.stderr and "4,096" in r.stderr
+
+
+def test_ask_report_path_checked_before_the_run(runner, fake_engine, doc, tmp_path):
+    from fp_fakes import LAST_FAKE
+
+    r = invoke(runner, ["ask", str(doc), "q?", "--report", "/nonexistent/dir/r.json"])
+    assert r.exit_code == 2 and "--report" in r.stderr and "does not exist" in r.stderr
+    assert r.stdout == "" and LAST_FAKE == []  # no answer was computed and thrown away
+    r = invoke(runner, ["ask", str(doc), "q?", "--report", str(tmp_path)])
+    assert r.exit_code == 2 and "--report" in r.stderr and LAST_FAKE == []
+
+
+def test_ask_fp8_reports_the_precision_that_ran(runner, fake_engine, doc):
+    r = invoke(runner, ["ask", str(doc), "q?", "--profile", "fp8", "--json"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)["summary"]
+    assert s["precision"] == "bf16" and s["precision_requested"] == "fp8" and s["profile"] == "fp8"
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "fp8" in warnings[0] and "bf16 runs instead" in warnings[0]
+    r = invoke(runner, ["ask", str(doc), "q?"])  # bf16 asked, bf16 ran: no warning
+    assert "not implemented yet" not in r.stderr and "profile                  bf16 (flashprefill, bf16)" in r.stderr
+
+
+def test_stderr_lines_are_not_wrapped_when_not_a_terminal(runner, fake_engine, doc, tmp_path):
+    long_name = tmp_path / ("a-rather-long-file-name-for-a-broken-download-" * 2 + ".pdf")
+    long_name.write_bytes(b"<html><body>gone</body></html>")
+    r = invoke(runner, ["ask", str(long_name), str(doc), "q?"], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    skipped = [line for line in r.stderr.splitlines() if line.startswith("skipped: ")]
+    assert len(skipped) == 1 and skipped[0].endswith("; skipped") and str(long_name) in skipped[0]
+    density = [line for line in r.stderr.splitlines() if line.startswith("attention density")]
+    assert len(density) == 1 and density[0].rstrip().endswith("(all 4 layers)")  # one table row, one line
+
+
+def test_no_readable_document_is_said_once(runner, fake_engine, tmp_path):
+    bad = tmp_path / "garbage.pdf"
+    bad.write_bytes(b"not a pdf at all")
+    r = invoke(runner, ["ask", str(bad), "q?"])
+    assert r.exit_code == 1
+    assert r.stderr.count("no %PDF- header") == 1 and "no readable document" in r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("fp: error: no readable document") and "garbage.pdf" not in lines[-1]
+
+
+def test_encrypted_empty_password_is_a_note(runner, fake_engine, tmp_path):
+    path = tmp_path / "empty-pw.pdf"
+    encrypt_pdf(make_pdf(["The secret code is OPEN1"]), "", path)
+    r = invoke(runner, ["ask", str(path), "q?"])
+    assert r.exit_code == 0, r.output
+    assert "note: " in r.stderr and "empty password" in r.stderr and "warning:" not in r.stderr
+
+
+def test_summary_labels_density_scope_and_dense_times(runner, fake_engine, doc):
+    r = invoke(runner, ["ask", str(doc), "q?", "--json"])
+    s = json.loads(r.stdout)["summary"]
+    d = s["density"]
+    assert d["over"] == "sparse layers" and d["sparse_layers"] == [1, 2, 3]
+    # skipped FLOPs over all layers, dense layer 0 skipping none: consistent with the per-layer densities
+    per_layer_flops = s["attention_flops_dense"] / len(d["per_layer"])
+    expect = sum(per_layer_flops * (1 - d["per_layer"][i]) for i in d["sparse_layers"]) / s["attention_flops_dense"]
+    assert abs(s["attention_flops_skipped_fraction"] - expect) < 1e-9
+    assert abs(d["overall"] - sum(d["per_layer"][i] for i in d["sparse_layers"]) / 3) < 1e-9
+    r = invoke(runner, ["ask", str(doc), "q?"])
+    assert "over sparse layers (layers 1-3)" in r.stderr and "the dense layer skips none" in r.stderr
+
+    r = invoke(runner, ["ask", str(doc), "q?", "--profile", "dense"])
+    assert r.exit_code == 0, r.output
+    assert "n/a" not in r.stderr and "index / attention" not in r.stderr
+    assert "6.0 ms (no index stage)" in r.stderr and "dense attention" in r.stderr
 
 
 # -- fp bench -------------------------------------------------------------------------------------
@@ -306,7 +434,8 @@ def test_profile_heatmap_png_and_json(runner, fake_engine, doc, tmp_path):
     r = invoke(runner, ["profile", str(doc), "--png", str(png), "--json", "--fp8"])
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
-    assert data["schema"] == "fp.profile/1" and data["precision"] == "fp8"
+    assert data["schema"] == "fp.profile/1"
+    assert data["precision"] == "bf16" and data["precision_requested"] == "fp8"  # what ran, what was asked
     assert len(data["density_per_layer_head"]) == 4 and len(data["density_per_layer_head"][0]) == 2
     assert data["fp8_error_per_layer"] is None and data["png"] == str(png)
 
@@ -333,6 +462,20 @@ def test_profile_per_layer_times_and_fp8_error(runner, fake_engine, doc, tmp_pat
     assert r.exit_code == 0, r.output
     assert "index vs attention time per layer" in r.stdout and "FP8-vs-BF16 output error per layer" in r.stdout
     assert "4.00e-03" in r.stdout
+
+
+def test_profile_png_defaults_to_the_current_directory(runner, fake_engine, tmp_path, monkeypatch):
+    src = tmp_path / "docs"
+    src.mkdir()
+    doc = src / "paper.txt"
+    doc.write_text("The secret code is PLUM7. " * 20)
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    r = invoke(runner, ["profile", str(doc)])
+    assert r.exit_code == 0, r.output
+    assert (cwd / "paper.density.png").is_file() and not (src / "paper.density.png").exists()
+    assert f"heatmap written to {cwd / 'paper.density.png'}" in r.stderr
 
 
 def test_profile_missing_file(runner, fake_engine, tmp_path):
@@ -385,6 +528,14 @@ def test_model_list_and_path(runner, tmp_path, monkeypatch):
     assert rows and rows[0]["cached"] is False
     r = invoke(runner, ["model", "path", "no-such-model"])
     assert r.exit_code == 1 and "no-such-model" in r.stderr
+
+
+def test_model_list_does_not_truncate_paths(runner, tmp_path):
+    pytest.importorskip("fpcli.models")
+    cache = tmp_path / ("deeply-nested-cache-folder-" * 3) / "fp"
+    r = invoke(runner, ["model", "list"], env={"FP_CACHE_DIR": str(cache), "COLUMNS": "60"})
+    assert r.exit_code == 0, r.output
+    assert str(cache / "models" / "smollm2-135m-instruct") in r.stdout and "…" not in r.stdout
 
 
 # -- the installed entry point, in a real subprocess -----------------------------------------------

@@ -29,7 +29,8 @@ def test_encrypted_empty_user_password_is_decrypted(tmp_path):
     (doc,) = ingest_all([str(path)])
     assert doc.ok
     assert "without a prompt" in doc.text
-    assert any("empty password" in w for w in doc.warnings)
+    assert any("empty password" in n for n in doc.notes)  # a note: nothing is wrong
+    assert not any("empty password" in w for w in doc.warnings)
 
 
 def test_encrypted_real_password_names_file_and_option(tmp_path, pdf_factory):
@@ -220,3 +221,43 @@ def test_to_dict_has_no_text(pdf_factory):
     (doc,) = ingest_all([str(pdf_factory("d.pdf", ["abc"]))])
     d = doc.to_dict()
     assert "text" not in d and d["chars"] == 3 and d["pages"] == 1
+
+
+# -- why a PDF cannot be read: each failure says what it is and what to do ------------------------
+
+
+def test_pdf_failures_are_classified(tmp_path, pdf_factory):
+    html = tmp_path / "download.pdf"
+    html.write_bytes(b"<!DOCTYPE html><html><body>404 Not Found</body></html>\n")
+    text = tmp_path / "notes.pdf"
+    text.write_bytes(b"just some text saved with the wrong name\n")
+    truncated = tmp_path / "cut.pdf"
+    truncated.write_bytes(make_pdf(["x" * 50, "page two"])[:300])
+    damaged = tmp_path / "damaged.pdf"  # header and trailer intact, the objects destroyed
+    data = make_pdf(["hello"])
+    damaged.write_bytes(data[:9] + b"#" * (len(data) - 209) + data[-200:])
+    h, t, c, d = ingest_all([str(html), str(text), str(truncated), str(damaged)])
+    assert not h.ok and "not a PDF file" in h.error and "HTML page" in h.error
+    assert not t.ok and "not a PDF file" in t.error and "%PDF-" in t.error and "text" in t.error
+    assert not c.ok and "truncated" in c.error and "re-download" in c.error
+    assert not d.ok and "damaged PDF" in d.error and f"qpdf {damaged}" in d.error and "re-download" in d.error
+    for doc in (h, t, c, d):
+        assert "\n" not in doc.error and doc.error.startswith(doc.name)
+
+
+def test_pdf_problem_from_head_and_tail():
+    assert ingest.pdf_problem(b"<html>", b"</html>") == "not-pdf"
+    assert ingest.pdf_problem(b"%PDF-1.7\n...", b"... 4 0 obj") == "truncated"
+    assert ingest.pdf_problem(b"%PDF-1.7\n...", b"startxref\n123\n%%EOF\n") is None
+
+
+def test_partly_scanned_pdf_mentions_ocr(pdf_factory):
+    (doc,) = ingest_all([str(pdf_factory("mixed.pdf", ["typed", None]))])
+    assert any("no text layer" in w and "ocrmypdf" in w for w in doc.warnings)
+
+
+def test_empty_document_says_so(tmp_path):
+    blank = tmp_path / "blank.txt"
+    blank.write_text("   \n")
+    (doc,) = ingest_all([str(blank)])
+    assert doc.ok and doc.warnings and "empty" in doc.warnings[0]

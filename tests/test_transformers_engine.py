@@ -235,3 +235,25 @@ def test_load_engine_choices(model_dir, monkeypatch):
     with engine_mod.load_engine("auto", model=str(model_dir), profile="dense", progress=False) as eng:
         assert eng.name == "transformers" and eng.model_name == model_dir.name
         assert eng.profile.name == "dense"
+
+
+def test_runtime_stats_density_over_sparse_layers_flops_over_all():
+    from fpcli.engine.transformers_engine import LayerStat
+
+    rt = FlashPrefillRuntime(config=SPARSE, dense_layers=1)
+    f = causal_attention_flops(256, 256, D, HQ)
+    rt.layers[0] = LayerStat(0, False, 256, 256, 1.0, [1.0, 1.0], f)
+    rt.layers[1] = LayerStat(1, True, 256, 256, 0.5, [0.4, 0.6], f)
+    rt.layers[2] = LayerStat(2, True, 256, 256, 0.7, [0.7, 0.7], f)
+    st = rt.stats(3)
+    assert st.sparse_layers == [1, 2]
+    assert st.density == pytest.approx(0.6)  # over the sparse layers only
+    assert st.attention_flops_skipped / st.attention_flops_dense == pytest.approx((0.5 + 0.3) / 3)
+
+
+def test_engine_reports_the_precision_that_ran(model_dir):
+    prof = load_profile("fp8")  # asks for FP8, which no engine implements yet
+    with TransformersEngine(model_dir, prof) as eng:
+        assert eng.precision == "fp32"  # the CPU model dtype: what the attention really runs in
+        r = eng.generate(eng.encode_chat(None, "w1 w2 w3"), max_new_tokens=1)
+    assert r.precision == "fp32" and r.to_dict()["precision"] == "fp32"

@@ -12,14 +12,72 @@ from typing import NoReturn
 
 import typer
 from rich.console import Console
+from typer.core import TyperArgument, TyperCommand, TyperGroup
 from rich.markup import escape
 
 ENGINE_FACTORY_ENV = "FP_ENGINE_FACTORY"  # "module:function" replacing fpcli.engine.load_engine (tests)
 
 
+WIDE = 200  # columns for tables when stderr is not a terminal (logs, pipes): never wrap a row
+
+
 def stderr_console() -> Console:
-    """A rich console on stderr (built per call: test runners swap ``sys.stderr``)."""
-    return Console(stderr=True, highlight=False)
+    """A rich console on stderr (built per call: test runners swap ``sys.stderr``).
+
+    On a terminal: rich's defaults (its width, wrapping, live status and progress bars). Not a
+    terminal (a log file, a pipe, CI): messages are never hard-wrapped (``soft_wrap``: one
+    warning = one line, greppable), tables get a wide fixed width so rows do not wrap, and
+    ``is_terminal`` is False, which callers use to skip progress bars.
+    """
+    console = Console(stderr=True, highlight=False)
+    if console.is_terminal:
+        return console
+    return Console(stderr=True, highlight=False, soft_wrap=True, width=max(WIDE, console.width))
+
+
+def _flag_metavars(params) -> None:
+    """Boolean flags take no value: hide typer's ``<bool>`` type column for them."""
+    for p in params:
+        if getattr(p, "is_flag", False) and not getattr(p, "count", False) and p.metavar is None:
+            p.metavar = ""
+
+
+def _usage_pieces(command, ctx) -> list[str]:
+    """``[OPTIONS] FILE... QUESTION``: conventional argument names (``NAME``, ``[NAME]``,
+    ``NAME...``) instead of typer's ``{NAME}`` braces."""
+    pieces = [command.options_metavar] if command.options_metavar else []
+    for p in command.get_params(ctx):
+        if not isinstance(p, TyperArgument):
+            continue
+        name = p.metavar or (p.name or "").upper()
+        name = name if p.required or p.name in getattr(command, "required_args", ()) else f"[{name}]"
+        pieces.append(name + ("..." if p.nargs != 1 else ""))
+    return pieces
+
+
+class FpCommand(TyperCommand):
+    """A typer command whose help renders flags as flags and a conventional usage line.
+    ``required_args``: arguments optional for the parser (the command checks them itself, to
+    give a better message) but required in the usage line."""
+
+    required_args: tuple[str, ...] = ()
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        _flag_metavars(params)
+        return params
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        return _usage_pieces(self, ctx)
+
+
+class FpGroup(TyperGroup):
+    """The same for command groups (``fp``, ``fp model``)."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        _flag_metavars(params)
+        return params
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -59,3 +117,63 @@ def load_profile_or_exit(name: str, fp8: bool = False):
         return profile
     except ProfileError as exc:
         fail(str(exc), code=2)
+
+
+def check_model_or_exit(model: str | None) -> None:
+    """Exit 2 when ``--model`` cannot name a model (checked before anything is loaded)."""
+    try:
+        from fpcli.models import ModelError, check_model
+    except ImportError:  # model management unavailable: the loader will say so
+        return
+    try:
+        check_model(model)
+    except ModelError as exc:
+        fail(f"--model: {exc}", code=2)
+
+
+def check_max_new_tokens_or_exit(max_new_tokens: int, model: str | None, profile, context_length: int | None = None) -> None:
+    """Exit 2 when ``--max-new-tokens`` leaves no room for a prompt in the model's context: before
+    loading when that context is known (embedded model, Hugging Face folder, profile cap), else
+    with the loaded engine's ``context_length``."""
+    known = context_length
+    if known is None:
+        try:
+            from fpcli.models import known_context_length
+
+            known = known_context_length(model)
+        except ImportError:
+            known = None
+    caps = [c for c in (known, profile.engine.context_length) if c]
+    if caps and max_new_tokens >= min(caps):
+        fail(
+            f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's context of "
+            f"{min(caps):,} tokens (use at most a few thousand, e.g. -n 512)",
+            code=2,
+        )
+
+
+def check_output_path_or_exit(option: str, path) -> None:
+    """Exit 2 unless ``path`` can be written: its folder exists and is writable, and it is not
+    a folder itself (checked before the run, not after it)."""
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        fail(f"{option} {path}: is a folder; give a file name", code=2)
+    if not parent.is_dir():
+        fail(f"{option} {path}: the folder {parent} does not exist", code=2)
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        fail(f"{option} {path}: not writable (permission denied)", code=2)
+
+
+def warn_precision(console: Console, profile, engine) -> None:
+    """One line on stderr when the engine runs another attention precision than the profile asks
+    (``fp8``: not implemented yet, the engine runs at the model's dtype)."""
+    ran = getattr(engine, "precision", None)
+    if ran and profile.precision != ran:
+        console.print(
+            f"[yellow]warning: profile {escape(profile.name)} asks for {profile.precision} attention, which is not "
+            f"implemented yet; {ran} runs instead (and the summary reports {ran})[/]",
+            soft_wrap=True,
+        )

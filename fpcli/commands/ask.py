@@ -7,10 +7,30 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
-from fpcli.commands import engine_loader, fail, load_profile_or_exit, stderr_console
+from fpcli.commands import (
+    FpCommand,
+    check_max_new_tokens_or_exit,
+    check_model_or_exit,
+    check_output_path_or_exit,
+    engine_loader,
+    fail,
+    load_profile_or_exit,
+    stderr_console,
+    warn_precision,
+)
 
 app = typer.Typer()
+
+USAGE = "usage: fp ask FILE... QUESTION"
+
+
+class AskCommand(FpCommand):
+    # FILE and QUESTION are optional for the parser so that ``fp ask doc.txt`` reaches the
+    # command, which then says "missing QUESTION" instead of click's "Missing argument 'FILE'"
+    # (click hands a lone argument to the last parameter).
+    required_args = ("files", "question")
 
 
 class EngineChoice(str, Enum):
@@ -24,13 +44,15 @@ class CutChoice(str, Enum):
     end = "end"
 
 
-@app.command("ask")
+@app.command("ask", cls=AskCommand, no_args_is_help=True)
 def ask(
     files: Annotated[
-        list[str],
-        typer.Argument(metavar="FILE", help="PDF, .txt or .md files; '-' reads standard input (text or PDF).", show_default=False),
-    ],
-    question: Annotated[str, typer.Argument(help="The question, in quotes.", show_default=False)],
+        Optional[list[str]],
+        typer.Argument(metavar="FILE", help="PDF, .txt or .md files; '-' reads standard input (text or PDF). Required.", show_default=False),
+    ] = None,
+    question: Annotated[
+        Optional[str], typer.Argument(metavar="QUESTION", help="The question, in quotes, after the files. Required.", show_default=False)
+    ] = None,
     model: Annotated[
         Optional[str],
         typer.Option("--model", "-m", help="Hugging Face folder or cached id, or a .gguf file. Default: the embedded SmolLM2-135M-Instruct."),
@@ -57,14 +79,36 @@ def ask(
     from fpcli.report import ask_report, dumps, render_cuts, render_ingestion, render_summary, save_report
 
     err = stderr_console()
+    files = list(files or [])
+    if question is None:
+        fail(f"missing FILE and QUESTION ({USAGE})", code=2)
+    if not files:  # one argument: the parser took it for the question
+        if question == "-" or Path(question).is_file():
+            fail(f"missing QUESTION after {question} ({USAGE})", code=2)
+        fail(f"missing FILE: no document given for the question {question!r} ({USAGE})", code=2)
     if not question.strip():
         fail("the question is empty", code=2)
     problems = check_paths(files)
     if problems:  # before loading anything: name every bad path
         for p in problems:
-            err.print(f"[bold red]fp: error:[/] {p}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]fp: error:[/] {escape(p)}", highlight=False, soft_wrap=True)
+        misplaced = [f for f in files if _looks_like_question(f) and not Path(f).exists()]
+        if misplaced and question != "-" and Path(question).is_file():
+            err.print(
+                f"hint: {misplaced[0]!r} looks like the question; the question goes last ({USAGE})",
+                highlight=False, soft_wrap=True, markup=False,
+            )
+        elif question != "-" and Path(question).is_file() and not _looks_like_question(question):
+            err.print(f"hint: the last argument {question} is a file; is the QUESTION missing? ({USAGE})",
+                      highlight=False, soft_wrap=True, markup=False)
         raise typer.Exit(2)
+    if question != "-" and Path(question).is_file() and not _looks_like_question(question):
+        fail(f"missing QUESTION: the last argument {question} is a file ({USAGE})", code=2)
+    if report is not None:
+        check_output_path_or_exit("--report", report)
     prof = load_profile_or_exit(profile)
+    check_model_or_exit(model)
+    check_max_new_tokens_or_exit(max_new_tokens, model, prof)
 
     if quiet:
         docs = ingest(files, password=password, page_timeout=page_timeout)
@@ -73,8 +117,8 @@ def ask(
             docs = ingest(files, password=password, page_timeout=page_timeout, on_file=lambda n: status.update(f"reading {n}"))
     render_ingestion(err, docs)
     usable = [d for d in docs if d.ok and d.text.strip()]
-    if not usable:
-        fail("no text to ask about: " + "; ".join(d.error or f"{d.name}: no text extracted" for d in docs))
+    if not usable:  # each file's reason was printed just above, once
+        fail("no readable document remains (see the reasons above)" if len(docs) > 1 else "no readable document (see the reason above)")
 
     load = engine_loader()
     try:
@@ -84,7 +128,10 @@ def ask(
     except Exception as exc:  # noqa: BLE001 - one line for any load failure
         fail(f"cannot load the model: {_one_line(exc)}")
 
+    warn_precision(err, prof, eng)
     with eng:
+        # a GGUF or hub model's context is only known now: the same usage error, exit 2
+        check_max_new_tokens_or_exit(max_new_tokens, None, prof, context_length=eng.context_length)
         try:
             prompt = build_prompt(
                 usable, question, eng, max_new_tokens, context_length=prof.engine.context_length, cut=cut.value
@@ -133,6 +180,11 @@ def ask(
         render_summary(err, data)
         if report is not None:
             err.print(f"[dim]report saved to {report}[/]", highlight=False)
+
+
+def _looks_like_question(arg: str) -> bool:
+    """A 'file' name that is more likely the question: it has spaces or ends with '?'."""
+    return " " in arg.strip() or arg.rstrip().endswith("?")
 
 
 def _one_line(exc: BaseException) -> str:

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from fpcli.commands import fail, load_profile_or_exit, stderr_console
+from fpcli.commands import FpCommand, fail, load_profile_or_exit, stderr_console
 
 app = typer.Typer()
 
@@ -50,7 +50,7 @@ def parse_heads(text: str) -> tuple[int, int]:
     return hq, hkv
 
 
-@app.command("bench")
+@app.command("bench", cls=FpCommand)
 def bench(
     lens: Annotated[str, typer.Option("--len", "-l", help="Lengths in tokens: 4k, 131072, 128k, or a comma list.")] = "8k,32k,128k",
     fp8: Annotated[bool, typer.Option("--fp8", help="FP8 attention operands in the sparse path.")] = False,
@@ -170,6 +170,17 @@ def _run_with_progress(err, label: str, total: int, fn):
     """Run ``fn(progress)`` under a rich progress bar. ``progress`` accepts ``()`` (one step done),
     ``(done, total)`` or ``(message,)``."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if not err.is_terminal:  # a log or a pipe: plain lines for messages, no redrawn bar
+        def plain(*args, **kwargs) -> None:
+            if args and isinstance(args[0], str):
+                err.print(f"{label}: {args[0]}", highlight=False, markup=False)
+
+        try:
+            return fn(plain)
+        except (RuntimeError, ValueError, TypeError, ImportError) as exc:
+            lines = str(exc).strip().splitlines()
+            fail(f"benchmark failed: {lines[0] if lines else type(exc).__name__}")
 
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=err, transient=True) as bar:
         task = bar.add_task(label, total=total)

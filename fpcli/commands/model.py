@@ -7,9 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from fpcli.commands import fail, stderr_console
+from fpcli.commands import FpCommand, FpGroup, fail, stderr_console
 
-app = typer.Typer(no_args_is_help=True)
+app = typer.Typer(no_args_is_help=True, cls=FpGroup)
 
 
 def _models():
@@ -20,7 +20,7 @@ def _models():
     return models
 
 
-@app.command("list")
+@app.command("list", cls=FpCommand)
 def list_cmd(json_out: Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")] = False) -> None:
     """List the embedded models, whether each is cached, and where."""
     rows = _models().list_models()
@@ -35,14 +35,20 @@ def list_cmd(json_out: Annotated[bool, typer.Option("--json", help="Print JSON o
     from rich.table import Table
 
     t = Table(title="embedded models", title_justify="left")
-    for c in ("name", "cached", "size", "license", "path"):
-        t.add_column(c)
+    for c in ("name", "cached", "size", "license"):
+        t.add_column(c, no_wrap=True)
+    t.add_column("path", no_wrap=True, overflow="ignore")  # a path is copied, never cut
     for r in rows:
-        t.add_row(r.name, "yes" if r.cached else "no", f"{r.size_bytes / 1e6:.0f} MB", r.license, str(r.path))
-    Console().print(t)
+        size = f"{r.size_bytes / 1e6:.0f} MB" + ("" if r.cached else " download")
+        t.add_row(r.name, "yes" if r.cached else "no", size, r.license, str(r.path))
+    # As wide as the whole table needs: rich would otherwise shrink columns and cut the path
+    # (a narrow terminal then wraps the line instead, which keeps the path copyable).
+    need = Console(width=10_000).measure(t).maximum
+    out = Console()
+    Console(width=max(out.width, need)).print(t)
 
 
-@app.command("pull")
+@app.command("pull", cls=FpCommand)
 def pull_cmd(
     name: Annotated[Optional[str], typer.Argument(help="Embedded model name (default: the default model).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Fetch and convert again even if cached.")] = False,
@@ -56,7 +62,7 @@ def pull_cmd(
     sys.stdout.write(f"{path}\n")
 
 
-@app.command("path")
+@app.command("path", cls=FpCommand)
 def path_cmd(name: Annotated[Optional[str], typer.Argument(help="Embedded model name.")] = None) -> None:
     """Print where the embedded model lives (or will live) in the cache."""
     models = _models()

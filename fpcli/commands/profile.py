@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from fpcli.commands import engine_loader, fail, load_profile_or_exit, stderr_console
+from fpcli.commands import FpCommand, check_model_or_exit, check_output_path_or_exit, engine_loader, fail, load_profile_or_exit, stderr_console, warn_precision
 from fpcli.commands.ask import EngineChoice
 
 app = typer.Typer()
@@ -16,12 +16,12 @@ app = typer.Typer()
 DEFAULT_QUESTION = "Summarize this document."
 
 
-@app.command("profile")
+@app.command("profile", cls=FpCommand)
 def profile_cmd(
     file: Annotated[str, typer.Argument(metavar="FILE", help="PDF, .txt or .md file; '-' reads standard input.", show_default=False)],
     question: Annotated[str, typer.Argument(help="Question appended to the document (it shapes the prefill).")] = DEFAULT_QUESTION,
     fp8: Annotated[bool, typer.Option("--fp8", help="FP8 attention; also report the FP8-vs-BF16 output error per layer.")] = False,
-    png: Annotated[Optional[Path], typer.Option("--png", help="Where to write the heatmap PNG. Default: <FILE stem>.density.png", dir_okay=False)] = None,
+    png: Annotated[Optional[Path], typer.Option("--png", help="Where to write the heatmap PNG. Default: <FILE stem>.density.png in the current directory.", dir_okay=False)] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model (default: the embedded one).")] = None,
     profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, fp8, dense, or a path.")] = "bf16",
     engine: Annotated[EngineChoice, typer.Option("--engine")] = EngineChoice.auto,
@@ -36,17 +36,20 @@ def profile_cmd(
 
     from fpcli.ingest import check_paths, ingest
     from fpcli.prompt import PromptError, build_prompt
-    from fpcli.report import density_summary, heatmap_legend, heatmap_table, render_ingestion, write_heatmap_png
+    from fpcli.report import density_line, density_summary, heatmap_legend, heatmap_table, render_ingestion, write_heatmap_png
 
     err = stderr_console()
     problems = check_paths([file])
     if problems:
         fail(problems[0], code=2)
     prof = load_profile_or_exit(profile, fp8=fp8)
+    check_model_or_exit(model)
+    if png is not None:
+        check_output_path_or_exit("--png", png)
     docs = ingest([file], password=password)
     render_ingestion(err, docs)
     if not docs[0].ok or not docs[0].text.strip():
-        fail(docs[0].error or f"{file}: no text extracted")
+        fail("no readable document (see the reason above)")  # the reason was printed once, above
 
     try:
         eng = engine_loader()(engine.value, model, prof, progress=err)
@@ -54,6 +57,7 @@ def profile_cmd(
         raise
     except Exception as exc:  # noqa: BLE001
         fail(f"cannot load the model: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
+    warn_precision(err, prof, eng)
     with eng:
         try:
             prompt = build_prompt(docs, question, eng, max_new_tokens=1, context_length=prof.engine.context_length)
@@ -84,8 +88,9 @@ def profile_cmd(
         "engine": result.engine,
         "model": result.model,
         "profile": prof.name,
-        "precision": prof.precision,
-        "density": density_summary(stats.density_per_layer, stats.density),
+        "precision": getattr(result, "precision", None) or prof.precision,
+        "precision_requested": prof.precision,
+        "density": density_summary(stats.density_per_layer, stats.density, getattr(stats, "sparse_layers", None)),
         "density_per_layer_head": grid,
         "index_ms": stats.index_ms,
         "attention_ms": stats.attention_ms,
@@ -95,7 +100,8 @@ def profile_cmd(
         "png": None,
     }
     if grid:
-        png_path = png or Path(f"{Path(file).stem if file != '-' else 'stdin'}.density.png")
+        # default: the current directory (never beside the input, which may be read-only or shared)
+        png_path = (png or Path.cwd() / f"{Path(file).stem if file != '-' else 'stdin'}.density.png").resolve()
         try:
             write_heatmap_png(png_path, grid, title=f"{Path(file).name}: {result.prompt_tokens:,} tokens, {result.model}, {prof.name}")
             data["png"] = str(png_path)
@@ -114,7 +120,7 @@ def profile_cmd(
         out.print(f"no density statistics from the {result.engine} engine (profile {prof.name}, attention {prof.attention})")
     d = data["density"]
     if d["overall"] is not None:
-        out.print(f"density overall {d['overall']:.1%}" + (f"; per layer min {d['min']:.1%} / median {d['median']:.1%} / max {d['max']:.1%}" if d["per_layer"] else ""))
+        out.print(f"density {density_line(d, prof.attention)}", soft_wrap=True)
     out.print(_times_table(index_per_layer, attn_per_layer, stats.index_ms, stats.attention_ms))
     if fp8:
         if fp8_error:

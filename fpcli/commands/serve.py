@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from fpcli.commands import fail, load_profile_or_exit
+from fpcli.commands import FpCommand, fail, load_profile_or_exit
 
 app = typer.Typer()
 
@@ -15,6 +15,7 @@ GPU_HINT = "install the GPU extras with `pip install -e .[gpu]` on a machine wit
 
 @app.command(
     "serve",
+    cls=FpCommand,
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
 )
 def serve(

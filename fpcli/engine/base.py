@@ -13,11 +13,15 @@ class PrefillStats:
     """Attention statistics of one prefill.
 
     Attributes:
-        density: selected / causally visible key blocks over all sparse layers (1.0 = dense).
+        density: selected / causally visible key blocks over the sparse layers only
+            (``sparse_layers``; 1.0 when no layer ran sparse).
         density_per_layer: one value per decoder layer (dense layers report 1.0).
+        sparse_layers: indices of the layers that ran block-sparse (the others ran dense).
         density_per_layer_head: ``[layer][kv_head]`` densities, when collected.
         attention_flops_dense: dense-equivalent causal attention FLOPs of this prefill.
-        attention_flops_skipped: FLOPs the block-sparse path did not compute.
+        attention_flops_skipped: FLOPs the block-sparse path did not compute, over all layers:
+            ``sum_l flops_l * (1 - density_l)`` with dense layers skipping none, so the skipped
+            fraction is below ``1 - density`` when some layers run dense.
         index_ms: time in the index stage summed over layers (ms), when measured.
         attention_ms: time in the attention stage summed over layers (ms), when measured.
     """
@@ -25,6 +29,7 @@ class PrefillStats:
     density: float = 1.0
     density_per_layer: list[float] = field(default_factory=list)
     density_per_layer_head: list[list[float]] = field(default_factory=list)
+    sparse_layers: list[int] = field(default_factory=list)
     attention_flops_dense: float = 0.0
     attention_flops_skipped: float = 0.0
     index_ms: float | None = None
@@ -33,7 +38,12 @@ class PrefillStats:
 
 @dataclass
 class GenerationResult:
-    """One answer and its timings. Times in seconds unless the name says ms."""
+    """One answer and its timings. Times in seconds unless the name says ms.
+
+    ``precision`` is the attention precision that actually ran (``bf16``, ``fp16``, ``fp32``;
+    ``fp8`` only once an engine really runs FP8 attention), which may differ from the profile's
+    request: FP8 is not implemented yet, and engines run it at the model's dtype instead.
+    """
 
     text: str
     prompt_tokens: int
@@ -46,6 +56,7 @@ class GenerationResult:
     profile: str
     stats: PrefillStats = field(default_factory=PrefillStats)
     finish_reason: str = "length"
+    precision: str = "bf16"
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -64,6 +75,7 @@ class Engine(Protocol):
 
     name: str  # "transformers" or "sglang"
     model_name: str
+    precision: str  # attention precision that runs (see GenerationResult.precision)
     context_length: int  # max positions the model accepts (prompt + answer)
 
     def encode_chat(self, system: str | None, user: str) -> list[int]:

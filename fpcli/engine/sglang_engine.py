@@ -224,6 +224,25 @@ def _finish_reason(meta: dict) -> str:
     return str(fr) if fr else "length"
 
 
+def attention_precision(profile: Any) -> str:
+    """The attention precision SGLang will actually run for ``profile``: ``fp8`` only when the
+    operator takes a ``precision`` argument (it does not yet: the backend then logs a warning and
+    runs bf16), else the model dtype (``bf16`` unless the profile asks for float16/float32)."""
+    requested = str(getattr(profile, "precision", "bf16"))
+    if requested == "fp8":
+        try:
+            import inspect
+
+            from flashprefill import api
+
+            if "precision" in inspect.signature(api.flashprefill_attention).parameters:
+                return "fp8"
+        except Exception:  # noqa: BLE001 - no operator: certainly no FP8
+            pass
+    dtype = str(getattr(getattr(profile, "engine", None), "dtype", "auto"))
+    return {"float16": "fp16", "float32": "fp32"}.get(dtype, "bf16")
+
+
 class SGLangEngine:
     """The ``fp`` engine contract (``fpcli.engine.base.Engine``) on embedded SGLang.
 
@@ -266,6 +285,7 @@ class SGLangEngine:
         self.profile_name = getattr(profile, "name", "?")
         self.shutdown_timeout_s = shutdown_timeout_s
         self.sparse = not bool(getattr(profile, "is_dense", False))
+        self.precision = attention_precision(profile)
         self._closed = False
         self._engine = None
         self._stats_dir = tempfile.mkdtemp(prefix="fp-sglang-stats-")
@@ -419,6 +439,7 @@ class SGLangEngine:
             profile=self.profile_name,
             stats=stats,
             finish_reason=_finish_reason(meta),
+            precision=self.precision,
         )
         result.cached_tokens = int(meta.get("cached_tokens", 0) or 0)  # extra, not in to_dict()
         result.rid = rid
@@ -456,6 +477,7 @@ class SGLangEngine:
                 text=self.tokenizer.decode(ids, skip_special_tokens=True), prompt_tokens=int(meta.get("prompt_tokens", len(p))),
                 output_tokens=len(ids), ttft_s=total, prefill_s=prefill_s, total_s=total, engine=self.name,
                 model=self.model_name, profile=self.profile_name, stats=stats, finish_reason=_finish_reason(meta),
+                precision=self.precision,
             )
             res.rid = rid
             results.append(res)

@@ -53,6 +53,7 @@ from .base import GenerationResult, PrefillStats
 # FlashAttention kernel request (``is_flash_attention_requested``) and tries to import it.
 ATTN_NAME = "fp_sparse_prefill"
 PAGE_SIZE = 64  # tokens per page of the paged view handed to the operator
+DTYPE_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -116,6 +117,7 @@ class FlashPrefillRuntime:
             density=overall,
             density_per_layer=dens,
             density_per_layer_head=heads,
+            sparse_layers=[r.layer for r in sparse],
             attention_flops_dense=flops,
             attention_flops_skipped=skipped,
             index_ms=sum(idx) if idx else None,
@@ -325,6 +327,9 @@ class TransformersEngine:
         self.model_name = model_name or os.path.basename(os.path.normpath(self.model_path))
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = _pick_dtype(profile.engine.dtype, self.device)
+        # No FP8 attention path exists yet (operator or engine): attention runs at the model's
+        # dtype whatever the profile asks; reports say so (GenerationResult.precision).
+        self.precision = DTYPE_PRECISION.get(self.dtype, str(self.dtype).replace("torch.", ""))
         t0 = time.perf_counter()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         register_attention()
@@ -432,6 +437,7 @@ class TransformersEngine:
             profile=self.profile.name,
             stats=stats,
             finish_reason=finish,
+            precision=self.precision,
         )
 
     def close(self) -> None:

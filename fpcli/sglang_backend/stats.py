@@ -276,12 +276,14 @@ class RequestPrefill:
         sel_total = vis_total = 0
         flops_dense = float(sum(self.dense_flops))
         flops_skipped = 0.0
+        sparse_layers: list[int] = []
         for i, mode in enumerate(self.layers):
             s, v = (self.selected[i] if i < len(self.selected) else None), (self.visible[i] if i < len(self.visible) else None)
             if mode == "sparse" and s is not None and v is not None and sum(v) > 0:
                 per_head.append([si / vi if vi else 1.0 for si, vi in zip(s, v)])
                 d = sum(s) / sum(v)
                 per_layer.append(d)
+                sparse_layers.append(i)
                 sel_total += sum(s)
                 vis_total += sum(v)
                 if i < len(self.dense_flops):
@@ -293,6 +295,7 @@ class RequestPrefill:
             density=(sel_total / vis_total) if vis_total else 1.0,
             density_per_layer=per_layer,
             density_per_layer_head=per_head,
+            sparse_layers=sparse_layers,
             attention_flops_dense=flops_dense,
             attention_flops_skipped=flops_skipped,
             index_ms=self.index_ms,
