@@ -197,7 +197,8 @@ def render_summary(console: Console, report: dict) -> None:
     precision = s["precision"]
     requested = s.get("precision_requested")
     if requested and requested != precision:
-        precision = f"{precision}; {requested} requested, not implemented yet"
+        why = "FP8 is not implemented yet" if requested == "fp8" else "ran at the model's dtype"
+        precision = f"{precision}; {requested} requested, {why}"
     t.add_row("profile", f"{s['profile']} ({s['attention']}, {precision})")
     console.print(t)
 

@@ -138,3 +138,22 @@ def test_engine_direct_sparse_prefill(smollm2, tmp_path):
     assert all(len(h) == 3 for h in s["density_per_layer_head"])
     assert 0 < s["attention_flops_skipped"] < s["attention_flops_dense"]
     assert r["prefill_s"] > 0 and s["attention_ms"] and s["index_ms"]
+
+
+def test_readme_sample_is_what_the_command_prints(smollm2):
+    """The README's sample: the same command, the same prompt tokens, density and answer."""
+    import re
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    tokens = int(re.search(r"^prompt tokens +([\d,]+)$", readme, re.M).group(1).replace(",", ""))
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(
+        [fp_executable(), "ask", "examples/harbor-report.md", "When will the new ferry terminal open?", "--json"],
+        capture_output=True, text=True, env=run_env(), timeout=900, cwd=repo,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads(proc.stdout)
+    assert s["summary"]["prompt_tokens"] == tokens
+    assert s["summary"]["density"]["overall"] == 1.0  # shorter than sink + window + tail: dense
+    assert s["summary"]["density"]["sparse_layers"] == list(range(2, 30))
+    assert "14 May" in s["answer"]

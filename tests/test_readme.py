@@ -1,0 +1,43 @@
+"""The README's promises match the code: the sample output is real output of the current code
+(its summary rows are the ones ``render_summary`` prints), and the sizes it quotes are the real ones.
+``tests/test_e2e_cpu.py::test_readme_sample_is_what_the_command_prints`` reruns the sample command."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def sample_block() -> list[str]:
+    text = README.read_text(encoding="utf-8")
+    m = re.search(r"```\n(\$ fp ask examples/harbor-report\.md .*?)```", text, re.S)
+    assert m, "the README's sample run of examples/harbor-report.md is missing"
+    return m.group(1).splitlines()
+
+
+def test_readme_sample_is_real_output_not_illustrative():
+    lines = sample_block()
+    assert not any("illustrative" in line for line in lines)
+    rows = {line[:25].strip(): line[25:] for line in lines if re.match(r"^[a-zA-Z /]+ {2,}\S", line)}
+    for key in ("prompt tokens", "TTFT", "attention density", "attention FLOPs skipped", "engine", "model", "profile"):
+        assert key in rows, key
+    # the rows are in the format the current summary prints
+    assert "over sparse layers (layers 2-29)" in rows["attention density"]
+    assert "dense-equivalent" in rows["attention FLOPs skipped"] and "all layers" in rows["attention FLOPs skipped"]
+    assert rows["engine"].strip() == "transformers" and rows["model"].strip() == "smollm2-135m-instruct"
+    # a prompt this short is dense by construction; the README must say so next to the sample
+    assert rows["attention density"].startswith("100.0%")
+    text = README.read_text(encoding="utf-8")
+    assert "dense by construction" in text or "100% by construction" in text
+    assert "docs/benchmarks.md" in text
+
+
+def test_readme_sizes_match_the_embedded_model():
+    from fpcli.models import DEFAULT_MODEL, EMBEDDED
+
+    text = README.read_text(encoding="utf-8")
+    download_mb = round(EMBEDDED[DEFAULT_MODEL].wheel_bytes / 1e6)
+    assert f"{download_mb} MB download" in text
+    assert "about 100 MB" not in text
+    assert "540 MB on disk" in text
