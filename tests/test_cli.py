@@ -410,7 +410,11 @@ def test_bench_e2e(runner, monkeypatch, tmp_path):
     monkeypatch.setattr(models, "resolve_model", lambda spec, progress=None: tmp_path / "model")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake H200")
-    r = invoke(runner, ["bench", "--e2e", "--len", "32k", "--json", "--fp8", "--model", "m"])
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    r = invoke(runner, ["bench", "--e2e", "--len", "32k", "--fp8", "--model", str(tmp_path / "nope")])
+    assert r.exit_code == 2 and "--model" in r.stderr and not seen  # checked before the run
+    r = invoke(runner, ["bench", "--e2e", "--len", "32k", "--json", "--fp8", "--model", str(tmp_path / "m")])
     assert r.exit_code == 0, r.output
     assert seen["lens"] == [32768] and seen["model_path"] == str(tmp_path / "model")
     assert seen["sparse"].precision == "fp8" and seen["dense"].is_dense
@@ -479,6 +483,13 @@ def test_profile_png_defaults_to_the_current_directory(runner, fake_engine, tmp_
     assert r.exit_code == 0, r.output
     assert (cwd / "paper.density.png").is_file() and not (src / "paper.density.png").exists()
     assert f"heatmap written to {cwd / 'paper.density.png'}" in r.stderr
+
+
+def test_profile_dense_times_have_no_index_stage(runner, fake_engine, doc, tmp_path):
+    r = invoke(runner, ["profile", str(doc), "--profile", "dense", "--png", str(tmp_path / "h.png")])
+    assert r.exit_code == 0, r.output
+    assert "attention 6.00 ms over all layers (no index stage)" in r.stdout
+    assert "index -" not in r.stdout and "n/a" not in r.stdout
 
 
 def test_profile_missing_file(runner, fake_engine, tmp_path):

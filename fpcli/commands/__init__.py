@@ -36,10 +36,13 @@ def stderr_console() -> Console:
 
 
 def _flag_metavars(params) -> None:
-    """Boolean flags take no value: hide typer's ``<bool>`` type column for them."""
+    """Boolean flags take no value: hide typer's ``<bool>`` type column for them; arguments are
+    described by their help text, not by ``<list[str]>`` / ``<str>``."""
     for p in params:
         if getattr(p, "is_flag", False) and not getattr(p, "count", False) and p.metavar is None:
             p.metavar = ""
+        elif isinstance(p, TyperArgument) and "display_type_rich" not in vars(p):
+            p.display_type_rich = lambda ctx: None
 
 
 def _usage_pieces(command, ctx) -> list[str]:

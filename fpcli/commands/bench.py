@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from fpcli.commands import FpCommand, fail, load_profile_or_exit, stderr_console
+from fpcli.commands import FpCommand, check_model_or_exit, fail, load_profile_or_exit, stderr_console
 
 app = typer.Typer()
 
@@ -85,6 +85,7 @@ def bench(
             from fpcli.models import ModelError, resolve_model
         except ImportError as exc:
             fail(f"the end-to-end benchmark is unavailable ({exc}); install the GPU extras: pip install -e .[gpu]")
+        check_model_or_exit(model)
         try:
             model_path = str(resolve_model(model, progress=err))
         except ModelError as exc:

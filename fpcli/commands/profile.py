@@ -19,7 +19,7 @@ DEFAULT_QUESTION = "Summarize this document."
 @app.command("profile", cls=FpCommand)
 def profile_cmd(
     file: Annotated[str, typer.Argument(metavar="FILE", help="PDF, .txt or .md file; '-' reads standard input.", show_default=False)],
-    question: Annotated[str, typer.Argument(help="Question appended to the document (it shapes the prefill).")] = DEFAULT_QUESTION,
+    question: Annotated[str, typer.Argument(metavar="QUESTION", help="Question appended to the document (it shapes the prefill).")] = DEFAULT_QUESTION,
     fp8: Annotated[bool, typer.Option("--fp8", help="FP8 attention; also report the FP8-vs-BF16 output error per layer.")] = False,
     png: Annotated[Optional[Path], typer.Option("--png", help="Where to write the heatmap PNG. Default: <FILE stem>.density.png in the current directory.", dir_okay=False)] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model (default: the embedded one).")] = None,
@@ -147,8 +147,10 @@ def _times_table(index_per_layer, attn_per_layer, index_ms, attention_ms):
         return t
     if index_ms is None and attention_ms is None:
         return "index vs attention time: not measured by this engine"
-    total = (index_ms or 0.0) + (attention_ms or 0.0)
-    share = f" (index {index_ms / total:.0%})" if index_ms is not None and total > 0 else ""
+    if index_ms is None:  # dense attention: there is no index stage
+        return f"attention {_ms(attention_ms)} ms over all layers (no index stage); per-layer times not reported"
+    total = index_ms + (attention_ms or 0.0)
+    share = f" (index {index_ms / total:.0%})" if total > 0 else ""
     return f"index {_ms(index_ms)} ms, attention {_ms(attention_ms)} ms over all layers{share}; per-layer times not reported"
 
 
