@@ -167,9 +167,7 @@ def render_summary(console: Console, report: dict) -> None:
     """The summary table of an ``fp.ask/1`` report (stderr console)."""
     s = report["summary"]
     d = s["density"]
-    t = Table(title="fp ask", show_header=False, title_justify="left", box=None, pad_edge=False)
-    t.add_column(style="bold")
-    t.add_column()
+    t = _SummaryRows()
     t.add_row("prompt tokens", f"{s['prompt_tokens']:,}")
     t.add_row("answer tokens", f"{s['output_tokens']:,} ({s['finish_reason']})")
     t.add_row("TTFT", f"{s['ttft_s']:.3f} s (prefill {s['prefill_s']:.3f} s)")
@@ -200,7 +198,33 @@ def render_summary(console: Console, report: dict) -> None:
         why = "FP8 is not implemented yet" if requested == "fp8" else "ran at the model's dtype"
         precision = f"{precision}; {requested} requested, {why}"
     t.add_row("profile", f"{s['profile']} ({s['attention']}, {precision})")
-    console.print(t)
+    t.print(console, title="fp ask")
+
+
+class _SummaryRows:
+    """Label / value rows: a rich table on a terminal; plain ``label  value`` lines otherwise
+    (a log or a pipe: no wrapping, no padding, one row per line, greppable)."""
+
+    LABEL_WIDTH = 25
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str]] = []
+
+    def add_row(self, label: str, value: str) -> None:
+        self.rows.append((label, value))
+
+    def print(self, console: Console, title: str) -> None:
+        if not console.is_terminal:
+            console.print(Text(title), soft_wrap=True)
+            for label, value in self.rows:
+                console.print(Text(f"{label:<{self.LABEL_WIDTH - 1}} {value}"), soft_wrap=True)
+            return
+        t = Table(title=title, show_header=False, title_justify="left", box=None, pad_edge=False)
+        t.add_column(style="bold")
+        t.add_column()
+        for label, value in self.rows:
+            t.add_row(label, value)
+        console.print(t)
 
 
 def density_line(d: dict, attention: str | None = None) -> str:
