@@ -99,12 +99,15 @@ def check_paths(paths: list[str]) -> list[str]:
             stdin_seen = True
             continue
         path = Path(p)
-        if not path.exists():
-            problems.append(f"{p}: no such file")
-        elif path.is_dir():
-            problems.append(f"{p}: is a folder, not a file")
-        elif not os.access(path, os.R_OK):
-            problems.append(f"{p}: not readable (permission denied)")
+        try:
+            if not path.exists():
+                problems.append(f"{p}: no such file")
+            elif path.is_dir():
+                problems.append(f"{p}: is a folder, not a file")
+            elif not os.access(path, os.R_OK):
+                problems.append(f"{p}: not readable (permission denied)")
+        except (OSError, ValueError) as exc:  # e.g. a whole question given as a file name: too long
+            problems.append(f"{p}: no such file ({getattr(exc, 'strerror', None) or exc})")
     return problems
 
 

@@ -210,13 +210,17 @@ def check_model(spec: str | os.PathLike | None) -> None:
         return
     text = os.fspath(spec)
     path = Path(text).expanduser()
-    if path.is_dir():
+    try:
+        is_dir, is_file = path.is_dir(), path.is_file()
+    except OSError as exc:  # e.g. a name too long for the file system
+        raise ModelError(f"model {text!r} not found: {exc.strerror or exc}") from None
+    if is_dir:
         if (path / "config.json").is_file() or len(list(path.glob("*.gguf"))) == 1:
             return
         raise ModelError(
             f"model folder {text} has no config.json (expected a Hugging Face model folder, or a .gguf file)"
         )
-    if path.is_file():
+    if is_file:
         if path.suffix.lower() == ".gguf":
             return
         raise ModelError(f"model file {text} is not a .gguf file (pass a .gguf file or a Hugging Face folder)")

@@ -162,12 +162,15 @@ def check_output_path_or_exit(option: str, path) -> None:
 
     p = Path(path).expanduser()
     parent = p.parent if str(p.parent) else Path(".")
-    if p.is_dir():
-        fail(f"{option} {path}: is a folder; give a file name", code=2)
-    if not parent.is_dir():
-        fail(f"{option} {path}: the folder {parent} does not exist", code=2)
-    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        fail(f"{option} {path}: not writable (permission denied)", code=2)
+    try:
+        if p.is_dir():
+            fail(f"{option} {path}: is a folder; give a file name", code=2)
+        if not parent.is_dir():
+            fail(f"{option} {path}: the folder {parent} does not exist", code=2)
+        if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+            fail(f"{option} {path}: not writable (permission denied)", code=2)
+    except OSError as exc:  # e.g. a name too long for the file system
+        fail(f"{option} {path}: cannot be written ({exc.strerror or exc})", code=2)
 
 
 def warn_precision(console: Console, profile, engine) -> None:
