@@ -600,7 +600,7 @@ class _UI:
         if progress is False:
             self.console = None
         elif progress is None or progress is True:
-            from fpcli.commands import stderr_console
+            from fpcli.console import stderr_console
 
             self.console = stderr_console()
         else:

@@ -96,9 +96,9 @@ def _console(progress):
     if progress is False:
         return None
     if progress is None or progress is True:
-        from rich.console import Console
+        from fpcli.console import stderr_console
 
-        return Console(stderr=True)
+        return stderr_console()
     return progress
 
 
