@@ -6,19 +6,22 @@ Marked ``slow`` but part of the default test run (CI runs it): ~1-2 min on 2 cor
 
 The document is ~2K tokens of generated, varied filler sentences with one planted fact; the
 answer must contain the fact, the summary must report ~2K prompt tokens and a density < 1 (the
-``bf16`` profile: FlashPrefill in layers 2..29).
+``bf16`` profile with ``min_sparse_len: 0``: FlashPrefill in layers 2..29).
 """
 from __future__ import annotations
 
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from fpcli.profiles import profiles_dir
 
 pytestmark = pytest.mark.slow
 
@@ -77,12 +80,23 @@ def smollm2() -> Path:
     return path
 
 
+def sparse_profile(tmp_path) -> Path:
+    """The bf16 profile with ``min_sparse_len: 0``, so a ~2K-token prompt takes the sparse path
+    (the shipped profile runs prompts under 8K tokens dense)."""
+    text = (profiles_dir() / "bf16.yaml").read_text()
+    text = re.sub(r"min_sparse_len: *8192", "min_sparse_len: 0", text).replace("name: bf16", "name: bf16-sparse-2k")
+    assert "min_sparse_len: 0" in text
+    path = tmp_path / "bf16-sparse-2k.yaml"
+    path.write_text(text)
+    return path
+
+
 def test_fp_ask_finds_planted_fact(smollm2, tmp_path):
     doc = tmp_path / "report.txt"
     doc.write_text(make_document(150, "The access code for the vault is 7429.", 0.5, seed=1))
     proc = subprocess.run(
         [fp_executable(), "ask", str(doc), "What is the access code for the vault?", "--json",
-         "--max-new-tokens", "48"],
+         "--max-new-tokens", "48", "--profile", str(sparse_profile(tmp_path))],
         capture_output=True, text=True, env=run_env(), timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -109,8 +123,8 @@ class Doc:
     name: str
     text: str
 
-path, text, question = sys.argv[1:4]
-with TransformersEngine(path, load_profile("bf16"), model_name="smollm2-135m-instruct") as eng:
+path, text, question, profile = sys.argv[1:5]
+with TransformersEngine(path, load_profile(profile), model_name="smollm2-135m-instruct") as eng:
     prompt = build_prompt([Doc("notes.txt", text)], question, eng, 48)
     pieces = []
     r = eng.generate(prompt.ids, max_new_tokens=48, on_text=pieces.append)
@@ -124,7 +138,8 @@ def test_engine_direct_sparse_prefill(smollm2, tmp_path):
     """The engine alone (in a fresh process, as `fp` runs it), another phrasing and position:
     answer, streaming and statistics."""
     text = make_document(150, "The secret code is 3816.", 0.2, seed=2)
-    proc = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, str(smollm2), text, "What is the secret code?"],
+    proc = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, str(smollm2), text, "What is the secret code?",
+                           str(sparse_profile(tmp_path))],
                           capture_output=True, text=True, env=run_env(), timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
