@@ -218,6 +218,17 @@ def test_ask_question_first_gets_a_hint(runner, fake_engine, doc):
     assert "the question goes last" in r.stderr and "fp ask FILE... QUESTION" in r.stderr
 
 
+def test_ask_long_question_is_not_taken_for_a_path(runner, fake_engine, doc):
+    question = "Please read the whole quarterly report carefully and tell me " * 6 + "what is the code?"
+    assert len(question) > 255  # longer than a file name may be: Path.exists() would raise
+    r = invoke(runner, ["ask", str(doc), question])
+    assert r.exit_code == 0, r.output
+    r = invoke(runner, ["ask", question, str(doc)])
+    assert r.exit_code == 2 and "no such file" in r.stderr and "the question goes last" in r.stderr
+    r = invoke(runner, ["ask", str(doc), "q?", "--model", "m" * 300, "--report", "r" * 300 + ".json"])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+
+
 def test_ask_bad_model_and_max_new_tokens_are_usage_errors(runner, fake_engine, doc, tmp_path):
     from fp_fakes import LAST_FAKE
 
@@ -332,7 +343,13 @@ def test_parse_lengths_and_heads():
 def fake_operator_bench(monkeypatch):
     calls = []
 
+    import inspect
+
+    from flashprefill.bench import run_operator_bench as real
+
     def run_operator_bench(lens, heads_q, heads_kv, head_dim, dtype, fp8=False, batch=1, progress=None, **kw):
+        # not permissive: whatever the CLI passes, the real function must accept
+        inspect.signature(real).bind(lens, heads_q, heads_kv, head_dim, dtype, fp8=fp8, batch=batch, progress=progress, **kw)
         calls.append(dict(lens=lens, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype, fp8=fp8, batch=batch, **kw))
         rows = []
         for n in lens:
@@ -373,6 +390,27 @@ def test_bench_cpu_run_is_labelled(runner, fake_operator_bench, monkeypatch):
 
     r = invoke(runner, ["bench", "--cpu", "--len", "128k"])
     assert r.exit_code == 2 and "--cpu runs lengths up to" in r.stderr
+
+
+def test_bench_cpu_runs_the_real_operator_bench(runner, monkeypatch):
+    """No fake: `fp bench --cpu` through the real flashprefill.bench.run_operator_bench, tiny case."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    r = invoke(runner, ["bench", "--cpu", "--len", "1k,2k", "--heads", "2/1", "--head-dim", "64", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["device"] == "cpu" and data["gpu"] is None
+    assert [row["L"] for row in data["rows"]] == [1024, 2048]
+    for row in data["rows"]:
+        assert row["label"] == "CPU reference, not representative" and row["backend"] == "reference"
+        assert 0.0 < row["density"] <= 1.0 and row["heads_q"] == 2 and row["heads_kv"] == 1 and row["head_dim"] == 64
+        for key in ("index_ms", "attn_ms", "total_ms", "dense_ref_ms", "sdpa_ms", "speedup_vs_dense_ref", "speedup_vs_sdpa"):
+            assert isinstance(row[key], float), key
+    assert data["rows"][0]["density"] == 1.0  # 1K tokens: sink + window + dense tail cover everything
+    r = invoke(runner, ["bench", "--cpu", "--len", "1k", "--heads", "2/1", "--head-dim", "64"])
+    assert r.exit_code == 0, r.output
+    assert "CPU reference, not representative" in r.stdout and "sdpa_ms" in r.stdout and "1024" in r.stdout
 
 
 def test_bench_on_gpu_passes_options(runner, fake_operator_bench, monkeypatch):

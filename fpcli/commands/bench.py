@@ -137,7 +137,11 @@ def bench(
     else:
         from rich.console import Console
 
-        Console().print(rows_table(rows, title=f"fp bench ({meta['kind']})"))  # the result: stdout
+        title = f"fp bench ({meta['kind']}" + (", CPU reference, not representative)" if meta.get("device") == "cpu" else ")")
+        Console().print(rows_table(rows, title=title))  # the result: stdout
+        notes = {k: v for r in rows for k, v in (r.get("notes") or {}).items()}
+        for k, v in notes.items():
+            err.print(f"note {k}: {v}", highlight=False, markup=False, soft_wrap=True)
 
 
 def rows_table(rows: list[dict], title: str = ""):
@@ -145,8 +149,8 @@ def rows_table(rows: list[dict], title: str = ""):
     from rich.table import Table
 
     keys: list[str] = []
-    for r in rows:
-        keys.extend(k for k in r if k not in keys)
+    for r in rows:  # nested values (config, notes, profiles) are in --json; notes go to stderr
+        keys.extend(k for k in r if k not in keys and not isinstance(r[k], (dict, list)))
     t = Table(title=title, title_justify="left")
     for k in keys:
         t.add_column(k, justify="right")

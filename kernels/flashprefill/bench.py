@@ -24,6 +24,8 @@ import argparse
 import dataclasses
 import json
 import math
+import platform
+import statistics
 import sys
 import time
 from typing import Callable
@@ -54,9 +56,10 @@ def time_ms(fn: Callable[[], object]) -> float:
     return float(triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median"))
 
 
-def synthetic_inputs(L: int, hq: int, hkv: int, d: int, dtype, page_size: int = 64, batch: int = 1, seed: int = 0):
+def synthetic_inputs(L: int, hq: int, hkv: int, d: int, dtype, page_size: int = 64, batch: int = 1, seed: int = 0,
+                     device: str = "cuda"):
     """Paged batch of ``batch`` requests of ``L`` tokens with sink / local / needle structure."""
-    dev = "cuda"
+    dev = device
     gen = torch.Generator(device=dev).manual_seed(seed)
     g = hq // hkv
     total = L * batch
@@ -164,19 +167,100 @@ def profile_kernels(fn: Callable[[], object], n: int = 5) -> list[tuple[str, flo
     return rows
 
 
+# --device cpu: a tiny reference run for plumbing and correctness, NOT representative of GPU speed
+
+CPU_LABEL = "CPU reference, not representative"
+CPU_MAX_LEN = 8192        # the reference is O(L^2) in memory and time on the CPU
+CPU_REPEATS = 3           # timed calls per measurement (after one warm-up call); the median is kept
+CPU_COLS = [("L", "L", "{:d}"), ("density", "density", "{:.4f}"), ("index_ms", "index ms", "{:.1f}"),
+            ("attn_ms", "attn ms", "{:.1f}"), ("total_ms", "total ms", "{:.1f}"),
+            ("dense_ref_ms", "dense ref ms", "{:.1f}"), ("sdpa_ms", "SDPA ms", "{:.1f}"),
+            ("speedup_vs_dense_ref", "x dense ref", "{:.2f}"), ("speedup_vs_sdpa", "x SDPA", "{:.2f}")]
+
+
+def cpu_time_ms(fn: Callable[[], object], repeats: int = CPU_REPEATS) -> float:
+    """Median wall milliseconds of ``fn`` over ``repeats`` calls after one warm-up call
+    (``time.perf_counter``; CPU tensors, nothing to synchronise)."""
+    fn()
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(statistics.median(times))
+
+
+def _run_cpu_bench(lens, heads_q, heads_kv, head_dim, dtype, fp8, batch, say, page_size, config, baselines,
+                   variants, profile, repeats) -> list[dict]:
+    """The CPU rows: the reference backend (index, attention, total) against two dense baselines
+    measured in the same run, ``flashprefill.dense_attention`` (reference) and torch SDPA."""
+    from . import api
+    cpu = platform.processor() or platform.machine() or "CPU"
+    rows = []
+    for L in [parse_len(x) if isinstance(x, str) else int(x) for x in lens]:
+        if L > CPU_MAX_LEN:
+            raise ValueError(f"device='cpu' runs lengths up to {CPU_MAX_LEN} tokens (the reference is O(L^2)); got {L}")
+        say(f"[bench] {CPU_LABEL}: L={L} batch={batch} heads {heads_q}/{heads_kv} d={head_dim} {dtype}")
+        row = {"device": "cpu", "gpu": None, "cpu": cpu, "label": CPU_LABEL, "backend": "reference", "L": L,
+               "batch": batch, "heads_q": heads_q, "heads_kv": heads_kv, "head_dim": head_dim,
+               "dtype": str(dtype).replace("torch.", ""), "page_size": page_size,
+               "inputs": "synthetic sink/local/needle", "repeats": repeats,
+               "config": {f: getattr(config, f) for f in config.field_names()}, "notes": {"cpu": CPU_LABEL}}
+        if fp8:
+            row["notes"]["fp8"] = FP8_NOTE
+        if variants or profile:
+            row["notes"]["variants"] = "--variants / --profile measure GPU kernels: skipped on the CPU"
+        q, kc, vc, pt, sl, cu, k_lin, v_lin = synthetic_inputs(L, heads_q, heads_kv, head_dim, dtype, page_size,
+                                                               batch, device="cpu")
+        scale = 1.0 / math.sqrt(head_dim)
+        plan = make_plan(sl, cu, heads_q // heads_kv, config.block_size)
+        kw = dict(config=config, softmax_scale=scale, plan=plan, backend="reference")
+        index = api.build_index(q, kc, vc, pt, sl, cu, **kw)
+        row["density"] = index.nnz / max(1, int(index.n_visible.sum()))
+        row["index_ms"] = cpu_time_ms(lambda: api.build_index(q, kc, vc, pt, sl, cu, **kw), repeats)
+        row["attn_ms"] = cpu_time_ms(lambda: api.flashprefill_attention(q, kc, vc, pt, sl, cu, index=index, **kw),
+                                     repeats)
+        row["total_ms"] = cpu_time_ms(lambda: api.flashprefill_attention(q, kc, vc, pt, sl, cu, **kw), repeats)
+        row["dense_ref_ms"] = cpu_time_ms(lambda: api.dense_attention(q, kc, vc, pt, sl, cu, scale, plan=plan,
+                                                                      backend="reference"), repeats)
+        row["speedup_vs_dense_ref"] = row["dense_ref_ms"] / row["total_ms"]
+        if baselines:
+            g = heads_q // heads_kv
+            qs = q.view(batch, L, heads_q, head_dim).transpose(1, 2).contiguous()
+            ks = k_lin.view(batch, -1, heads_kv, head_dim)[:, :L].repeat_interleave(g, 2).transpose(1, 2).contiguous()
+            vs = v_lin.view(batch, -1, heads_kv, head_dim)[:, :L].repeat_interleave(g, 2).transpose(1, 2).contiguous()
+            row["sdpa_ms"] = cpu_time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=scale), repeats)
+            row["speedup_vs_sdpa"] = row["sdpa_ms"] / row["total_ms"]
+        rows.append(row)
+    return rows
+
+
 def run_operator_bench(lens, heads_q: int, heads_kv: int, head_dim: int, dtype, fp8: bool = False, batch: int = 1,
                        progress=None, page_size: int = 64, config: SparseConfig | None = None,
-                       baselines: bool = True, variants: bool = False, profile: bool = False) -> list[dict]:
+                       baselines: bool = True, variants: bool = False, profile: bool = False,
+                       device: str = "cuda", repeats: int = CPU_REPEATS) -> list[dict]:
     """Benchmark each length; one dict per length (the JSON rows). ``dtype``: torch dtype or
-    'bf16'/'fp16'. ``progress``: optional callable(str)."""
-    from .impl import triton_backend as tb
+    'bf16'/'fp16'. ``progress``: optional callable(str).
+
+    ``device="cuda"`` (default): the Triton operator vs the GPU dense baselines, CUDA-event medians.
+    ``device="cpu"``: the reference backend at small lengths (<= ``CPU_MAX_LEN``), ``time.perf_counter``
+    medians of ``repeats`` calls, against ``flashprefill.dense_attention`` (reference) and torch
+    SDPA on the CPU; every row says "CPU reference, not representative" (``label``, ``notes``).
+    """
     if isinstance(dtype, str):
         dtype = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-                 "float16": torch.float16}[dtype]
-    if not torch.cuda.is_available():
-        raise RuntimeError("flashprefill.bench needs a CUDA GPU")
+                 "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}[dtype]
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     config = config or SparseConfig()
     say = progress or (lambda s: print(s, file=sys.stderr, flush=True))
+    if device == "cpu":
+        return _run_cpu_bench(lens, heads_q, heads_kv, head_dim, dtype, fp8, batch, say, page_size, config,
+                              baselines, variants, profile, repeats)
+    from .impl import triton_backend as tb
+    if not torch.cuda.is_available():
+        raise RuntimeError("flashprefill.bench needs a CUDA GPU (device='cpu' runs a tiny reference instead)")
     gpu = torch.cuda.get_device_name()
     rows = []
     for L in [parse_len(x) if isinstance(x, str) else int(x) for x in lens]:
@@ -299,6 +383,13 @@ def format_table(rows: list[dict]) -> str:
     if not rows:
         return "(no rows)"
     r = rows[0]
+    if r.get("device") == "cpu":
+        lines = [f"{CPU_LABEL}: {r['cpu']}  batch {r['batch']}  heads {r['heads_q']}/{r['heads_kv']}  "
+                 f"d {r['head_dim']}  {r['dtype']}  page {r['page_size']}  inputs: {r['inputs']}  "
+                 f"median of {r['repeats']} calls"]
+        lines += _plain(rows, CPU_COLS)
+        notes = {k: v for row in rows for k, v in row["notes"].items()}
+        return "\n".join(lines + [f"note {k}: {v}" for k, v in notes.items()])
     lines = [f"{r['gpu']}  batch {r['batch']}  heads {r['heads_q']}/{r['heads_kv']}  d {r['head_dim']}  "
              f"{r['dtype']}  page {r['page_size']}  inputs: {r['inputs']}  config: default SparseConfig"]
     lines += _plain(rows, TABLE_COLS)
@@ -327,11 +418,13 @@ def main(argv=None) -> int:
                     help="also time attention without mean correction, the index with the other score mode, "
                          "block means alone, build_index host latency")
     ap.add_argument("--profile", action="store_true", help="per-kernel device times of one index + attention call")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: a tiny reference run (<= 8k tokens), NOT representative of GPU speed")
     a = ap.parse_args(argv)
     hq, hkv = (int(x) for x in a.heads.split("/"))
     rows = run_operator_bench(a.lens.split(","), hq, hkv, a.head_dim, a.dtype, fp8=a.fp8, batch=a.batch,
                               page_size=a.page_size, baselines=not a.no_baselines, variants=a.variants,
-                              profile=a.profile)
+                              profile=a.profile, device=a.device)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=2)
