@@ -408,9 +408,11 @@ def test_bench_cpu_runs_the_real_operator_bench(runner, monkeypatch):
         for key in ("index_ms", "attn_ms", "total_ms", "dense_ref_ms", "sdpa_ms", "speedup_vs_dense_ref", "speedup_vs_sdpa"):
             assert isinstance(row[key], float), key
     assert data["rows"][0]["density"] == 1.0  # 1K tokens: sink + window + dense tail cover everything
-    r = invoke(runner, ["bench", "--cpu", "--len", "1k", "--heads", "2/1", "--head-dim", "64"])
+    r = invoke(runner, ["bench", "--cpu", "--len", "1k", "--heads", "2/1", "--head-dim", "64"], env={"COLUMNS": "80"})
     assert r.exit_code == 0, r.output
-    assert "CPU reference, not representative" in r.stdout and "sdpa_ms" in r.stdout and "1024" in r.stdout
+    assert "CPU reference, not representative" in r.stdout and "SDPA ms" in r.stdout and "x dense ref" in r.stdout
+    row = [line.split() for line in r.stdout.splitlines() if line.strip().startswith("1024 ")]
+    assert len(row) == 1 and len(row[0]) == 9 and "…" not in r.stdout  # every column whole, one line
 
 
 def test_bench_on_gpu_passes_options(runner, fake_operator_bench, monkeypatch):

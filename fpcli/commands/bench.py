@@ -138,10 +138,19 @@ def bench(
         from rich.console import Console
 
         title = f"fp bench ({meta['kind']}" + (", CPU reference, not representative)" if meta.get("device") == "cpu" else ")")
-        Console().print(rows_table(rows, title=title))  # the result: stdout
-        notes = {k: v for r in rows for k, v in (r.get("notes") or {}).items()}
-        for k, v in notes.items():
-            err.print(f"note {k}: {v}", highlight=False, markup=False, soft_wrap=True)
+        if meta["kind"] == "operator" and rows and "inputs" in rows[0]:
+            # the operator's own fixed-width table: the main columns, never truncated
+            from flashprefill.bench import format_table
+
+            sys.stdout.write(f"{title}\n{format_table(rows)}\n")
+        else:
+            table = rows_table(rows, title=title)
+            need = Console(width=10_000).measure(table).maximum  # as wide as it needs: no "…" cells
+            Console(width=max(Console().width, need)).print(table)  # the result: stdout
+        if not (meta["kind"] == "operator" and rows and "inputs" in rows[0]):  # format_table prints its notes
+            notes = {k: v for r in rows for k, v in (r.get("notes") or {}).items()}
+            for k, v in notes.items():
+                err.print(f"note {k}: {v}", highlight=False, markup=False, soft_wrap=True)
 
 
 def rows_table(rows: list[dict], title: str = ""):
