@@ -216,6 +216,7 @@ def flashprefill_attention_forward(
     sparse = (
         rt.config is not None
         and layer >= rt.dense_layers
+        and lq >= rt.config.min_sparse_len  # short prefills dense, as in the SGLang backend
         and bsz == 1
         and kwargs.get("sliding_window") is None
         and kwargs.get("softcap") is None
