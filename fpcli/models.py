@@ -158,6 +158,45 @@ def list_models() -> list[ModelInfo]:
 # resolve
 
 
+def _locate(spec: str | os.PathLike | None) -> tuple[str, str | Path]:
+    """What ``spec`` names, without fetching or converting: ``("embedded", name)``,
+    ``("folder", hf_folder)``, ``("gguf", file)`` or ``("hf_cache", folder)``.
+
+    Raises:
+        ModelError: one line naming ``spec`` and what to do.
+    """
+    if spec is None:
+        return "embedded", DEFAULT_MODEL
+    text = os.fspath(spec)
+    if text in EMBEDDED:
+        return "embedded", text
+    path = Path(text).expanduser()
+    try:
+        is_dir, is_file = path.is_dir(), path.is_file()
+    except OSError as exc:  # e.g. a name too long for the file system
+        raise ModelError(f"model {text!r} not found: {exc.strerror or exc}") from None
+    if is_dir:
+        if (path / "config.json").is_file():
+            return "folder", path.resolve()
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return "gguf", ggufs[0]
+        raise ModelError(
+            f"model folder {text} has no config.json (expected a Hugging Face model folder, or a .gguf file)"
+        )
+    if is_file:
+        if path.suffix.lower() == ".gguf":
+            return "gguf", path
+        raise ModelError(f"model file {text} is not a .gguf file (pass a .gguf file or a Hugging Face folder)")
+    if not _HF_ID.match(text):
+        raise ModelError(
+            f"model {text!r} not found: no such file or folder "
+            f"(embedded models: {', '.join(EMBEDDED)}; or a Hugging Face folder, a .gguf file, "
+            "or a Hugging Face id in the local cache)"
+        )
+    return "hf_cache", _from_hf_cache(text)
+
+
 def resolve_model(spec: str | os.PathLike | None = None, progress=None) -> Path:
     """A local Hugging Face folder for ``spec``, fetching or converting once if needed.
 
@@ -170,33 +209,12 @@ def resolve_model(spec: str | os.PathLike | None = None, progress=None) -> Path:
     Raises:
         ModelError: one line naming ``spec`` and what to do.
     """
-    if spec is None:
-        return pull_model(DEFAULT_MODEL, progress=progress)
-    text = os.fspath(spec)
-    if text in EMBEDDED:
-        return pull_model(text, progress=progress)
-    path = Path(text).expanduser()
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            return path.resolve()
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return convert_gguf(ggufs[0], progress=progress)
-        raise ModelError(
-            f"model folder {text} has no config.json (expected a Hugging Face model folder, "
-            "or a .gguf file)"
-        )
-    if path.is_file():
-        if path.suffix.lower() == ".gguf":
-            return convert_gguf(path, progress=progress)
-        raise ModelError(f"model file {text} is not a .gguf file (pass a .gguf file or a Hugging Face folder)")
-    if not _HF_ID.match(text):
-        raise ModelError(
-            f"model {text!r} not found: no such file or folder "
-            f"(embedded models: {', '.join(EMBEDDED)}; or a Hugging Face folder, a .gguf file, "
-            "or a Hugging Face id in the local cache)"
-        )
-    return _from_hf_cache(text)
+    kind, where = _locate(spec)
+    if kind == "embedded":
+        return pull_model(str(where), progress=progress)
+    if kind == "gguf":
+        return convert_gguf(Path(where), progress=progress)
+    return Path(where)
 
 
 def check_model(spec: str | os.PathLike | None) -> None:
@@ -206,31 +224,7 @@ def check_model(spec: str | os.PathLike | None) -> None:
     Raises:
         ModelError: the same one-line messages as ``resolve_model``.
     """
-    if spec is None or os.fspath(spec) in EMBEDDED:
-        return
-    text = os.fspath(spec)
-    path = Path(text).expanduser()
-    try:
-        is_dir, is_file = path.is_dir(), path.is_file()
-    except OSError as exc:  # e.g. a name too long for the file system
-        raise ModelError(f"model {text!r} not found: {exc.strerror or exc}") from None
-    if is_dir:
-        if (path / "config.json").is_file() or len(list(path.glob("*.gguf"))) == 1:
-            return
-        raise ModelError(
-            f"model folder {text} has no config.json (expected a Hugging Face model folder, or a .gguf file)"
-        )
-    if is_file:
-        if path.suffix.lower() == ".gguf":
-            return
-        raise ModelError(f"model file {text} is not a .gguf file (pass a .gguf file or a Hugging Face folder)")
-    if not _HF_ID.match(text):
-        raise ModelError(
-            f"model {text!r} not found: no such file or folder "
-            f"(embedded models: {', '.join(EMBEDDED)}; or a Hugging Face folder, a .gguf file, "
-            "or a Hugging Face id in the local cache)"
-        )
-    _from_hf_cache(text)
+    _locate(spec)
 
 
 def known_context_length(spec: str | os.PathLike | None) -> int | None:
