@@ -225,20 +225,9 @@ def _finish_reason(meta: dict) -> str:
 
 
 def attention_precision(profile: Any) -> str:
-    """The attention precision SGLang will actually run for ``profile``: ``fp8`` only when the
-    operator takes a ``precision`` argument (it does not yet: the backend then logs a warning and
-    runs bf16), else the model dtype (``bf16`` unless the profile asks for float16/float32)."""
-    requested = str(getattr(profile, "precision", "bf16"))
-    if requested == "fp8":
-        try:
-            import inspect
-
-            from flashprefill import api
-
-            if "precision" in inspect.signature(api.flashprefill_attention).parameters:
-                return "fp8"
-        except Exception:  # noqa: BLE001 - no operator: certainly no FP8
-            pass
+    """The attention precision SGLang will actually run for ``profile``: the model dtype
+    (``bf16`` unless the profile asks for float16/float32). A profile's ``precision: fp8`` is not
+    applied yet (the operator has no FP8 path; the backend logs a warning and runs bf16)."""
     dtype = str(getattr(getattr(profile, "engine", None), "dtype", "auto"))
     return {"float16": "fp16", "float32": "fp32"}.get(dtype, "bf16")
 
