@@ -24,7 +24,9 @@ LENS="${FP_BENCH_LENS:-4k,8k,32k,128k}"
 cat "$OUT/env.txt"
 rc=0
 if [ "${FP_SKIP_TESTS:-0}" != "1" ]; then
-  python -m pytest tests/gpu/test_kernels.py -q -x -rs --durations=10 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+  # every failure in one run (device time is scarce); a hang cannot eat the call
+  TO=""; python -c "import pytest_timeout" 2>/dev/null && TO="--timeout=150"
+  python -m pytest tests/gpu/test_kernels.py -q -rs --durations=10 -p no:cacheprovider $TO 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
 fi
 if [ "${FP_SKIP_BENCH:-0}" != "1" ]; then
   python -m flashprefill.bench --lens "$LENS" --heads 32/8 --head-dim 128 --dtype bf16 \
