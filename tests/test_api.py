@@ -157,6 +157,42 @@ def test_triton_on_cpu_under_interpreter(inp, inp64d, fake_triton, monkeypatch):
         flashprefill.flashprefill_attention(*odd, CFG, backend="triton")
 
 
+@pytest.mark.parametrize("device, dtype, d, want", [
+    ("cuda", torch.bfloat16, 128, "triton"),
+    ("cuda", torch.float16, 64, "triton"),
+    ("cuda", torch.bfloat16, 256, "triton"),
+    ("cuda", torch.float32, 128, "reference"),   # a float32 model on GPU
+    ("cuda", torch.bfloat16, 96, "reference"),   # a head dim the kernels do not take
+    ("cuda", torch.float16, 80, "reference"),
+    ("cpu", torch.bfloat16, 128, "reference"),
+])
+def test_auto_backend_choice(device, dtype, d, want):
+    assert api._choose_backend("auto", device, dtype, d) == want
+
+
+def test_explicit_backend_choice_never_falls_back(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    # explicit triton on CUDA is kept even where auto would not take it; _validate then says why
+    assert api._choose_backend("triton", "cuda", torch.float32, 96) == "triton"
+    assert api._choose_backend("reference", "cuda", torch.bfloat16, 128) == "reference"
+    with pytest.raises(ValueError, match=r"backend='triton' needs CUDA tensors, got q on cpu"):
+        api._choose_backend("triton", "cpu", torch.bfloat16, 128)
+    with pytest.raises(ValueError, match=r"backend must be one of"):
+        api._choose_backend("cute", "cuda", torch.bfloat16, 128)
+
+
+@pytest.mark.parametrize("name, value", [
+    ("group_size", 0), ("group_size", 2.0), ("group_size", True), ("block_size", 0), ("block_size", -64),
+    ("block_size", "128"), ("tile_rows", 0), ("tile_rows", None),
+])
+def test_make_plan_rejects_bad_sizes(name, value):
+    sl = torch.tensor([70, 5], dtype=torch.int32)
+    cu = torch.tensor([0, 40, 43], dtype=torch.int32)
+    kwargs = {"group_size": 3, "block_size": 64, "tile_rows": 128, name: value}
+    with pytest.raises(ValueError, match=rf"make_plan: {name} must be an int >= 1, got {value!r}"):
+        make_plan(sl, cu, **kwargs)
+
+
 def test_explicit_reference_backend(inp, fake_triton):
     out = flashprefill.flashprefill_attention(*inp, CFG, backend="reference")
     assert fake_triton.calls == [] and torch.isfinite(out).all()
@@ -225,7 +261,7 @@ def _bad(inp):
         (_with(inp, seq_lens=sl.long()), TypeError, ["seq_lens must be int32"]),
         (_with(inp, cu_seqlens_q=cu.long()), TypeError, ["cu_seqlens_q must be int32"]),
         (_with(inp, cu_seqlens_q=cu[:3]), ValueError, ["cu_seqlens_q must be [batch + 1] = [4]", "[3]"]),
-        (_with(inp, q=q[:-1]), ValueError, ["q must have total_q = cu_seqlens_q[-1] = 261", "[260, 6, 32]"]),
+        (_with(inp, q=q[:-1]), ValueError, ["q must have total_q = sum of the plan's q_lens = 261", "[260, 6, 32]"]),
         (_with(inp, q=nc), ValueError, ["q must be contiguous in its last dim", "q.contiguous()"]),
         (_with(inp, k_cache=torch.empty(*k.shape[:3], 64)[..., ::2]), ValueError,
          ["k_cache must be contiguous in its last dim"]),

@@ -122,6 +122,27 @@ def test_sparse_config_is_sparse_and_finite(ref_model):
     assert (logits[0, -1].argmax() == want[0, -1].argmax()) or torch.allclose(logits[0, -1], want[0, -1], atol=0.5)
 
 
+def test_attention_function_mask_batch1_ignored_padded_batch_rejected():
+    """A boolean causal mask (never all True) at batch 1 is ignored: the function masks itself."""
+    from fpcli.engine.transformers_engine import flashprefill_attention_forward
+
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    module.fp_runtime = FlashPrefillRuntime(config=KEEP_ALL, timing=False)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, HQ, 70, D, generator=g)
+    k = torch.randn(1, HKV, 70, D, generator=g)
+    v = torch.randn(1, HKV, 70, D, generator=g)
+    causal = torch.ones(70, 70, dtype=torch.bool).tril()[None, None]
+    with_mask, _ = flashprefill_attention_forward(module, q, k, v, causal, scaling=D ** -0.5)
+    without, _ = flashprefill_attention_forward(module, q, k, v, None, scaling=D ** -0.5)
+    torch.testing.assert_close(with_mask, without)
+    assert module.fp_runtime.layers[0].sparse
+    with pytest.raises(ValueError, match="padded batches are not supported: batch size 1 only, got 2"):
+        flashprefill_attention_forward(module, q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1),
+                                       v.expand(2, -1, -1, -1), causal.expand(2, -1, -1, -1), scaling=D ** -0.5)
+
+
 def test_flops_formula():
     # 4 * d * Hq * sum_{t < Lq} (P + t + 1)
     assert causal_attention_flops(3, 5, 2, 1) == 4 * 2 * 1 * (3 + 4 + 5)

@@ -13,7 +13,7 @@ operator's layout (``docs/layout.md``): ``q -> [Lq, Hq, d]``; K/V -> a paged cac
 ``seq_lens = [Lk]``, ``cu_seqlens_q = [0, Lq]``; then
 ``flashprefill.flashprefill_attention(..., config=profile.sparse_config(), return_stats=True)``
 (``backend="auto"``: the PyTorch reference on CPU, Triton on CUDA when it supports the dtype and
-head dim, see ``_backend_for``). Dense layers, the ``dense``
+head dim; the operator decides, ``flashprefill.api._choose_backend``). Dense layers, the ``dense``
 profile and decode steps (``Lq == 1``) run ``torch.nn.functional.scaled_dot_product_attention``
 with bottom-right causal alignment.
 
@@ -167,18 +167,6 @@ def _paged(x: torch.Tensor) -> torch.Tensor:
     return pages.view(n_pages, PAGE_SIZE, hkv, d)
 
 
-def _backend_for(requested: str, q: torch.Tensor) -> str:
-    """``"auto"`` -> Triton on CUDA when it supports ``q`` (bf16/fp16, d in 64/128/256), else the
-    reference (e.g. a float32 model on GPU). An explicit backend is passed through unchanged."""
-    if requested != "auto" or not q.is_cuda:
-        return requested
-    from flashprefill import api
-
-    if q.dtype in api.TRITON_DTYPES and q.shape[-1] in api.TRITON_HEAD_DIMS:
-        return "triton"
-    return "reference"
-
-
 def flashprefill_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -195,8 +183,8 @@ def flashprefill_attention_forward(
         module: the model's attention module (``layer_idx``, ``num_key_value_groups``, and the
             ``fp_runtime`` set by ``install_flashprefill``).
         query: ``[B, Hq, Lq, d]``, RoPE applied. key, value: ``[B, Hkv, Lk, d]``, cache included.
-        attention_mask: ``None`` for registered custom functions (no padding); a padded batch
-            is not supported.
+        attention_mask: ignored for batch size 1 (this function applies bottom-right causal
+            masking itself); with batch size > 1 a mask means a padded batch: ``ValueError``.
         scaling: softmax scale ``τ``.
 
     Returns:
@@ -209,8 +197,8 @@ def flashprefill_attention_forward(
     layer = int(getattr(module, "layer_idx", 0) or 0)
     bsz, hq, lq, d = query.shape
     lk = key.shape[2]
-    if attention_mask is not None and attention_mask.dtype == torch.bool and not bool(attention_mask.all()):
-        raise ValueError("flashprefill attention: padded batches are not supported (batch size 1, no padding)")
+    if attention_mask is not None and bsz > 1:  # no .all(): a causal mask is never all True, and it syncs
+        raise ValueError(f"flashprefill attention: padded batches are not supported: batch size 1 only, got {bsz}")
     if lq < rt.min_prefill_len:
         return _sdpa(query, key, value, scaling, groups), None
     sparse = (
@@ -244,7 +232,7 @@ def flashprefill_attention_forward(
         plan = flashprefill.make_plan(seq_lens, cu, groups, rt.config.block_size)
         geom = rt._plans[key_geom] = (page_table, seq_lens, cu, plan)
     page_table, seq_lens, cu, plan = geom
-    backend = _backend_for(rt.backend, q)
+    backend = rt.backend  # "auto": the operator picks Triton only for CUDA tensors it takes
     t0 = _now(sync)
     index_ms = None
     index = None

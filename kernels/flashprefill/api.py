@@ -2,7 +2,8 @@
 
 Backends (``impl/reference.py``, ``impl/triton_backend.py``) expose the same three functions with
 the signatures of ``docs/layout.md`` ("Implementations") and never import each other.
-``backend="auto"`` sends CUDA tensors to Triton and everything else to the reference; an
+``backend="auto"`` sends CUDA tensors that the Triton kernels take (``TRITON_DTYPES``: bf16/fp16,
+``TRITON_HEAD_DIMS``: d in 64/128/256) to Triton and everything else to the reference; an
 explicitly requested backend never falls back silently (attention-gym ``api.py`` pattern).
 
 Tensor arguments (``docs/layout.md`` defines every layout; design doc sections in brackets)::
@@ -14,8 +15,10 @@ Tensor arguments (``docs/layout.md`` defines every layout; design doc sections i
     seq_lens      [batch]                            int32 Lk per request (new tokens included)
     cu_seqlens_q  [batch + 1]                        int32 cumulative Lq
 
-Host syncs (``.tolist()``) happen only in ``make_plan``. Build the plan once per batch and pass
-``plan=`` to every layer's call: then no call here syncs (the SGLang backend relies on it).
+Host syncs: ``make_plan`` reads the lengths (``.tolist()``). Build the plan once per batch and pass
+``plan=`` to every layer's call: then the Triton backend syncs exactly once per index build (the
+``nnz`` read, ``row_ptr[-1]``, that sizes ``col_idx``; ``flashprefill_attention`` without
+``index=`` builds one) and nowhere else. The reference backend (CPU, the spec) has syncs of its own.
 
 Example::
 
@@ -32,15 +35,13 @@ import os
 
 import torch
 
-from .config import SparseConfig
+from .config import TRITON_DTYPES, TRITON_HEAD_DIMS, SparseConfig
 from .index import BlockIndex, SparseStats
 from .plan import BatchPlan, make_plan
 
 BACKENDS = ("auto", "reference", "triton")
 _MODULES = {"reference": "flashprefill.impl.reference", "triton": "flashprefill.impl.triton_backend"}
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-TRITON_DTYPES = (torch.bfloat16, torch.float16)
-TRITON_HEAD_DIMS = (64, 128, 256)
 
 
 # --------------------------------------------------------------------------------------------
@@ -51,17 +52,30 @@ def _triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _pick_backend(backend: str, q: torch.Tensor) -> str:
+def _choose_backend(backend: str, device_type: str, dtype: torch.dtype, head_dim: int) -> str:
+    """The backend that runs ``q`` (device type, dtype, head dim): a pure function of its arguments
+    (and ``TRITON_INTERPRET``).
+
+    ``"auto"``: ``"triton"`` for CUDA tensors the kernels take (``TRITON_DTYPES``,
+    ``TRITON_HEAD_DIMS``), else ``"reference"`` (CPU, float32 models, other head dims). An explicit
+    backend is returned as is; ``"triton"`` off CUDA raises unless ``TRITON_INTERPRET`` is set (an
+    unsupported dtype / head dim raises in ``_validate``).
+    """
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if q.is_cuda else "reference"
-    if backend == "triton" and not q.is_cuda and not _triton_interpret():
+        takes = device_type == "cuda" and dtype in TRITON_DTYPES and head_dim in TRITON_HEAD_DIMS
+        return "triton" if takes else "reference"
+    if backend == "triton" and device_type != "cuda" and not _triton_interpret():
         raise ValueError(
-            f"backend='triton' needs CUDA tensors, got q on {q.device} "
+            f"backend='triton' needs CUDA tensors, got q on {device_type} "
             "(use backend='reference' or 'auto', or set TRITON_INTERPRET=1 to run the kernels in the interpreter)"
         )
     return backend
+
+
+def _pick_backend(backend: str, q: torch.Tensor) -> str:
+    return _choose_backend(backend, q.device.type, q.dtype, q.shape[-1] if q.dim() else 0)
 
 
 def _load(name: str):
@@ -176,7 +190,10 @@ def _validate_plan(plan: BatchPlan, q, page_table, k_cache, config: SparseConfig
     """Checks that need the host lengths (free: they live in the plan)."""
     total = sum(plan.q_lens)
     if total != q.shape[0]:
-        raise ValueError(f"q must have total_q = cu_seqlens_q[-1] = {total} rows, got q {_shape(q)}")
+        raise ValueError(
+            f"q must have total_q = sum of the plan's q_lens = {total} rows (cu_seqlens_q[-1] when the plan "
+            f"was built), got q {_shape(q)}"
+        )
     if config is not None and plan.block_size != config.block_size:
         raise ValueError(
             f"plan was built for block_size {plan.block_size}, got config.block_size {config.block_size}"
@@ -370,10 +387,3 @@ def dense_attention(
     out, lse = mod.dense_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, scale, plan)
     return (out, lse) if return_lse else out
 
-
-plan = make_plan  # alias: ``flashprefill.plan(seq_lens, cu_seqlens_q, group_size, block_size)``
-
-__all__ = [
-    "SparseConfig", "BlockIndex", "SparseStats", "BatchPlan", "make_plan", "plan",
-    "build_index", "flashprefill_attention", "dense_attention", "BACKENDS",
-]

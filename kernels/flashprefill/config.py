@@ -1,14 +1,22 @@
 """Method knobs of FlashPrefill V2 (design doc ``flashprefill-v2.md`` sections 3 and 4).
 
-One frozen dataclass, validated at construction; loaded from ``profiles/*.yaml`` by the CLI.
-Kernel tile choices live elsewhere (``impl/triton_config.py``), never here.
+One frozen dataclass, validated at construction; loaded from ``profiles/*.yaml`` by the CLI; plus
+the Triton kernels' capability constants (dtypes, head dims). Kernel tile choices live elsewhere
+(``impl/triton_attention.py::get_config``), never here.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
 SUPPORTED_BLOCK_SIZES = (64, 128)
+
+# What the Triton kernels take (``impl/triton_attention.py``). Kept here, in a module that does not
+# import triton, so ``api.py`` (``backend="auto"``) and callers can test it without the kernels.
+TRITON_DTYPES = (torch.bfloat16, torch.float16)
+TRITON_HEAD_DIMS = (64, 128, 256)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Per-batch plan: request lengths on the host and the small device tensors every layer reuses.
 
-Built once per forward batch (``flashprefill.plan``) and passed to every layer's call, so the
-per-layer hot path needs no host sync (the only ``.tolist()`` is here). See ``docs/layout.md``.
+Built once per forward batch (``flashprefill.make_plan``) and passed to every layer's call, so the
+per-layer hot path reads no lengths back (the only ``.tolist()`` is here; the Triton index build
+still syncs once, for ``nnz``). See ``docs/layout.md``.
 
 Worked example (g = 4 query heads per KV head, tile_rows = 128, B = 128)::
 
@@ -85,10 +86,19 @@ def make_plan(
         block_size: key block size ``B``.
         tile_rows: packed rows per query tile.
 
+    Returns:
+        ``BatchPlan``: host tuples ``q_lens``, ``kv_lens``, ``prefix_lens``, ``q_starts``; int32
+        device tensors ``tile_ptr`` / ``block_ptr`` ``[batch + 1]`` and ``tile_request`` /
+        ``tile_local`` ``[n_tiles]`` on ``seq_lens``' device; ``n_tiles``, ``n_blocks``.
+
     Raises:
-        ValueError: if ``cu_seqlens_q`` is not ``[batch + 1]``, decreasing, or a request has
+        ValueError: if ``group_size``, ``block_size`` or ``tile_rows`` is not an int >= 1 (naming
+            it), ``cu_seqlens_q`` is not ``[batch + 1]``, decreasing, or a request has
             ``q_len > seq_len`` (naming the request).
     """
+    for name, value in (("group_size", group_size), ("block_size", block_size), ("tile_rows", tile_rows)):
+        if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)) or value < 1:
+            raise ValueError(f"make_plan: {name} must be an int >= 1, got {value!r}")
     if cu_seqlens_q.dim() != 1 or seq_lens.dim() != 1 or cu_seqlens_q.numel() != seq_lens.numel() + 1:
         raise ValueError(
             f"cu_seqlens_q must be [batch+1] = [{seq_lens.numel() + 1}] for seq_lens [batch] = "

@@ -37,10 +37,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..config import TRITON_DTYPES, TRITON_HEAD_DIMS
+
 LOG2E = 1.4426950408889634  # 1 / ln(2)
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): lse = (m2 + log2 l) * LN2
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_HEAD_DIMS = TRITON_HEAD_DIMS  # one definition, in ``config.py`` (importable without triton)
+SUPPORTED_DTYPES = TRITON_DTYPES
 
 
 @dataclass(frozen=True)
