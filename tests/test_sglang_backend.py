@@ -16,7 +16,9 @@ import torch
 
 from flashprefill.config import SparseConfig
 from flashprefill.plan import make_plan
-from fpcli.sglang_backend.metadata import build_metadata, build_page_table, check_page_table, last_attention_layer_id
+from fpcli.sglang_backend.metadata import (
+    build_metadata, build_page_table, check_page_table, last_attention_layer_id, operator_dense_reason,
+)
 from fpcli.sglang_backend.settings import ENV_VAR, BackendSettings, settings_from_profile
 from fpcli.sglang_backend.stats import BatchStats, StatsWriter, aggregate, iter_records, read_prefill_stats
 
@@ -149,6 +151,28 @@ def test_settings_errors_name_the_key():
         BackendSettings(precision="fp4")
     with pytest.raises(ValueError, match="block_size"):
         BackendSettings.from_dict({"sparse": {"block_size": 96}})
+    with pytest.raises(ValueError, match=r"operator_backend must be one of \('auto', 'reference', 'triton'\), got 'cute'"):
+        BackendSettings(operator_backend="cute")
+    with pytest.raises(ValueError, match="operator_backend"):
+        BackendSettings.from_json('{"operator_backend": "Triton"}')
+    for name in ("auto", "reference", "triton"):
+        assert BackendSettings(operator_backend=name).operator_backend == name
+
+
+@pytest.mark.parametrize("d, dtype, backend, reason", [
+    (128, torch.bfloat16, "auto", None),
+    (64, torch.float16, "triton", None),
+    (256, torch.bfloat16, "auto", None),
+    (128, None, "auto", None),                       # dtype unknown: the per-layer KV check decides
+    (96, torch.bfloat16, "auto", "head_dim 96"),
+    (80, torch.float16, "triton", "head_dim 80"),
+    (128, torch.float32, "auto", "model dtype torch.float32"),
+    (128, torch.float32, "triton", "model dtype torch.float32"),
+    (96, torch.float32, "reference", None),          # the reference takes any float model
+])
+def test_operator_dense_reason(d, dtype, backend, reason):
+    got = operator_dense_reason(d, dtype, backend)
+    assert (got is None) if reason is None else (got is not None and got.startswith(reason))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -11,7 +11,9 @@ A thin ``AttentionBackend`` (style guide habit 11). It owns only the extend (pre
   ``triton`` by default) built from SGLang's own registry: the first ``dense_layers`` layers,
   batches whose requests are all shorter than ``min_sparse_len``, sliding-window, cross and
   encoder layers, logit soft-capping, sinks, FP8 KV scales, KV pools that are not plain
-  token-major MHA pools (SWA / unified / quantized / HND), speculative modes.
+  token-major MHA pools (SWA / unified / quantized / HND), speculative modes, and models the
+  Triton operator cannot take (head_dim not 64/128/256, dtype not bf16/fp16; decided at init by
+  ``metadata.operator_dense_reason``, unless ``operator_backend="reference"``).
 - Decode is not ours: with ``prefill_attention_backend="flashprefill"`` and
   ``decode_attention_backend="triton"`` SGLang's ``HybridAttnBackend`` sends decode (and its CUDA
   graphs) to the decode backend. Used alone, this backend delegates decode and the decode CUDA
@@ -32,7 +34,9 @@ from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 
-from .metadata import FlashPrefillMetadata, build_metadata, check_page_table, last_attention_layer_id
+from .metadata import (
+    FlashPrefillMetadata, build_metadata, check_page_table, last_attention_layer_id, operator_dense_reason,
+)
 from .settings import BackendSettings
 from .stats import BatchStats, StatsWriter
 
@@ -77,7 +81,9 @@ class FlashPrefillAttnBackend(AttentionBackend):
             getattr(model_runner, "model", None), pool, getattr(model_runner.model_config, "num_hidden_layers", None))
         self.num_q_heads, self.num_kv_heads, self.head_dim = self._head_geometry(model_runner)
         self.group_size = max(1, self.num_q_heads // max(1, self.num_kv_heads))
-        self.unsupported_reason = self._check_pool(model_runner)
+        model_dtype = getattr(model_runner, "dtype", None) or getattr(model_runner.model_config, "dtype", None)
+        self.unsupported_reason = self._check_pool(model_runner) or operator_dense_reason(
+            self.head_dim, model_dtype if isinstance(model_dtype, torch.dtype) else None, settings.operator_backend)
         self.tp_rank = int(getattr(getattr(model_runner, "ps", None), "tp_rank", 0) or 0)
 
         self._attention = flashprefill.flashprefill_attention

@@ -1,5 +1,7 @@
 """Per-batch metadata of the ``flashprefill`` SGLang backend, built once in
-``init_forward_metadata`` and reused by every layer (no host sync per layer).
+``init_forward_metadata`` from SGLang's host-side lengths and reused by every layer. With its
+``plan`` the Triton operator syncs exactly once per index build (the ``nnz`` read that sizes
+``col_idx``) and nowhere else; the reference backend (CPU) has syncs of its own.
 
 SGLang's KV pool is token-granular: ``k_buffer[layer]`` is ``[pool_rows, Hkv, d]`` with
 ``pool_rows = size + page_size`` and a request's token ``p`` stored in slot
@@ -26,6 +28,7 @@ from typing import Sequence
 
 import torch
 
+from flashprefill.config import TRITON_DTYPES, TRITON_HEAD_DIMS
 from flashprefill.plan import BatchPlan, make_plan
 
 
@@ -53,6 +56,23 @@ class FlashPrefillMetadata:
     @property
     def total_q(self) -> int:
         return sum(self.q_lens)
+
+
+def operator_dense_reason(head_dim: int, dtype: torch.dtype | None, operator_backend: str) -> str | None:
+    """Why the operator cannot take this model at all (``None`` = it can), decided once at init.
+
+    The Triton kernels take bf16/fp16 and head dims ``TRITON_HEAD_DIMS``; any other model runs
+    SGLang's stock dense prefill with this logged reason instead of raising inside
+    ``forward_extend``. ``operator_backend="reference"`` takes any float dtype and head dim. An
+    unknown ``dtype`` (``None``) is not a reason (the per-layer KV dtype check still runs).
+    """
+    if operator_backend == "reference":
+        return None
+    if head_dim not in TRITON_HEAD_DIMS:
+        return f"head_dim {head_dim} not in the Triton operator's {TRITON_HEAD_DIMS}"
+    if dtype is not None and dtype not in TRITON_DTYPES:
+        return f"model dtype {dtype} not bfloat16/float16 (the Triton operator's dtypes)"
+    return None
 
 
 def build_page_table(

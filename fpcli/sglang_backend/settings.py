@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from flashprefill import BACKENDS as OPERATOR_BACKENDS
 from flashprefill.config import SparseConfig
 
 ENV_VAR = "FP_SGLANG_BACKEND"  # inline JSON, or "@/path/to/settings.json"
@@ -39,8 +40,8 @@ class BackendSettings:
         dense_backend: the stock SGLang backend that runs every dense case (dense layers,
             batches of short requests only, sliding-window layers, unsupported KV pools) and
             decode when this backend is used alone.
-        operator_backend: ``flashprefill_attention(backend=...)``: ``auto``, ``triton``, ``cute``
-            or ``reference``.
+        operator_backend: ``flashprefill_attention(backend=...)``, one of ``flashprefill.BACKENDS``:
+            ``auto``, ``triton`` or ``reference``.
         collect_stats: record per-layer density and prefill time (device tensors and CUDA
             events; read by a writer thread after the forward).
         layer_timing: also time the index and attention stages of every sparse layer (two
@@ -71,6 +72,10 @@ class BackendSettings:
         if self.dense_backend not in DENSE_BACKENDS:
             raise ValueError(
                 f"BackendSettings.dense_backend must be one of {DENSE_BACKENDS}, got {self.dense_backend!r}"
+            )
+        if self.operator_backend not in OPERATOR_BACKENDS:
+            raise ValueError(
+                f"BackendSettings.operator_backend must be one of {OPERATOR_BACKENDS}, got {self.operator_backend!r}"
             )
 
     # -- serialisation -------------------------------------------------------------------------
