@@ -121,7 +121,7 @@ def ingest(
     """Read every input; never raises for a bad document (see ``Document.error``).
 
     Args:
-        paths: file paths; ``-`` reads standard input (PDF if it starts with ``%PDF-``).
+        paths: file paths; ``-`` reads standard input (PDF if ``%PDF-`` is in its first KiB, as for files).
         password: user password for encrypted PDFs (the same for all of them).
         page_timeout: seconds allowed to extract one PDF page.
         stdin: binary stream to use for ``-`` (default ``sys.stdin.buffer``).
@@ -148,12 +148,12 @@ def ingest_one(
             data = stream.read() if stream is not None else sys.stdin.read().encode("utf-8")
             if isinstance(data, str):
                 data = data.encode("utf-8")
-            if data.lstrip()[:5] == b"%PDF-":
+            if _is_pdf(data):
                 return read_pdf(io.BytesIO(data), STDIN, password, page_timeout, kind="stdin-pdf")
             return read_text_bytes(data, STDIN, kind="stdin-text")
         with open(path, "rb") as f:
             head = f.read(1024)
-        if b"%PDF-" in head or path.lower().endswith(".pdf"):
+        if _is_pdf(head) or path.lower().endswith(".pdf"):
             return read_pdf(path, path, password, page_timeout)
         return read_text_bytes(Path(path).read_bytes(), path)
     except OSError as exc:
@@ -199,12 +199,18 @@ def read_pdf(
     return doc
 
 
+def _is_pdf(head: bytes) -> bool:
+    """Whether a file or stream whose first bytes are ``head`` is a PDF: ``%PDF-`` in its first
+    KiB (readers accept junk before the header), the one test for files and stdin alike."""
+    return b"%PDF-" in head[:1024]
+
+
 def pdf_problem(head: bytes, tail: bytes) -> str | None:
     """What is structurally wrong with a file given as PDF, from its first and last KiB:
     ``"not-pdf"`` (no ``%PDF-`` header), ``"truncated"`` (neither ``startxref`` nor ``%%EOF``
     near the end: an incomplete download or copy), or ``None`` (looks whole; damage, if any, is
     inside)."""
-    if b"%PDF-" not in head:
+    if not _is_pdf(head):
         return "not-pdf"
     if b"%%EOF" not in tail and b"startxref" not in tail:
         return "truncated"
@@ -265,10 +271,7 @@ def _read_pdf_pages(doc: Document, source, name: str, password: str | None, page
         return
     try:
         reader = PdfReader(source, strict=False)
-    except (PdfReadError, ValueError, KeyError, TypeError, AttributeError, IndexError, OSError) as exc:
-        doc.error = _parse_failure(name, problem, head, _one_line(exc))
-        return
-    except Exception as exc:  # pypdf raises a wide range on damaged files
+    except Exception as exc:  # pypdf raises a wide range on damaged files (PdfReadError, ValueError, KeyError ...)
         doc.error = _parse_failure(name, problem, head, f"{type(exc).__name__}: {_one_line(exc)}")
         return
 
@@ -348,8 +351,7 @@ def _read_pdf_pages(doc: Document, source, name: str, password: str | None, page
                 f"{name}: page(s) {_ranges(doc.empty_pages)} have no text layer (scanned images?); "
                 "fp does no OCR, their content is missing (run the file through ocrmypdf first)"
             )
-    _check_garbled(doc)
-    return
+    # the garbled-text check runs once, in read_pdf
 
 
 def extract_page_text(page) -> str:

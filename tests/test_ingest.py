@@ -149,6 +149,19 @@ def test_garbled_pdf_text_warns(tmp_path):
     (doc,) = ingest_all([str(path)])
     assert doc.ok and doc.text  # kept: the user decides, but is warned
     assert any("looks garbled" in w and "100%" in w for w in doc.warnings)
+    assert sum("looks garbled" in w for w in doc.warnings) == 1  # checked once, not per stage
+
+
+def test_pdf_detection_same_for_stdin_and_files(tmp_path):
+    """``%PDF-`` anywhere in the first KiB makes a PDF, on stdin as in a file (junk before it is allowed)."""
+    data = b"junk before the header\n" + make_pdf(["header after junk"])
+    path = tmp_path / "noext"
+    path.write_bytes(data)
+    (f,) = ingest_all([str(path)])
+    (p,) = ingest_all(["-"], stdin=io.BytesIO(data))
+    assert f.ok and f.kind == "pdf" and "header after junk" in f.text
+    assert p.ok and p.kind == "stdin-pdf" and "header after junk" in p.text
+    assert ingest._is_pdf(b"x" * 1000 + b"%PDF-1.7") and not ingest._is_pdf(b"x" * 1024 + b"%PDF-1.7")
 
 
 def test_garbled_replacement_chars_warn(pdf_factory, monkeypatch):
