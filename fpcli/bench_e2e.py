@@ -118,12 +118,19 @@ def run_e2e_bench(
     max_new_tokens: int = 16,
     server_overrides: dict | None = None,
     on_rows: Callable[[list[dict]], None] | None = None,
+    variants: Sequence[tuple[str, Any]] = (),
+    depths: Sequence[float] = (),
 ) -> list[dict]:
     """TTFT of FlashPrefill vs dense prefill at each length (see the module docstring).
 
     Returns one dict per length: ``target_len``, ``prompt_tokens``, ``yarn`` (factor or None),
     ``ttft_dense_s``, ``ttft_sparse_s``, ``speedup``, ``prefill_sparse_s``, ``density``,
     ``needle_dense``, ``needle_sparse``, the answers and the individual TTFTs.
+
+    ``variants``: extra ``(label, profile)`` sparse engines run like ``sparse`` (keys
+    ``ttft_<label>_s``, ``needle_<label>``, ``density_<label>``, ``speedup_<label>``).
+    ``depths``: extra needle depths (0..1) answered once per engine and length, besides the timed
+    one at 0.5 (``needles_<label>``: one bool per depth, 0.5 first).
     """
     from fpcli.engine.sglang_engine import SGLangEngine, native_context_length
 
@@ -136,7 +143,7 @@ def run_e2e_bench(
     prompts: dict[int, tuple[list[int], str | None]] = {}  # same tokenizer for every engine: build once
     for factor, group in regimes.items():
         limit = int(native * factor) if factor else native
-        for label, profile in (("dense", profile_dense), ("sparse", profile_sparse)):
+        for label, profile in [("dense", profile_dense), ("sparse", profile_sparse), *variants]:
             t0 = time.perf_counter()
             say(f"[bench] starting {label} engine (profile {getattr(profile, 'name', '?')}, yarn {factor})")
             # SGLangEngine warms up at start (a dummy prefill over the sparse path, radix cache
@@ -144,9 +151,12 @@ def run_e2e_bench(
             with SGLangEngine(model_path, profile, rope_scaling_factor=factor, disable_radix_cache=True,
                               server_overrides=server_overrides) as eng:
                 say(f"[bench] {label} engine up in {time.perf_counter() - t0:.1f} s (warm-up {eng.warmup_s:.1f} s)")
+                def target_for(n: int) -> int:
+                    return min(n, limit - max_new_tokens - 256)
+
                 for n in group:
                     if n not in prompts:
-                        target = min(n, limit - max_new_tokens - 256)
+                        target = target_for(n)
                         if needle:
                             ids, secret = needle_prompt(eng, target)
                         else:
@@ -165,6 +175,11 @@ def run_e2e_bench(
                     if label == "sparse":
                         row["density"] = m["density"]
                         row["density_per_layer"] = m["density_per_layer"]
+                    elif label != "dense":
+                        row[f"density_{label}"] = m["density"]
+                    if needle and depths:
+                        row[f"needles_{label}"] = [m["needle"]] + [
+                            _needle_at(eng, prompts, n, target_for(n), d, limit, max_new_tokens) for d in depths]
                     say(f"[bench] {label} {n}: {m['prompt_tokens']} tokens, TTFT {m['ttft_s']:.4f} s, "
                         f"prefill {m['prefill_s']:.4f} s, density {m['density']:.3f}, needle {m['needle']} "
                         f"({m['answer']!r})")
@@ -173,14 +188,105 @@ def run_e2e_bench(
     return _finish_rows(rows)
 
 
+def _needle_at(engine: Any, prompts: dict, n: int, target: int, depth: float, limit: int,
+               max_new_tokens: int) -> bool:
+    """Answer the needle planted at ``depth`` once (prompt built once per length and depth)."""
+    key = (n, depth)
+    if key not in prompts:
+        ids, secret = needle_prompt(engine, target, depth=depth, seed=1 + int(depth * 1000))
+        if len(ids) > limit - max_new_tokens:
+            ids = ids[-(limit - max_new_tokens - 1):]
+        prompts[key] = (ids, secret)
+    ids, secret = prompts[key]
+    return answered(engine.generate(ids, max_new_tokens=max_new_tokens).text, secret)
+
+
+def _speedup(d: float | None, s: float | None) -> float | None:
+    return (d / s) if d and s and not math.isnan(d) and not math.isnan(s) else None
+
+
 def _finish_rows(rows: dict[int, dict]) -> list[dict]:
     out = []
     for n in sorted(rows):
         r = rows[n]
-        d, s = r.get("ttft_dense_s"), r.get("ttft_sparse_s")
-        r["speedup"] = (d / s) if d and s and not math.isnan(d) and not math.isnan(s) else None
+        r["speedup"] = _speedup(r.get("ttft_dense_s"), r.get("ttft_sparse_s"))
+        for key in [k for k in r if k.startswith("ttft_") and k.endswith("_s")]:
+            label = key[len("ttft_"):-len("_s")]
+            if label not in ("dense", "sparse") and not label.startswith("all_"):
+                r[f"speedup_{label}"] = _speedup(r.get("ttft_dense_s"), r[key])
         out.append(r)
     return out
+
+
+def variant_labels(rows: list[dict]) -> list[str]:
+    """The extra sparse engines' labels present in ``rows`` (``run_e2e_bench(variants=...)``)."""
+    seen: list[str] = []
+    for r in rows:
+        for k in r:
+            if k.startswith("speedup_") and k[len("speedup_"):] not in seen:
+                seen.append(k[len("speedup_"):])
+    return seen
+
+
+def format_variants(rows: list[dict]) -> str:
+    """One line per (length, engine): TTFT, speed-up over dense, density, needles answered."""
+    labels = ["dense", "sparse"] + variant_labels(rows)
+    head = f"{'len':>7} {'engine':>16} {'TTFT s':>8} {'speedup':>8} {'density':>8} {'needles':>8}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        for lab in labels:
+            t = r.get(f"ttft_{lab}_s")
+            if t is None:
+                continue
+            sp = r.get("speedup") if lab == "sparse" else (1.0 if lab == "dense" else r.get(f"speedup_{lab}"))
+            dens = r.get("density") if lab == "sparse" else (1.0 if lab == "dense" else r.get(f"density_{lab}"))
+            nd = r.get(f"needles_{lab}") or [r.get(f"needle_{lab}")]
+            ok = f"{sum(bool(x) for x in nd)}/{len(nd)}"
+            lines.append(f"{r['target_len']:>7} {lab:>16} {t:>8.4f} {(f'{sp:.2f}x' if sp else '-'):>8} "
+                         f"{(dens if dens is not None else float('nan')):>8.3f} {ok:>8}")
+    return "\n".join(lines)
+
+
+def parse_variant(text: str, base: Any) -> tuple[str, Any]:
+    """``"LABEL:key=value,key=value"`` -> ``(LABEL, base profile with those settings)``.
+
+    Keys: ``dense_layers`` or any ``flashprefill.SparseConfig`` field (``alpha``,
+    ``window_tokens``, ``sink_tokens``, ``dense_tail_tokens``, ``block_size``, ...). Values are
+    parsed as int, float or bool. Raises ``ValueError`` naming a bad key or value.
+    """
+    label, sep, body = text.partition(":")
+    if not sep or not label or not body:
+        raise ValueError(f"variant {text!r}: expected LABEL:key=value[,key=value...]")
+    op_fields = set(base.operator.field_names())
+    top: dict[str, Any] = {}
+    op: dict[str, Any] = {}
+    for item in body.split(","):
+        key, eq, raw = item.partition("=")
+        key = key.strip()
+        if not eq:
+            raise ValueError(f"variant {label}: {item!r} is not key=value")
+        low = raw.strip().lower()
+        value: Any
+        if low in ("true", "false"):
+            value = low == "true"
+        else:
+            try:
+                value = int(raw)
+            except ValueError:
+                try:
+                    value = float(raw)
+                except ValueError:
+                    raise ValueError(f"variant {label}: {key}={raw!r} is not a number or bool") from None
+        if key == "dense_layers":
+            top[key] = value
+        elif key in op_fields:
+            op[key] = value
+        else:
+            raise ValueError(f"variant {label}: unknown key {key!r} (dense_layers or a SparseConfig field)")
+    prof = base.replace(**top) if top else base
+    if op:
+        prof = prof.replace(operator=prof.operator.replace(**op))
+    return label, prof.replace(name=f"{base.name}+{label}")
 
 
 def format_table(rows: list[dict]) -> str:
@@ -209,6 +315,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mem-fraction", type=float, default=None, help="override mem_fraction_static")
     ap.add_argument("--json", default=None, help="write the rows here (rewritten after every length)")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL:key=val,...",
+                    help="an extra sparse engine, e.g. dl4:dense_layers=4 or a05:alpha=0.05 (repeatable)")
+    ap.add_argument("--depths", default="", help="extra needle depths answered once per engine, e.g. 0.1,0.9")
     ap.add_argument("--preset", choices=("issue3",), default=None,
                     help="issue3: Qwen 4k,8k,16k,32k native and 64k,120k with YaRN x4 in one run, one warm-up "
                          "and one measurement per length (about 5 minutes on an H200)")
@@ -235,11 +344,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "complete": done, "wall_s": round(time.perf_counter() - t_start, 1), "rows": rows,
                            "date": time.strftime("%Y-%m-%d %H:%M:%S")}, fh, indent=2)
 
+    try:
+        variants = [parse_variant(v, sparse) for v in args.variant]
+        depths = [float(x) for x in args.depths.split(",") if x.strip()]
+    except ValueError as exc:
+        ap.error(str(exc))
     rows = run_e2e_bench(parse_lens(args.lens), args.model, sparse, dense, needle=not args.no_needle,
-                         yarn_above=args.yarn_above, repeats=args.repeats, server_overrides=overrides, on_rows=write)
+                         yarn_above=args.yarn_above, repeats=args.repeats, server_overrides=overrides, on_rows=write,
+                         variants=variants, depths=depths)
     write(rows, done=True)
     print(f"e2e bench: {time.perf_counter() - t_start:.0f} s", flush=True)
     print(format_table(rows), flush=True)
+    if variants or depths:
+        print(format_variants(rows), flush=True)
     return 0
 
 

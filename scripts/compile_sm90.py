@@ -80,7 +80,8 @@ def _attn(bf):
     for d in (128, 64, 256):
         cfg = ta.get_config(d, __import__("torch").bfloat16, 128)
         for ps in (64, 128, 1):
-            for sparse, mc in ((True, True), (True, False), (False, False)):
+            for sparse, mc, sub in ((True, True, False), (True, True, True), (True, False, False),
+                                    (False, False, False)):
                 if ps != 64 and not (sparse and mc):
                     continue
                 ptrs = {n: "*i32" for n in ta._attn_fwd.arg_names if n in (
@@ -90,8 +91,8 @@ def _attn(bf):
                              "out_ptr": bf, "lse_ptr": "*fp32"})
                 consts = dict(GROUP=4, HEAD_DIM=d, TILE_ROWS=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                               BLOCK_SIZE=128, BLOCK_U=cfg.block_u, BLOCK_S=cfg.block_s, PAGE_SIZE=ps,
-                              SPARSE=sparse, MEAN_CORR=mc)
-                compile_one(f"attn d{d} ps{ps} sparse={sparse} mc={mc}", ta._attn_fwd, ptrs, consts,
+                              SPARSE=sparse, MEAN_CORR=mc, MC_SUBTRACT=sub)
+                compile_one(f"attn d{d} ps{ps} sparse={sparse} mc={mc}{' subtract' if sub else ''}", ta._attn_fwd, ptrs, consts,
                             floats=("scale_log2",), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             if d != 128:
                 break

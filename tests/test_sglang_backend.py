@@ -496,6 +496,65 @@ def test_e2e_bench_one_invocation_native_and_yarn(monkeypatch, tmp_path):
     assert "65536" in bench_e2e.format_table(rows)
 
 
+def test_e2e_bench_variants_and_depths(monkeypatch):
+    """Extra sparse engines (``--variant``) run like ``sparse`` with their own profile; extra
+    needle depths are answered once per engine and length; a variant whose engine misses the
+    needle shows it."""
+    import fpcli.engine.sglang_engine as se
+    from fpcli import bench_e2e
+    from fpcli.engine.base import GenerationResult, PrefillStats
+    from fpcli.profiles import load_profile
+
+    base = load_profile("bf16")
+    label, prof = bench_e2e.parse_variant("dl4:dense_layers=4,alpha=0.05", base)
+    assert label == "dl4" and prof.dense_layers == 4 and prof.operator.alpha == 0.05
+    assert prof.operator.window_tokens == base.operator.window_tokens and base.dense_layers == 2
+    for bad, what in (("x", "LABEL"), ("v:nope=1", "nope"), ("v:alpha=abc", "alpha"), ("v:alpha=-1", "alpha")):
+        with pytest.raises(ValueError, match=what):
+            bench_e2e.parse_variant(bad, base)
+
+    started = []
+
+    class FakeEngine:
+        warmup_s = 0.0
+
+        def __init__(self, model_path, profile, rope_scaling_factor=None, **kw):
+            self.profile = profile
+            started.append(getattr(profile, "name", profile))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def count_tokens(self, text):
+            return len(text.split())
+
+        def encode_chat(self, system, text):   # the secret rides in the first id
+            secret = [w.rstrip(".") for w in text.split() if w.rstrip(".").isdigit()][0]
+            return [int(secret)] + list(range(len(text.split())))
+
+        def generate(self, ids, max_new_tokens=16):
+            bad = getattr(self.profile, "name", "").endswith("+bad")
+            ttft = {"dense": 0.4}.get(getattr(self.profile, "name", ""), 0.1)
+            return GenerationResult(text="0" if bad else str(ids[0]), prompt_tokens=len(ids), output_tokens=1,
+                                    ttft_s=ttft, prefill_s=ttft, total_s=ttft, engine="fake", model="m", profile="p",
+                                    stats=PrefillStats(density=0.2, density_per_layer=[0.2]))
+
+    monkeypatch.setattr(se, "SGLangEngine", FakeEngine)
+    monkeypatch.setattr(se, "native_context_length", lambda path: 32768)
+    variants = [bench_e2e.parse_variant("good:alpha=0.05", base), bench_e2e.parse_variant("bad:alpha=0.2", base)]
+    rows = bench_e2e.run_e2e_bench([8192], "m", base, base.replace(name="dense", attention="dense"), repeats=1,
+                                   progress=lambda m: None, variants=variants, depths=[0.1, 0.9])
+    assert started == ["dense", "bf16", "bf16+good", "bf16+bad"]
+    r = rows[0]
+    assert r["needles_good"] == [True, True, True] and r["needles_bad"] == [False, False, False]
+    assert r["speedup_good"] == pytest.approx(4.0) and r["density_good"] == 0.2
+    text = bench_e2e.format_variants(rows)
+    assert "good" in text and "3/3" in text and "0/3" in text
+
+
 def test_gpu_worker_script_with_a_fake_engine(monkeypatch, tmp_path):
     """``tests/gpu/sglang_worker.py`` (one engine per process on the device) end to end on CPU."""
     import importlib.util

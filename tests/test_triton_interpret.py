@@ -40,6 +40,9 @@ CASES = {
     # several BLOCK_J chunks of the selection (the d=128 config, BLOCK_U = 128)
     "long_prefix_d64": ([100], [9000], 1, 2, 64, 16, 64, {"window_tokens": 5000}, True),
     "long_prefix_d128": ([100], [9000], 1, 2, 128, 64, 64, {}, True),
+    # the mean correction's "subtract" mode (fold every candidate in, take the selected out)
+    "subtract_batch_g3_ps64": ([300, 1, 129], [700, 63, 0], 2, 3, 64, 64, 64, {"_mc_mode": "subtract"}, True),
+    "subtract_long_prefix_d128": ([100], [9000], 1, 2, 128, 64, 64, {"_mc_mode": "subtract"}, True),
 }
 # Shared sparse knobs for tiny shapes (B = 64 gives enough blocks at a few hundred tokens).
 BASE_CONFIG = dict(sink_tokens=64, window_tokens=64, dense_tail_tokens=32, alpha=0.3)
@@ -97,7 +100,11 @@ def _run_case(name):
     from flashprefill.impl import reference as ref
     from flashprefill.impl import triton_backend as tb
 
+    from flashprefill.impl import triton_attention as ta
+
     q_lens, prefixes, hkv, g, d, ps, B, over, structured = CASES[name]
+    over = dict(over)
+    ta.MC_MODE = over.pop("_mc_mode", "mask")
     cfg = SparseConfig(block_size=B, **{**BASE_CONFIG, **over})
     q, k, v, pt, sl, cu = make_inputs(q_lens, prefixes, hkv, g, d, ps, torch.float16, structured)
     plan = make_plan(sl, cu, g, B)

@@ -84,7 +84,10 @@ class FlashPrefillAttnBackend(AttentionBackend):
         model_dtype = getattr(model_runner, "dtype", None) or getattr(model_runner.model_config, "dtype", None)
         self.unsupported_reason = self._check_pool(model_runner) or operator_dense_reason(
             self.head_dim, model_dtype if isinstance(model_dtype, torch.dtype) else None, settings.operator_backend)
-        self.tp_rank = int(getattr(getattr(model_runner, "ps", None), "tp_rank", 0) or 0)
+        tp_rank = getattr(model_runner, "tp_rank", None)  # SGLang's ModelRunner keeps its TP rank
+        if tp_rank is None:
+            tp_rank = getattr(getattr(model_runner, "ps", None), "tp_rank", 0)
+        self.tp_rank = int(tp_rank or 0)
 
         self._attention = flashprefill.flashprefill_attention
         self._build_index = getattr(flashprefill, "build_index", None) if settings.collect_stats else None
@@ -108,6 +111,7 @@ class FlashPrefillAttnBackend(AttentionBackend):
         self._batch_stats: Optional[BatchStats] = None
         self._dense_ready = False
         self._logged_reasons: set[str] = set()
+        self._sparse_seen = False  # logs the first sparse prefill once (fp serve has no stats)
         logger.info(
             "flashprefill backend: layers %d (first %d dense), heads q=%d kv=%d d=%d, page_size %d, "
             "last layer id %d (%s), registered by the %s path, config %s, precision %s, dense backend %s, stats %s%s",
@@ -304,6 +308,11 @@ class FlashPrefillAttnBackend(AttentionBackend):
         k_cache = pool.get_key_buffer(layer.layer_id)[:rows].view(meta.num_pages, meta.page_size, hkv, d)
         v_cache = pool.get_value_buffer(layer.layer_id)[:rows].view(meta.num_pages, meta.page_size, hkv, d)
         q3 = q.reshape(-1, hq, d)
+        if not self._sparse_seen:
+            self._sparse_seen = True
+            logger.info("flashprefill: first sparse prefill on tp rank %d: %d new tokens in %d requests, "
+                        "layer %d, %d q / %d kv heads", self.tp_rank, meta.total_q, len(meta.q_lens),
+                        layer.layer_id, hq, hkv)
         stats = self._batch_stats
         ev0 = stats.stage_event() if stats is not None else None
         index = None

@@ -131,7 +131,11 @@ INDEX_VARIANTS = [("index_bj128w4_ms", {"SELECT_BLOCK_J": 128, "SELECT_NUM_WARPS
                   ("index_bj128w8_ms", {"SELECT_BLOCK_J": 128, "SELECT_NUM_WARPS": 8}),
                   ("index_bj64w8_ms", {"SELECT_BLOCK_J": 64, "SELECT_NUM_WARPS": 8})]
 ATTN_CONFIG_VARIANTS = [("attn_bu128_ms", {"block_u": 128}), ("attn_st3_ms", {"num_stages": 3}),
-                        ("attn_bn64s3_ms", {"block_n": 64, "num_stages": 3})]
+                        ("attn_bn64s3_ms", {"block_n": 64, "num_stages": 3}),
+                        ("attn_sub_ms", {"mc_mode": "subtract"}),
+                        ("attn_sub_bu128_ms", {"mc_mode": "subtract", "block_u": 128}),
+                        ("attn_sub_st3_ms", {"mc_mode": "subtract", "num_stages": 3}),
+                        ("attn_mask_ms", {"mc_mode": "mask"})]
 
 
 def host_ms(fn: Callable[[], object], n: int = 20) -> float:
@@ -315,6 +319,17 @@ def run_operator_bench(lens, heads_q: int, heads_kv: int, head_dim: int, dtype, 
                     row["notes"][key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
                 finally:
                     ta.get_config = base_cfg
+            saved_mode = ta.MC_MODE
+            try:   # the two mean-correction modes must agree (a sanity check at full size)
+                outs = {}
+                for mode in ("mask", "subtract"):
+                    ta.MC_MODE = mode
+                    outs[mode] = tb.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, index)
+                row["mc_sub_vs_mask_max_abs"] = float((outs["mask"][0].float() - outs["subtract"][0].float()).abs().max())
+                row["mc_sub_vs_mask_lse_max"] = float((outs["mask"][1] - outs["subtract"][1]).abs().max())
+                del outs
+            finally:
+                ta.MC_MODE = saved_mode
             for key, over in INDEX_VARIANTS:         # selection tiles (module constants of the backend)
                 saved = {k: getattr(tb, k) for k in over}
                 try:
@@ -360,7 +375,9 @@ TABLE_COLS = [("L", "L", "{:d}"), ("density", "density", "{:.4f}"), ("index_ms",
               ("speedup_vs_fa4", "x FA4", "{:.2f}"), ("speedup_vs_cudnn", "x cuDNN", "{:.2f}")]
 VARIANT_COLS = [("L", "L", "{:d}"), ("attn_ms", "attn ms", "{:.3f}"), ("attn_nomc_ms", "attn no-MC ms", "{:.3f}"),
                 ("attn_bu128_ms", "attn U128 ms", "{:.3f}"), ("attn_st3_ms", "attn st3 ms", "{:.3f}"),
-                ("attn_bn64s3_ms", "attn N64 st3 ms", "{:.3f}"),
+                ("attn_bn64s3_ms", "attn N64 st3 ms", "{:.3f}"), ("attn_mask_ms", "attn MCmask ms", "{:.3f}"),
+                ("attn_sub_ms", "attn MCsub ms", "{:.3f}"), ("attn_sub_bu128_ms", "MCsub U128 ms", "{:.3f}"),
+                ("attn_sub_st3_ms", "MCsub st3 ms", "{:.3f}"), ("mc_sub_vs_mask_max_abs", "sub-mask max", "{:.1e}"),
                 ("index_ms", "index ms", "{:.3f}"), ("index_exact_ms", "idx exact ms", "{:.3f}"),
                 ("index_onedot_ms", "idx 1-dot ms", "{:.3f}"), ("exact_vs_onedot_mismatch", "CSR diff frac", "{:.2e}"),
                 ("index_bj128w4_ms", "idx J128w4", "{:.3f}"), ("index_bj128w8_ms", "idx J128w8", "{:.3f}"),

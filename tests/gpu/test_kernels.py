@@ -24,6 +24,7 @@ import torch
 
 from flashprefill import SparseConfig, make_plan
 from flashprefill.impl import reference as ref
+from flashprefill.impl import triton_attention as ta
 from flashprefill.impl import triton_backend as tb
 
 K_LOWP = 4.0       # x the error of rounding the fp32 reference to 16 bits
@@ -31,6 +32,18 @@ ATOL = 4e-3
 REL_TOL = 1.5e-2
 TIE_FRACTION = 0.01
 DEV = os.environ.get("FP_TEST_DEVICE", "cuda")  # "cpu" only for an interpreter smoke run
+
+MC_MODES = ("mask", "subtract")   # triton_attention.MC_MODE: both ways of skipping selected blocks
+
+
+@pytest.fixture(params=MC_MODES)
+def mc_mode(request):
+    """Run the test once per mean-correction mode of the attention kernel."""
+    saved = ta.MC_MODE
+    ta.MC_MODE = request.param
+    yield request.param
+    ta.MC_MODE = saved
+
 
 # Sparse knobs small enough that lengths of a few thousand tokens actually prune.
 SMALL = SparseConfig(sink_tokens=128, window_tokens=256, dense_tail_tokens=128, alpha=0.1)
@@ -151,17 +164,17 @@ for i, L in enumerate((1, 127, 128, 129, 1000, 4097)):
 
 
 @pytest.mark.parametrize("L,g,d,ps,dtype", CASES, ids=[f"L{c[0]}-g{c[1]}-d{c[2]}-ps{c[3]}-{str(c[4])[6:]}" for c in CASES])
-def test_single_request(L, g, d, ps, dtype):
+def test_single_request(L, g, d, ps, dtype, mc_mode):
     run_case(f"L{L}", [L], [0], 2, g, d, ps, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("g,d,ps", [(3, 128, 16), (8, 64, 64), (7, 256, 1)])
-def test_batch_with_prefixes(g, d, ps, dtype):
+def test_batch_with_prefixes(g, d, ps, dtype, mc_mode):
     run_case("batch", [100, 8192, 1], [0, 4096, 63], 2, g, d, ps, dtype)
 
 
-def test_prefix_default_config():
+def test_prefix_default_config(mc_mode):
     run_case("default-config", [3000], [5000], 2, 4, 128, 64, torch.bfloat16, SparseConfig())
 
 
@@ -196,7 +209,7 @@ def test_dense_vs_sdpa(L):
                   torch.zeros(out.shape[:2], device=DEV), torch.bfloat16)
 
 
-def test_mean_correction_reduces_error():
+def test_mean_correction_reduces_error(mc_mode):
     cfg = SparseConfig(sink_tokens=128, window_tokens=256, dense_tail_tokens=128, alpha=0.2)
     q, k, v, pt, sl, cu = make_inputs([4097], [0], 2, 4, 128, 64, torch.bfloat16)
     plan = make_plan(sl, cu, 4, 128)
@@ -244,7 +257,7 @@ def _rows_reference(q, k_full, v_full, index, plan, cfg, scale, h, rows):
     return torch.stack(outs), torch.stack(lses)
 
 
-def test_130k_tokens():
+def test_130k_tokens(mc_mode):
     """130000 tokens: CSR vs reference, sampled rows vs the fp32 formula, no NaN anywhere."""
     L, hkv, g, d, ps = 130000, 1, 4, 128, 64
     cfg = SparseConfig()

@@ -31,6 +31,7 @@ Per program:
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,9 @@ LOG2E = 1.4426950408889634  # 1 / ln(2)
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): lse = (m2 + log2 l) * LN2
 SUPPORTED_HEAD_DIMS = TRITON_HEAD_DIMS  # one definition, in ``config.py`` (importable without triton)
 SUPPORTED_DTYPES = TRITON_DTYPES
+# How the mean correction excludes the selected blocks (``AttnConfig.mc_mode``): "mask" or
+# "subtract"; read by ``get_config`` at every launch (the bench and the tests switch it).
+MC_MODE = "mask"
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,12 @@ class AttnConfig:
         block_s: unused since the membership test walks ``col_idx`` with a pointer (kept so
             configs stay comparable across versions).
         num_warps, num_stages: Triton launch parameters.
+        mc_mode: how the mean correction skips the selected blocks among its candidates:
+            ``"mask"``: a membership test per candidate chunk (a pointer walk over the ascending
+            ``col_idx`` and a chunk bitmask); ``"subtract"``: every candidate is folded in (no
+            membership test, no loop-carried pointer: the loads pipeline), then the mean terms
+            of the selected candidates (``col_idx[start:end] < n_u``, typically one chunk) are
+            taken out again with the final running max (``_mean_subtract``).
     """
 
     block_m: int
@@ -64,6 +74,7 @@ class AttnConfig:
     block_s: int
     num_warps: int
     num_stages: int
+    mc_mode: str = "mask"
 
 
 def get_config(head_dim: int, dtype: torch.dtype, block_size: int = 128) -> AttnConfig:
@@ -89,8 +100,10 @@ def get_config(head_dim: int, dtype: torch.dtype, block_size: int = 128) -> Attn
     else:
         cfg = AttnConfig(block_m=128, block_n=128, block_u=64, block_s=64, num_warps=8, num_stages=3)
     if cfg.block_n > block_size:
-        cfg = AttnConfig(cfg.block_m, block_size, cfg.block_u, cfg.block_s, cfg.num_warps, cfg.num_stages)
-    return cfg
+        cfg = dataclasses.replace(cfg, block_n=block_size)
+    if MC_MODE not in ("mask", "subtract"):
+        raise ValueError(f"MC_MODE must be 'mask' or 'subtract', got {MC_MODE!r}")
+    return dataclasses.replace(cfg, mc_mode=MC_MODE)
 
 
 @triton.jit
@@ -222,6 +235,69 @@ def _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u,
 
 
 @triton.jit
+def _mean_all(acc, m_i, l_i, q, k_mean, v_mean, n_u, blk0, h, lk, scale_log2, stride_mb, stride_mh,
+              HEAD_DIM: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Fold EVERY candidate ``j < n_u`` in as ``n_j`` mean tokens (``mc_mode="subtract"``, first half).
+
+    Same logit and value as ``_mean_correction``, no membership test: the chunk loads depend on
+    the loop index only, so Triton pipelines them. The selected candidates' terms are taken out
+    again by ``_mean_subtract``.
+    """
+    dims = tl.arange(0, HEAD_DIM)
+    for u0 in range(0, n_u, BLOCK_U):
+        js = u0 + tl.arange(0, BLOCK_U)
+        cand = js < n_u
+        rows = (blk0 + js).to(tl.int64) * stride_mb + h * stride_mh
+        km = tl.load(k_mean + rows[:, None] + dims[None, :], mask=cand[:, None], other=0.0).to(q.dtype)
+        vm = tl.load(v_mean + rows[:, None] + dims[None, :], mask=cand[:, None], other=0.0).to(q.dtype)
+        n_j = tl.minimum((js + 1) * BLOCK_SIZE, lk) - js * BLOCK_SIZE
+        log2_n = tl.log2(tl.maximum(n_j, 1).to(tl.float32))
+        s = tl.dot(q, tl.trans(km)) * scale_log2 + log2_n[None, :]
+        s = tl.where(cand[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(vm.dtype), vm, acc)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _mean_subtract(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u, blk0, h, lk, scale_log2,
+                   stride_mb, stride_mh,
+                   HEAD_DIM: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Take the mean terms of the selected candidates (``col_idx[start:end]`` entries ``< n_u``)
+    out of ``acc`` / ``l_i`` again (``mc_mode="subtract"``, second half; ``m_i`` is kept: it is
+    already >= every candidate logit).
+
+    Exact up to rounding: a subtracted term ``n_j e^{τ q·k̄_j}`` never exceeds the block's exact
+    contribution ``Σ_t e^{τ q·k_t}`` already in ``l_i`` (Jensen), so ``l_i`` stays positive and
+    the cancellation is bounded by the 16-bit rounding of ``p`` in the PV product.
+    """
+    dims = tl.arange(0, HEAD_DIM)
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    for e0 in range(start, end, BLOCK_U):
+        offs = e0 + tl.arange(0, BLOCK_U)
+        js = tl.load(col_idx + offs, mask=offs < end, other=2147483647)
+        sel = js < n_u
+        js = tl.where(sel, js, 0)
+        rows = (blk0 + js).to(tl.int64) * stride_mb + h * stride_mh
+        km = tl.load(k_mean + rows[:, None] + dims[None, :], mask=sel[:, None], other=0.0).to(q.dtype)
+        vm = tl.load(v_mean + rows[:, None] + dims[None, :], mask=sel[:, None], other=0.0).to(q.dtype)
+        n_j = tl.minimum((js + 1) * BLOCK_SIZE, lk) - js * BLOCK_SIZE
+        log2_n = tl.log2(tl.maximum(n_j, 1).to(tl.float32))
+        s = tl.dot(q, tl.trans(km)) * scale_log2 + log2_n[None, :]
+        s = tl.where(sel[None, :], s, float("-inf"))
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i - tl.sum(p, axis=1)
+        acc = tl.dot((-p).to(vm.dtype), vm, acc)
+    return acc, l_i
+
+
+@triton.jit
 def _attn_fwd(
     q_ptr, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, tile_request, tile_local, block_ptr,
     row_ptr, col_idx, k_mean, v_mean,
@@ -241,6 +317,7 @@ def _attn_fwd(
     PAGE_SIZE: tl.constexpr,
     SPARSE: tl.constexpr,
     MEAN_CORR: tl.constexpr,
+    MC_SUBTRACT: tl.constexpr,
 ):
     tl.static_assert(TILE_ROWS % BLOCK_M == 0)
     tl.static_assert(BLOCK_U % 64 == 0)
@@ -299,9 +376,15 @@ def _attn_fwd(
         n_u = tl.where(x >= lk, nb, x // BLOCK_SIZE)     # blocks with e_j <= P + t_first + 1
         n_u = tl.where(end - start >= n_vis, 0, n_u)     # everything selected: U is empty
         blk0 = tl.load(block_ptr + b)
-        acc, m_i, l_i = _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u,
-                                         blk0, h, lk, scale_log2, stride_mb, stride_mh,
-                                         HEAD_DIM, BLOCK_U, BLOCK_SIZE)
+        if MC_SUBTRACT:
+            acc, m_i, l_i = _mean_all(acc, m_i, l_i, q, k_mean, v_mean, n_u, blk0, h, lk, scale_log2,
+                                      stride_mb, stride_mh, HEAD_DIM, BLOCK_U, BLOCK_SIZE)
+            acc, l_i = _mean_subtract(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u, blk0, h, lk,
+                                      scale_log2, stride_mb, stride_mh, HEAD_DIM, BLOCK_U, BLOCK_SIZE)
+        else:
+            acc, m_i, l_i = _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u,
+                                             blk0, h, lk, scale_log2, stride_mb, stride_mh,
+                                             HEAD_DIM, BLOCK_U, BLOCK_SIZE)
     # ---------------------------------------------------------------- epilogue
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -345,7 +428,7 @@ def launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, so
         plan.n_tiles, per_head, hkv, float(softmax_scale) * LOG2E,
         GROUP=plan.group_size, HEAD_DIM=d, TILE_ROWS=plan.tile_rows, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_SIZE=B, BLOCK_U=cfg.block_u, BLOCK_S=cfg.block_s,
-        PAGE_SIZE=page_size, SPARSE=sparse, MEAN_CORR=mean_correction,
+        PAGE_SIZE=page_size, SPARSE=sparse, MEAN_CORR=mean_correction, MC_SUBTRACT=cfg.mc_mode == "subtract",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
