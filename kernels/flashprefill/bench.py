@@ -127,15 +127,13 @@ def _dense_baselines(q, k_lin, v_lin, L, batch, hq, hkv, d, scale):
 
 # --variants: attention tile configs timed besides the default (d=128: all fit in sm_90 smem,
 # scripts/compile_sm90.py)
-INDEX_VARIANTS = [("index_bj128w4_ms", {"SELECT_BLOCK_J": 128, "SELECT_NUM_WARPS": 4}),
-                  ("index_bj128w8_ms", {"SELECT_BLOCK_J": 128, "SELECT_NUM_WARPS": 8}),
-                  ("index_bj64w8_ms", {"SELECT_BLOCK_J": 64, "SELECT_NUM_WARPS": 8})]
-ATTN_CONFIG_VARIANTS = [("attn_bu128_ms", {"block_u": 128}), ("attn_st3_ms", {"num_stages": 3}),
-                        ("attn_bn64s3_ms", {"block_n": 64, "num_stages": 3}),
-                        ("attn_sub_ms", {"mc_mode": "subtract"}),
-                        ("attn_sub_bu128_ms", {"mc_mode": "subtract", "block_u": 128}),
-                        ("attn_sub_st3_ms", {"mc_mode": "subtract", "num_stages": 3}),
-                        ("attn_mask_ms", {"mc_mode": "mask"})]
+INDEX_VARIANTS: list[tuple[str, dict]] = []   # selection tiles: BLOCK_J 128 / 8 warps were slower (2026-11-30)
+ATTN_CONFIG_VARIANTS = [("attn_v2_ms", {"block_n": 128, "num_stages": 2, "mc_stages": 0, "mc_mode": "mask"}),
+                        ("attn_mask_ms", {"mc_mode": "mask"}),
+                        ("attn_mcst3_ms", {"mc_stages": 3}),
+                        ("attn_st4_ms", {"num_stages": 4}),
+                        ("attn_bu128_ms", {"block_u": 128, "mc_stages": 2}),
+                        ("attn_bn128_ms", {"block_n": 128, "num_stages": 2})]
 
 
 def host_ms(fn: Callable[[], object], n: int = 20) -> float:
@@ -374,10 +372,10 @@ TABLE_COLS = [("L", "L", "{:d}"), ("density", "density", "{:.4f}"), ("index_ms",
               ("cudnn_ms", "cuDNN ms", "{:.3f}"), ("fa2_ms", "FA2 ms", "{:.3f}"),
               ("speedup_vs_fa4", "x FA4", "{:.2f}"), ("speedup_vs_cudnn", "x cuDNN", "{:.2f}")]
 VARIANT_COLS = [("L", "L", "{:d}"), ("attn_ms", "attn ms", "{:.3f}"), ("attn_nomc_ms", "attn no-MC ms", "{:.3f}"),
-                ("attn_bu128_ms", "attn U128 ms", "{:.3f}"), ("attn_st3_ms", "attn st3 ms", "{:.3f}"),
-                ("attn_bn64s3_ms", "attn N64 st3 ms", "{:.3f}"), ("attn_mask_ms", "attn MCmask ms", "{:.3f}"),
-                ("attn_sub_ms", "attn MCsub ms", "{:.3f}"), ("attn_sub_bu128_ms", "MCsub U128 ms", "{:.3f}"),
-                ("attn_sub_st3_ms", "MCsub st3 ms", "{:.3f}"), ("mc_sub_vs_mask_max_abs", "sub-mask max", "{:.1e}"),
+                ("attn_v2_ms", "attn v2 ms", "{:.3f}"), ("attn_mask_ms", "attn MCmask ms", "{:.3f}"),
+                ("attn_mcst3_ms", "MC st3 ms", "{:.3f}"), ("attn_st4_ms", "attn st4 ms", "{:.3f}"),
+                ("attn_bu128_ms", "attn U128 ms", "{:.3f}"), ("attn_bn128_ms", "N128 st2 ms", "{:.3f}"),
+                ("mc_sub_vs_mask_max_abs", "sub-mask max", "{:.1e}"),
                 ("index_ms", "index ms", "{:.3f}"), ("index_exact_ms", "idx exact ms", "{:.3f}"),
                 ("index_onedot_ms", "idx 1-dot ms", "{:.3f}"), ("exact_vs_onedot_mismatch", "CSR diff frac", "{:.2e}"),
                 ("index_bj128w4_ms", "idx J128w4", "{:.3f}"), ("index_bj128w8_ms", "idx J128w8", "{:.3f}"),

@@ -46,7 +46,9 @@ SUPPORTED_HEAD_DIMS = TRITON_HEAD_DIMS  # one definition, in ``config.py`` (impo
 SUPPORTED_DTYPES = TRITON_DTYPES
 # How the mean correction excludes the selected blocks (``AttnConfig.mc_mode``): "mask" or
 # "subtract"; read by ``get_config`` at every launch (the bench and the tests switch it).
-MC_MODE = "mask"
+# "subtract": no loop-carried pointer, so its loads pipeline (``mc_stages``); same results within
+# one bf16 ulp at 128K (bench ``mc_sub_vs_mask_max_abs``), GPU tests run both.
+MC_MODE = "subtract"
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,11 @@ class AttnConfig:
         block_u: mean-key candidates per step of the correction loop.
         block_s: unused since the membership test walks ``col_idx`` with a pointer (kept so
             configs stay comparable across versions).
-        num_warps, num_stages: Triton launch parameters.
+        num_warps, num_stages: Triton launch parameters; ``num_stages`` is also the software
+            pipeline depth of the exact-key loops (``tl.range(..., num_stages=)``).
+        mc_stages: pipeline depth of the mean-correction loops (0: ``num_stages``). Depth 2
+            issues the next step's loads at the end of a step and waits for them at the start of
+            the next (little overlap); 3+ keeps a load in flight during a step.
         mc_mode: how the mean correction skips the selected blocks among its candidates:
             ``"mask"``: a membership test per candidate chunk (a pointer walk over the ascending
             ``col_idx`` and a chunk bitmask); ``"subtract"``: every candidate is folded in (no
@@ -75,13 +81,15 @@ class AttnConfig:
     num_warps: int
     num_stages: int
     mc_mode: str = "mask"
+    mc_stages: int = 0
 
 
 def get_config(head_dim: int, dtype: torch.dtype, block_size: int = 128) -> AttnConfig:
     """Tile config for ``head_dim`` / ``dtype`` / key block size (H200, Triton 3.6).
 
-    d=64, 128: 128 packed rows x 128 keys, 8 warps (two warpgroups of WGMMA); K/V loads
-    pipelined with cp.async (d=128, 2 stages: 160 KiB smem, 0 spills; d=64, 3 stages: 81 KiB).
+    d=64: 128 packed rows x 128 keys, 8 warps (two warpgroups of WGMMA), K/V loads pipelined
+    with cp.async, 3 stages (81 KiB smem). d=128: 128 rows x 64 keys, 3 stages, correction loop
+    4 stages (161 KiB smem, 0 spills).
     d=256: 128 rows x 64 keys, 8 warps, 1 stage (96 KiB smem; ~470 B of spills, the fp32
     accumulator is 128 x 256). Checked by compiling for sm_90 with Triton 3.6's ptxas.
     Never keyed on sequence lengths.
@@ -93,10 +101,12 @@ def get_config(head_dim: int, dtype: torch.dtype, block_size: int = 128) -> Attn
     if head_dim == 256:
         cfg = AttnConfig(block_m=128, block_n=64, block_u=64, block_s=64, num_warps=8, num_stages=1)
     elif head_dim == 128:
-        # block_u 64: a short request's tiles have few candidates (n_u < 64 at 8K); 128 also fits
-        # (160.5 KiB smem, 0 spills: scripts/compile_sm90.py) and halves the steps at 128K --
-        # the bench's --variants times both (attn_bu128_ms)
-        cfg = AttnConfig(block_m=128, block_n=128, block_u=64, block_s=64, num_warps=8, num_stages=2)
+        # H200, 128K bench (docs/kernel-notes.md, version 3): 64 keys per step with 3 stages beat
+        # 128 keys with 2 (attention 23.1 vs 25.9 ms: with page 64 a 64-key step is one page, a
+        # scalar page lookup, and 3 stages keep a load in flight; 161 KiB smem, 0 spills);
+        # block_u 128 was no faster. The correction loop pipelines 4 deep (subtract mode only:
+        # the mask mode's pointer walk is loop-carried).
+        cfg = AttnConfig(block_m=128, block_n=64, block_u=64, block_s=64, num_warps=8, num_stages=3, mc_stages=4)
     else:
         cfg = AttnConfig(block_m=128, block_n=128, block_u=64, block_s=64, num_warps=8, num_stages=3)
     if cfg.block_n > block_size:
@@ -111,7 +121,7 @@ def _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, lo, hi,
                 P, lk, tok, scale_log2,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                PAGE_SIZE: tl.constexpr, SPARSE: tl.constexpr, MASK: tl.constexpr):
+                PAGE_SIZE: tl.constexpr, SPARSE: tl.constexpr, MASK: tl.constexpr, STAGES: tl.constexpr):
     """Online softmax over key blocks ``col_idx[lo:hi]`` (``SPARSE``) or ``lo..hi-1`` (dense).
 
     ``MASK``: apply the bottom-right causal mask ``p <= P + t`` and ``p < Lk`` (padded keys get
@@ -119,7 +129,7 @@ def _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, lo, hi,
     """
     dims = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
-    for k in range(lo, hi):
+    for k in tl.range(lo, hi, num_stages=STAGES):
         if SPARSE:
             j = tl.load(col_idx + k)
         else:
@@ -181,7 +191,7 @@ def _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, lo, hi,
 def _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u, blk0, h, lk,
                      scale_log2, stride_mb, stride_mh,
                      HEAD_DIM: tl.constexpr, BLOCK_U: tl.constexpr,
-                     BLOCK_SIZE: tl.constexpr):
+                     BLOCK_SIZE: tl.constexpr, STAGES: tl.constexpr):
     """Fold pruned blocks ``j < n_u``, ``j ∉ col_idx[start:end]``, in as ``n_j`` mean tokens.
 
     Logit ``τ q·k̄_j + ln n_j`` (log2 units: ``scale_log2 q·k̄_j + log2 n_j``), value ``v̄_j``.
@@ -196,7 +206,7 @@ def _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u,
     """
     dims = tl.arange(0, HEAD_DIM)
     ptr = start
-    for u0 in range(0, n_u, BLOCK_U):
+    for u0 in tl.range(0, n_u, BLOCK_U, num_stages=STAGES):
         js = u0 + tl.arange(0, BLOCK_U)
         cand = js < n_u
         rows = (blk0 + js).to(tl.int64) * stride_mb + h * stride_mh
@@ -236,7 +246,7 @@ def _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u,
 
 @triton.jit
 def _mean_all(acc, m_i, l_i, q, k_mean, v_mean, n_u, blk0, h, lk, scale_log2, stride_mb, stride_mh,
-              HEAD_DIM: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+              HEAD_DIM: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_SIZE: tl.constexpr, STAGES: tl.constexpr):
     """Fold EVERY candidate ``j < n_u`` in as ``n_j`` mean tokens (``mc_mode="subtract"``, first half).
 
     Same logit and value as ``_mean_correction``, no membership test: the chunk loads depend on
@@ -244,7 +254,7 @@ def _mean_all(acc, m_i, l_i, q, k_mean, v_mean, n_u, blk0, h, lk, scale_log2, st
     again by ``_mean_subtract``.
     """
     dims = tl.arange(0, HEAD_DIM)
-    for u0 in range(0, n_u, BLOCK_U):
+    for u0 in tl.range(0, n_u, BLOCK_U, num_stages=STAGES):
         js = u0 + tl.arange(0, BLOCK_U)
         cand = js < n_u
         rows = (blk0 + js).to(tl.int64) * stride_mb + h * stride_mh
@@ -268,7 +278,7 @@ def _mean_all(acc, m_i, l_i, q, k_mean, v_mean, n_u, blk0, h, lk, scale_log2, st
 @triton.jit
 def _mean_subtract(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u, blk0, h, lk, scale_log2,
                    stride_mb, stride_mh,
-                   HEAD_DIM: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_SIZE: tl.constexpr, STAGES: tl.constexpr):
     """Take the mean terms of the selected candidates (``col_idx[start:end]`` entries ``< n_u``)
     out of ``acc`` / ``l_i`` again (``mc_mode="subtract"``, second half; ``m_i`` is kept: it is
     already >= every candidate logit).
@@ -279,7 +289,7 @@ def _mean_subtract(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u, b
     """
     dims = tl.arange(0, HEAD_DIM)
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-    for e0 in range(start, end, BLOCK_U):
+    for e0 in tl.range(start, end, BLOCK_U, num_stages=STAGES):
         offs = e0 + tl.arange(0, BLOCK_U)
         js = tl.load(col_idx + offs, mask=offs < end, other=2147483647)
         sel = js < n_u
@@ -318,6 +328,8 @@ def _attn_fwd(
     SPARSE: tl.constexpr,
     MEAN_CORR: tl.constexpr,
     MC_SUBTRACT: tl.constexpr,
+    MAIN_STAGES: tl.constexpr,
+    MC_STAGES: tl.constexpr,
 ):
     tl.static_assert(TILE_ROWS % BLOCK_M == 0)
     tl.static_assert(BLOCK_U % 64 == 0)
@@ -364,11 +376,11 @@ def _attn_fwd(
     acc, m_i, l_i = _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, start, split,
                                 P, lk, tok, scale_log2,
                                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
-                                HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, SPARSE, False)
+                                HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, SPARSE, False, MAIN_STAGES)
     acc, m_i, l_i = _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, split, end,
                                 P, lk, tok, scale_log2,
                                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
-                                HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, SPARSE, True)
+                                HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, SPARSE, True, MAIN_STAGES)
     # ---------------------------------------------------------------- mean correction
     if SPARSE and MEAN_CORR:
         nb = (lk + BLOCK_SIZE - 1) // BLOCK_SIZE
@@ -378,13 +390,13 @@ def _attn_fwd(
         blk0 = tl.load(block_ptr + b)
         if MC_SUBTRACT:
             acc, m_i, l_i = _mean_all(acc, m_i, l_i, q, k_mean, v_mean, n_u, blk0, h, lk, scale_log2,
-                                      stride_mb, stride_mh, HEAD_DIM, BLOCK_U, BLOCK_SIZE)
+                                      stride_mb, stride_mh, HEAD_DIM, BLOCK_U, BLOCK_SIZE, MC_STAGES)
             acc, l_i = _mean_subtract(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u, blk0, h, lk,
-                                      scale_log2, stride_mb, stride_mh, HEAD_DIM, BLOCK_U, BLOCK_SIZE)
+                                      scale_log2, stride_mb, stride_mh, HEAD_DIM, BLOCK_U, BLOCK_SIZE, MC_STAGES)
         else:
             acc, m_i, l_i = _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u,
                                              blk0, h, lk, scale_log2, stride_mb, stride_mh,
-                                             HEAD_DIM, BLOCK_U, BLOCK_SIZE)
+                                             HEAD_DIM, BLOCK_U, BLOCK_SIZE, MC_STAGES)
     # ---------------------------------------------------------------- epilogue
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -416,6 +428,11 @@ def launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, so
         row_ptr = col_idx = plan.tile_ptr      # unused placeholders (dense mode)
     if k_mean is None:
         k_mean = v_mean = q.new_zeros(1, hkv, d)
+    mc_stages = cfg.mc_stages or cfg.num_stages
+    if k_mean.element_size() == 4:
+        # float32 means (short requests: no 16-bit copies) are twice the bytes per stage: 4 stages
+        # of 64 x d float32 K and V means do not fit next to the K/V ring (sm_90: 227 KiB)
+        mc_stages = min(mc_stages, 2)
     per_head = plan.n_tiles * (plan.tile_rows // cfg.block_m)
     grid = (per_head * hkv,)
     _attn_fwd[grid](
@@ -429,6 +446,7 @@ def launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, so
         GROUP=plan.group_size, HEAD_DIM=d, TILE_ROWS=plan.tile_rows, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_SIZE=B, BLOCK_U=cfg.block_u, BLOCK_S=cfg.block_s,
         PAGE_SIZE=page_size, SPARSE=sparse, MEAN_CORR=mean_correction, MC_SUBTRACT=cfg.mc_mode == "subtract",
+        MAIN_STAGES=cfg.num_stages, MC_STAGES=mc_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
