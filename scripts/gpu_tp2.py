@@ -3,6 +3,9 @@ flashprefill prefill backend, driven over SGLang's OpenAI-compatible HTTP API.
 
     python scripts/gpu_tp2.py --model $FPDEV_MODELS/qwen2.5-coder-0.5b-instruct --out $OUT/tp2 [--dense]
 
+The HTTP server imports packages the device stage does not carry: run ``scripts/serve_wheels.sh``
+here first and install ``.whl`` on the device (that script says how).
+
 Starts ``python -m fpcli.cli serve --model-path M --tp 2 ...`` (the ``fp serve`` command), waits for
 ``/v1/models``, sends a planted-needle prompt of ``--tokens`` tokens as a streamed chat completion
 (greedy, twice: the first one compiles kernels) and a short question, measures TTFT (request sent
