@@ -118,7 +118,7 @@ def run_e2e_bench(
     max_new_tokens: int = 16,
     server_overrides: dict | None = None,
     on_rows: Callable[[list[dict]], None] | None = None,
-    variants: Sequence[tuple[str, Any]] = (),
+    variants: Sequence[tuple] = (),
     depths: Sequence[float] = (),
 ) -> list[dict]:
     """TTFT of FlashPrefill vs dense prefill at each length (see the module docstring).
@@ -127,8 +127,9 @@ def run_e2e_bench(
     ``ttft_dense_s``, ``ttft_sparse_s``, ``speedup``, ``prefill_sparse_s``, ``density``,
     ``needle_dense``, ``needle_sparse``, the answers and the individual TTFTs.
 
-    ``variants``: extra ``(label, profile)`` sparse engines run like ``sparse`` (keys
-    ``ttft_<label>_s``, ``needle_<label>``, ``density_<label>``, ``speedup_<label>``).
+    ``variants``: extra ``(label, profile)`` or ``(label, profile, engine_kwargs)`` sparse engines
+    run like ``sparse`` (keys ``ttft_<label>_s``, ``needle_<label>``, ``density_<label>``,
+    ``speedup_<label>``); ``engine_kwargs`` go to ``SGLangEngine`` (e.g. ``collect_stats=False``).
     ``depths``: extra needle depths (0..1) answered once per engine and length, besides the timed
     one at 0.5 (``needles_<label>``: one bool per depth, 0.5 first).
     """
@@ -143,13 +144,15 @@ def run_e2e_bench(
     prompts: dict[int, tuple[list[int], str | None]] = {}  # same tokenizer for every engine: build once
     for factor, group in regimes.items():
         limit = int(native * factor) if factor else native
-        for label, profile in [("dense", profile_dense), ("sparse", profile_sparse), *variants]:
+        engines = [("dense", profile_dense, {}), ("sparse", profile_sparse, {})]
+        engines += [(v[0], v[1], v[2] if len(v) > 2 else {}) for v in variants]
+        for label, profile, engine_kwargs in engines:
             t0 = time.perf_counter()
             say(f"[bench] starting {label} engine (profile {getattr(profile, 'name', '?')}, yarn {factor})")
             # SGLangEngine warms up at start (a dummy prefill over the sparse path, radix cache
             # flushed), so no JIT compilation lands in a measured TTFT.
             with SGLangEngine(model_path, profile, rope_scaling_factor=factor, disable_radix_cache=True,
-                              server_overrides=server_overrides) as eng:
+                              server_overrides=server_overrides, **engine_kwargs) as eng:
                 say(f"[bench] {label} engine up in {time.perf_counter() - t0:.1f} s (warm-up {eng.warmup_s:.1f} s)")
                 def target_for(n: int) -> int:
                     return min(n, limit - max_new_tokens - 256)
@@ -247,12 +250,17 @@ def format_variants(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def parse_variant(text: str, base: Any) -> tuple[str, Any]:
-    """``"LABEL:key=value,key=value"`` -> ``(LABEL, base profile with those settings)``.
+ENGINE_VARIANT_KEYS = ("collect_stats",)   # SGLangEngine keyword arguments a variant may set
 
-    Keys: ``dense_layers`` or any ``flashprefill.SparseConfig`` field (``alpha``,
-    ``window_tokens``, ``sink_tokens``, ``dense_tail_tokens``, ``block_size``, ...). Values are
-    parsed as int, float or bool. Raises ``ValueError`` naming a bad key or value.
+
+def parse_variant(text: str, base: Any) -> tuple[str, Any, dict]:
+    """``"LABEL:key=value,key=value"`` -> ``(LABEL, base profile with those settings, engine kwargs)``.
+
+    Keys: ``dense_layers``, any ``flashprefill.SparseConfig`` field (``alpha``,
+    ``window_tokens``, ``sink_tokens``, ``dense_tail_tokens``, ``block_size``, ...) or an engine
+    option of ``ENGINE_VARIANT_KEYS`` (``collect_stats=false``: the backend keeps no statistics,
+    to measure what they cost). Values are parsed as int, float or bool. Raises ``ValueError``
+    naming a bad key or value.
     """
     label, sep, body = text.partition(":")
     if not sep or not label or not body:
@@ -260,6 +268,7 @@ def parse_variant(text: str, base: Any) -> tuple[str, Any]:
     op_fields = set(base.operator.field_names())
     top: dict[str, Any] = {}
     op: dict[str, Any] = {}
+    engine: dict[str, Any] = {}
     for item in body.split(","):
         key, eq, raw = item.partition("=")
         key = key.strip()
@@ -279,14 +288,17 @@ def parse_variant(text: str, base: Any) -> tuple[str, Any]:
                     raise ValueError(f"variant {label}: {key}={raw!r} is not a number or bool") from None
         if key == "dense_layers":
             top[key] = value
+        elif key in ENGINE_VARIANT_KEYS:
+            engine[key] = value
         elif key in op_fields:
             op[key] = value
         else:
-            raise ValueError(f"variant {label}: unknown key {key!r} (dense_layers or a SparseConfig field)")
+            raise ValueError(f"variant {label}: unknown key {key!r} (dense_layers, a SparseConfig field or "
+                             f"one of {', '.join(ENGINE_VARIANT_KEYS)})")
     prof = base.replace(**top) if top else base
     if op:
         prof = prof.replace(operator=prof.operator.replace(**op))
-    return label, prof.replace(name=f"{base.name}+{label}")
+    return label, prof.replace(name=f"{base.name}+{label}"), engine
 
 
 def format_table(rows: list[dict]) -> str:

@@ -92,7 +92,8 @@ def _attn(bf):
                 consts = dict(GROUP=4, HEAD_DIM=d, TILE_ROWS=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                               BLOCK_SIZE=128, BLOCK_U=cfg.block_u, BLOCK_S=cfg.block_s, PAGE_SIZE=ps,
                               SPARSE=sparse, MEAN_CORR=mc, MC_SUBTRACT=sub,
-                              MAIN_STAGES=cfg.num_stages, MC_STAGES=min(cfg.mc_stages or cfg.num_stages, 2))
+                              MAIN_STAGES=cfg.num_stages, MC_STAGES=min(cfg.mc_stages or cfg.num_stages, 2),
+                              MERGE_LOOPS=cfg.merge_loops, FLAT_STEPS=cfg.flat_steps)
                 # float32 means (the compile uses them): launch_attention caps the correction at 2 stages
                 compile_one(f"attn d{d} ps{ps} sparse={sparse} mc={mc}{' subtract' if sub else ''}", ta._attn_fwd, ptrs, consts,
                             floats=("scale_log2",), num_warps=cfg.num_warps, num_stages=cfg.num_stages)

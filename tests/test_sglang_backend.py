@@ -506,14 +506,15 @@ def test_e2e_bench_variants_and_depths(monkeypatch):
     from fpcli.profiles import load_profile
 
     base = load_profile("bf16")
-    label, prof = bench_e2e.parse_variant("dl4:dense_layers=4,alpha=0.05", base)
-    assert label == "dl4" and prof.dense_layers == 4 and prof.operator.alpha == 0.05
+    label, prof, eng = bench_e2e.parse_variant("dl4:dense_layers=4,alpha=0.05", base)
+    assert label == "dl4" and prof.dense_layers == 4 and prof.operator.alpha == 0.05 and eng == {}
+    assert bench_e2e.parse_variant("ns:collect_stats=false", base)[2] == {"collect_stats": False}
     assert prof.operator.window_tokens == base.operator.window_tokens and base.dense_layers == 2
     for bad, what in (("x", "LABEL"), ("v:nope=1", "nope"), ("v:alpha=abc", "alpha"), ("v:alpha=-1", "alpha")):
         with pytest.raises(ValueError, match=what):
             bench_e2e.parse_variant(bad, base)
 
-    started = []
+    started, engine_kwargs = [], []
 
     class FakeEngine:
         warmup_s = 0.0
@@ -521,6 +522,7 @@ def test_e2e_bench_variants_and_depths(monkeypatch):
         def __init__(self, model_path, profile, rope_scaling_factor=None, **kw):
             self.profile = profile
             started.append(getattr(profile, "name", profile))
+            engine_kwargs.append(kw.get("collect_stats"))
 
         def __enter__(self):
             return self
@@ -544,10 +546,12 @@ def test_e2e_bench_variants_and_depths(monkeypatch):
 
     monkeypatch.setattr(se, "SGLangEngine", FakeEngine)
     monkeypatch.setattr(se, "native_context_length", lambda path: 32768)
-    variants = [bench_e2e.parse_variant("good:alpha=0.05", base), bench_e2e.parse_variant("bad:alpha=0.2", base)]
+    variants = [bench_e2e.parse_variant("good:alpha=0.05,collect_stats=false", base),
+                bench_e2e.parse_variant("bad:alpha=0.2", base)]
     rows = bench_e2e.run_e2e_bench([8192], "m", base, base.replace(name="dense", attention="dense"), repeats=1,
                                    progress=lambda m: None, variants=variants, depths=[0.1, 0.9])
     assert started == ["dense", "bf16", "bf16+good", "bf16+bad"]
+    assert engine_kwargs == [None, None, False, None]   # collect_stats reaches only its engine
     r = rows[0]
     assert r["needles_good"] == [True, True, True] and r["needles_bad"] == [False, False, False]
     assert r["speedup_good"] == pytest.approx(4.0) and r["density_good"] == 0.2

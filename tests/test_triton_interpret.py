@@ -43,6 +43,19 @@ CASES = {
     # the mean correction's "subtract" mode (fold every candidate in, take the selected out)
     "subtract_batch_g3_ps64": ([300, 1, 129], [700, 63, 0], 2, 3, 64, 64, 64, {"_mc_mode": "subtract"}, True),
     "subtract_long_prefix_d128": ([100], [9000], 1, 2, 128, 64, 64, {"_mc_mode": "subtract"}, True),
+    # key block 128 with 64-key steps (the d=128 GPU config): two sub-tiles per block, unrolled
+    # (default), as flat loop steps, and flat + one merged exact loop + 64-row programs
+    "b128_d128_default": ([100], [3000], 1, 2, 128, 64, 128, {"_mc_mode": "mask"}, True),
+    "b128_d128_flat_merged_m64": ([100], [3000], 1, 2, 128, 64, 128,
+                                  {"_attn": {"flat_steps": True, "merge_loops": True, "block_m": 64,
+                                             "num_warps": 4}}, True),
+    "b128_g7_ps16_flat": ([200], [2900], 1, 7, 64, 16, 128,
+                          {"sink_tokens": 128, "window_tokens": 128, "alpha": 0.5,
+                           "_attn": {"block_n": 64, "flat_steps": True}},
+                          True),
+    "b128_batch_merged": ([300, 1, 129], [2700, 63, 0], 2, 3, 64, 64, 128,
+                          {"sink_tokens": 128, "window_tokens": 128, "alpha": 0.5,
+                           "_attn": {"block_n": 64, "flat_steps": True, "merge_loops": True}}, True),
 }
 # Shared sparse knobs for tiny shapes (B = 64 gives enough blocks at a few hundred tokens).
 BASE_CONFIG = dict(sink_tokens=64, window_tokens=64, dense_tail_tokens=32, alpha=0.3)
@@ -105,6 +118,7 @@ def _run_case(name):
     q_lens, prefixes, hkv, g, d, ps, B, over, structured = CASES[name]
     over = dict(over)
     ta.MC_MODE = over.pop("_mc_mode", "mask")
+    ta.CONFIG_OVERRIDES = over.pop("_attn", {})
     cfg = SparseConfig(block_size=B, **{**BASE_CONFIG, **over})
     q, k, v, pt, sl, cu = make_inputs(q_lens, prefixes, hkv, g, d, ps, torch.float16, structured)
     plan = make_plan(sl, cu, g, B)

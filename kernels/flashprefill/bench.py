@@ -128,12 +128,15 @@ def _dense_baselines(q, k_lin, v_lin, L, batch, hq, hkv, d, scale):
 # --variants: attention tile configs timed besides the default (d=128: all fit in sm_90 smem,
 # scripts/compile_sm90.py)
 INDEX_VARIANTS: list[tuple[str, dict]] = []   # selection tiles: BLOCK_J 128 / 8 warps were slower (2026-11-30)
-ATTN_CONFIG_VARIANTS = [("attn_v2_ms", {"block_n": 128, "num_stages": 2, "mc_stages": 0, "mc_mode": "mask"}),
-                        ("attn_mask_ms", {"mc_mode": "mask"}),
+ATTN_CONFIG_VARIANTS = [("attn_mask_ms", {"mc_mode": "mask"}),
                         ("attn_mcst3_ms", {"mc_stages": 3}),
-                        ("attn_st4_ms", {"num_stages": 4}),
-                        ("attn_bu128_ms", {"block_u": 128, "mc_stages": 2}),
-                        ("attn_bn128_ms", {"block_n": 128, "num_stages": 2})]
+                        ("attn_flat_ms", {"flat_steps": True}),
+                        ("attn_flat_st4_ms", {"flat_steps": True, "num_stages": 4}),
+                        ("attn_flat_merged_ms", {"flat_steps": True, "merge_loops": True}),
+                        ("attn_m64_ms", {"flat_steps": True, "merge_loops": True, "block_m": 64, "num_warps": 4,
+                                         "mc_stages": 2}),
+                        ("attn_m64s2_ms", {"flat_steps": True, "merge_loops": True, "block_m": 64, "num_warps": 4,
+                                           "num_stages": 2, "mc_stages": 2})]
 
 
 def host_ms(fn: Callable[[], object], n: int = 20) -> float:
@@ -309,10 +312,14 @@ def run_operator_bench(lens, heads_q: int, heads_kv: int, head_dim: int, dtype, 
                 tb.EXACT_SCORES = saved
             from .impl import triton_attention as ta
             base_cfg = ta.get_config
+            ref_out = tb.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, index)[0]
             for key, over in ATTN_CONFIG_VARIANTS:   # the same kernel, other tiles (sm_90 fit checked)
                 try:
                     ta.get_config = lambda *a, _o=over, **k: dataclasses.replace(base_cfg(*a, **k), **_o)
                     row[key] = time_ms(lambda: tb.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, index))
+                    alt = tb.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, index)[0]
+                    row[key[:-3] + "_maxdiff"] = float((alt.float() - ref_out.float()).abs().max())
+                    del alt
                 except Exception as e:  # e.g. out of shared memory: report, go on
                     row["notes"][key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
                 finally:
@@ -372,9 +379,10 @@ TABLE_COLS = [("L", "L", "{:d}"), ("density", "density", "{:.4f}"), ("index_ms",
               ("cudnn_ms", "cuDNN ms", "{:.3f}"), ("fa2_ms", "FA2 ms", "{:.3f}"),
               ("speedup_vs_fa4", "x FA4", "{:.2f}"), ("speedup_vs_cudnn", "x cuDNN", "{:.2f}")]
 VARIANT_COLS = [("L", "L", "{:d}"), ("attn_ms", "attn ms", "{:.3f}"), ("attn_nomc_ms", "attn no-MC ms", "{:.3f}"),
-                ("attn_v2_ms", "attn v2 ms", "{:.3f}"), ("attn_mask_ms", "attn MCmask ms", "{:.3f}"),
-                ("attn_mcst3_ms", "MC st3 ms", "{:.3f}"), ("attn_st4_ms", "attn st4 ms", "{:.3f}"),
-                ("attn_bu128_ms", "attn U128 ms", "{:.3f}"), ("attn_bn128_ms", "N128 st2 ms", "{:.3f}"),
+                ("attn_mask_ms", "attn MCmask ms", "{:.3f}"), ("attn_mcst3_ms", "MC st3 ms", "{:.3f}"),
+                ("attn_flat_ms", "flat ms", "{:.3f}"), ("attn_flat_st4_ms", "flat st4 ms", "{:.3f}"),
+                ("attn_flat_merged_ms", "flat+merged ms", "{:.3f}"), ("attn_m64_ms", "M64x2/SM ms", "{:.3f}"),
+                ("attn_m64s2_ms", "M64 st2 ms", "{:.3f}"), ("attn_m64_maxdiff", "M64 maxdiff", "{:.1e}"),
                 ("mc_sub_vs_mask_max_abs", "sub-mask max", "{:.1e}"),
                 ("index_ms", "index ms", "{:.3f}"), ("index_exact_ms", "idx exact ms", "{:.3f}"),
                 ("index_onedot_ms", "idx 1-dot ms", "{:.3f}"), ("exact_vs_onedot_mismatch", "CSR diff frac", "{:.2e}"),

@@ -49,6 +49,9 @@ SUPPORTED_DTYPES = TRITON_DTYPES
 # "subtract": no loop-carried pointer, so its loads pipeline (``mc_stages``); same results within
 # one bf16 ulp at 128K (bench ``mc_sub_vs_mask_max_abs``), GPU tests run both.
 MC_MODE = "subtract"
+# AttnConfig fields to override at every launch, e.g. {"flat_steps": True} (tests, experiments;
+# the bench's --variants patch get_config instead). Empty in normal use.
+CONFIG_OVERRIDES: dict = {}
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,13 @@ class AttnConfig:
         mc_stages: pipeline depth of the mean-correction loops (0: ``num_stages``). Depth 2
             issues the next step's loads at the end of a step and waits for them at the start of
             the next (little overlap); 3+ keeps a load in flight during a step.
+        merge_loops: one exact-key loop with the causal mask switched on from the first block
+            that needs it, instead of an unmasked and a masked loop (Triton gives each loop its
+            own K/V ring in shared memory: one ring frees room for a second resident program
+            per SM with ``block_m`` 64 / 4 warps). Not measured yet: the bench's variants.
+        flat_steps: one loop step per ``block_n`` keys instead of an unrolled loop over a key
+            block's ``block_size // block_n`` sub-tiles (each unrolled sub-tile gets its own
+            shared-memory ring). Not measured yet: the bench's variants.
         mc_mode: how the mean correction skips the selected blocks among its candidates:
             ``"mask"``: a membership test per candidate chunk (a pointer walk over the ascending
             ``col_idx`` and a chunk bitmask); ``"subtract"``: every candidate is folded in (no
@@ -82,6 +92,8 @@ class AttnConfig:
     num_stages: int
     mc_mode: str = "mask"
     mc_stages: int = 0
+    merge_loops: bool = False
+    flat_steps: bool = False
 
 
 def get_config(head_dim: int, dtype: torch.dtype, block_size: int = 128) -> AttnConfig:
@@ -113,35 +125,55 @@ def get_config(head_dim: int, dtype: torch.dtype, block_size: int = 128) -> Attn
         cfg = dataclasses.replace(cfg, block_n=block_size)
     if MC_MODE not in ("mask", "subtract"):
         raise ValueError(f"MC_MODE must be 'mask' or 'subtract', got {MC_MODE!r}")
-    return dataclasses.replace(cfg, mc_mode=MC_MODE)
+    cfg = dataclasses.replace(cfg, mc_mode=MC_MODE, **CONFIG_OVERRIDES)
+    if block_size % cfg.block_n or cfg.block_n > block_size:
+        raise ValueError(f"attention config: block_n {cfg.block_n} must divide the key block size {block_size}")
+    return cfg
 
 
 @triton.jit
-def _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, lo, hi,
+def _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, lo, hi, mask_from,
                 P, lk, tok, scale_log2,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                PAGE_SIZE: tl.constexpr, SPARSE: tl.constexpr, MASK: tl.constexpr, STAGES: tl.constexpr):
+                PAGE_SIZE: tl.constexpr, SPARSE: tl.constexpr, MASK: tl.constexpr, STAGES: tl.constexpr,
+                FLAT: tl.constexpr = False):
     """Online softmax over key blocks ``col_idx[lo:hi]`` (``SPARSE``) or ``lo..hi-1`` (dense).
 
-    ``MASK``: apply the bottom-right causal mask ``p <= P + t`` and ``p < Lk`` (padded keys get
-    ``-inf``, never logit 0). Logits are in log2 units (``scale_log2 = τ log2 e``).
+    ``MASK``: 0 = no mask (every key of every step is visible to every row); 1 = apply the
+    bottom-right causal mask ``p <= P + t`` and ``p < Lk`` on every step (padded keys get
+    ``-inf``, never logit 0); 2 = one loop for both: loads always predicated on ``p < Lk``, the
+    causal mask applied from step ``mask_from`` on (``merge_loops``: one K/V ring in shared
+    memory instead of two). Logits are in log2 units (``scale_log2 = τ log2 e``).
+
+    ``FLAT``: one loop step per ``BLOCK_N`` keys (``BLOCK_SIZE // BLOCK_N`` steps per block)
+    instead of an unrolled inner loop over a block's sub-tiles, whose loads Triton pipelines
+    with one shared-memory ring EACH (so ``flat_steps`` holds the same pipeline depth in half
+    the shared memory when ``BLOCK_N = BLOCK_SIZE / 2``).
     """
     dims = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
-    for k in tl.range(lo, hi, num_stages=STAGES):
+    SUBS: tl.constexpr = BLOCK_SIZE // BLOCK_N
+    OUTER_SUBS: tl.constexpr = 1 if FLAT else SUBS
+    STEP_SUBS: tl.constexpr = SUBS if FLAT else 1
+    for it in tl.range(lo * STEP_SUBS, hi * STEP_SUBS, num_stages=STAGES):
+        e = it // STEP_SUBS                      # the entry (block) of this step
         if SPARSE:
-            j = tl.load(col_idx + k)
+            j = tl.load(col_idx + e)
         else:
-            j = k
-        for sub in tl.static_range(BLOCK_SIZE // BLOCK_N):
+            j = e
+        for sub_u in tl.static_range(OUTER_SUBS):
+            if FLAT:
+                sub = it % STEP_SUBS
+            else:
+                sub = sub_u
             # -- gather K / V rows of positions p through the page table
             pos = j * BLOCK_SIZE + sub * BLOCK_N + offs_n
-            if MASK:
+            if MASK == 0:
+                pos_c = pos
+            else:
                 p_ok = pos < lk
                 pos_c = tl.where(p_ok, pos, 0)
-            else:
-                pos_c = pos
             if PAGE_SIZE % BLOCK_N == 0:
                 # the BLOCK_N keys (BLOCK_N-aligned) share one page: a scalar 64-bit base and
                 # 32-bit in-page offsets, contiguous rows
@@ -161,15 +193,19 @@ def _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, lo, hi,
                 v_off = page * stride_vp + slot * stride_vs + h * stride_vh
                 k_ptrs = k_cache + k_off[:, None] + dims[None, :]
                 v_ptrs = v_cache + v_off[:, None] + dims[None, :]
-            if MASK:
-                k = tl.load(k_ptrs, mask=p_ok[:, None], other=0.0)
-            else:
+            if MASK == 0:
                 k = tl.load(k_ptrs)
+            else:
+                k = tl.load(k_ptrs, mask=p_ok[:, None], other=0.0)
             # -- compute qk (log2 units)
             qk = tl.dot(q, tl.trans(k)) * scale_log2
-            if MASK:
+            if MASK == 1:
                 allowed = (pos[None, :] <= P + tok[:, None]) & p_ok[None, :]
                 qk = tl.where(allowed, qk, float("-inf"))
+            elif MASK == 2:
+                if e >= mask_from:
+                    allowed = (pos[None, :] <= P + tok[:, None]) & p_ok[None, :]
+                    qk = tl.where(allowed, qk, float("-inf"))
             # -- update m_i and l_i
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -177,10 +213,10 @@ def _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, lo, hi,
             p = tl.exp2(qk - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             # -- update acc
-            if MASK:
-                v = tl.load(v_ptrs, mask=p_ok[:, None], other=0.0)
-            else:
+            if MASK == 0:
                 v = tl.load(v_ptrs)
+            else:
+                v = tl.load(v_ptrs, mask=p_ok[:, None], other=0.0)
             acc = acc * alpha[:, None]
             acc = tl.dot(p.to(v.dtype), v, acc)
             m_i = m_new
@@ -330,6 +366,8 @@ def _attn_fwd(
     MC_SUBTRACT: tl.constexpr,
     MAIN_STAGES: tl.constexpr,
     MC_STAGES: tl.constexpr,
+    MERGE_LOOPS: tl.constexpr,
+    FLAT_STEPS: tl.constexpr,
 ):
     tl.static_assert(TILE_ROWS % BLOCK_M == 0)
     tl.static_assert(BLOCK_U % 64 == 0)
@@ -373,14 +411,20 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # ---------------------------------------------------------------- exact keys
-    acc, m_i, l_i = _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, start, split,
-                                P, lk, tok, scale_log2,
-                                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
-                                HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, SPARSE, False, MAIN_STAGES)
-    acc, m_i, l_i = _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, split, end,
-                                P, lk, tok, scale_log2,
-                                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
-                                HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, SPARSE, True, MAIN_STAGES)
+    if MERGE_LOOPS:
+        acc, m_i, l_i = _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, start, end, split,
+                                    P, lk, tok, scale_log2,
+                                    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
+                                    HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, SPARSE, 2, MAIN_STAGES, FLAT_STEPS)
+    else:
+        acc, m_i, l_i = _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, start, split, split,
+                                    P, lk, tok, scale_log2,
+                                    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
+                                    HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, SPARSE, 0, MAIN_STAGES, FLAT_STEPS)
+        acc, m_i, l_i = _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, split, end, split,
+                                    P, lk, tok, scale_log2,
+                                    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
+                                    HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, SPARSE, 1, MAIN_STAGES, FLAT_STEPS)
     # ---------------------------------------------------------------- mean correction
     if SPARSE and MEAN_CORR:
         nb = (lk + BLOCK_SIZE - 1) // BLOCK_SIZE
@@ -446,7 +490,8 @@ def launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, so
         GROUP=plan.group_size, HEAD_DIM=d, TILE_ROWS=plan.tile_rows, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_SIZE=B, BLOCK_U=cfg.block_u, BLOCK_S=cfg.block_s,
         PAGE_SIZE=page_size, SPARSE=sparse, MEAN_CORR=mean_correction, MC_SUBTRACT=cfg.mc_mode == "subtract",
-        MAIN_STAGES=cfg.num_stages, MC_STAGES=mc_stages,
+        MAIN_STAGES=cfg.num_stages, MC_STAGES=mc_stages, MERGE_LOOPS=cfg.merge_loops,
+        FLAT_STEPS=cfg.flat_steps,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
