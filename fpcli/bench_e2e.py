@@ -250,7 +250,9 @@ def format_variants(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-ENGINE_VARIANT_KEYS = ("collect_stats",)   # SGLangEngine keyword arguments a variant may set
+# Engine options a variant may set: ``collect_stats`` (SGLangEngine argument) and ``kernel`` (an
+# attention-kernel experiment by name, ``FP_ATTN_VARIANT`` in SGLang's processes).
+ENGINE_VARIANT_KEYS = ("collect_stats", "kernel")
 
 
 def parse_variant(text: str, base: Any) -> tuple[str, Any, dict]:
@@ -259,8 +261,9 @@ def parse_variant(text: str, base: Any) -> tuple[str, Any, dict]:
     Keys: ``dense_layers``, any ``flashprefill.SparseConfig`` field (``alpha``,
     ``window_tokens``, ``sink_tokens``, ``dense_tail_tokens``, ``block_size``, ...) or an engine
     option of ``ENGINE_VARIANT_KEYS`` (``collect_stats=false``: the backend keeps no statistics,
-    to measure what they cost). Values are parsed as int, float or bool. Raises ``ValueError``
-    naming a bad key or value.
+    to measure what they cost; ``kernel=m64``: an attention-kernel variant of
+    ``flashprefill.impl.triton_attention.ATTN_VARIANTS`` in the engine's processes). Values are
+    parsed as int, float or bool. Raises ``ValueError`` naming a bad key or value.
     """
     label, sep, body = text.partition(":")
     if not sep or not label or not body:
@@ -276,6 +279,11 @@ def parse_variant(text: str, base: Any) -> tuple[str, Any, dict]:
             raise ValueError(f"variant {label}: {item!r} is not key=value")
         low = raw.strip().lower()
         value: Any
+        if key == "kernel":
+            if not low.isidentifier():
+                raise ValueError(f"variant {label}: kernel={raw!r} is not a variant name")
+            engine["extra_env"] = {"FP_ATTN_VARIANT": low}
+            continue
         if low in ("true", "false"):
             value = low == "true"
         else:

@@ -329,3 +329,25 @@ def test_sparse_config_errors():
         SparseConfig(block_size=96)
     with pytest.raises(ValueError, match="SparseConfig.alpha"):
         SparseConfig(alpha=1.5)
+
+
+def test_attention_variant_from_env(monkeypatch):
+    """``FP_ATTN_VARIANT`` selects named kernel-config overrides (used inside SGLang's
+    scheduler processes); an unknown name is a ValueError naming the choices."""
+    pytest.importorskip("triton")
+    from flashprefill.impl import triton_attention as ta
+
+    monkeypatch.setenv("FP_ATTN_VARIANT", "m64")
+    assert ta._variant_from_env() == ta.ATTN_VARIANTS["m64"]
+    monkeypatch.setenv("FP_ATTN_VARIANT", "")
+    assert ta._variant_from_env() == {}
+    monkeypatch.setenv("FP_ATTN_VARIANT", "fast")
+    with pytest.raises(ValueError, match="m64"):
+        ta._variant_from_env()
+    import torch
+    monkeypatch.setattr(ta, "CONFIG_OVERRIDES", ta.ATTN_VARIANTS["m64"])
+    cfg = ta.get_config(128, torch.bfloat16, 128)
+    assert cfg.block_m == 64 and cfg.flat_steps and cfg.merge_loops and cfg.num_warps == 4
+    monkeypatch.setattr(ta, "CONFIG_OVERRIDES", {"block_n": 96})
+    with pytest.raises(ValueError, match="block_n 96"):
+        ta.get_config(128, torch.bfloat16, 128)

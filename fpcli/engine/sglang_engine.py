@@ -245,6 +245,8 @@ class SGLangEngine:
         collect_stats: per-layer density and prefill time from the backend.
         layer_timing: also time index and attention stages per layer.
         server_overrides: extra ``ServerArgs`` fields, win over the profile.
+        extra_env: environment entries for SGLang's processes, e.g. ``{"FP_ATTN_VARIANT": "m64"}``
+            (an attention-kernel experiment, ``flashprefill.impl.triton_attention.ATTN_VARIANTS``).
         shutdown_timeout_s: how long ``close`` waits for SGLang before killing its children.
     """
 
@@ -266,6 +268,7 @@ class SGLangEngine:
         shutdown_timeout_s: float = 30.0,
         settings_overrides: dict | None = None,
         warmup: bool = True,
+        extra_env: dict[str, str] | None = None,
     ):
         check_available()
         self.model_path = str(model_path)
@@ -296,7 +299,7 @@ class SGLangEngine:
         t0 = time.perf_counter()
         logger.info("starting SGLang: %s", self.server_kwargs)
         try:
-            with _env(self.settings.to_env()):
+            with _env({**self.settings.to_env(), **(extra_env or {})}):
                 self._engine = engine_class()(**self.server_kwargs)
         except BaseException:
             self._child_pids = sorted(_children() - before)

@@ -134,7 +134,7 @@ ATTN_CONFIG_VARIANTS = [("attn_mask_ms", {"mc_mode": "mask"}),
                         ("attn_flat_st4_ms", {"flat_steps": True, "num_stages": 4}),
                         ("attn_flat_merged_ms", {"flat_steps": True, "merge_loops": True}),
                         ("attn_m64_ms", {"flat_steps": True, "merge_loops": True, "block_m": 64, "num_warps": 4,
-                                         "mc_stages": 2}),
+                                         "mc_stages": 2}),   # = triton_attention.ATTN_VARIANTS["m64"]
                         ("attn_m64s2_ms", {"flat_steps": True, "merge_loops": True, "block_m": 64, "num_warps": 4,
                                            "num_stages": 2, "mc_stages": 2})]
 

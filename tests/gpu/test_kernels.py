@@ -40,8 +40,7 @@ DEV = os.environ.get("FP_TEST_DEVICE", "cuda")  # "cpu" only for an interpreter 
 KERNEL_VARIANTS = {
     "subtract": ("subtract", {}),
     "mask": ("mask", {}),
-    "flat-m64": ("subtract", {"flat_steps": True, "merge_loops": True, "block_m": 64, "num_warps": 4,
-                              "mc_stages": 2}),
+    "flat-m64": ("subtract", ta.ATTN_VARIANTS["m64"]),
 }
 
 

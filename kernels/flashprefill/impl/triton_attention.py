@@ -32,6 +32,7 @@ Per program:
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -49,9 +50,30 @@ SUPPORTED_DTYPES = TRITON_DTYPES
 # "subtract": no loop-carried pointer, so its loads pipeline (``mc_stages``); same results within
 # one bf16 ulp at 128K (bench ``mc_sub_vs_mask_max_abs``), GPU tests run both.
 MC_MODE = "subtract"
-# AttnConfig fields to override at every launch, e.g. {"flat_steps": True} (tests, experiments;
-# the bench's --variants patch get_config instead). Empty in normal use.
-CONFIG_OVERRIDES: dict = {}
+# Named sets of AttnConfig overrides for experiments (not measured as the default yet):
+# "m64": flat 64-key steps, one merged exact loop, 64-row programs with 4 warps -- small enough in
+# shared memory and registers for two resident programs per SM (scripts/compile_sm90.py).
+ATTN_VARIANTS: dict[str, dict] = {
+    "flat": {"flat_steps": True},
+    "m64": {"flat_steps": True, "merge_loops": True, "block_m": 64, "num_warps": 4, "mc_stages": 2},
+}
+
+
+def _variant_from_env() -> dict:
+    """``FP_ATTN_VARIANT=<name>`` (a key of ``ATTN_VARIANTS``) selects overrides in a process the
+    caller does not control directly (an SGLang scheduler). Raises ``ValueError`` for an
+    unknown name."""
+    name = os.environ.get("FP_ATTN_VARIANT", "").strip()
+    if not name:
+        return {}
+    if name not in ATTN_VARIANTS:
+        raise ValueError(f"FP_ATTN_VARIANT={name!r}: expected one of {sorted(ATTN_VARIANTS)}")
+    return dict(ATTN_VARIANTS[name])
+
+
+# AttnConfig fields to override at every launch (tests, experiments; the bench's --variants patch
+# get_config instead). Empty in normal use.
+CONFIG_OVERRIDES: dict = _variant_from_env()
 
 
 @dataclass(frozen=True)
