@@ -88,7 +88,8 @@ def _median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def _measure(engine: Any, ids: list[int], secret: str | None, repeats: int, max_new_tokens: int) -> dict:
+def _measure(engine: Any, ids: list[int], secret: str | None, repeats: int, max_new_tokens: int,
+             stats: bool = True) -> dict:
     engine.generate(ids, max_new_tokens=2)  # warm-up at this length (autotune, allocator)
     runs = [engine.generate(ids, max_new_tokens=max_new_tokens) for _ in range(repeats)]
     last = runs[-1]
@@ -96,8 +97,8 @@ def _measure(engine: Any, ids: list[int], secret: str | None, repeats: int, max_
         "ttft_s": _median([r.ttft_s for r in runs]),
         "ttft_all_s": [round(r.ttft_s, 5) for r in runs],
         "prefill_s": _median([r.prefill_s for r in runs]),
-        "density": last.stats.density,
-        "density_per_layer": [round(x, 4) for x in last.stats.density_per_layer],
+        "density": last.stats.density if stats else None,      # no statistics: unknown, not 1.0
+        "density_per_layer": [round(x, 4) for x in last.stats.density_per_layer] if stats else [],
         "answer": last.text.strip()[:80],
         "needle": answered(last.text, secret) if secret else None,
         "prompt_tokens": last.prompt_tokens,
@@ -170,7 +171,8 @@ def run_e2e_bench(
                         prompts[n] = (ids, secret)
                     ids, secret = prompts[n]
                     reps = max(1, repeats if n <= 32768 else min(repeats, 2))
-                    m = _measure(eng, ids, secret, reps, max_new_tokens)
+                    m = _measure(eng, ids, secret, reps, max_new_tokens,
+                                 stats=engine_kwargs.get("collect_stats", True) is not False)
                     row = rows.setdefault(n, {"target_len": n, "yarn": factor})
                     row["prompt_tokens"] = m["prompt_tokens"]
                     for key in ("ttft_s", "ttft_all_s", "prefill_s", "answer", "needle"):
@@ -183,8 +185,9 @@ def run_e2e_bench(
                     if needle and depths:
                         row[f"needles_{label}"] = [m["needle"]] + [
                             _needle_at(eng, prompts, n, target_for(n), d, limit, max_new_tokens) for d in depths]
+                    dens = "n/a" if m["density"] is None else f"{m['density']:.3f}"
                     say(f"[bench] {label} {n}: {m['prompt_tokens']} tokens, TTFT {m['ttft_s']:.4f} s, "
-                        f"prefill {m['prefill_s']:.4f} s, density {m['density']:.3f}, needle {m['needle']} "
+                        f"prefill {m['prefill_s']:.4f} s, density {dens}, needle {m['needle']} "
                         f"({m['answer']!r})")
                     if on_rows is not None:
                         on_rows(_finish_rows(rows))
@@ -202,6 +205,10 @@ def _needle_at(engine: Any, prompts: dict, n: int, target: int, depth: float, li
         prompts[key] = (ids, secret)
     ids, secret = prompts[key]
     return answered(engine.generate(ids, max_new_tokens=max_new_tokens).text, secret)
+
+
+def _num(x: float | None) -> float:
+    return float("nan") if x is None else x
 
 
 def _speedup(d: float | None, s: float | None) -> float | None:
@@ -243,10 +250,10 @@ def format_variants(rows: list[dict]) -> str:
                 continue
             sp = r.get("speedup") if lab == "sparse" else (1.0 if lab == "dense" else r.get(f"speedup_{lab}"))
             dens = r.get("density") if lab == "sparse" else (1.0 if lab == "dense" else r.get(f"density_{lab}"))
-            nd = r.get(f"needles_{lab}") or [r.get(f"needle_{lab}")]
-            ok = f"{sum(bool(x) for x in nd)}/{len(nd)}"
+            nd = [x for x in (r.get(f"needles_{lab}") or [r.get(f"needle_{lab}")]) if x is not None]
+            ok = f"{sum(bool(x) for x in nd)}/{len(nd)}" if nd else "-"
             lines.append(f"{r['target_len']:>7} {lab:>16} {t:>8.4f} {(f'{sp:.2f}x' if sp else '-'):>8} "
-                         f"{(dens if dens is not None else float('nan')):>8.3f} {ok:>8}")
+                         f"{_num(dens):>8.3f} {ok:>8}")
     return "\n".join(lines)
 
 
@@ -268,6 +275,8 @@ def parse_variant(text: str, base: Any) -> tuple[str, Any, dict]:
     label, sep, body = text.partition(":")
     if not sep or not label or not body:
         raise ValueError(f"variant {text!r}: expected LABEL:key=value[,key=value...]")
+    if label in ("dense", "sparse") or label.startswith("all_") or not label.replace("_", "").isalnum():
+        raise ValueError(f"variant {text!r}: LABEL must be letters/digits, not 'dense', 'sparse' or 'all_...'")
     op_fields = set(base.operator.field_names())
     top: dict[str, Any] = {}
     op: dict[str, Any] = {}
@@ -280,8 +289,10 @@ def parse_variant(text: str, base: Any) -> tuple[str, Any, dict]:
         low = raw.strip().lower()
         value: Any
         if key == "kernel":
-            if not low.isidentifier():
-                raise ValueError(f"variant {label}: kernel={raw!r} is not a variant name")
+            from flashprefill.config import ATTN_VARIANTS
+
+            if low not in ATTN_VARIANTS:
+                raise ValueError(f"variant {label}: kernel={raw!r}: expected one of {sorted(ATTN_VARIANTS)}")
             engine["extra_env"] = {"FP_ATTN_VARIANT": low}
             continue
         if low in ("true", "false"):
@@ -318,7 +329,7 @@ def format_table(rows: list[dict]) -> str:
         lines.append(
             f"{r['target_len']:>7} {r.get('prompt_tokens', 0):>7} {str(r.get('yarn') or '-'):>5} "
             f"{r.get('ttft_dense_s', float('nan')):>9.4f} {r.get('ttft_sparse_s', float('nan')):>9.4f} "
-            f"{sp:>8} {r.get('density', float('nan')):>8.3f} {nd:>11}"
+            f"{sp:>8} {_num(r.get('density')):>8.3f} {nd:>11}"
         )
     return "\n".join(lines)
 

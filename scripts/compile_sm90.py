@@ -61,7 +61,7 @@ def compile_one(label, fn, ptrs, consts, floats=(), num_warps=4, num_stages=2):
     regs = int(regs.group(1)) if regs else -1
     per_sm = min(65536 // max(1, regs * 32 * num_warps), (228 * 1024) // max(1, md.shared + 1024),
                  64 // num_warps)
-    print(f"{label:44s} smem {md.shared / 1024:6.1f} KiB  regs {regs:3d}  local {local.group(1) if local else '?':>4s} B"
+    print(f"{label:60s} smem {md.shared / 1024:6.1f} KiB  regs {regs:3d}  local {local.group(1) if local else '?':>4s} B"
           f"  progs/SM {per_sm}  wgmma {ptx.count('wgmma.mma_async')}  cp.async {ptx.count('cp.async')}")
     return k
 
@@ -76,28 +76,43 @@ def main():
 
 
 def _attn(bf):
-    # attention, d=128 config, page 64 (bench) and page 128
-    for d in (128, 64, 256):
-        cfg = ta.get_config(d, __import__("torch").bfloat16, 128)
+    """The attention kernel as launched: the default config of each head dim (page 64 = the bench,
+    128 and 1), both mean dtypes (float32 up to 32K tokens, where ``launch_attention`` caps the
+    correction at 2 stages; 16-bit copies beyond, with the config's full depth), then each named
+    variant of ``ATTN_VARIANTS`` at d=128."""
+    import dataclasses
+
+    import torch
+
+    configs = [(f"d{d}", d, ta.get_config(d, torch.bfloat16, 128)) for d in (128, 64, 256)]
+    configs += [(f"d128 variant {name}", 128, dataclasses.replace(ta.get_config(128, torch.bfloat16, 128), **over))
+                for name, over in ta.ATTN_VARIANTS.items()]
+    for label, d, cfg in configs:
         for ps in (64, 128, 1):
             for sparse, mc, sub in ((True, True, False), (True, True, True), (True, False, False),
                                     (False, False, False)):
                 if ps != 64 and not (sparse and mc):
                     continue
-                ptrs = {n: "*i32" for n in ta._attn_fwd.arg_names if n in (
-                    "page_table", "seq_lens", "cu_seqlens_q", "tile_request", "tile_local", "block_ptr",
-                    "row_ptr", "col_idx")}
-                ptrs.update({"q_ptr": bf, "k_cache": bf, "v_cache": bf, "k_mean": "*fp32", "v_mean": "*fp32",
-                             "out_ptr": bf, "lse_ptr": "*fp32"})
-                consts = dict(GROUP=4, HEAD_DIM=d, TILE_ROWS=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                              BLOCK_SIZE=128, BLOCK_U=cfg.block_u, BLOCK_S=cfg.block_s, PAGE_SIZE=ps,
-                              SPARSE=sparse, MEAN_CORR=mc, MC_SUBTRACT=sub,
-                              MAIN_STAGES=cfg.num_stages, MC_STAGES=min(cfg.mc_stages or cfg.num_stages, 2),
-                              MERGE_LOOPS=cfg.merge_loops, FLAT_STEPS=cfg.flat_steps)
-                # float32 means (the compile uses them): launch_attention caps the correction at 2 stages
-                compile_one(f"attn d{d} ps{ps} sparse={sparse} mc={mc}{' subtract' if sub else ''}", ta._attn_fwd, ptrs, consts,
-                            floats=("scale_log2",), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-            if d != 128:
+                for means in (("*fp32", bf) if (sparse and mc) else ("*fp32",)):
+                    mc_stages = cfg.mc_stages or cfg.num_stages
+                    if means == "*fp32":
+                        mc_stages = min(mc_stages, 2)
+                    ptrs = {n: "*i32" for n in ta._attn_fwd.arg_names if n in (
+                        "page_table", "seq_lens", "cu_seqlens_q", "tile_request", "tile_local", "block_ptr",
+                        "row_ptr", "col_idx")}
+                    ptrs.update({"q_ptr": bf, "k_cache": bf, "v_cache": bf, "k_mean": means, "v_mean": means,
+                                 "out_ptr": bf, "lse_ptr": "*fp32"})
+                    consts = dict(GROUP=4, HEAD_DIM=d, TILE_ROWS=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                                  BLOCK_SIZE=128, BLOCK_U=cfg.block_u, BLOCK_S=cfg.block_s, PAGE_SIZE=ps,
+                                  SPARSE=sparse, MEAN_CORR=mc, MC_SUBTRACT=sub,
+                                  MAIN_STAGES=cfg.num_stages, MC_STAGES=mc_stages,
+                                  MERGE_LOOPS=cfg.merge_loops, FLAT_STEPS=cfg.flat_steps)
+                    name = f"attn {label} ps{ps} sparse={sparse} mc={mc}{' subtract' if sub else ''}"
+                    if sparse and mc:
+                        name += f" means {means[1:]}"
+                    compile_one(name, ta._attn_fwd, ptrs, consts, floats=("scale_log2",),
+                                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            if d != 128 or "variant" in label:
                 break
 
 

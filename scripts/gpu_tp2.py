@@ -42,7 +42,7 @@ def _get(url: str, timeout: float = 5.0) -> int:
         return 0
 
 
-def stream_chat(base: str, text: str, max_tokens: int = 16) -> dict:
+def stream_chat(base: str, text: str, max_tokens: int = 16, timeout: float = 300.0) -> dict:
     """One streamed greedy chat completion: TTFT (s), total (s) and the answer text."""
     body = json.dumps({"model": "default", "messages": [{"role": "user", "content": text}], "stream": True,
                        "temperature": 0.0, "max_tokens": max_tokens}).encode()
@@ -50,7 +50,7 @@ def stream_chat(base: str, text: str, max_tokens: int = 16) -> dict:
                                  headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
     ttft, parts = None, []
-    with urllib.request.urlopen(req, timeout=600) as r:
+    with urllib.request.urlopen(req, timeout=timeout) as r:
         for raw in r:
             line = raw.decode("utf-8", "replace").strip()
             if not line.startswith("data:") or line.endswith("[DONE]"):
@@ -103,13 +103,17 @@ def run_server(model: str, profile: str, port: int, out: Path, tokens: int, tp: 
                 os.killpg(proc.pid, signal.SIGINT)
                 proc.wait(timeout=30)
             except (subprocess.TimeoutExpired, ProcessLookupError):
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(timeout=30)
+                pass
             res["stop_s"] = round(time.perf_counter() - t1, 1)
-            res["exit_code"] = proc.returncode
+            res["exit_code"] = proc.poll()
+            # whatever of the server's process group is still there (scheduler / detokenizer
+            # children that outlived the main process) must not hold the GPUs for the next run
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if proc.poll() is None:
+                proc.wait(timeout=30)
     log_text = log_path.read_text(errors="replace")
     res["backend_ranks"] = sorted(set(re.findall(r"TP(\d+).*flashprefill backend: layers", log_text)))
     res["backend_lines"] = len(re.findall(r"flashprefill backend: layers", log_text))
@@ -130,10 +134,18 @@ def main() -> int:
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = [run_server(a.model, "bf16", a.port, out, a.tokens, a.tp, a.timeout)]
-    if a.dense:
-        rows.append(run_server(a.model, "dense", a.port + 1, out, a.tokens, a.tp, a.timeout))
-    (out / "tp2.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}, indent=2))
+    # a `timeout` around this script sends SIGTERM: turn it into SystemExit so the `finally` that
+    # stops the server runs (else a TP=2 server keeps half of both GPUs on a warm machine)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    rows: list[dict] = []
+
+    def save() -> None:   # after every server: a cut run keeps what it measured
+        (out / "tp2.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows},
+                                                 indent=2))
+
+    for profile, port in [("bf16", a.port)] + ([("dense", a.port + 1)] if a.dense else []):
+        rows.append(run_server(a.model, profile, port, out, a.tokens, a.tp, a.timeout))
+        save()
     print(f"{'profile':8} {'tp':>2} {'ready s':>8} {'TTFT s':>8} {'1st TTFT':>9} {'needle':>6} {'exit':>5} "
           f"{'stop s':>6}  ranks(backend/sparse)  answer")
     for r in rows:

@@ -511,7 +511,8 @@ def test_e2e_bench_variants_and_depths(monkeypatch):
     assert bench_e2e.parse_variant("ns:collect_stats=false", base)[2] == {"collect_stats": False}
     assert bench_e2e.parse_variant("k:kernel=m64", base)[2] == {"extra_env": {"FP_ATTN_VARIANT": "m64"}}
     assert prof.operator.window_tokens == base.operator.window_tokens and base.dense_layers == 2
-    for bad, what in (("x", "LABEL"), ("v:nope=1", "nope"), ("v:alpha=abc", "alpha"), ("v:alpha=-1", "alpha")):
+    for bad, what in (("x", "LABEL"), ("v:nope=1", "nope"), ("v:alpha=abc", "alpha"), ("v:alpha=-1", "alpha"),
+                      ("dense:alpha=0.2", "LABEL"), ("all_x:alpha=0.2", "LABEL"), ("k:kernel=fast", "m64")):
         with pytest.raises(ValueError, match=what):
             bench_e2e.parse_variant(bad, base)
 
@@ -555,7 +556,9 @@ def test_e2e_bench_variants_and_depths(monkeypatch):
     assert engine_kwargs == [None, None, False, None]   # collect_stats reaches only its engine
     r = rows[0]
     assert r["needles_good"] == [True, True, True] and r["needles_bad"] == [False, False, False]
-    assert r["speedup_good"] == pytest.approx(4.0) and r["density_good"] == 0.2
+    assert r["speedup_good"] == pytest.approx(4.0)
+    assert r["density_good"] is None          # collect_stats=false: density unknown, not 1.0
+    assert r["density_bad"] == 0.2
     text = bench_e2e.format_variants(rows)
     assert "good" in text and "3/3" in text and "0/3" in text
 

@@ -40,9 +40,14 @@ CASES = {
     # several BLOCK_J chunks of the selection (the d=128 config, BLOCK_U = 128)
     "long_prefix_d64": ([100], [9000], 1, 2, 64, 16, 64, {"window_tokens": 5000}, True),
     "long_prefix_d128": ([100], [9000], 1, 2, 128, 64, 64, {}, True),
-    # the mean correction's "subtract" mode (fold every candidate in, take the selected out)
-    "subtract_batch_g3_ps64": ([300, 1, 129], [700, 63, 0], 2, 3, 64, 64, 64, {"_mc_mode": "subtract"}, True),
-    "subtract_long_prefix_d128": ([100], [9000], 1, 2, 128, 64, 64, {"_mc_mode": "subtract"}, True),
+    # the mean correction's "mask" mode (a membership walk over col_idx; the other cases run the
+    # default, "subtract": fold every candidate in, take the selected ones out)
+    "mask_batch_g3_ps64": ([300, 1, 129], [700, 63, 0], 2, 3, 64, 64, 64, {"_mc_mode": "mask"}, True),
+    "mask_long_prefix_d128": ([100], [9000], 1, 2, 128, 64, 64, {"_mc_mode": "mask"}, True),
+    # the last token alone with a partial last block and a prefix: its tile's first row sees every
+    # block (the correction's candidates run to the end of the segment)
+    "last_token_partial_block_g7": ([1], [1000], 1, 7, 64, 16, 128, {"sink_tokens": 128, "window_tokens": 128,
+                                                                     "dense_tail_tokens": 0, "alpha": 0.5}, True),
     # key block 128 with 64-key steps (the d=128 GPU config): two sub-tiles per block, unrolled
     # (default), as flat loop steps, and flat + one merged exact loop + 64-row programs
     "b128_d128_default": ([100], [3000], 1, 2, 128, 64, 128, {"_mc_mode": "mask"}, True),
@@ -57,6 +62,8 @@ CASES = {
                           {"sink_tokens": 128, "window_tokens": 128, "alpha": 0.5,
                            "_attn": {"block_n": 64, "flat_steps": True, "merge_loops": True}}, True),
 }
+DEFAULT_MC_MODE = "subtract"   # set from triton_attention.MC_MODE in the worker
+
 # Shared sparse knobs for tiny shapes (B = 64 gives enough blocks at a few hundred tokens).
 BASE_CONFIG = dict(sink_tokens=64, window_tokens=64, dense_tail_tokens=32, alpha=0.3)
 
@@ -117,7 +124,7 @@ def _run_case(name):
 
     q_lens, prefixes, hkv, g, d, ps, B, over, structured = CASES[name]
     over = dict(over)
-    ta.MC_MODE = over.pop("_mc_mode", "mask")
+    ta.MC_MODE = over.pop("_mc_mode", DEFAULT_MC_MODE)
     ta.CONFIG_OVERRIDES = over.pop("_attn", {})
     cfg = SparseConfig(block_size=B, **{**BASE_CONFIG, **over})
     q, k, v, pt, sl, cu = make_inputs(q_lens, prefixes, hkv, g, d, ps, torch.float16, structured)
@@ -163,9 +170,12 @@ def _run_case(name):
 
 
 def worker() -> None:
+    global DEFAULT_MC_MODE
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT / "kernels"))
     _patch_interpreter()
+    from flashprefill.impl import triton_attention as ta
+    DEFAULT_MC_MODE = ta.MC_MODE
     for name in CASES:
         try:
             res = _run_case(name)

@@ -17,6 +17,15 @@ SUPPORTED_BLOCK_SIZES = (64, 128)
 # import triton, so ``api.py`` (``backend="auto"``) and callers can test it without the kernels.
 TRITON_DTYPES = (torch.bfloat16, torch.float16)
 TRITON_HEAD_DIMS = (64, 128, 256)
+# Named sets of overrides of the Triton attention kernel's tile config
+# (``flashprefill.impl.triton_attention.AttnConfig``) for experiments, selectable by name with
+# ``FP_ATTN_VARIANT`` (kept here, importable without Triton, so a caller can check a name early).
+# "m64": flat 64-key steps, one merged exact loop, 64-row programs with 4 warps -- small enough in
+# shared memory and registers for two resident programs per SM (scripts/compile_sm90.py).
+ATTN_VARIANTS: dict[str, dict] = {
+    "flat": {"flat_steps": True},
+    "m64": {"flat_steps": True, "merge_loops": True, "block_m": 64, "num_warps": 4, "mc_stages": 2},
+}
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..config import TRITON_DTYPES, TRITON_HEAD_DIMS
+from ..config import ATTN_VARIANTS, TRITON_DTYPES, TRITON_HEAD_DIMS
 
 LOG2E = 1.4426950408889634  # 1 / ln(2)
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): lse = (m2 + log2 l) * LN2
@@ -50,13 +50,6 @@ SUPPORTED_DTYPES = TRITON_DTYPES
 # "subtract": no loop-carried pointer, so its loads pipeline (``mc_stages``); same results within
 # one bf16 ulp at 128K (bench ``mc_sub_vs_mask_max_abs``), GPU tests run both.
 MC_MODE = "subtract"
-# Named sets of AttnConfig overrides for experiments (not measured as the default yet):
-# "m64": flat 64-key steps, one merged exact loop, 64-row programs with 4 warps -- small enough in
-# shared memory and registers for two resident programs per SM (scripts/compile_sm90.py).
-ATTN_VARIANTS: dict[str, dict] = {
-    "flat": {"flat_steps": True},
-    "m64": {"flat_steps": True, "merge_loops": True, "block_m": 64, "num_warps": 4, "mc_stages": 2},
-}
 
 
 def _variant_from_env() -> dict:
@@ -147,7 +140,7 @@ def get_config(head_dim: int, dtype: torch.dtype, block_size: int = 128) -> Attn
         cfg = dataclasses.replace(cfg, block_n=block_size)
     if MC_MODE not in ("mask", "subtract"):
         raise ValueError(f"MC_MODE must be 'mask' or 'subtract', got {MC_MODE!r}")
-    cfg = dataclasses.replace(cfg, mc_mode=MC_MODE, **CONFIG_OVERRIDES)
+    cfg = dataclasses.replace(cfg, **{"mc_mode": MC_MODE, **CONFIG_OVERRIDES})
     if block_size % cfg.block_n or cfg.block_n > block_size:
         raise ValueError(f"attention config: block_n {cfg.block_n} must divide the key block size {block_size}")
     return cfg
@@ -457,7 +450,11 @@ def _attn_fwd(
         if MC_SUBTRACT:
             acc, m_i, l_i = _mean_all(acc, m_i, l_i, q, k_mean, v_mean, n_u, blk0, h, lk, scale_log2,
                                       stride_mb, stride_mh, HEAD_DIM, BLOCK_U, BLOCK_SIZE, MC_STAGES)
-            acc, l_i = _mean_subtract(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u, blk0, h, lk,
+            # the selected candidates (< n_u) are a prefix of the segment: when the first row does
+            # not see the whole request, n_u = n_full and they end at `split` (the window blocks
+            # from n_full on are never candidates); nothing to take out when U is empty
+            sub_end = tl.where(n_u == 0, start, tl.where(x >= lk, end, split))
+            acc, l_i = _mean_subtract(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, sub_end, n_u, blk0, h, lk,
                                       scale_log2, stride_mb, stride_mh, HEAD_DIM, BLOCK_U, BLOCK_SIZE, MC_STAGES)
         else:
             acc, m_i, l_i = _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u,
