@@ -446,40 +446,61 @@ def test_warmup_length_covers_the_sparse_path_with_and_without_prefix():
     assert eng.warmup_length() == 0
 
 
+class _FakeBenchEngine:
+    """Stands in for ``SGLangEngine`` in ``run_e2e_bench`` tests: a context manager whose prompt
+    ids carry the planted secret in their first id, and whose answer is that secret."""
+
+    warmup_s = 0.0
+    density = 0.4
+
+    def __init__(self, model_path, profile, rope_scaling_factor=None, **kw):
+        self.profile, self.factor, self.kw = profile, rope_scaling_factor, kw
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def count_tokens(self, text):
+        return len(text.split())
+
+    def encode_chat(self, system, text):   # the secret rides in the first id
+        secret = [w.rstrip(".") for w in text.split() if w.rstrip(".").isdigit()][0]
+        return [int(secret)] + list(range(len(text.split())))
+
+    def answer(self, ids) -> str:
+        return str(ids[0])
+
+    def ttft(self) -> float:
+        return 0.01
+
+    def generate(self, ids, max_new_tokens=16):
+        from fpcli.engine.base import GenerationResult, PrefillStats
+
+        t = self.ttft()
+        return GenerationResult(text=self.answer(ids), prompt_tokens=len(ids), output_tokens=1, ttft_s=t,
+                                prefill_s=t, total_s=t, engine="fake", model="m", profile="p",
+                                stats=PrefillStats(density=self.density, density_per_layer=[1.0, self.density]))
+
+
 def test_e2e_bench_one_invocation_native_and_yarn(monkeypatch, tmp_path):
     """``run_e2e_bench`` with a fake engine: native lengths on one engine pair, YaRN lengths on a
     second, prompts built once per length, one warm-up + one measurement each, rows reported
     after every length."""
     import fpcli.engine.sglang_engine as se
     from fpcli import bench_e2e
-    from fpcli.engine.base import GenerationResult, PrefillStats
 
     started, calls = [], []
 
-    class FakeEngine:
-        warmup_s = 0.5
-
+    class FakeEngine(_FakeBenchEngine):
         def __init__(self, model_path, profile, rope_scaling_factor=None, **kw):
+            super().__init__(model_path, profile, rope_scaling_factor, **kw)
             started.append((profile, rope_scaling_factor, kw.get("disable_radix_cache")))
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return None
-
-        def count_tokens(self, text):
-            return len(text.split())
-
-        def encode_chat(self, system, text):
-            FakeEngine.secret = [w.rstrip(".") for w in text.split() if w.rstrip(".").isdigit()][0]
-            return list(range(len(text.split())))
 
         def generate(self, ids, max_new_tokens=16):
             calls.append(len(ids))
-            return GenerationResult(text=self.secret, prompt_tokens=len(ids), output_tokens=1, ttft_s=0.01,
-                                    prefill_s=0.008, total_s=0.02, engine="fake", model="m", profile="p",
-                                    stats=PrefillStats(density=0.4, density_per_layer=[1.0, 0.4]))
+            return super().generate(ids, max_new_tokens)
 
     monkeypatch.setattr(se, "SGLangEngine", FakeEngine)
     monkeypatch.setattr(se, "native_context_length", lambda path: 32768)
@@ -502,7 +523,6 @@ def test_e2e_bench_variants_and_depths(monkeypatch):
     needle shows it."""
     import fpcli.engine.sglang_engine as se
     from fpcli import bench_e2e
-    from fpcli.engine.base import GenerationResult, PrefillStats
     from fpcli.profiles import load_profile
 
     base = load_profile("bf16")
@@ -518,33 +538,19 @@ def test_e2e_bench_variants_and_depths(monkeypatch):
 
     started, engine_kwargs = [], []
 
-    class FakeEngine:
-        warmup_s = 0.0
+    class FakeEngine(_FakeBenchEngine):
+        density = 0.2
 
         def __init__(self, model_path, profile, rope_scaling_factor=None, **kw):
-            self.profile = profile
+            super().__init__(model_path, profile, rope_scaling_factor, **kw)
             started.append(getattr(profile, "name", profile))
             engine_kwargs.append(kw.get("collect_stats"))
 
-        def __enter__(self):
-            return self
+        def answer(self, ids):
+            return "0" if getattr(self.profile, "name", "").endswith("+bad") else str(ids[0])
 
-        def __exit__(self, *exc):
-            return None
-
-        def count_tokens(self, text):
-            return len(text.split())
-
-        def encode_chat(self, system, text):   # the secret rides in the first id
-            secret = [w.rstrip(".") for w in text.split() if w.rstrip(".").isdigit()][0]
-            return [int(secret)] + list(range(len(text.split())))
-
-        def generate(self, ids, max_new_tokens=16):
-            bad = getattr(self.profile, "name", "").endswith("+bad")
-            ttft = {"dense": 0.4}.get(getattr(self.profile, "name", ""), 0.1)
-            return GenerationResult(text="0" if bad else str(ids[0]), prompt_tokens=len(ids), output_tokens=1,
-                                    ttft_s=ttft, prefill_s=ttft, total_s=ttft, engine="fake", model="m", profile="p",
-                                    stats=PrefillStats(density=0.2, density_per_layer=[0.2]))
+        def ttft(self):
+            return {"dense": 0.4}.get(getattr(self.profile, "name", ""), 0.1)
 
     monkeypatch.setattr(se, "SGLangEngine", FakeEngine)
     monkeypatch.setattr(se, "native_context_length", lambda path: 32768)

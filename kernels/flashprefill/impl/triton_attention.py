@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from ..config import ATTN_VARIANTS, TRITON_DTYPES, TRITON_HEAD_DIMS
+from .triton_index import _n_fully_seen, _tile_geometry
 
 LOG2E = 1.4426950408889634  # 1 / ln(2)
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): lse = (m2 + log2 l) * LN2
@@ -147,6 +148,36 @@ def get_config(head_dim: int, dtype: torch.dtype, block_size: int = 128) -> Attn
 
 
 @triton.jit
+def _softmax_step(acc, m_i, l_i, s, v):
+    """One online-softmax step (log2 units): fold logits ``s`` ``[M, N]`` (``-inf`` = masked) and
+    values ``v`` ``[N, d]`` into ``acc`` ``[M, d]`` / running max ``m_i`` / denominator ``l_i``
+    (``[M]``, float32). A row with no finite logit yet keeps ``m = -inf`` and adds nothing."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _load_means(k_mean, v_mean, js, valid, blk0, h, lk, stride_mb, stride_mh, dtype,
+                HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Mean keys / values of the request's blocks ``js`` (``valid`` ones; others 0) rounded to
+    ``dtype``, and ``log2 n_j`` of each block's valid-token count (the correction's logit
+    offset ``ln n_j`` in log2 units)."""
+    dims = tl.arange(0, HEAD_DIM)
+    rows = (blk0 + js).to(tl.int64) * stride_mb + h * stride_mh
+    km = tl.load(k_mean + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0).to(dtype)
+    vm = tl.load(v_mean + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0).to(dtype)
+    n_j = tl.minimum((js + 1) * BLOCK_SIZE, lk) - js * BLOCK_SIZE
+    log2_n = tl.log2(tl.maximum(n_j, 1).to(tl.float32))
+    return km, vm, log2_n
+
+
+@triton.jit
 def _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, lo, hi, mask_from,
                 P, lk, tok, scale_log2,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
@@ -221,20 +252,11 @@ def _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, lo, hi, mas
                 if e >= mask_from:
                     allowed = (pos[None, :] <= P + tok[:, None]) & p_ok[None, :]
                     qk = tl.where(allowed, qk, float("-inf"))
-            # -- update m_i and l_i
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(qk - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            # -- update acc
             if MASK == 0:
                 v = tl.load(v_ptrs)
             else:
                 v = tl.load(v_ptrs, mask=p_ok[:, None], other=0.0)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(v.dtype), v, acc)
-            m_i = m_new
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v)
     return acc, m_i, l_i
 
 
@@ -255,14 +277,12 @@ def _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u,
     ``BLOCK_U`` must be a multiple of 64. The mean keys/values are loaded for every candidate
     (not only the pruned ones) so the loads do not wait on the membership test.
     """
-    dims = tl.arange(0, HEAD_DIM)
     ptr = start
     for u0 in tl.range(0, n_u, BLOCK_U, num_stages=STAGES):
         js = u0 + tl.arange(0, BLOCK_U)
         cand = js < n_u
-        rows = (blk0 + js).to(tl.int64) * stride_mb + h * stride_mh
-        km = tl.load(k_mean + rows[:, None] + dims[None, :], mask=cand[:, None], other=0.0).to(q.dtype)
-        vm = tl.load(v_mean + rows[:, None] + dims[None, :], mask=cand[:, None], other=0.0).to(q.dtype)
+        km, vm, log2_n = _load_means(k_mean, v_mean, js, cand, blk0, h, lk, stride_mb, stride_mh, q.dtype,
+                                     HEAD_DIM, BLOCK_SIZE)
         # -- membership: the selected entries of this chunk are col_idx[ptr : ptr + count]
         offs = ptr + tl.arange(0, BLOCK_U)
         cols = tl.load(col_idx + offs, mask=offs < end, other=2147483647)
@@ -280,18 +300,9 @@ def _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u,
             own = (rel_j >= w * 64) & (rel_j < w * 64 + 64)
             in_s += tl.where(own, (word >> (tl.where(own, rel_j - w * 64, 0)).to(tl.int64)) & 1, 0)
         use = cand & (in_s == 0)
-        n_j = tl.minimum((js + 1) * BLOCK_SIZE, lk) - js * BLOCK_SIZE
-        log2_n = tl.log2(tl.maximum(n_j, 1).to(tl.float32))
         s = tl.dot(q, tl.trans(km)) * scale_log2 + log2_n[None, :]
         s = tl.where(use[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(vm.dtype), vm, acc)
-        m_i = m_new
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, vm)
     return acc, m_i, l_i
 
 
@@ -304,25 +315,14 @@ def _mean_all(acc, m_i, l_i, q, k_mean, v_mean, n_u, blk0, h, lk, scale_log2, st
     the loop index only, so Triton pipelines them. The selected candidates' terms are taken out
     again by ``_mean_subtract``.
     """
-    dims = tl.arange(0, HEAD_DIM)
     for u0 in tl.range(0, n_u, BLOCK_U, num_stages=STAGES):
         js = u0 + tl.arange(0, BLOCK_U)
         cand = js < n_u
-        rows = (blk0 + js).to(tl.int64) * stride_mb + h * stride_mh
-        km = tl.load(k_mean + rows[:, None] + dims[None, :], mask=cand[:, None], other=0.0).to(q.dtype)
-        vm = tl.load(v_mean + rows[:, None] + dims[None, :], mask=cand[:, None], other=0.0).to(q.dtype)
-        n_j = tl.minimum((js + 1) * BLOCK_SIZE, lk) - js * BLOCK_SIZE
-        log2_n = tl.log2(tl.maximum(n_j, 1).to(tl.float32))
+        km, vm, log2_n = _load_means(k_mean, v_mean, js, cand, blk0, h, lk, stride_mb, stride_mh, q.dtype,
+                                     HEAD_DIM, BLOCK_SIZE)
         s = tl.dot(q, tl.trans(km)) * scale_log2 + log2_n[None, :]
         s = tl.where(cand[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(vm.dtype), vm, acc)
-        m_i = m_new
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, vm)
     return acc, m_i, l_i
 
 
@@ -338,18 +338,14 @@ def _mean_subtract(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u, b
     contribution ``Σ_t e^{τ q·k_t}`` already in ``l_i`` (Jensen), so ``l_i`` stays positive and
     the cancellation is bounded by the 16-bit rounding of ``p`` in the PV product.
     """
-    dims = tl.arange(0, HEAD_DIM)
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
     for e0 in tl.range(start, end, BLOCK_U, num_stages=STAGES):
         offs = e0 + tl.arange(0, BLOCK_U)
         js = tl.load(col_idx + offs, mask=offs < end, other=2147483647)
         sel = js < n_u
         js = tl.where(sel, js, 0)
-        rows = (blk0 + js).to(tl.int64) * stride_mb + h * stride_mh
-        km = tl.load(k_mean + rows[:, None] + dims[None, :], mask=sel[:, None], other=0.0).to(q.dtype)
-        vm = tl.load(v_mean + rows[:, None] + dims[None, :], mask=sel[:, None], other=0.0).to(q.dtype)
-        n_j = tl.minimum((js + 1) * BLOCK_SIZE, lk) - js * BLOCK_SIZE
-        log2_n = tl.log2(tl.maximum(n_j, 1).to(tl.float32))
+        km, vm, log2_n = _load_means(k_mean, v_mean, js, sel, blk0, h, lk, stride_mb, stride_mh, q.dtype,
+                                     HEAD_DIM, BLOCK_SIZE)
         s = tl.dot(q, tl.trans(km)) * scale_log2 + log2_n[None, :]
         s = tl.where(sel[None, :], s, float("-inf"))
         p = tl.exp2(s - m_safe[:, None])
@@ -394,16 +390,11 @@ def _attn_fwd(
     idx = n_programs - 1 - pid // n_kv_heads    # heaviest (last) tiles first, all heads together
     tile = idx // SUBS
     sub = idx % SUBS
-    b = tl.load(tile_request + tile)
-    i = tl.load(tile_local + tile)
-    q_start = tl.load(cu_seqlens_q + b)
-    lq = tl.load(cu_seqlens_q + b + 1) - q_start
-    lk = tl.load(seq_lens + b)
-    P = lk - lq
+    # scalars of the whole 128-row tile (the index kernels' definition)
+    b, i, q_start, lq, lk, P, t_first, t_last, n_vis, blk0 = _tile_geometry(
+        tile, h, n_tiles, tile_request, tile_local, cu_seqlens_q, seq_lens, block_ptr,
+        GROUP, TILE_ROWS, BLOCK_SIZE)
     n_rows = lq * GROUP
-    t_first = (i * TILE_ROWS) // GROUP                    # of the whole 128-row tile
-    t_last = (tl.minimum(i * TILE_ROWS + TILE_ROWS, n_rows) - 1) // GROUP
-    n_vis = (P + t_last) // BLOCK_SIZE + 1
     n_full = (P + t_first + 1) // BLOCK_SIZE              # blocks 0..n_full-1: no mask needed
     rows = i * TILE_ROWS + sub * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
@@ -442,11 +433,9 @@ def _attn_fwd(
                                     HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, SPARSE, 1, MAIN_STAGES, FLAT_STEPS)
     # ---------------------------------------------------------------- mean correction
     if SPARSE and MEAN_CORR:
-        nb = (lk + BLOCK_SIZE - 1) // BLOCK_SIZE
         x = P + t_first + 1
-        n_u = tl.where(x >= lk, nb, x // BLOCK_SIZE)     # blocks with e_j <= P + t_first + 1
+        n_u = _n_fully_seen(x, lk, BLOCK_SIZE)           # blocks with e_j <= P + t_first + 1
         n_u = tl.where(end - start >= n_vis, 0, n_u)     # everything selected: U is empty
-        blk0 = tl.load(block_ptr + b)
         if MC_SUBTRACT:
             acc, m_i, l_i = _mean_all(acc, m_i, l_i, q, k_mean, v_mean, n_u, blk0, h, lk, scale_log2,
                                       stride_mb, stride_mh, HEAD_DIM, BLOCK_U, BLOCK_SIZE, MC_STAGES)
