@@ -155,21 +155,9 @@ def run_e2e_bench(
             with SGLangEngine(model_path, profile, rope_scaling_factor=factor, disable_radix_cache=True,
                               server_overrides=server_overrides, **engine_kwargs) as eng:
                 say(f"[bench] {label} engine up in {time.perf_counter() - t0:.1f} s (warm-up {eng.warmup_s:.1f} s)")
-                def target_for(n: int) -> int:
-                    return min(n, limit - max_new_tokens - 256)
-
                 for n in group:
-                    if n not in prompts:
-                        target = target_for(n)
-                        if needle:
-                            ids, secret = needle_prompt(eng, target)
-                        else:
-                            text, _ = needle_document(eng.count_tokens, target)
-                            ids, secret = eng.encode_chat(None, text), None
-                        if len(ids) > limit - max_new_tokens:
-                            ids = ids[-(limit - max_new_tokens - 1):]
-                        prompts[n] = (ids, secret)
-                    ids, secret = prompts[n]
+                    target = min(n, limit - max_new_tokens - 256)
+                    ids, secret = _cached_prompt(eng, prompts, n, target, limit, max_new_tokens, needle=needle)
                     reps = max(1, repeats if n <= 32768 else min(repeats, 2))
                     m = _measure(eng, ids, secret, reps, max_new_tokens,
                                  stats=engine_kwargs.get("collect_stats", True) is not False)
@@ -184,7 +172,7 @@ def run_e2e_bench(
                         row[f"density_{label}"] = m["density"]
                     if needle and depths:
                         row[f"needles_{label}"] = [m["needle"]] + [
-                            _needle_at(eng, prompts, n, target_for(n), d, limit, max_new_tokens) for d in depths]
+                            _needle_at(eng, prompts, n, target, d, limit, max_new_tokens) for d in depths]
                     dens = "n/a" if m["density"] is None else f"{m['density']:.3f}"
                     say(f"[bench] {label} {n}: {m['prompt_tokens']} tokens, TTFT {m['ttft_s']:.4f} s, "
                         f"prefill {m['prefill_s']:.4f} s, density {dens}, needle {m['needle']} "
@@ -194,16 +182,27 @@ def run_e2e_bench(
     return _finish_rows(rows)
 
 
-def _needle_at(engine: Any, prompts: dict, n: int, target: int, depth: float, limit: int,
-               max_new_tokens: int) -> bool:
-    """Answer the needle planted at ``depth`` once (prompt built once per length and depth)."""
-    key = (n, depth)
+def _cached_prompt(engine: Any, prompts: dict, key: Any, target: int, limit: int, max_new_tokens: int, *,
+                   needle: bool = True, depth: float = 0.5, seed: int = 0) -> tuple[list[int], str | None]:
+    """Prompt ids (and the secret, or None without a needle) of about ``target`` tokens, built once
+    per ``key`` (every engine shares the tokenizer) and cut to fit ``limit`` with the answer."""
     if key not in prompts:
-        ids, secret = needle_prompt(engine, target, depth=depth, seed=1 + int(depth * 1000))
+        if needle:
+            ids, secret = needle_prompt(engine, target, depth=depth, seed=seed)
+        else:
+            text, _ = needle_document(engine.count_tokens, target)
+            ids, secret = engine.encode_chat(None, text), None
         if len(ids) > limit - max_new_tokens:
             ids = ids[-(limit - max_new_tokens - 1):]
         prompts[key] = (ids, secret)
-    ids, secret = prompts[key]
+    return prompts[key]
+
+
+def _needle_at(engine: Any, prompts: dict, n: int, target: int, depth: float, limit: int,
+               max_new_tokens: int) -> bool:
+    """Answer the needle planted at ``depth`` once (prompt built once per length and depth)."""
+    ids, secret = _cached_prompt(engine, prompts, (n, depth), target, limit, max_new_tokens, depth=depth,
+                                 seed=1 + int(depth * 1000))
     return answered(engine.generate(ids, max_new_tokens=max_new_tokens).text, secret)
 
 
