@@ -143,43 +143,65 @@ def run_e2e_bench(
         regimes.setdefault(yarn_factor if n > yarn_above else None, []).append(n)
     rows: dict[int, dict] = {}
     prompts: dict[int, tuple[list[int], str | None]] = {}  # same tokenizer for every engine: build once
+
+    def _run_engine(label: str, profile: Any, engine_kwargs: dict, overrides: dict, factor: float | None,
+                    group: list[int], limit: int) -> None:
+        """Start one engine, measure every length of ``group`` on it, fill ``rows``."""
+        t0 = time.perf_counter()
+        say(f"[bench] starting {label} engine (profile {getattr(profile, 'name', '?')}, yarn {factor}"
+            f"{', SGLang ' + str(overrides) if overrides else ''})")
+        # SGLangEngine warms up at start (a dummy prefill over the sparse path, radix cache
+        # flushed), so no JIT compilation lands in a measured TTFT.
+        with SGLangEngine(model_path, profile, rope_scaling_factor=factor, disable_radix_cache=True,
+                          server_overrides=overrides or None, **engine_kwargs) as eng:
+            say(f"[bench] {label} engine up in {time.perf_counter() - t0:.1f} s (warm-up {eng.warmup_s:.1f} s)")
+            for n in group:
+                target = min(n, limit - max_new_tokens - 256)
+                ids, secret = _cached_prompt(eng, prompts, n, target, limit, max_new_tokens, needle=needle)
+                reps = max(1, repeats if n <= 32768 else min(repeats, 2))
+                m = _measure(eng, ids, secret, reps, max_new_tokens,
+                             stats=engine_kwargs.get("collect_stats", True) is not False)
+                row = rows.setdefault(n, {"target_len": n, "yarn": factor})
+                row["prompt_tokens"] = m["prompt_tokens"]
+                for key in ("ttft_s", "ttft_all_s", "prefill_s", "answer", "needle"):
+                    row[f"{key.replace('_s', '')}_{label}_s" if key.endswith("_s") else f"{key}_{label}"] = m[key]
+                if label == "sparse":
+                    row["density"] = m["density"]
+                    row["density_per_layer"] = m["density_per_layer"]
+                elif label != "dense":
+                    row[f"density_{label}"] = m["density"]
+                if needle and depths:
+                    row[f"needles_{label}"] = [m["needle"]] + [
+                        _needle_at(eng, prompts, n, target, d, limit, max_new_tokens) for d in depths]
+                dens = "n/a" if m["density"] is None else f"{m['density']:.3f}"
+                say(f"[bench] {label} {n}: {m['prompt_tokens']} tokens, TTFT {m['ttft_s']:.4f} s, "
+                    f"prefill {m['prefill_s']:.4f} s, density {dens}, needle {m['needle']} "
+                    f"({m['answer']!r})")
+                if on_rows is not None:
+                    on_rows(_finish_rows(rows))
+
     for factor, group in regimes.items():
         limit = int(native * factor) if factor else native
         engines = [("dense", profile_dense, {}), ("sparse", profile_sparse, {})]
         engines += [(v[0], v[1], v[2] if len(v) > 2 else {}) for v in variants]
         for label, profile, engine_kwargs in engines:
-            t0 = time.perf_counter()
-            say(f"[bench] starting {label} engine (profile {getattr(profile, 'name', '?')}, yarn {factor})")
-            # SGLangEngine warms up at start (a dummy prefill over the sparse path, radix cache
-            # flushed), so no JIT compilation lands in a measured TTFT.
-            with SGLangEngine(model_path, profile, rope_scaling_factor=factor, disable_radix_cache=True,
-                              server_overrides=server_overrides, **engine_kwargs) as eng:
-                say(f"[bench] {label} engine up in {time.perf_counter() - t0:.1f} s (warm-up {eng.warmup_s:.1f} s)")
+            engine_kwargs = dict(engine_kwargs)
+            overrides = {**(server_overrides or {}), **engine_kwargs.pop("server_overrides", {})}
+            try:
+                _run_engine(label, profile, engine_kwargs, overrides, factor, group, limit)
+            except Exception as exc:
+                if label in ("dense", "sparse"):
+                    raise
+                # an experiment's engine failing (e.g. a backend the install lacks) costs only its row
+                say(f"[bench] {label} engine failed: {type(exc).__name__}: {exc}")
                 for n in group:
-                    target = min(n, limit - max_new_tokens - 256)
-                    ids, secret = _cached_prompt(eng, prompts, n, target, limit, max_new_tokens, needle=needle)
-                    reps = max(1, repeats if n <= 32768 else min(repeats, 2))
-                    m = _measure(eng, ids, secret, reps, max_new_tokens,
-                                 stats=engine_kwargs.get("collect_stats", True) is not False)
-                    row = rows.setdefault(n, {"target_len": n, "yarn": factor})
-                    row["prompt_tokens"] = m["prompt_tokens"]
-                    for key in ("ttft_s", "ttft_all_s", "prefill_s", "answer", "needle"):
-                        row[f"{key.replace('_s', '')}_{label}_s" if key.endswith("_s") else f"{key}_{label}"] = m[key]
-                    if label == "sparse":
-                        row["density"] = m["density"]
-                        row["density_per_layer"] = m["density_per_layer"]
-                    elif label != "dense":
-                        row[f"density_{label}"] = m["density"]
-                    if needle and depths:
-                        row[f"needles_{label}"] = [m["needle"]] + [
-                            _needle_at(eng, prompts, n, target, d, limit, max_new_tokens) for d in depths]
-                    dens = "n/a" if m["density"] is None else f"{m['density']:.3f}"
-                    say(f"[bench] {label} {n}: {m['prompt_tokens']} tokens, TTFT {m['ttft_s']:.4f} s, "
-                        f"prefill {m['prefill_s']:.4f} s, density {dens}, needle {m['needle']} "
-                        f"({m['answer']!r})")
-                    if on_rows is not None:
-                        on_rows(_finish_rows(rows))
+                    rows.setdefault(n, {"target_len": n, "yarn": factor})[f"error_{label}"] = \
+                        f"{type(exc).__name__}: {exc}"[:500]
+                if on_rows is not None:
+                    on_rows(_finish_rows(rows))
     return _finish_rows(rows)
+
+
 
 
 def _cached_prompt(engine: Any, prompts: dict, key: Any, target: int, limit: int, max_new_tokens: int, *,
@@ -238,9 +260,11 @@ def variant_labels(rows: list[dict]) -> list[str]:
 
 
 def format_variants(rows: list[dict]) -> str:
-    """One line per (length, engine): TTFT, speed-up over dense, density, needles answered."""
+    """One line per (length, engine): TTFT, prefill time (the backend's statistics; TTFT where it
+    has none), speed-up over dense, density, needles answered; and a line per failed engine."""
     labels = ["dense", "sparse"] + variant_labels(rows)
-    head = f"{'len':>7} {'engine':>16} {'TTFT s':>8} {'speedup':>8} {'density':>8} {'needles':>8}"
+    head = (f"{'len':>7} {'engine':>16} {'TTFT s':>8} {'prefill s':>9} {'speedup':>8} {'density':>8} "
+            f"{'needles':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         for lab in labels:
@@ -251,8 +275,10 @@ def format_variants(rows: list[dict]) -> str:
             dens = r.get("density") if lab == "sparse" else (1.0 if lab == "dense" else r.get(f"density_{lab}"))
             nd = [x for x in (r.get(f"needles_{lab}") or [r.get(f"needle_{lab}")]) if x is not None]
             ok = f"{sum(bool(x) for x in nd)}/{len(nd)}" if nd else "-"
-            lines.append(f"{r['target_len']:>7} {lab:>16} {t:>8.4f} {(f'{sp:.2f}x' if sp else '-'):>8} "
-                         f"{_num(dens):>8.3f} {ok:>8}")
+            lines.append(f"{r['target_len']:>7} {lab:>16} {t:>8.4f} {_num(r.get(f'prefill_{lab}_s')):>9.4f} "
+                         f"{(f'{sp:.2f}x' if sp else '-'):>8} {_num(dens):>8.3f} {ok:>8}")
+        for key in [k for k in r if k.startswith("error_")]:
+            lines.append(f"{r['target_len']:>7} {key[len('error_'):]:>16} FAILED: {r[key][:90]}")
     return "\n".join(lines)
 
 
@@ -261,15 +287,34 @@ def format_variants(rows: list[dict]) -> str:
 ENGINE_VARIANT_KEYS = ("collect_stats", "kernel")
 
 
+def _parse_value(raw: str, strings: bool = False) -> Any:
+    """``"true"``/``"false"`` -> bool, else int, else float; else the stripped string when
+    ``strings``, else ``ValueError``."""
+    text = raw.strip()
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    if strings and text:
+        return text
+    raise ValueError(f"{raw!r} is not a number or bool")
+
+
 def parse_variant(text: str, base: Any) -> tuple[str, Any, dict]:
     """``"LABEL:key=value,key=value"`` -> ``(LABEL, base profile with those settings, engine kwargs)``.
 
-    Keys: ``dense_layers``, any ``flashprefill.SparseConfig`` field (``alpha``,
-    ``window_tokens``, ``sink_tokens``, ``dense_tail_tokens``, ``block_size``, ...) or an engine
-    option of ``ENGINE_VARIANT_KEYS`` (``collect_stats=false``: the backend keeps no statistics,
-    to measure what they cost; ``kernel=m64``: an attention-kernel variant of
-    ``flashprefill.impl.triton_attention.ATTN_VARIANTS`` in the engine's processes). Values are
-    parsed as int, float or bool. Raises ``ValueError`` naming a bad key or value.
+    Keys: ``dense_layers``, ``attention`` (``flashprefill`` | ``dense``), any
+    ``flashprefill.SparseConfig`` field (``alpha``, ``window_tokens``, ``sink_tokens``,
+    ``dense_tail_tokens``, ``block_size``, ...), an engine option of ``ENGINE_VARIANT_KEYS``
+    (``collect_stats=false``: the backend keeps no statistics, to measure what they cost;
+    ``kernel=m64``: an attention-kernel variant of
+    ``flashprefill.impl.triton_attention.ATTN_VARIANTS`` in the engine's processes), or
+    ``sgl.<ServerArgs field>`` passed to SGLang as is (``sgl.decode_attention_backend=fa3``).
+    Values are parsed as int, float or bool (``sgl.*`` and ``attention`` also take strings).
+    Raises ``ValueError`` naming a bad key or value.
     """
     label, sep, body = text.partition(":")
     if not sep or not label or not body:
@@ -287,6 +332,17 @@ def parse_variant(text: str, base: Any) -> tuple[str, Any, dict]:
             raise ValueError(f"variant {label}: {item!r} is not key=value")
         low = raw.strip().lower()
         value: Any
+        if key == "attention":
+            if low not in ("flashprefill", "dense"):
+                raise ValueError(f"variant {label}: attention={raw!r}: expected 'flashprefill' or 'dense'")
+            top[key] = low
+            continue
+        if key.startswith("sgl."):
+            name = key[4:]
+            if not name.isidentifier():
+                raise ValueError(f"variant {label}: {key!r} does not name a ServerArgs field")
+            engine.setdefault("server_overrides", {})[name] = _parse_value(raw, strings=True)
+            continue
         if key == "kernel":
             from flashprefill.config import ATTN_VARIANTS
 
@@ -294,16 +350,10 @@ def parse_variant(text: str, base: Any) -> tuple[str, Any, dict]:
                 raise ValueError(f"variant {label}: kernel={raw!r}: expected one of {sorted(ATTN_VARIANTS)}")
             engine["extra_env"] = {"FP_ATTN_VARIANT": low}
             continue
-        if low in ("true", "false"):
-            value = low == "true"
-        else:
-            try:
-                value = int(raw)
-            except ValueError:
-                try:
-                    value = float(raw)
-                except ValueError:
-                    raise ValueError(f"variant {label}: {key}={raw!r} is not a number or bool") from None
+        try:
+            value = _parse_value(raw)
+        except ValueError:
+            raise ValueError(f"variant {label}: {key}={raw!r} is not a number or bool") from None
         if key == "dense_layers":
             top[key] = value
         elif key in ENGINE_VARIANT_KEYS:

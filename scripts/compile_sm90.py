@@ -128,7 +128,7 @@ def _index(bf):
                     ptrs, consts, floats=("scale_log2", "log2_alpha"),
                     num_warps=tb.SELECT_NUM_WARPS, num_stages=tb.SELECT_NUM_STAGES)
     ptrs = {"k_ptr": bf, "v_ptr": bf, "page_table": "*i32", "seq_lens": "*i32", "block_ptr": "*i32",
-            "k_mean": "*fp32", "v_mean": "*fp32", "k_lowp": bf}
+            "k_mean": "*fp32", "v_mean": "*fp32", "k_lowp": bf, "v_lowp": bf}
     compile_one("block means", ti._block_means_kernel, ptrs,
                 dict(HEAD_DIM=128, BLOCK_SIZE=128, TOKENS=32, PAGE_SIZE=64, WRITE_LOWP=True))
     compile_one("expand", ti._expand_kernel, {"bits": "*i32", "row_ptr": "*i32", "n_visible": "*i32",

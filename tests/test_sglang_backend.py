@@ -569,6 +569,46 @@ def test_e2e_bench_variants_and_depths(monkeypatch):
     assert "good" in text and "3/3" in text and "0/3" in text
 
 
+def test_e2e_bench_server_override_variant_and_a_failing_engine(monkeypatch):
+    """``sgl.<field>`` reaches SGLang's arguments of that engine only (merged over the run's
+    overrides), ``attention=dense`` makes a dense variant, and a variant whose engine fails
+    records the error instead of losing the run."""
+    import fpcli.engine.sglang_engine as se
+    from fpcli import bench_e2e
+    from fpcli.profiles import load_profile
+
+    base = load_profile("bf16")
+    label, prof, eng = bench_e2e.parse_variant("hyb:attention=dense,sgl.decode_attention_backend=fa3", base)
+    assert label == "hyb" and prof.is_dense and eng == {"server_overrides": {"decode_attention_backend": "fa3"}}
+    assert bench_e2e.parse_variant("c:sgl.chunked_prefill_size=4096", base)[2] == {
+        "server_overrides": {"chunked_prefill_size": 4096}}
+    for bad, what in (("v:attention=sparse", "attention"), ("v:sgl.a-b=1", "ServerArgs")):
+        with pytest.raises(ValueError, match=what):
+            bench_e2e.parse_variant(bad, base)
+
+    seen = []
+
+    class FakeEngine(_FakeBenchEngine):
+        def __init__(self, model_path, profile, rope_scaling_factor=None, **kw):
+            super().__init__(model_path, profile, rope_scaling_factor, **kw)
+            seen.append((getattr(profile, "name", profile), kw.get("server_overrides")))
+            if getattr(profile, "name", "").endswith("+broken"):
+                raise RuntimeError("backend fa9 is not installed")
+
+    monkeypatch.setattr(se, "SGLangEngine", FakeEngine)
+    monkeypatch.setattr(se, "native_context_length", lambda path: 32768)
+    variants = [bench_e2e.parse_variant("broken:sgl.decode_attention_backend=fa9", base),
+                bench_e2e.parse_variant("hyb:attention=dense,sgl.decode_attention_backend=fa3", base)]
+    rows = bench_e2e.run_e2e_bench([4096], "m", base, base.replace(name="dense", attention="dense"), repeats=1,
+                                   progress=lambda m: None, variants=variants, server_overrides={"page_size": 16})
+    assert seen == [("dense", {"page_size": 16}), ("bf16", {"page_size": 16}),
+                    ("bf16+broken", {"page_size": 16, "decode_attention_backend": "fa9"}),
+                    ("bf16+hyb", {"page_size": 16, "decode_attention_backend": "fa3"})]
+    r = rows[0]
+    assert "fa9 is not installed" in r["error_broken"] and "ttft_broken_s" not in r
+    assert r["needle_hyb"] and r["speedup_hyb"] == pytest.approx(1.0)
+
+
 def test_gpu_worker_script_with_a_fake_engine(monkeypatch, tmp_path):
     """``tests/gpu/sglang_worker.py`` (one engine per process on the device) end to end on CPU."""
     import importlib.util

@@ -138,6 +138,10 @@ def _run_case(name):
     res = {
         "case": name,
         "mean_err": float(max((idx.k_mean - ridx.k_mean).abs().max(), (idx.v_mean - ridx.v_mean).abs().max())),
+        # the 16-bit copies the correction reads: the float32 means rounded once (same as .to())
+        "lowp_equal": (idx.k_mean_lowp is None and idx.v_mean_lowp is None) or bool(
+            torch.equal(idx.k_mean_lowp, idx.k_mean.to(q.dtype)) and torch.equal(idx.v_mean_lowp, idx.v_mean.to(q.dtype))),
+        "lowp_made": idx.k_mean_lowp is not None,
         "csr_mismatch": int((mine != theirs).sum()),
         "visible": int(ridx.n_visible.sum()),
         "n_visible_equal": bool(torch.equal(idx.n_visible, ridx.n_visible)),
@@ -209,6 +213,7 @@ def test_kernels_match_reference(results, name):
     assert r is not None, f"case {name} missing from the worker output"
     assert "error" not in r, f"{name}: {r.get('error')}\n{r.get('trace')}"
     assert r["mean_err"] < 1e-5, r
+    assert r["lowp_equal"], r
     # selection: equal to the reference, at most 1% of visible blocks differ (threshold ties)
     assert r["csr_mismatch"] <= 0.01 * r["visible"], r
     assert r["n_visible_equal"] and r["row_ptr_ok"] and r["ascending"], r
@@ -228,6 +233,8 @@ def test_selection_is_sparse_and_rules_hold(results):
     assert results["len300_prefix_g3_ps16"]["density"] < 0.9, results["len300_prefix_g3_ps16"]
     assert results["alpha0_dense_scored"]["density"] >= results["len300_prefix_g3_ps16"]["density"]
     assert results["short_request_dense"]["density"] == 1.0, results["short_request_dense"]
+    # the default (one-dot scores) writes the 16-bit means the correction reads
+    assert all(r.get("lowp_made") for r in results.values()), results
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

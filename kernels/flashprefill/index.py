@@ -32,6 +32,10 @@ class BlockIndex:
         block_size: ``B``, tokens.
         group_size: ``g = Hq / Hkv``.
         tile_rows: packed rows per tile (128).
+        k_mean_lowp, v_mean_lowp: optional ``[n_blocks, Hkv, d]`` copies of the means rounded to
+            q's dtype (bf16/fp16), written by the Triton block-means kernel next to the float32
+            sums; the mean correction reads them (half the bytes, no conversion after the ``nnz``
+            sync). ``None`` from the reference backend.
     """
 
     row_ptr: torch.Tensor
@@ -44,6 +48,8 @@ class BlockIndex:
     block_size: int
     group_size: int
     tile_rows: int = 128
+    k_mean_lowp: torch.Tensor | None = None
+    v_mean_lowp: torch.Tensor | None = None
 
     @property
     def n_kv_heads(self) -> int:
@@ -65,7 +71,8 @@ class BlockIndex:
     def nbytes(self) -> int:
         """Bytes held by the index tensors (CSR + block means)."""
         return sum(t.numel() * t.element_size() for t in (
-            self.row_ptr, self.col_idx, self.k_mean, self.v_mean, self.block_ptr, self.tile_ptr, self.n_visible))
+            self.row_ptr, self.col_idx, self.k_mean, self.v_mean, self.block_ptr, self.tile_ptr, self.n_visible,
+            self.k_mean_lowp, self.v_mean_lowp) if t is not None)
 
 
 @dataclass(frozen=True)

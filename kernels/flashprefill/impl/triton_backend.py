@@ -90,39 +90,45 @@ def _scale(softmax_scale, d: int) -> float:
     return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
 
 
-def _launch_means(k_cache, v_cache, page_table, seq_lens, plan: BatchPlan, block_size: int, k_lowp=None):
-    """float32 ``(k_mean, v_mean)`` ``[n_blocks, Hkv, d]``; also fills ``k_lowp`` (16-bit k̄)
-    when given. Grid ``(max blocks per request, Hkv, batch)``: no per-block request table."""
+def _launch_means(k_cache, v_cache, page_table, seq_lens, plan: BatchPlan, block_size: int, lowp_dtype=None):
+    """float32 ``(k_mean, v_mean, k_lowp, v_lowp)``, each ``[n_blocks, Hkv, d]``; the last two are
+    the means rounded to ``lowp_dtype`` (bf16/fp16), or ``None`` when it is ``None``.
+    Grid ``(max blocks per request, Hkv, batch)``: no per-block request table."""
     _, page_size, hkv, d = k_cache.shape
     k_mean = torch.empty(plan.n_blocks, hkv, d, dtype=torch.float32, device=k_cache.device)
     v_mean = torch.empty_like(k_mean)
+    k_lowp = v_lowp = None
+    if lowp_dtype is not None:
+        k_lowp = torch.empty(plan.n_blocks, hkv, d, dtype=lowp_dtype, device=k_cache.device)
+        v_lowp = torch.empty_like(k_lowp)
     max_nb = max((-(-lk // block_size) for lk in plan.kv_lens), default=0)
     if plan.n_blocks and max_nb:
         ti._block_means_kernel[(max_nb, hkv, plan.batch)](
             k_cache, v_cache, page_table, seq_lens, plan.block_ptr,
-            k_mean, v_mean, k_lowp if k_lowp is not None else k_mean,
+            k_mean, v_mean, k_lowp if k_lowp is not None else k_mean, v_lowp if v_lowp is not None else v_mean,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             page_table.stride(0), k_mean.stride(0), k_mean.stride(1),
             HEAD_DIM=d, BLOCK_SIZE=block_size, TOKENS=min(MEANS_TOKENS, block_size), PAGE_SIZE=page_size,
             WRITE_LOWP=k_lowp is not None, num_warps=4,
         )
-    return k_mean, v_mean
+    return k_mean, v_mean, k_lowp, v_lowp
 
 
 def block_means(k_cache, v_cache, page_table, seq_lens, plan: BatchPlan, block_size: int):
     """``(k_mean, v_mean)`` float32 ``[n_blocks, Hkv, d]`` over valid tokens (section 3.1)."""
-    return _launch_means(k_cache, v_cache, page_table, seq_lens, plan, block_size)
+    return _launch_means(k_cache, v_cache, page_table, seq_lens, plan, block_size)[:2]
 
 
 def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config: SparseConfig,
                 softmax_scale, plan: BatchPlan) -> BlockIndex:
     """Block means, selection and CSR of a batch (sections 3.1-3.6) on the GPU.
 
-    Memory: the index tensors (``k_mean``/``v_mean`` ``2 x n_blocks x Hkv x d x 4`` bytes, CSR
-    ``4 x (n_segments + 1 + nnz)`` bytes) plus, during the call only, a bitmask of
-    ``n_segments x ceil(max_blocks / 32)`` int32 and a scratch of ``n_programs x max_blocks``
-    float32 (at 128K, 32/8 heads, d 128: 8 MiB means, ~4 MiB bitmask, 2 MiB scratch).
+    Memory: the index tensors (``k_mean``/``v_mean`` ``2 x n_blocks x Hkv x d x 4`` bytes, their
+    16-bit copies half that, CSR ``4 x (n_segments + 1 + nnz)`` bytes) plus, during the call only,
+    a bitmask of ``n_segments x ceil(max_blocks / 32)`` int32 and a scratch of ``n_programs x
+    max_blocks`` float32 (at 128K, 32/8 heads, d 128: 8 + 4 MiB means, ~4 MiB bitmask, 2 MiB
+    scratch).
 
     One host sync: ``row_ptr[-1]`` (``nnz``) to size ``col_idx``.
     """
@@ -136,9 +142,11 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
     dev = q.device
     scale = _scale(softmax_scale, d)
     exact = EXACT_SCORES
-    # 16-bit copy of k̄ for one-dot scores (pooled blocks x Hkv x d; 2 MiB at 128K, call-local)
-    k_lowp = None if exact else torch.empty(plan.n_blocks, hkv, d, dtype=q.dtype, device=dev)
-    k_mean, v_mean = _launch_means(k_cache, v_cache, page_table, seq_lens, plan, B, k_lowp)
+    # 16-bit copies of k̄ / v̄ (pooled blocks x Hkv x d; 2 MiB each at 128K), written by the means
+    # kernel: k̄ for one-dot scores, both for the mean correction (so nothing converts them after
+    # the nnz sync). Not made with EXACT_SCORES (the correction then converts or reads float32).
+    k_mean, v_mean, k_lowp, v_lowp = _launch_means(k_cache, v_cache, page_table, seq_lens, plan, B,
+                                                   None if exact else q.dtype)
 
     n_tiles = plan.n_tiles
     n_seg = hkv * n_tiles
@@ -193,6 +201,8 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
         block_size=B,
         group_size=g,
         tile_rows=plan.tile_rows,
+        k_mean_lowp=k_lowp,
+        v_mean_lowp=v_lowp,
     )
 
 
@@ -207,7 +217,10 @@ def sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, co
     mc = bool(config.mean_correction)
     km = vm = None
     if mc:
-        if plan.max_kv_len <= MEANS_DIRECT_MAX_KV:
+        lowp = (index.k_mean_lowp, index.v_mean_lowp)
+        if all(t is not None and t.dtype == q.dtype for t in lowp):
+            km, vm = lowp                   # rounded by the means kernel, before the nnz sync
+        elif plan.max_kv_len <= MEANS_DIRECT_MAX_KV:
             # short: the kernel reads the float32 means and rounds them itself (saves two
             # conversion launches + allocations per call, ~tens of us of host time)
             km, vm = index.k_mean, index.v_mean

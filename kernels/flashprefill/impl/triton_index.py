@@ -55,7 +55,7 @@ def _kv_rows(pt_row, pos, PAGE_SIZE: tl.constexpr, stride_page, stride_slot):
 @triton.jit
 def _block_means_kernel(
     k_ptr, v_ptr, page_table, seq_lens, block_ptr,
-    k_mean, v_mean, k_lowp,
+    k_mean, v_mean, k_lowp, v_lowp,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
     stride_pt,
@@ -64,7 +64,7 @@ def _block_means_kernel(
     BLOCK_SIZE: tl.constexpr,
     TOKENS: tl.constexpr,          # tokens summed per step (BLOCK_SIZE % TOKENS == 0)
     PAGE_SIZE: tl.constexpr,
-    WRITE_LOWP: tl.constexpr,      # also write k̄ rounded to k_lowp's dtype (one-dot scores)
+    WRITE_LOWP: tl.constexpr,      # also write k̄ / v̄ rounded to 16 bits (one-dot scores, correction)
 ):
     """Grid ``(max blocks per request, Hkv, batch)``: programs past a request's last block exit."""
     tl.static_assert(BLOCK_SIZE % TOKENS == 0)
@@ -101,6 +101,7 @@ def _block_means_kernel(
     tl.store(v_mean + out, v_sum * inv)
     if WRITE_LOWP:
         tl.store(k_lowp + out, (k_sum * inv).to(k_lowp.dtype.element_ty))
+        tl.store(v_lowp + out, (v_sum * inv).to(v_lowp.dtype.element_ty))
 
 
 # --------------------------------------------------------------------------------------------
