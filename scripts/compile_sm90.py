@@ -127,10 +127,12 @@ def _index(bf):
         compile_one(f"select exact={exact} BJ{tb.SELECT_BLOCK_J} w{tb.SELECT_NUM_WARPS}", ti._select_kernel,
                     ptrs, consts, floats=("scale_log2", "log2_alpha"),
                     num_warps=tb.SELECT_NUM_WARPS, num_stages=tb.SELECT_NUM_STAGES)
-    ptrs = {"k_ptr": bf, "v_ptr": bf, "page_table": "*i32", "seq_lens": "*i32", "block_ptr": "*i32",
-            "k_mean": "*fp32", "v_mean": "*fp32", "k_lowp": bf, "v_lowp": bf}
-    compile_one("block means", ti._block_means_kernel, ptrs,
-                dict(HEAD_DIM=128, BLOCK_SIZE=128, TOKENS=32, PAGE_SIZE=64, WRITE_LOWP=True))
+    ptrs = {"x_ptr": bf, "page_table": "*i32", "seq_lens": "*i32", "block_ptr": "*i32",
+            "x_mean": "*fp32", "x_lowp": bf}
+    for tokens, warps in ((tb.MEANS_TOKENS, tb.MEANS_WARPS), (32, 4), (128, 8)):
+        compile_one(f"block means T{tokens} w{warps}", ti._block_means_kernel, ptrs,
+                    dict(HEAD_DIM=128, BLOCK_SIZE=128, TOKENS=tokens, PAGE_SIZE=64, WRITE_LOWP=True),
+                    num_warps=warps)
     compile_one("expand", ti._expand_kernel, {"bits": "*i32", "row_ptr": "*i32", "n_visible": "*i32",
                                               "col_idx": "*i32"}, dict(WORDS=tb.EXPAND_WORDS))
 

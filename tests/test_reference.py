@@ -90,6 +90,26 @@ def test_mixed_batch():
         torch.testing.assert_close(l, lse[qs:qe], atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("g,block_size", [(1, 64), (3, 64), (7, 128), (8, 128)])
+def test_host_visible_blocks_equal_the_index(g, block_size):
+    """``flashprefill.plan.visible_blocks`` (lengths only, what the SGLang statistics use) equals
+    the index's ``n_visible`` summed over each request's segments of one KV head, across tile
+    boundaries, prefixes, a 1-token request and an empty one."""
+    from flashprefill.plan import host_tile_ptr, visible_blocks
+
+    q_lens, kv_lens = [100, 700, 1, 0, 129], [100, 1000, 64, 30, 129]
+    inp = make_inputs(q_lens, kv_lens, hq=2 * g, hkv=2, d=16, page_size=16, seed=3)
+    cfg = SparseConfig(block_size=block_size, sink_tokens=64, window_tokens=64, dense_tail_tokens=32, alpha=0.3)
+    _, _, index, plan = run_ref(inp, cfg)
+    ptr = host_tile_ptr(plan)
+    assert ptr == plan.tile_ptr.tolist()
+    per_head = index.n_visible.view(2, -1).to(torch.int64)
+    want = [int(per_head[0, ptr[b]:ptr[b + 1]].sum()) for b in range(len(q_lens))]
+    assert torch.equal(per_head[0], per_head[1])
+    assert visible_blocks(plan) == want
+    assert want[3] == 0 and want[2] == 1 and min(want[:3]) > 0
+
+
 @pytest.mark.parametrize("g", [1, 3, 7, 8])
 def test_gqa_groups(g):
     inp = make_inputs([150], [250], hq=g, hkv=1, d=32, page_size=16, seed=g, structured=True)

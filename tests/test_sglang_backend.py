@@ -7,6 +7,7 @@ error when SGLang is missing. ``register()`` runs only where SGLang is installed
 """
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from types import SimpleNamespace
@@ -180,21 +181,29 @@ def test_operator_dense_reason(d, dtype, backend, reason):
 # ------------------------------------------------------------------------------------------------
 
 
-def _fake_index(counts, visible):
-    """A BlockIndex stand-in: per segment ``counts`` selected of ``visible`` blocks."""
+def _fake_index(counts):
+    """A BlockIndex stand-in: per segment ``counts`` selected blocks (only ``row_ptr`` is read)."""
     row_ptr = torch.zeros(len(counts) + 1, dtype=torch.int32)
     row_ptr[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.int32), 0)
-    return SimpleNamespace(row_ptr=row_ptr, n_visible=torch.tensor(visible, dtype=torch.int32))
+    return SimpleNamespace(row_ptr=row_ptr)
+
+
+def _plan(q_lens, kv_lens, group_size, block_size=128):
+    cu = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
+    return make_plan(torch.tensor(kv_lens, dtype=torch.int32), cu, group_size, block_size)
 
 
 def test_stats_end_to_end_on_cpu(tmp_path):
-    # 2 requests, tiles [2, 1] -> tile_request [0, 0, 1]; 2 KV heads -> 6 segments (head-major)
-    tile_request = torch.tensor([0, 0, 1], dtype=torch.int32)
+    # 2 requests, g = 2: 400 and 20 packed rows -> tiles [4, 1]; 2 KV heads -> 10 segments
+    # (head-major). Visible blocks per tile: request 0 (P 0) t_last 63, 127, 191, 199 -> 1+1+2+2;
+    # request 1 (P 290) t_last 9 -> (290 + 9) // 128 + 1 = 3.
+    plan = _plan([200, 10], [200, 300], group_size=2)
     st = BatchStats(num_layers=3, layer_offset=0, num_q_heads=4, num_kv_heads=2, head_dim=8, q_lens=[200, 10],
-                    kv_lens=[200, 300], rids=["r0", "r1"], device="cpu", tile_request=tile_request)
+                    kv_lens=[200, 300], rids=["r0", "r1"], device="cpu", plan=plan)
     st.mark_dense(0, "dense_layers")
-    st.add_index(1, _fake_index([1, 2, 3, 4, 5, 6], [2, 2, 3, 4, 6, 6]), n_tiles=3)
-    st.add_index(2, _fake_index([2, 2, 3, 4, 6, 6], [2, 2, 3, 4, 6, 6]), n_tiles=3)
+    st.add_index(1, _fake_index([1, 1, 2, 1, 2, 1, 1, 1, 2, 3]))
+    st.add_index(2, _fake_index([1, 1, 2, 2, 3, 1, 1, 2, 2, 3]))
+    assert st.ends.shape == (3, 2 * 2 * 2)   # one row per layer: starts and ends of (request, head)
     writer = StatsWriter(tmp_path)
     st.finish()
     writer.submit(st)
@@ -202,20 +211,51 @@ def test_stats_end_to_end_on_cpu(tmp_path):
     recs = list(iter_records(tmp_path))
     assert [r["rid"] for r in recs] == ["r0", "r1"]
     assert recs[0]["layers"] == ["dense:dense_layers", "sparse", "sparse"]
-    # layer 1, request 0: head 0 tiles 0,1 -> 1+2 of 2+2; head 1 -> 4+5 of 4+6
-    assert recs[0]["selected"][1] == [3, 9] and recs[0]["visible"][1] == [4, 10]
-    assert recs[1]["selected"][1] == [3, 6] and recs[1]["visible"][1] == [3, 6]
+    # layer 1: request 0 -> head 0 tiles 1+1+2+1, head 1 tiles 1+1+1+2; request 1 -> 2 and 3
+    assert recs[0]["selected"][1] == [5, 5] and recs[0]["visible"][1] == [6, 6]
+    assert recs[1]["selected"][1] == [2, 3] and recs[1]["visible"][1] == [3, 3]
+    assert recs[0]["selected"][2] == [6, 6] and recs[1]["selected"][2] == [3, 3]
+    assert recs[0]["selected"][0] is None and recs[0]["visible"][0] is None
     agg = aggregate(recs, "r0")
     ps = agg.to_prefill_stats()
     assert ps.density_per_layer[0] == 1.0 and ps.density_per_layer[2] == 1.0
-    assert ps.density_per_layer[1] == pytest.approx(12 / 14)
-    assert ps.density == pytest.approx((12 + 14) / (14 + 14))
+    assert ps.density_per_layer[1] == pytest.approx(10 / 12)
+    assert ps.density == pytest.approx((10 + 12) / (12 + 12))
     assert ps.attention_flops_dense == pytest.approx(3 * 4.0 * 4 * 8 * (200 * 201 // 2))
     assert 0 < ps.attention_flops_skipped < ps.attention_flops_dense
     assert ps.sparse_layers == [1, 2]  # layer 0 ran dense: not in the density, skips no FLOPs
     got = read_prefill_stats(tmp_path, "r1", timeout_s=0.1, expect_tokens=300)
     assert got is not None and got.prompt_tokens == 300
     assert read_prefill_stats(tmp_path, "missing", timeout_s=0.05) is None
+
+
+def test_stats_of_a_dense_batch_touch_no_tensors(tmp_path):
+    """A dense batch (no plan, every layer dense) allocates and copies nothing; its lines still
+    arrive, with null counters."""
+    st = BatchStats(num_layers=2, layer_offset=0, num_q_heads=2, num_kv_heads=1, head_dim=8, q_lens=[50],
+                    kv_lens=[50], rids=["d"], device="cpu", plan=None)
+    st.mark_dense(0, "short")
+    st.mark_dense(1, "short")
+    st.finish()
+    assert st.ends is None and st.host_ends is None and st.ready()
+    rec = st.records()[0]
+    assert rec["layers"] == ["dense:short", "dense:short"] and rec["selected"] is None
+    assert aggregate([rec], "d").to_prefill_stats().density == 1.0
+
+
+def test_stats_writer_polls_instead_of_blocking(tmp_path, monkeypatch):
+    """The writer thread waits for a batch by polling ``ready`` with sleeps, never in a blocking
+    CUDA call that holds the GIL while the scheduler thread launches the next kernels."""
+    st = BatchStats(num_layers=1, layer_offset=0, num_q_heads=2, num_kv_heads=1, head_dim=8, q_lens=[5],
+                    kv_lens=[5], rids=["p"], device="cpu", plan=None)
+    st.mark_dense(0, "short")
+    st.finish()
+    answers = iter([False, False, True])
+    monkeypatch.setattr(st, "ready", lambda: next(answers))
+    sleeps = []
+    monkeypatch.setattr("fpcli.sglang_backend.stats.time.sleep", lambda s: sleeps.append(s))
+    st.wait()
+    assert len(sleeps) == 2 and all(0 < s <= 0.01 for s in sleeps)
 
 
 class RadixAttention(torch.nn.Module):  # stands in for sglang's (matched by class name)
@@ -254,9 +294,10 @@ def test_stats_reach_the_reader_after_the_last_layer(tmp_path):
 
     layers, pool = 30, SimpleNamespace(start_layer=0, end_layer=30, layer_num=30)
     last, _ = last_attention_layer_id(_FakeModel(range(layers)), pool)
-    tile_request = torch.tensor([0], dtype=torch.int32)
+    # g = 2, B = 6040: one block; 12080 packed rows -> 95 tiles, each sees block 0 only
+    plan = _plan([6040], [6040], group_size=2, block_size=6040)
     st = BatchStats(num_layers=layers, layer_offset=0, num_q_heads=2, num_kv_heads=1, head_dim=8, q_lens=[6040],
-                    kv_lens=[6040], rids=["fp-abc"], device="cpu", tile_request=tile_request)
+                    kv_lens=[6040], rids=["fp-abc"], device="cpu", plan=plan)
     writer = StatsWriter(tmp_path)
     submitted = []
 
@@ -266,7 +307,7 @@ def test_stats_reach_the_reader_after_the_last_layer(tmp_path):
             if layer_id < 2:
                 st.mark_dense(layer_id, "dense_layers")
             else:
-                st.add_index(layer_id, _fake_index([1], [2]), n_tiles=1)
+                st.add_index(layer_id, _fake_index([1] * 47 + [0] * 48))
             if layer_id == last:
                 st.finish()
                 writer.submit(st)
@@ -281,7 +322,7 @@ def test_stats_reach_the_reader_after_the_last_layer(tmp_path):
     assert got is not None and got.chunks == 1
     ps = got.to_prefill_stats()
     assert len(ps.density_per_layer) == 30 and ps.density_per_layer[:2] == [1.0, 1.0]
-    assert ps.density == pytest.approx(0.5)
+    assert ps.density == pytest.approx(47 / 95)
     # the old rule (pool.end_layer as the last layer id) never finishes the batch
     assert pool.end_layer not in range(layers)
 
@@ -417,8 +458,8 @@ def test_backend_call_sequence_on_reference(page_size):
                                         backend="reference")
         dense = fp.dense_attention(*args, softmax_scale=d ** -0.5, plan=meta.plan, backend="reference")
         st = BatchStats(num_layers=1, layer_offset=0, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, q_lens=q,
-                        kv_lens=kv, rids=["a", "b"], device="cpu", tile_request=meta.plan.tile_request)
-        st.add_index(0, index, meta.plan.n_tiles)
+                        kv_lens=kv, rids=["a", "b"], device="cpu", plan=meta.plan)
+        st.add_index(0, index)
         st.finish()
         rec = st.records()
         sel = sum(sum(r["selected"][0]) for r in rec)

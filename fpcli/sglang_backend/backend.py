@@ -217,7 +217,7 @@ class FlashPrefillAttnBackend(AttentionBackend):
                 rids=meta.rids,
                 device=self.device,
                 layer_timing=self.settings.layer_timing,
-                tile_request=meta.plan.tile_request if meta.plan is not None else None,
+                plan=meta.plan,
             )
 
     @staticmethod
@@ -329,7 +329,7 @@ class FlashPrefillAttnBackend(AttentionBackend):
         ev2 = stats.stage_event() if stats is not None else None
         if stats is not None:
             if index is not None:
-                stats.add_index(layer.layer_id, index, meta.plan.n_tiles, (ev0, ev1, ev2))
+                stats.add_index(layer.layer_id, index, (ev0, ev1, ev2))
             else:
                 stats.mark_sparse_no_index(layer.layer_id)
         return out.reshape(-1, hq * layer.v_head_dim)

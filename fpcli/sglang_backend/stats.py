@@ -1,18 +1,25 @@
 """Per-layer density and prefill timing of the ``flashprefill`` backend, and how they reach the CLI.
 
-Hot path (scheduler process, per extend batch): no host sync.
+Hot path (scheduler process, per extend batch): no host sync, and as few launches as possible
+(a 4K prefill of a 0.5B model is bound by the host's kernel launches; the statistics first cost
+1.4 ms there and 5 ms at 8K, measured on the H200 on 2026-11-30, docs/benchmarks.md).
 
-- ``BatchStats`` is created in ``init_forward_metadata``: a start CUDA event and two int64 device
-  tensors ``selected`` / ``visible`` of shape ``[layers, B, Hkv]``.
-- Each sparse layer adds its ``BlockIndex`` counts with device ops: per segment
-  ``row_ptr[s+1] - row_ptr[s]`` selected blocks and ``n_visible[s]`` causally visible blocks,
-  summed per (request, KV head) through ``plan.tile_request`` (``index_add_``).
-- The last layer records an end event, enqueues non-blocking copies of the counters into pinned
-  host memory and a "copied" event, and hands the batch to ``StatsWriter``.
+- ``BatchStats`` is created in ``init_forward_metadata``: one start CUDA event. A dense batch adds
+  nothing else until its end event.
+- Selected blocks: the CSR ``row_ptr`` is a running sum over segments ordered (KV head, request,
+  tile), so the blocks selected for request ``b`` and KV head ``h`` are
+  ``row_ptr[h*T + tile_ptr[b+1]] - row_ptr[h*T + tile_ptr[b]]``. Each sparse layer gathers those
+  ``2 x B x Hkv`` entries into its row of one ``[layers, 2*B*Hkv]`` int32 buffer: a single
+  ``index_select`` launch per layer. The gather positions come from host lengths (the plan).
+- Visible blocks (the density's denominator) depend only on the lengths: computed on the host by
+  the writer thread (``flashprefill.plan.visible_blocks``), never read from the device.
+- The last layer records an end event, enqueues one non-blocking copy of the buffer into pinned
+  host memory (sparse batches only) and hands the batch to ``StatsWriter``.
 
-Off the hot path: ``StatsWriter`` is a daemon thread in the scheduler process. It waits on the
-"copied" event (blocking only itself), reads the pinned counters and event times, and appends one
-JSON line per request to ``<stats_dir>/stats-<pid>.jsonl``.
+Off the hot path: ``StatsWriter`` is a daemon thread in the scheduler process. It polls the
+batch's last event with ``Event.query()`` and sleeps between polls, so it never blocks in a CUDA
+call while the scheduler thread needs the GIL; then it reads the pinned counters and event times
+and appends one JSON line per request to ``<stats_dir>/stats-<pid>.jsonl``.
 
 Across the process boundary (the choice, documented): SGLang's scheduler runs in a spawned
 process and its output path to the tokenizer manager carries only SGLang's own fields, so the
@@ -49,6 +56,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _batch_counter = itertools.count()
+WRITER_POLL_S = 0.002  # how often the writer thread asks whether a batch's copies are done
 
 
 def _event(device: torch.device) -> Any:
@@ -61,7 +69,18 @@ def _event(device: torch.device) -> Any:
 
 
 class BatchStats:
-    """Device-side statistics of one extend batch. All methods are sync-free on CUDA."""
+    """Device-side statistics of one extend batch. All methods but ``records`` are sync-free.
+
+    Args:
+        num_layers, layer_offset: the pool's attention layers (``layer_id - layer_offset`` is
+            the slot).
+        num_q_heads, num_kv_heads, head_dim: this rank's attention geometry.
+        q_lens, kv_lens, rids: per request, host values.
+        device: where the forward runs (CUDA events only there).
+        layer_timing: also record index / attention events per sparse layer.
+        plan: the batch's ``flashprefill.BatchPlan`` (``None`` for a dense batch): tile counts for
+            the ``row_ptr`` gather and the lengths for the visible blocks.
+    """
 
     def __init__(
         self,
@@ -76,7 +95,7 @@ class BatchStats:
         rids: Sequence[str],
         device: torch.device | str,
         layer_timing: bool = False,
-        tile_request: torch.Tensor | None = None,
+        plan: Any = None,
     ):
         self.device = torch.device(device)
         self.batch_id = next(_batch_counter)
@@ -89,17 +108,15 @@ class BatchStats:
         self.kv_lens = tuple(int(x) for x in kv_lens)
         self.rids = tuple(rids) if rids else tuple(f"batch{self.batch_id}-req{b}" for b in range(len(self.q_lens)))
         self.layer_timing = layer_timing and self.device.type == "cuda"
+        self.plan = plan
         self.layer_modes: list[str | None] = [None] * num_layers
-        shape = (num_layers, len(self.q_lens), num_kv_heads)
-        self.selected = torch.zeros(shape, dtype=torch.int64, device=self.device)
-        self.visible = torch.zeros(shape, dtype=torch.int64, device=self.device)
-        self.tile_request = tile_request.to(torch.int64) if tile_request is not None else None
         self.stage_events: list[tuple[Any, Any, Any]] = []  # (start, index done, attention done)
+        self._gather: torch.Tensor | None = None   # int64 [2*B*Hkv] row_ptr positions (device)
+        self.ends: torch.Tensor | None = None      # int32 [layers, 2*B*Hkv] gathered row_ptr entries
         self.start = _event(self.device)
         self.end = None
         self.copied = None
-        self.host_selected: torch.Tensor | None = None
-        self.host_visible: torch.Tensor | None = None
+        self.host_ends: torch.Tensor | None = None
         self.finished = False
 
     # -- per layer -----------------------------------------------------------------------------
@@ -116,22 +133,34 @@ class BatchStats:
         """A timing event for the per-layer stage timing (``None`` unless ``layer_timing``)."""
         return _event(self.device) if self.layer_timing else None
 
-    def add_index(self, layer_id: int, index: Any, n_tiles: int, events: tuple[Any, Any, Any] | None = None) -> None:
-        """Add one sparse layer's block counts (``BlockIndex.row_ptr``, ``.n_visible``)."""
+    def _gather_positions(self) -> torch.Tensor:
+        """``row_ptr`` positions ``[starts (b, h) ..., ends (b, h) ...]`` of every (request, KV
+        head) range, built on the host once per batch and copied without a sync."""
+        from flashprefill.plan import host_tile_ptr
+
+        tile_ptr = host_tile_ptr(self.plan)
+        n_tiles, h = tile_ptr[-1], self.num_kv_heads
+        starts = [hh * n_tiles + tile_ptr[b] for b in range(len(self.q_lens)) for hh in range(h)]
+        ends = [hh * n_tiles + tile_ptr[b + 1] for b in range(len(self.q_lens)) for hh in range(h)]
+        pos = torch.tensor(starts + ends, dtype=torch.int64)
+        if self.device.type == "cuda":
+            return pos.pin_memory().to(self.device, non_blocking=True)
+        return pos.to(self.device)
+
+    def add_index(self, layer_id: int, index: Any, events: tuple[Any, Any, Any] | None = None) -> None:
+        """Record one sparse layer: its ``BlockIndex.row_ptr`` range ends (one gather launch)."""
         i = self._slot(layer_id)
         if i is None:
             return
         self.layer_modes[i] = "sparse"
         if events is not None and all(e is not None for e in events):
             self.stage_events.append(events)
-        if index is None or self.tile_request is None or n_tiles == 0:
+        if index is None or self.plan is None or not self.q_lens:
             return
-        h = self.num_kv_heads
-        counts = (index.row_ptr[1:] - index.row_ptr[:-1]).to(torch.int64).view(h, n_tiles)  # [Hkv, tiles]
-        vis = index.n_visible.to(torch.int64).view(h, n_tiles)
-        # [tiles, Hkv] rows summed into their request: selected[i][b, h] += sum over b's tiles
-        self.selected[i].index_add_(0, self.tile_request, counts.t())
-        self.visible[i].index_add_(0, self.tile_request, vis.t())
+        if self.ends is None:
+            self._gather = self._gather_positions()
+            self.ends = torch.empty(self.num_layers, self._gather.numel(), dtype=torch.int32, device=self.device)
+        torch.index_select(index.row_ptr, 0, self._gather, out=self.ends[i])
 
     def mark_sparse_no_index(self, layer_id: int) -> None:
         i = self._slot(layer_id)
@@ -140,22 +169,32 @@ class BatchStats:
 
     # -- end of the batch ----------------------------------------------------------------------
     def finish(self) -> None:
-        """Record the end event and start the copies to pinned host memory (no sync)."""
+        """Record the end event and start the copy to pinned host memory (no sync)."""
         if self.finished:
             return
         self.finished = True
         self.end = _event(self.device)
-        pin = self.device.type == "cuda"
-        self.host_selected = torch.empty(self.selected.shape, dtype=torch.int64, pin_memory=pin)
-        self.host_visible = torch.empty(self.visible.shape, dtype=torch.int64, pin_memory=pin)
-        self.host_selected.copy_(self.selected, non_blocking=pin)
-        self.host_visible.copy_(self.visible, non_blocking=pin)
-        self.copied = _event(self.device)
+        if self.ends is not None:
+            pin = self.device.type == "cuda"
+            self.host_ends = torch.empty(self.ends.shape, dtype=self.ends.dtype, pin_memory=pin)
+            self.host_ends.copy_(self.ends, non_blocking=pin)
+            self.copied = _event(self.device)
 
-    def wait(self) -> None:
-        """Block until the counters are on the host (writer thread only)."""
-        if self.copied is not None:
-            self.copied.synchronize()
+    def ready(self) -> bool:
+        """Whether the end event and the copies are done (never blocks)."""
+        last = self.copied if self.copied is not None else self.end
+        return last is None or bool(last.query())
+
+    def wait(self, poll_s: float = WRITER_POLL_S) -> None:
+        """Wait until ``ready`` by polling and sleeping (writer thread only; holds no GIL while
+        it sleeps, unlike a blocking ``Event.synchronize``)."""
+        while not self.ready():
+            time.sleep(poll_s)
+
+    def _visible(self) -> list[int]:
+        from flashprefill.plan import visible_blocks
+
+        return visible_blocks(self.plan) if self.plan is not None else [0] * len(self.q_lens)
 
     def records(self) -> list[dict]:
         """One JSON-ready dict per request. Call after ``wait``."""
@@ -166,9 +205,13 @@ class BatchStats:
         if self.stage_events:
             index_ms = sum(float(a.elapsed_time(b)) for a, b, _ in self.stage_events)
             attention_ms = sum(float(b.elapsed_time(c)) for _, b, c in self.stage_events)
-        sel = self.host_selected.tolist() if self.host_selected is not None else None
-        vis = self.host_visible.tolist() if self.host_visible is not None else None
         modes = [m or "dense:not-called" for m in self.layer_modes]
+        n_req, h = len(self.q_lens), self.num_kv_heads
+        sel = vis = None
+        if self.host_ends is not None:
+            ends = self.host_ends.to(torch.int64).view(self.num_layers, 2, n_req, h)
+            sel = (ends[:, 1] - ends[:, 0]).tolist()                  # [layers][b][h]
+            vis = self._visible()
         out = []
         for b, rid in enumerate(self.rids):
             out.append({
@@ -186,7 +229,7 @@ class BatchStats:
                 "attention_ms": attention_ms,
                 "layers": modes,
                 "selected": [sel[i][b] if modes[i] == "sparse" else None for i in range(self.num_layers)] if sel else None,
-                "visible": [vis[i][b] if modes[i] == "sparse" else None for i in range(self.num_layers)] if vis else None,
+                "visible": [[vis[b]] * h if modes[i] == "sparse" else None for i in range(self.num_layers)] if sel else None,
             })
         return out
 

@@ -27,6 +27,16 @@ ATTN_VARIANTS: dict[str, dict] = {
     "m64": {"flat_steps": True, "merge_loops": True, "block_m": 64, "num_warps": 4, "mc_stages": 2},
 }
 
+# Index-stage tile variants (module constants of ``impl.triton_backend``) that ``flashprefill.bench
+# --variants`` times and ``tests/gpu/test_kernels.py`` runs, so a faster one can become the default
+# with its GPU tests already run: block means with 32 / 128 tokens per step, selection pipelines.
+INDEX_VARIANTS: dict[str, dict] = {
+    "means_t32": {"MEANS_TOKENS": 32},
+    "means_t128w8": {"MEANS_TOKENS": 128, "MEANS_WARPS": 8},
+    "select_st3": {"SELECT_NUM_STAGES": 3},
+    "select_st1": {"SELECT_NUM_STAGES": 1},
+}
+
 
 @dataclass(frozen=True)
 class SparseConfig:

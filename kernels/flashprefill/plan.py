@@ -142,3 +142,32 @@ def make_plan(
         n_tiles=tile_ptr[-1],
         n_blocks=block_ptr[-1],
     )
+
+
+def host_tile_ptr(plan: BatchPlan) -> list[int]:
+    """Cumulative GQA-packed tiles per request, host ints (``plan.tile_ptr`` without a copy)."""
+    ptr = [0]
+    for lq in plan.q_lens:
+        ptr.append(ptr[-1] + -(-lq * plan.group_size // plan.tile_rows))
+    return ptr
+
+
+def visible_blocks(plan: BatchPlan) -> list[int]:
+    """Causally visible key blocks of each request, summed over its tiles (one KV head).
+
+    Tile ``i`` of a request (packed rows ``[i*R, min((i+1)*R, Lq*g))``, last token ``t_last =
+    (row_end - 1) // g``) sees blocks ``0 .. (P + t_last) // B`` (design doc section 3.2), so this
+    is the sum of ``BlockIndex.n_visible`` over the request's segments of one KV head: the
+    denominator of density, computed on the host from the lengths alone (no device read).
+    """
+    out = []
+    g, R, B = plan.group_size, plan.tile_rows, plan.block_size
+    for lq, p in zip(plan.q_lens, plan.prefix_lens):
+        rows = lq * g
+        n_tiles = -(-rows // R)
+        if n_tiles == 0:
+            out.append(0)
+            continue
+        row_end = torch.clamp(torch.arange(1, n_tiles + 1, dtype=torch.int64) * R, max=rows)
+        out.append(int(((p + (row_end - 1) // g) // B + 1).sum()))
+    return out

@@ -152,7 +152,10 @@ def run_case(name, q_lens, prefixes, hkv, g, d, ps, dtype, config=SMALL):
     counts = idx.row_ptr[1:] - idx.row_ptr[:-1]
     assert bool((counts > 0).all()), f"{name}: empty segment"
     km_err = (idx.k_mean - ridx.k_mean).abs().max().item()
-    assert km_err < 1e-4, f"{name}: k_mean err {km_err}"
+    vm_err = (idx.v_mean - ridx.v_mean).abs().max().item()
+    assert km_err < 1e-4 and vm_err < 1e-4, f"{name}: k_mean err {km_err}, v_mean err {vm_err}"
+    for mean, lowp in ((idx.k_mean, idx.k_mean_lowp), (idx.v_mean, idx.v_mean_lowp)):
+        assert lowp is None or torch.equal(lowp, mean.to(lowp.dtype)), f"{name}: 16-bit means differ"
     poison(q.numel() * q.element_size() * 2)
     out, lse = tb.sparse_attention(q, k, v, pt, sl, cu, config, None, plan, idx)
     r_out, r_lse, l_out = truth_and_lowp(ref.sparse_attention, q, k, v, pt, sl, cu, config, None, plan, idx)
@@ -184,6 +187,22 @@ def test_batch_with_prefixes(g, d, ps, dtype, mc_mode):
 
 def test_prefix_default_config(mc_mode):
     run_case("default-config", [3000], [5000], 2, 4, 128, 64, torch.bfloat16, SparseConfig())
+
+
+@pytest.mark.parametrize("variant", list(tb.INDEX_VARIANTS))
+def test_index_variants(variant):
+    """Each index-stage tile variant (``config.INDEX_VARIANTS``: block-means steps, selection
+    pipelines) against the reference, so the bench's fastest can become the default."""
+    saved = {k: getattr(tb, k) for k in tb.INDEX_VARIANTS[variant]}
+    try:
+        for k, v in tb.INDEX_VARIANTS[variant].items():
+            setattr(tb, k, v)
+        run_case(f"{variant}/batch", [100, 8192, 1], [0, 4096, 63], 2, 3, 128, 16, torch.bfloat16)
+        run_case(f"{variant}/4097", [4097], [0], 1, 8, 64, 1, torch.float16)
+        run_case(f"{variant}/d256", [1000], [300], 2, 4, 256, 64, torch.bfloat16)
+    finally:
+        for k, v in saved.items():
+            setattr(tb, k, v)
 
 
 @pytest.mark.parametrize("ps", [1, 16, 64, 128])

@@ -33,7 +33,7 @@ import torch
 
 from ..config import SparseConfig
 from ..index import BlockIndex
-from ..plan import BatchPlan, make_plan
+from ..plan import BatchPlan, host_tile_ptr, make_plan
 
 # Logits materialised at once by the chunked attention / selection (elements, not bytes): 4M on
 # the CPU (cache-friendly), 16x that on an accelerator (fewer launches; ~256 MiB of float32).
@@ -58,14 +58,6 @@ def _resolve(q, seq_lens, cu_seqlens_q, k_cache, block_size, softmax_scale, plan
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
     return plan, float(softmax_scale), hkv, g
-
-
-def _host_tile_ptr(plan: BatchPlan) -> list[int]:
-    """Cumulative tiles per request on the host: ``ceil(Lq * g / tile_rows)`` (docs/layout.md)."""
-    ptr = [0]
-    for lq in plan.q_lens:
-        ptr.append(ptr[-1] + -(-lq * plan.group_size // plan.tile_rows))
-    return ptr
 
 
 def _gather_kv(cache: torch.Tensor, page_table: torch.Tensor, b: int, lk: int) -> torch.Tensor:
@@ -212,7 +204,7 @@ def build_index(
     dt = _compute_dtype(q)
     dev = q.device
     d = q.shape[2]
-    tile_ptr = _host_tile_ptr(plan)
+    tile_ptr = host_tile_ptr(plan)
     block_counts = [-(-lk // B) for lk in plan.kv_lens]
     max_nb = max(block_counts, default=0)
     n_tiles = tile_ptr[-1]
@@ -420,7 +412,7 @@ def sparse_attention(
     if index is None:
         index = build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale, plan)
     B = index.block_size
-    tile_ptr = _host_tile_ptr(plan)
+    tile_ptr = host_tile_ptr(plan)
     max_nb = max((-(-lk // B) for lk in plan.kv_lens), default=0)
     sel_all = _csr_to_mask(index, hkv, tile_ptr[-1], max_nb)
     return _attention(q, k_cache, v_cache, page_table, plan, scale, B, sel_all, tile_ptr, index,
@@ -464,7 +456,7 @@ def block_map(index: BlockIndex, plan: BatchPlan, b: int = 0, kv_head: int = 0,
     B, g, tr = index.block_size, plan.group_size, plan.tile_rows
     lq, lk = plan.q_lens[b], plan.kv_lens[b]
     P = lk - lq
-    tile_ptr = _host_tile_ptr(plan)
+    tile_ptr = host_tile_ptr(plan)
     hkv = index.n_kv_heads
     max_nb = max((-(-x // B) for x in plan.kv_lens), default=0)
     sel = _csr_to_mask(index, hkv, tile_ptr[-1], max_nb)[kv_head, tile_ptr[b]:tile_ptr[b + 1]]

@@ -14,7 +14,7 @@ import math
 import torch
 import triton
 
-from ..config import SparseConfig
+from ..config import INDEX_VARIANTS, SparseConfig  # noqa: F401  (INDEX_VARIANTS: re-exported)
 from ..index import BlockIndex
 from ..plan import BatchPlan
 from . import triton_index as ti
@@ -31,7 +31,9 @@ SELECT_NUM_WARPS = 4
 SELECT_NUM_STAGES = 2
 EXPAND_WORDS = 8                 # 256 blocks per expand step
 MEANS_DIRECT_MAX_KV = 32768      # sparse_attention reads the float32 means directly up to this Lk
-MEANS_TOKENS = 32                # tokens summed per step of the block-means kernel
+MEANS_TOKENS = 64                # tokens summed per step of the block-means kernel (one cache per
+MEANS_WARPS = 4                  # launch: 64 x d 16-bit loads in flight, as 32 of K + 32 of V before)
+
 # EXACT_SCORES: ℓ = τ q·k̄ from k̄ split hi/lo (two 16-bit dots, ~fp32). False: one dot on k̄
 # rounded to q's dtype (half the index FLOPs and k̄ bytes; threshold ties vs the float32 reference
 # measured well under the 1% the tests allow: docs/kernel-notes.md).
@@ -90,34 +92,45 @@ def _scale(softmax_scale, d: int) -> float:
     return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
 
 
-def _launch_means(k_cache, v_cache, page_table, seq_lens, plan: BatchPlan, block_size: int, lowp_dtype=None):
-    """float32 ``(k_mean, v_mean, k_lowp, v_lowp)``, each ``[n_blocks, Hkv, d]``; the last two are
-    the means rounded to ``lowp_dtype`` (bf16/fp16), or ``None`` when it is ``None``.
-    Grid ``(max blocks per request, Hkv, batch)``: no per-block request table."""
-    _, page_size, hkv, d = k_cache.shape
-    k_mean = torch.empty(plan.n_blocks, hkv, d, dtype=torch.float32, device=k_cache.device)
-    v_mean = torch.empty_like(k_mean)
-    k_lowp = v_lowp = None
-    if lowp_dtype is not None:
-        k_lowp = torch.empty(plan.n_blocks, hkv, d, dtype=lowp_dtype, device=k_cache.device)
-        v_lowp = torch.empty_like(k_lowp)
+def _launch_means(cache, page_table, seq_lens, plan: BatchPlan, block_size: int, lowp_dtype=None):
+    """Block means of one cache (K or V): float32 ``[n_blocks, Hkv, d]`` and, when
+    ``lowp_dtype`` (bf16/fp16) is given, the same rounded to it (else ``None``). Grid
+    ``(max blocks per request, Hkv, batch)``: no per-block request table."""
+    _, page_size, hkv, d = cache.shape
+    mean = torch.empty(plan.n_blocks, hkv, d, dtype=torch.float32, device=cache.device)
+    lowp = torch.empty(plan.n_blocks, hkv, d, dtype=lowp_dtype, device=cache.device) if lowp_dtype else None
     max_nb = max((-(-lk // block_size) for lk in plan.kv_lens), default=0)
     if plan.n_blocks and max_nb:
         ti._block_means_kernel[(max_nb, hkv, plan.batch)](
-            k_cache, v_cache, page_table, seq_lens, plan.block_ptr,
-            k_mean, v_mean, k_lowp if k_lowp is not None else k_mean, v_lowp if v_lowp is not None else v_mean,
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            page_table.stride(0), k_mean.stride(0), k_mean.stride(1),
+            cache, page_table, seq_lens, plan.block_ptr, mean, lowp if lowp is not None else mean,
+            cache.stride(0), cache.stride(1), cache.stride(2),
+            page_table.stride(0), mean.stride(0), mean.stride(1),
             HEAD_DIM=d, BLOCK_SIZE=block_size, TOKENS=min(MEANS_TOKENS, block_size), PAGE_SIZE=page_size,
-            WRITE_LOWP=k_lowp is not None, num_warps=4,
+            WRITE_LOWP=lowp is not None, num_warps=MEANS_WARPS,
         )
-    return k_mean, v_mean, k_lowp, v_lowp
+    return mean, lowp
 
 
 def block_means(k_cache, v_cache, page_table, seq_lens, plan: BatchPlan, block_size: int):
     """``(k_mean, v_mean)`` float32 ``[n_blocks, Hkv, d]`` over valid tokens (section 3.1)."""
-    return _launch_means(k_cache, v_cache, page_table, seq_lens, plan, block_size)[:2]
+    return (_launch_means(k_cache, page_table, seq_lens, plan, block_size)[0],
+            _launch_means(v_cache, page_table, seq_lens, plan, block_size)[0])
+
+
+def _queue_nnz_copy(row_ptr: torch.Tensor):
+    """Queue the copy of ``row_ptr[-1]`` (``nnz``) to the host now; return a function that
+    waits for that copy only (not for work queued after it) and returns ``nnz`` as an int."""
+    if row_ptr.device.type != "cuda":
+        return lambda: int(row_ptr[-1].item())
+    host = torch.empty(1, dtype=row_ptr.dtype, pin_memory=True)
+    host.copy_(row_ptr[-1:], non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def wait() -> int:
+        done.synchronize()
+        return int(host[0])
+    return wait
 
 
 def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config: SparseConfig,
@@ -130,7 +143,8 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
     max_blocks`` float32 (at 128K, 32/8 heads, d 128: 8 + 4 MiB means, ~4 MiB bitmask, 2 MiB
     scratch).
 
-    One host sync: ``row_ptr[-1]`` (``nnz``) to size ``col_idx``.
+    One host sync: ``row_ptr[-1]`` (``nnz``) to size ``col_idx``; it waits for the selection
+    only, while the GPU computes the value means.
     """
     _check(q)
     B = config.block_size
@@ -145,8 +159,8 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
     # 16-bit copies of k̄ / v̄ (pooled blocks x Hkv x d; 2 MiB each at 128K), written by the means
     # kernel: k̄ for one-dot scores, both for the mean correction (so nothing converts them after
     # the nnz sync). Not made with EXACT_SCORES (the correction then converts or reads float32).
-    k_mean, v_mean, k_lowp, v_lowp = _launch_means(k_cache, v_cache, page_table, seq_lens, plan, B,
-                                                   None if exact else q.dtype)
+    lowp_dtype = None if exact else q.dtype
+    k_mean, k_lowp = _launch_means(k_cache, page_table, seq_lens, plan, B, lowp_dtype)
 
     n_tiles = plan.n_tiles
     n_seg = hkv * n_tiles
@@ -182,9 +196,13 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
         torch.cumsum(counts, 0, out=row_ptr[1:])
     else:
         row_ptr.zero_()
+    # The one host sync, for nnz: its copy and event are queued first, then V's means (not needed
+    # by the selection), so the GPU computes them while the host waits and launches the expand.
+    nnz_ready = _queue_nnz_copy(row_ptr) if n_seg else None
+    v_mean, v_lowp = _launch_means(v_cache, page_table, seq_lens, plan, B, lowp_dtype)
     # owned copies of the plan's pointers, made before the sync so they overlap the GPU work
     block_ptr, tile_ptr = plan.block_ptr.clone(), plan.tile_ptr.clone()
-    nnz = int(row_ptr[-1].item()) if n_seg else 0      # the one host sync
+    nnz = nnz_ready() if nnz_ready is not None else 0
     col_idx = torch.empty(nnz, dtype=torch.int32, device=dev)
     if n_seg:
         ti._expand_kernel[(n_seg,)](bits, row_ptr, n_visible, col_idx, n_words,

@@ -1,10 +1,11 @@
 """Triton kernels of the index stage (design doc sections 3.1-3.6, ``docs/layout.md``).
 
-Three launches, no dense ``tiles x blocks`` float workspace:
+Four launches (means of K and of V, selection, expand), no dense ``tiles x blocks`` float workspace:
 
-1. ``_block_means_kernel``  grid ``(n_blocks, Hkv)``: mean key / value of one key block of one
-   KV head, read through the page table (any page size), float32 sums of the ``n_j`` valid
-   tokens only. Reads K and V once: ~0.1 ms at 128K on an H200.
+1. ``_block_means_kernel``  grid ``(blocks, Hkv, batch)``, once for K and once for V: the mean
+   of one key block of one KV head, read through the page table (any page size), float32 sums
+   of the ``n_j`` valid tokens only. K's launch precedes the selection; V's follows it, so it
+   runs while the host waits for ``nnz`` (~0.33 ms for both at 128K on an H200).
 2. ``_select_kernel``  persistent grid ``(n_programs,)`` looping over segments
    ``seg = h * n_tiles + tile``. Per segment:
      - setup: load the GQA-packed Q tile once (packed row ``ρ`` = token ``ρ // g``, head
@@ -54,19 +55,20 @@ def _kv_rows(pt_row, pos, PAGE_SIZE: tl.constexpr, stride_page, stride_slot):
 
 @triton.jit
 def _block_means_kernel(
-    k_ptr, v_ptr, page_table, seq_lens, block_ptr,
-    k_mean, v_mean, k_lowp, v_lowp,
-    stride_kp, stride_ks, stride_kh,
-    stride_vp, stride_vs, stride_vh,
+    x_ptr, page_table, seq_lens, block_ptr,
+    x_mean, x_lowp,
+    stride_xp, stride_xs, stride_xh,
     stride_pt,
     stride_mb, stride_mh,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TOKENS: tl.constexpr,          # tokens summed per step (BLOCK_SIZE % TOKENS == 0)
     PAGE_SIZE: tl.constexpr,
-    WRITE_LOWP: tl.constexpr,      # also write k̄ / v̄ rounded to 16 bits (one-dot scores, correction)
+    WRITE_LOWP: tl.constexpr,      # also write the mean rounded to x_lowp's 16-bit dtype
 ):
-    """Grid ``(max blocks per request, Hkv, batch)``: programs past a request's last block exit."""
+    """Mean of one cache (K or V) per key block and KV head. Grid ``(max blocks per request,
+    Hkv, batch)``: programs past a request's last block exit. One launch per cache, so the V
+    means can run while the host waits for the selection's ``nnz``."""
     tl.static_assert(BLOCK_SIZE % TOKENS == 0)
     # --- setup: (local block, head, request) -> pooled block
     j = tl.program_id(0)
@@ -79,8 +81,7 @@ def _block_means_kernel(
     pt_row = page_table + b.to(tl.int64) * stride_pt
     n_valid = tl.minimum(BLOCK_SIZE, lk - j * BLOCK_SIZE)
     dims = tl.arange(0, HEAD_DIM)
-    k_sum = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    v_sum = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    x_sum = tl.zeros([HEAD_DIM], dtype=tl.float32)
     # --- loop: fp32 sums of the valid tokens
     for s in tl.static_range(BLOCK_SIZE // TOKENS):
         pos = j * BLOCK_SIZE + s * TOKENS + tl.arange(0, TOKENS)
@@ -88,20 +89,15 @@ def _block_means_kernel(
         pos = tl.where(ok, pos, 0)
         page = tl.load(pt_row + pos // PAGE_SIZE).to(tl.int64)
         slot = (pos % PAGE_SIZE).to(tl.int64)
-        k_off = page * stride_kp + slot * stride_ks + h * stride_kh
-        v_off = page * stride_vp + slot * stride_vs + h * stride_vh
-        k = tl.load(k_ptr + k_off[:, None] + dims[None, :], mask=ok[:, None], other=0.0)
-        v = tl.load(v_ptr + v_off[:, None] + dims[None, :], mask=ok[:, None], other=0.0)
-        k_sum += tl.sum(k.to(tl.float32), axis=0)
-        v_sum += tl.sum(v.to(tl.float32), axis=0)
+        off = page * stride_xp + slot * stride_xs + h * stride_xh
+        x = tl.load(x_ptr + off[:, None] + dims[None, :], mask=ok[:, None], other=0.0)
+        x_sum += tl.sum(x.to(tl.float32), axis=0)
     # --- epilogue: divide by n_j (never by B)
-    inv = 1.0 / n_valid.to(tl.float32)
+    mean = x_sum * (1.0 / n_valid.to(tl.float32))
     out = gb.to(tl.int64) * stride_mb + h * stride_mh + dims
-    tl.store(k_mean + out, k_sum * inv)
-    tl.store(v_mean + out, v_sum * inv)
+    tl.store(x_mean + out, mean)
     if WRITE_LOWP:
-        tl.store(k_lowp + out, (k_sum * inv).to(k_lowp.dtype.element_ty))
-        tl.store(v_lowp + out, (v_sum * inv).to(v_lowp.dtype.element_ty))
+        tl.store(x_lowp + out, mean.to(x_lowp.dtype.element_ty))
 
 
 # --------------------------------------------------------------------------------------------
