@@ -192,7 +192,9 @@ def run_e2e_bench(
             except Exception as exc:
                 if label in ("dense", "sparse"):
                     raise
-                # an experiment's engine failing (e.g. a backend the install lacks) costs only its row
+                # an experiment's engine raising (a bad option, a failed request) costs only its
+                # row; a scheduler process dying at start-up still ends the run: SGLang's SIGQUIT
+                # handler kills the parent's process tree (seen with a missing FA3, 2026-11-30)
                 say(f"[bench] {label} engine failed: {type(exc).__name__}: {exc}")
                 for n in group:
                     rows.setdefault(n, {"target_len": n, "yarn": factor})[f"error_{label}"] = \
