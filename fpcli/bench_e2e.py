@@ -196,9 +196,10 @@ def run_e2e_bench(
                 # row; a scheduler process dying at start-up still ends the run: SGLang's SIGQUIT
                 # handler kills the parent's process tree (seen with a missing FA3, 2026-11-30)
                 say(f"[bench] {label} engine failed: {type(exc).__name__}: {exc}")
-                for n in group:
-                    rows.setdefault(n, {"target_len": n, "yarn": factor})[f"error_{label}"] = \
-                        f"{type(exc).__name__}: {exc}"[:500]
+                for n in group:   # the lengths it had not measured yet
+                    row = rows.setdefault(n, {"target_len": n, "yarn": factor})
+                    if f"ttft_{label}_s" not in row:
+                        row[f"error_{label}"] = f"{type(exc).__name__}: {exc}"[:500]
                 if on_rows is not None:
                     on_rows(_finish_rows(rows))
     return _finish_rows(rows)
@@ -290,11 +291,14 @@ ENGINE_VARIANT_KEYS = ("collect_stats", "kernel")
 
 
 def _parse_value(raw: str, strings: bool = False) -> Any:
-    """``"true"``/``"false"`` -> bool, else int, else float; else the stripped string when
-    ``strings``, else ``ValueError``."""
+    """``"true"``/``"false"`` -> bool, else int, else float; with ``strings``, ``"none"`` /
+    ``"null"`` -> ``None`` and anything else the stripped string; else ``ValueError``. (Values
+    cannot contain ``,``: it separates the keys.)"""
     text = raw.strip()
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
+    if strings and text.lower() in ("none", "null"):
+        return None
     for cast in (int, float):
         try:
             return cast(text)

@@ -26,7 +26,7 @@ rc=0
 if [ "${FP_SKIP_TESTS:-0}" != "1" ]; then
   # every failure in one run (device time is scarce); a hang cannot eat the call
   TO=""; python -c "import pytest_timeout" 2>/dev/null && TO="--timeout=150"
-  python -m pytest tests/gpu/test_kernels.py -q -rs --durations=10 -p no:cacheprovider $TO 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+  python -m pytest tests/gpu/test_kernels.py tests/gpu/test_stats_cuda.py -q -rs --durations=10 -p no:cacheprovider $TO 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
 fi
 if [ "${FP_SKIP_BENCH:-0}" != "1" ]; then
   python -m flashprefill.bench --lens "$LENS" --heads 32/8 --head-dim 128 --dtype bf16 \

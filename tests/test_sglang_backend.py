@@ -229,6 +229,26 @@ def test_stats_end_to_end_on_cpu(tmp_path):
     assert read_prefill_stats(tmp_path, "missing", timeout_s=0.05) is None
 
 
+def test_stats_layers_without_counts_report_none_not_garbage():
+    """A sparse layer with no index, or with an index whose ``row_ptr`` does not fit the plan
+    (another KV-head count), reports unknown counts (``None``): its row of the gather buffer is
+    never written, and must not be read as counts; the other layers are unaffected."""
+    plan = _plan([200, 10], [200, 300], group_size=2)
+    st = BatchStats(num_layers=4, layer_offset=0, num_q_heads=4, num_kv_heads=2, head_dim=8, q_lens=[200, 10],
+                    kv_lens=[200, 300], rids=["r0", "r1"], device="cpu", plan=plan)
+    st.add_index(0, _fake_index([1, 1, 2, 1, 2, 1, 1, 1, 2, 3]))
+    st.mark_sparse_no_index(1)
+    st.add_index(2, None)
+    st.add_index(3, _fake_index([1] * 7))              # 7 segments: not 2 heads x 5 tiles
+    st.ends[1:].fill_(-12345)                           # what unwritten rows could hold
+    st.finish()
+    rec = st.records()
+    assert rec[0]["layers"] == ["sparse"] * 4
+    assert rec[0]["selected"] == [[5, 5], None, None, None] and rec[0]["visible"][1:] == [None] * 3
+    ps = aggregate(rec, "r0").to_prefill_stats()
+    assert ps.sparse_layers == [0] and ps.density == pytest.approx(10 / 12)
+
+
 def test_stats_of_a_dense_batch_touch_no_tensors(tmp_path):
     """A dense batch (no plan, every layer dense) allocates and copies nothing; its lines still
     arrive, with null counters."""
@@ -648,6 +668,34 @@ def test_e2e_bench_server_override_variant_and_a_failing_engine(monkeypatch):
     r = rows[0]
     assert "fa9 is not installed" in r["error_broken"] and "ttft_broken_s" not in r
     assert r["needle_hyb"] and r["speedup_hyb"] == pytest.approx(1.0)
+
+
+def test_e2e_bench_variant_failing_partway_keeps_its_measured_lengths(monkeypatch):
+    """A variant engine that fails at its second length keeps the first length's result and
+    gets the error only where it measured nothing; ``sgl.x=none`` passes ``None``."""
+    import fpcli.engine.sglang_engine as se
+    from fpcli import bench_e2e
+    from fpcli.profiles import load_profile
+
+    base = load_profile("bf16")
+    assert bench_e2e.parse_variant("n:sgl.tp_size=null", base)[2] == {"server_overrides": {"tp_size": None}}
+
+    class FakeEngine(_FakeBenchEngine):
+        def generate(self, ids, max_new_tokens=16):
+            if getattr(self.profile, "name", "").endswith("+late") and len(ids) > 6000:
+                raise RuntimeError("out of memory")
+            return super().generate(ids, max_new_tokens)
+
+    monkeypatch.setattr(se, "SGLangEngine", FakeEngine)
+    monkeypatch.setattr(se, "native_context_length", lambda path: 32768)
+    rows = bench_e2e.run_e2e_bench([4096, 8192], "m", base, base.replace(name="dense", attention="dense"),
+                                   repeats=1, progress=lambda m: None,
+                                   variants=[bench_e2e.parse_variant("late:alpha=0.2", base)])
+    r4, r8 = rows
+    assert "ttft_late_s" in r4 and "error_late" not in r4
+    assert "ttft_late_s" not in r8 and "out of memory" in r8["error_late"]
+    text = bench_e2e.format_variants(rows)
+    assert text.count("FAILED") == 1
 
 
 def test_gpu_worker_script_with_a_fake_engine(monkeypatch, tmp_path):

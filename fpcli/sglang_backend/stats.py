@@ -17,9 +17,11 @@ Hot path (scheduler process, per extend batch): no host sync, and as few launche
   host memory (sparse batches only) and hands the batch to ``StatsWriter``.
 
 Off the hot path: ``StatsWriter`` is a daemon thread in the scheduler process. It polls the
-batch's last event with ``Event.query()`` and sleeps between polls, so it never blocks in a CUDA
-call while the scheduler thread needs the GIL; then it reads the pinned counters and event times
-and appends one JSON line per request to ``<stats_dir>/stats-<pid>.jsonl``.
+batch's last event with ``Event.query()`` and sleeps between polls (a blocking
+``Event.synchronize()`` would do as well: PyTorch releases the GIL in it; polling was chosen
+while the 4K cost was unexplained and is kept, it delays a line by at most ``WRITER_POLL_S``),
+then reads the pinned counters and event times and appends one JSON line per request to
+``<stats_dir>/stats-<pid>.jsonl``.
 
 Across the process boundary (the choice, documented): SGLang's scheduler runs in a spawned
 process and its output path to the tokenizer manager carries only SGLang's own fields, so the
@@ -112,6 +114,8 @@ class BatchStats:
         self.layer_modes: list[str | None] = [None] * num_layers
         self.stage_events: list[tuple[Any, Any, Any]] = []  # (start, index done, attention done)
         self._gather: torch.Tensor | None = None   # int64 [2*B*Hkv] row_ptr positions (device)
+        self._n_segments = 0                       # Hkv * tiles: the row_ptr size the positions expect - 1
+        self._gathered: set[int] = set()           # layer slots whose row of ``ends`` was written
         self.ends: torch.Tensor | None = None      # int32 [layers, 2*B*Hkv] gathered row_ptr entries
         self.start = _event(self.device)
         self.end = None
@@ -140,6 +144,7 @@ class BatchStats:
 
         tile_ptr = host_tile_ptr(self.plan)
         n_tiles, h = tile_ptr[-1], self.num_kv_heads
+        self._n_segments = h * n_tiles
         starts = [hh * n_tiles + tile_ptr[b] for b in range(len(self.q_lens)) for hh in range(h)]
         ends = [hh * n_tiles + tile_ptr[b + 1] for b in range(len(self.q_lens)) for hh in range(h)]
         pos = torch.tensor(starts + ends, dtype=torch.int64)
@@ -148,7 +153,11 @@ class BatchStats:
         return pos.to(self.device)
 
     def add_index(self, layer_id: int, index: Any, events: tuple[Any, Any, Any] | None = None) -> None:
-        """Record one sparse layer: its ``BlockIndex.row_ptr`` range ends (one gather launch)."""
+        """Record one sparse layer: its ``BlockIndex.row_ptr`` range ends (one gather launch).
+
+        A layer without an index, or whose ``row_ptr`` does not have the ``Hkv * tiles + 1``
+        entries this batch's plan gives (a layer with another KV-head count), is reported sparse
+        with unknown counts (``None``), never with unwritten ones."""
         i = self._slot(layer_id)
         if i is None:
             return
@@ -160,7 +169,10 @@ class BatchStats:
         if self.ends is None:
             self._gather = self._gather_positions()
             self.ends = torch.empty(self.num_layers, self._gather.numel(), dtype=torch.int32, device=self.device)
+        if index.row_ptr.numel() != self._n_segments + 1:      # host metadata: no sync
+            return
         torch.index_select(index.row_ptr, 0, self._gather, out=self.ends[i])
+        self._gathered.add(i)
 
     def mark_sparse_no_index(self, layer_id: int) -> None:
         i = self._slot(layer_id)
@@ -186,8 +198,7 @@ class BatchStats:
         return last is None or bool(last.query())
 
     def wait(self, poll_s: float = WRITER_POLL_S) -> None:
-        """Wait until ``ready`` by polling and sleeping (writer thread only; holds no GIL while
-        it sleeps, unlike a blocking ``Event.synchronize``)."""
+        """Wait until ``ready`` by polling and sleeping (writer thread only)."""
         while not self.ready():
             time.sleep(poll_s)
 
@@ -212,6 +223,7 @@ class BatchStats:
             ends = self.host_ends.to(torch.int64).view(self.num_layers, 2, n_req, h)
             sel = (ends[:, 1] - ends[:, 0]).tolist()                  # [layers][b][h]
             vis = self._visible()
+        counted = [modes[i] == "sparse" and i in self._gathered for i in range(self.num_layers)]
         out = []
         for b, rid in enumerate(self.rids):
             out.append({
@@ -228,8 +240,8 @@ class BatchStats:
                 "index_ms": index_ms,
                 "attention_ms": attention_ms,
                 "layers": modes,
-                "selected": [sel[i][b] if modes[i] == "sparse" else None for i in range(self.num_layers)] if sel else None,
-                "visible": [[vis[b]] * h if modes[i] == "sparse" else None for i in range(self.num_layers)] if sel else None,
+                "selected": [sel[i][b] if counted[i] else None for i in range(self.num_layers)] if sel else None,
+                "visible": [[vis[b]] * h if counted[i] else None for i in range(self.num_layers)] if sel else None,
             })
         return out
 

@@ -125,7 +125,7 @@ def _queue_nnz_copy(row_ptr: torch.Tensor):
     host = torch.empty(1, dtype=row_ptr.dtype, pin_memory=True)
     host.copy_(row_ptr[-1:], non_blocking=True)
     done = torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(row_ptr.device))   # the stream the copy went to
 
     def wait() -> int:
         done.synchronize()
