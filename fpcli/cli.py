@@ -20,6 +20,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_show_locals=False,
     rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.add_typer(ask.app)
 app.add_typer(bench.app)

@@ -161,8 +161,10 @@ def ingest_one(
 
 
 def read_text_bytes(data: bytes, name: str, kind: str = "text") -> Document:
-    """UTF-8 text (BOM dropped; UTF-16 with a BOM too); invalid bytes become U+FFFD with a warning.
-    A file with NUL bytes in its first 8000 bytes is binary: skipped with an error."""
+    """UTF-8 text (BOM dropped; UTF-16 with a BOM too). Not UTF-8: a file with some valid
+    multi-byte UTF-8 keeps it and its invalid bytes become U+FFFD, one with none is read as
+    Windows-1252 / Latin-1; either way with a warning. A file with NUL bytes in its first 8000
+    bytes is binary: skipped with an error."""
     doc = Document(name=name, kind=kind)
     if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
         doc.text = data.decode("utf-16", errors="replace")
@@ -174,9 +176,20 @@ def read_text_bytes(data: bytes, name: str, kind: str = "text") -> Document:
     try:
         doc.text = data.decode("utf-8-sig")
     except UnicodeDecodeError:
-        doc.text = data.decode("utf-8", errors="replace")
-        bad = doc.text.count("\ufffd")
-        doc.warnings.append(f"{name}: not valid UTF-8; {bad} undecodable byte sequence(s) replaced by U+FFFD")
+        as_utf8 = data.decode("utf-8", errors="replace")
+        if any(ord(c) > 127 and c != "\ufffd" for c in as_utf8):
+            # some valid multi-byte UTF-8: a UTF-8 file with stray bytes
+            doc.text = as_utf8
+            bad = doc.text.count("\ufffd")
+            doc.warnings.append(f"{name}: not valid UTF-8; {bad} undecodable byte sequence(s) replaced by U+FFFD")
+        else:
+            # no valid multi-byte sequence at all: a single-byte legacy encoding, most often
+            # Windows-1252 / Latin-1 (latin-1 maps the five bytes cp1252 leaves undefined)
+            try:
+                doc.text, codec = data.decode("cp1252"), "Windows-1252"
+            except UnicodeDecodeError:
+                doc.text, codec = data.decode("latin-1"), "Latin-1"
+            doc.warnings.append(f"{name}: not UTF-8; read as {codec} (re-save it as UTF-8 if letters look wrong)")
     _check_garbled(doc)
     if not doc.text.strip():
         doc.warnings.append(f"{name}: empty")
@@ -239,6 +252,11 @@ def _parse_failure(name: str, problem: str | None, head: bytes, detail: str) -> 
             f"`qpdf {name} repaired.pdf` (qpdf rebuilds the table) or re-download it; skipped")
 
 
+def _needs_crypto(name: str, exc: Exception) -> str:
+    return (f"{name}: encrypted with AES, which needs the cryptography package (a dependency of fp: "
+            f"pip install cryptography) [{_one_line(exc)}]; skipped")
+
+
 def _head_tail(source) -> tuple[bytes, bytes]:
     """First and last KiB of a path or seekable binary stream (the position is restored)."""
     if isinstance(source, (str, os.PathLike)):
@@ -271,6 +289,9 @@ def _read_pdf_pages(doc: Document, source, name: str, password: str | None, page
         return
     try:
         reader = PdfReader(source, strict=False)
+    except DependencyError as exc:  # AES without the cryptography package: not damage
+        doc.error = _needs_crypto(name, exc)
+        return
     except Exception as exc:  # pypdf raises a wide range on damaged files (PdfReadError, ValueError, KeyError ...)
         doc.error = _parse_failure(name, problem, head, f"{type(exc).__name__}: {_one_line(exc)}")
         return
@@ -286,10 +307,7 @@ def _read_pdf_pages(doc: Document, source, name: str, password: str | None, page
                 doc.error = f"{name}: wrong password given with --password"
                 return
         except DependencyError as exc:
-            doc.error = (
-                f"{name}: encrypted with AES; install the cryptography package to read it "
-                f"(pip install cryptography) [{_one_line(exc)}]"
-            )
+            doc.error = _needs_crypto(name, exc)
             return
         except Exception as exc:
             doc.error = f"{name}: cannot decrypt the PDF ({_one_line(exc)}); skipped"

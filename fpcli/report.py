@@ -14,6 +14,7 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
         "precision",             # attention precision that RAN (bf16/fp16/fp32), not the request
         "precision_requested",   # the profile's precision (fp8 is not implemented yet)
         "attention",
+        "min_sparse_len",        # the profile's (tokens; null for dense): shorter prefill chunks run dense
         "density": {"overall", "min", "median", "max", "per_layer": [...],
                     "over": "sparse layers" | "all layers",   # what "overall" averages
                     "sparse_layers": [...]},                  # layer indices that ran sparse
@@ -114,6 +115,7 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile) -> dict:
         "precision": getattr(result, "precision", None) or profile.precision,
         "precision_requested": profile.precision,
         "attention": profile.attention,
+        "min_sparse_len": None if profile.attention == "dense" else int(profile.operator.min_sparse_len),
         "density": density_summary(stats.density_per_layer, stats.density, getattr(stats, "sparse_layers", None)),
         "density_per_layer_head": [list(map(float, row)) for row in stats.density_per_layer_head],
         "attention_flops_dense": dense,
@@ -173,7 +175,8 @@ def render_summary(console: Console, report: dict) -> None:
     t.add_row("TTFT", f"{s['ttft_s']:.3f} s (prefill {s['prefill_s']:.3f} s)")
     t.add_row("total time", f"{s['total_s']:.3f} s")
     t.add_row("decode", f"{s['decode_tokens_per_s']:.1f} tokens/s")
-    t.add_row("attention density", density_line(d, s.get("attention")))
+    t.add_row("attention density", density_line(d, s.get("attention"), s.get("prompt_tokens"),
+                                                s.get("min_sparse_len")))
     dense_layers = len(d["per_layer"]) - len(d.get("sparse_layers") or [])
     scope = "all layers" + (
         (f"; the {dense_layers} dense layers skip none" if dense_layers > 1 else "; the dense layer skips none")
@@ -227,8 +230,13 @@ class _SummaryRows:
         console.print(t)
 
 
-def density_line(d: dict, attention: str | None = None) -> str:
-    """'89.5% over sparse layers (layers 2-29); per layer min ... / median ... / max ... (all 30 layers)'."""
+def density_line(d: dict, attention: str | None = None, prompt_tokens: int | None = None,
+                 min_sparse_len: int | None = None) -> str:
+    """'89.5% over sparse layers (layers 2-29); per layer min ... / median ... / max ... (all 30 layers)'.
+
+    When no layer ran sparse because the prompt is shorter than the profile's ``min_sparse_len``
+    (tokens), the line says so: that is the usual reason, and a user expecting sparsity needs it.
+    """
     if d.get("overall") is None:
         return "n/a (not reported by this engine)"
     if d.get("sparse_layers"):
@@ -236,7 +244,10 @@ def density_line(d: dict, attention: str | None = None) -> str:
     elif d["per_layer"] and attention == "dense":
         head = f"{d['overall']:.1%} (dense attention: every layer)"
     elif d["per_layer"] and all(v >= 1.0 for v in d["per_layer"]):
-        head = f"{d['overall']:.1%} (no layer ran sparse)"
+        why = ""
+        if prompt_tokens is not None and min_sparse_len and prompt_tokens < min_sparse_len:
+            why = f": {prompt_tokens:,} prompt tokens < the profile's min_sparse_len {min_sparse_len:,}"
+        head = f"{d['overall']:.1%} (no layer ran sparse{why})"
     else:
         head = f"{d['overall']:.1%} over all layers"
     if not d["per_layer"]:

@@ -194,12 +194,13 @@ def make_pdf(pages: list[str | None], path=None) -> bytes:
     return data
 
 
-def encrypt_pdf(data: bytes, user_password: str, path) -> None:
-    """Write ``data`` encrypted with RC4-128 (pypdf reads RC4 without extra packages)."""
+def encrypt_pdf(data: bytes, user_password: str, path, algorithm: str = "RC4-128") -> None:
+    """Write ``data`` encrypted with ``algorithm`` (pypdf's names: ``RC4-128``, ``AES-128``,
+    ``AES-256``; AES needs the cryptography package, which ``pypdf[crypto]`` brings)."""
     from pypdf import PdfReader, PdfWriter
 
     writer = PdfWriter(clone_from=PdfReader(io.BytesIO(data)))
-    writer.encrypt(user_password=user_password, owner_password="owner-secret", algorithm="RC4-128")
+    writer.encrypt(user_password=user_password, owner_password="owner-secret", algorithm=algorithm)
     with open(path, "wb") as f:
         writer.write(f)
 

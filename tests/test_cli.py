@@ -71,7 +71,7 @@ def test_ask_options_reach_the_engine(runner, fake_engine, doc, tmp_path):
 
 SUMMARY_KEYS = {
     "prompt_tokens", "output_tokens", "ttft_s", "prefill_s", "total_s", "decode_tokens_per_s", "finish_reason",
-    "engine", "model", "profile", "precision", "precision_requested", "attention", "density", "density_per_layer_head",
+    "engine", "model", "profile", "precision", "precision_requested", "attention", "min_sparse_len", "density", "density_per_layer_head",
     "attention_flops_dense", "attention_flops_skipped", "attention_flops_skipped_fraction", "index_ms", "attention_ms",
 }
 
@@ -193,6 +193,8 @@ def test_help_shows_flags_as_flags_and_a_conventional_usage_line(runner):
     for args in (["--help"], ["ask", "--help"], ["bench", "--help"], ["profile", "--help"], ["model", "list", "--help"]):
         out = invoke(runner, args).stdout
         assert "--help" in out and "<bool>" not in out, args  # flags take no value
+        short = invoke(runner, ["-h"] if args == ["--help"] else args[:-1] + ["-h"])
+        assert short.exit_code == 0 and short.stdout == out, args  # -h is --help
     assert "--json" in r.stdout and "--quiet" in r.stdout
 
 
@@ -391,6 +393,14 @@ def test_bench_cpu_run_is_labelled(runner, fake_operator_bench, monkeypatch):
     r = invoke(runner, ["bench", "--cpu", "--len", "128k"])
     assert r.exit_code == 2 and "--cpu runs lengths up to" in r.stderr
 
+    r = invoke(runner, ["bench", "--cpu", "--json"])          # no --len: CPU-sized defaults
+    assert r.exit_code == 0, r.output
+    assert fake_operator_bench[-1]["lens"] == [2048, 4096]
+
+    r = invoke(runner, ["bench", "--e2e", "--cpu"])
+    assert r.exit_code == 1 and "--cpu applies to the operator benchmark only" in r.stderr
+    assert "fp ask" in r.stderr
+
 
 def test_bench_cpu_runs_the_real_operator_bench(runner, monkeypatch):
     """No fake: `fp bench --cpu` through the real flashprefill.bench.run_operator_bench, tiny case."""
@@ -485,6 +495,7 @@ def test_profile_heatmap_png_and_json(runner, fake_engine, doc, tmp_path):
     assert data["precision"] == "bf16" and data["precision_requested"] == "fp8"  # what ran, what was asked
     assert len(data["density_per_layer_head"]) == 4 and len(data["density_per_layer_head"][0]) == 2
     assert data["fp8_error_per_layer"] is None and data["png"] == str(png)
+    assert f"heatmap written to {png}" in r.stderr          # said with --json too (stdout stays JSON)
 
 
 def test_profile_fp8_error_unavailable_is_said(runner, fake_engine, doc, tmp_path):
@@ -535,6 +546,16 @@ def test_profile_dense_times_have_no_index_stage(runner, fake_engine, doc, tmp_p
 def test_profile_missing_file(runner, fake_engine, tmp_path):
     r = invoke(runner, ["profile", str(tmp_path / "nope.pdf")])
     assert r.exit_code == 2 and "nope.pdf: no such file" in r.stderr
+
+
+def test_profile_two_files_is_not_a_question(runner, fake_engine, doc, tmp_path):
+    other = tmp_path / "minutes.txt"
+    other.write_text("Minutes of the meeting.", encoding="utf-8")
+    r = invoke(runner, ["profile", str(doc), str(other)])
+    assert r.exit_code == 2 and "is a file, not a QUESTION" in r.stderr
+    from fp_fakes import LAST_FAKE
+
+    assert LAST_FAKE == []                                    # no engine was made
 
 
 # -- fp serve -------------------------------------------------------------------------------------

@@ -49,6 +49,38 @@ def test_encrypted_real_password_names_file_and_option(tmp_path, pdf_factory):
     assert not bad.ok and "wrong password" in bad.error and "--password" in bad.error
 
 
+@pytest.mark.parametrize("algorithm", ["AES-128", "AES-256"])
+def test_aes_encrypted_pdfs_are_read(tmp_path, algorithm):
+    """AES (what most PDF writers use today) with an empty and with a real user password."""
+    opened = tmp_path / "aes-empty.pdf"
+    encrypt_pdf(make_pdf(["The treasurer is Ada Lovelace"]), "", opened, algorithm)
+    (doc,) = ingest_all([str(opened)])
+    assert doc.ok and "Ada Lovelace" in doc.text and doc.warnings == []
+    locked = tmp_path / "aes-locked.pdf"
+    encrypt_pdf(make_pdf(["Budget line 7 is 42,000"]), "s3cret", locked, algorithm)
+    (no_pw,) = ingest_all([str(locked)])
+    assert not no_pw.ok and "--password" in no_pw.error
+    (good,) = ingest_all([str(locked)], password="s3cret")
+    assert good.ok and "Budget line 7" in good.text and good.warnings == []
+
+
+def test_missing_crypto_package_is_named_not_called_damage(tmp_path, monkeypatch):
+    """Without the cryptography package an AES file must say what to install, wherever pypdf
+    notices (opening the file or decrypting it), never "damaged PDF"."""
+    from pypdf.errors import DependencyError
+
+    path = tmp_path / "aes.pdf"
+    encrypt_pdf(make_pdf(["x"]), "", path, "AES-128")
+    import pypdf
+
+    def no_crypto(*args, **kwargs):
+        raise DependencyError("cryptography>=3.1 is required for AES algorithm")
+
+    monkeypatch.setattr(pypdf, "PdfReader", no_crypto)
+    (doc,) = ingest_all([str(path)])
+    assert not doc.ok and "pip install cryptography" in doc.error and "damaged" not in doc.error
+
+
 def test_hanging_page_is_skipped_after_time_limit(pdf_factory, monkeypatch):
     path = pdf_factory("hang.pdf", ["page one ok", "page two hangs", "page three ok"])
     release = threading.Event()
@@ -181,12 +213,18 @@ def test_garbled_fraction():
 def test_text_and_markdown_utf8_with_bad_bytes(tmp_path):
     good = tmp_path / "notes.md"
     good.write_text("# Title\n\nCafé ünïcode", encoding="utf-8")
-    bad = tmp_path / "latin1.txt"
-    bad.write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
-    g, b = ingest_all([str(good), str(bad)])
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("René Dubois, café crème, 5 €".encode("cp1252"))
+    mixed = tmp_path / "mixed.txt"
+    mixed.write_bytes("Ünïcode café ".encode("utf-8") + b"stray \xff byte")
+    g, lat, mix = ingest_all([str(good), str(latin), str(mixed)])
     assert g.ok and g.kind == "text" and "Café" in g.text and g.warnings == []
-    assert b.ok and "\ufffd" in b.text
-    assert any("not valid UTF-8" in w and "2" in w for w in b.warnings)
+    # no valid UTF-8 at all: a legacy single-byte file, read as Windows-1252
+    assert lat.ok and lat.text == "René Dubois, café crème, 5 €"
+    assert any("not UTF-8; read as Windows-1252" in w for w in lat.warnings)
+    # mostly UTF-8 with a stray byte: the UTF-8 text stays, the byte is replaced
+    assert mix.ok and "Ünïcode café" in mix.text and "\ufffd" in mix.text
+    assert any("not valid UTF-8" in w and "1 undecodable" in w for w in mix.warnings)
 
 
 def test_utf8_bom_dropped_and_binary_rejected(tmp_path):

@@ -39,3 +39,16 @@ def test_density_summary_scope_and_layer_ranges():
     assert d["over"] == "sparse layers" and d["sparse_layers"] == [2, 3] and d["overall"] == 0.6
     assert density_summary([0.5, 0.7])["over"] == "all layers"
     assert layer_ranges([2, 3, 4, 7]) == "layers 2-4, 7" and layer_ranges([5]) == "layer 5"
+
+
+def test_density_line_says_why_nothing_ran_sparse():
+    """A prompt shorter than the profile's min_sparse_len is the usual reason for 100% density;
+    the line names it (numbers of the run), and says nothing when it is not the reason."""
+    from fpcli.report import density_line
+
+    d = {"overall": 1.0, "per_layer": [1.0] * 4, "sparse_layers": [], "min": 1.0, "median": 1.0, "max": 1.0}
+    line = density_line(d, "flashprefill", prompt_tokens=813, min_sparse_len=8192)
+    assert "(no layer ran sparse: 813 prompt tokens < the profile's min_sparse_len 8,192)" in line
+    assert "min_sparse_len" not in density_line(d, "flashprefill", prompt_tokens=9000, min_sparse_len=8192)
+    assert "min_sparse_len" not in density_line(d, "flashprefill")
+    assert "dense attention" in density_line(d, "dense", prompt_tokens=813, min_sparse_len=None)

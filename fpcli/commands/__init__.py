@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from pathlib import Path
 from typing import NoReturn
 
 import typer
@@ -143,8 +144,6 @@ def check_max_new_tokens_or_exit(max_new_tokens: int, model: str | None, profile
 def check_output_path_or_exit(option: str, path) -> None:
     """Exit 2 unless ``path`` can be written: its folder exists and is writable, and it is not
     a folder itself (checked before the run, not after it)."""
-    from pathlib import Path
-
     p = Path(path).expanduser()
     parent = p.parent if str(p.parent) else Path(".")
     try:
@@ -169,3 +168,16 @@ def warn_precision(console: Console, profile, engine) -> None:
             f"implemented yet; {ran} runs instead, and the summary reports {ran}[/]",
             soft_wrap=True,
         )
+
+
+def is_file(arg: str) -> bool:
+    """``Path(arg).is_file()`` that is False, not an OSError, for a long question (ENAMETOOLONG)."""
+    try:
+        return Path(arg).is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def looks_like_question(arg: str) -> bool:
+    """A 'file' name that is more likely the question: it has spaces or ends with '?'."""
+    return " " in arg.strip() or arg.rstrip().endswith("?")

@@ -16,7 +16,9 @@ from fpcli.commands import (
     check_output_path_or_exit,
     engine_loader,
     fail,
+    is_file,
     load_profile_or_exit,
+    looks_like_question,
     stderr_console,
     warn_precision,
 )
@@ -83,7 +85,7 @@ def ask(
     if question is None:
         fail(f"missing FILE and QUESTION ({USAGE})", code=2)
     if not files:  # one argument: the parser took it for the question
-        if question == "-" or _is_file(question):
+        if question == "-" or is_file(question):
             fail(f"missing QUESTION after {question} ({USAGE})", code=2)
         fail(f"missing FILE: no document given for the question {question!r} ({USAGE})", code=2)
     if not question.strip():
@@ -92,17 +94,17 @@ def ask(
     if problems:  # before loading anything: name every bad path
         for p in problems:
             err.print(f"[bold red]fp: error:[/] {escape(p)}", highlight=False, soft_wrap=True)
-        misplaced = [f for f in files if _looks_like_question(f) and not _is_file(f)]
-        if misplaced and question != "-" and _is_file(question):
+        misplaced = [f for f in files if looks_like_question(f) and not is_file(f)]
+        if misplaced and question != "-" and is_file(question):
             err.print(
                 f"hint: {misplaced[0]!r} looks like the question; the question goes last ({USAGE})",
                 highlight=False, soft_wrap=True, markup=False,
             )
-        elif question != "-" and _is_file(question) and not _looks_like_question(question):
+        elif question != "-" and is_file(question) and not looks_like_question(question):
             err.print(f"hint: the last argument {question} is a file; is the QUESTION missing? ({USAGE})",
                       highlight=False, soft_wrap=True, markup=False)
         raise typer.Exit(2)
-    if question != "-" and _is_file(question) and not _looks_like_question(question):
+    if question != "-" and is_file(question) and not looks_like_question(question):
         fail(f"missing QUESTION: the last argument {question} is a file ({USAGE})", code=2)
     if report is not None:
         check_output_path_or_exit("--report", report)
@@ -180,19 +182,6 @@ def ask(
         render_summary(err, data)
         if report is not None:
             err.print(f"[dim]report saved to {report}[/]", highlight=False)
-
-
-def _is_file(arg: str) -> bool:
-    """``Path(arg).is_file()`` that is False, not an OSError, for a long question (ENAMETOOLONG)."""
-    try:
-        return Path(arg).is_file()
-    except (OSError, ValueError):
-        return False
-
-
-def _looks_like_question(arg: str) -> bool:
-    """A 'file' name that is more likely the question: it has spaces or ends with '?'."""
-    return " " in arg.strip() or arg.rstrip().endswith("?")
 
 
 def _one_line(exc: BaseException) -> str:

@@ -13,6 +13,8 @@ from fpcli.commands import FpCommand, check_model_or_exit, fail, load_profile_or
 app = typer.Typer()
 
 CPU_MAX_LEN = 8192  # --cpu refuses longer lengths: the reference is O(L^2) on the CPU
+GPU_DEFAULT_LENS = "8k,32k,128k"
+CPU_DEFAULT_LENS = "2k,4k"
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -52,7 +54,7 @@ def parse_heads(text: str) -> tuple[int, int]:
 
 @app.command("bench", cls=FpCommand)
 def bench(
-    lens: Annotated[str, typer.Option("--len", "-l", help="Lengths in tokens: 4k, 131072, 128k, or a comma list.")] = "8k,32k,128k",
+    lens: Annotated[Optional[str], typer.Option("--len", "-l", help=f"Lengths in tokens: 4k, 131072, 128k, or a comma list. Default: {GPU_DEFAULT_LENS} on a GPU, {CPU_DEFAULT_LENS} with --cpu.", show_default=False)] = None,
     fp8: Annotated[bool, typer.Option("--fp8", help="FP8 attention operands in the sparse path.")] = False,
     batch: Annotated[int, typer.Option("--batch", "-b", min=1, help="Requests per batch, each of the given length.")] = 1,
     heads: Annotated[str, typer.Option("--heads", help="Query/KV heads, e.g. 32/8.")] = "32/8",
@@ -68,6 +70,8 @@ def bench(
     Operator: index time, attention time, total, density, and the speed-up over each dense baseline available, all measured in the same run. Needs a CUDA GPU (--cpu: a tiny, non-representative CPU run).
     """
     err = stderr_console()
+    if lens is None:
+        lens = CPU_DEFAULT_LENS if cpu and not e2e else GPU_DEFAULT_LENS
     try:
         lengths = parse_lengths(lens)
         hq, hkv = parse_heads(heads)
@@ -79,7 +83,9 @@ def bench(
         prof = load_profile_or_exit(profile, fp8=fp8)
         dense = load_profile_or_exit("dense")
         if not cuda:
-            fail("the end-to-end benchmark runs the SGLang engine and needs a CUDA GPU (none found)")
+            fail("the end-to-end benchmark runs the SGLang engine and needs a CUDA GPU (none found"
+                 + ("; --cpu applies to the operator benchmark only" if cpu else "")
+                 + "); on a CPU, `fp ask FILE QUESTION` reports the TTFT of one real request")
         try:
             from fpcli.bench_e2e import run_e2e_bench
             from fpcli.models import ModelError, resolve_model

@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from fpcli.commands import FpCommand, check_model_or_exit, check_output_path_or_exit, engine_loader, fail, load_profile_or_exit, stderr_console, warn_precision
+from fpcli.commands import (FpCommand, check_model_or_exit, check_output_path_or_exit, engine_loader, fail, is_file,
+                            load_profile_or_exit, looks_like_question, stderr_console, warn_precision)
 from fpcli.commands.ask import EngineChoice
 
 app = typer.Typer()
@@ -42,6 +43,9 @@ def profile_cmd(
     problems = check_paths([file])
     if problems:
         fail(problems[0], code=2)
+    if question != "-" and is_file(question) and not looks_like_question(question):
+        fail(f"fp profile reads one FILE; the second argument {question} is a file, not a QUESTION "
+             f"(fp profile FILE [QUESTION])", code=2)
     prof = load_profile_or_exit(profile, fp8=fp8)
     check_model_or_exit(model)
     if png is not None:
@@ -108,6 +112,8 @@ def profile_cmd(
         except OSError as exc:
             err.print(f"[yellow]warning: cannot write {png_path}: {exc.strerror or exc}[/]")
 
+    if data["png"]:
+        err.print(f"heatmap written to {data['png']}", highlight=False, soft_wrap=True)
     if json_out:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
         return
@@ -120,15 +126,15 @@ def profile_cmd(
         out.print(f"no density statistics from the {result.engine} engine (profile {prof.name}, attention {prof.attention})")
     d = data["density"]
     if d["overall"] is not None:
-        out.print(f"density {density_line(d, prof.attention)}", soft_wrap=True)
+        msl = None if prof.attention == "dense" else int(prof.operator.min_sparse_len)
+        out.print(f"density {density_line(d, prof.attention, result.prompt_tokens, msl)}", soft_wrap=True)
     out.print(_times_table(index_per_layer, attn_per_layer, stats.index_ms, stats.attention_ms))
     if fp8:
         if fp8_error:
             out.print(_per_layer_table("FP8-vs-BF16 output error per layer", "rel. error", fp8_error, "{:.2e}"))
         else:
             out.print(f"FP8-vs-BF16 error per layer: unavailable (the {result.engine} engine does not report it)")
-    if data["png"]:
-        err.print(f"heatmap written to {data['png']}")
+
 
 
 def _times_table(index_per_layer, attn_per_layer, index_ms, attention_ms):
