@@ -136,7 +136,6 @@ def profile_cmd(
             out.print(f"FP8-vs-BF16 error per layer: unavailable (the {result.engine} engine does not report it)")
 
 
-
 def _times_table(index_per_layer, attn_per_layer, index_ms, attention_ms):
     from rich.table import Table
 
