@@ -205,8 +205,6 @@ def run_e2e_bench(
     return _finish_rows(rows)
 
 
-
-
 def _cached_prompt(engine: Any, prompts: dict, key: Any, target: int, limit: int, max_new_tokens: int, *,
                    needle: bool = True, depth: float = 0.5, seed: int = 0) -> tuple[list[int], str | None]:
     """Prompt ids (and the secret, or None without a needle) of about ``target`` tokens, built once
@@ -337,7 +335,6 @@ def parse_variant(text: str, base: Any) -> tuple[str, Any, dict]:
         if not eq:
             raise ValueError(f"variant {label}: {item!r} is not key=value")
         low = raw.strip().lower()
-        value: Any
         if key == "attention":
             if low not in ("flashprefill", "dense"):
                 raise ValueError(f"variant {label}: attention={raw!r}: expected 'flashprefill' or 'dense'")
@@ -367,8 +364,8 @@ def parse_variant(text: str, base: Any) -> tuple[str, Any, dict]:
         elif key in op_fields:
             op[key] = value
         else:
-            raise ValueError(f"variant {label}: unknown key {key!r} (dense_layers, a SparseConfig field or "
-                             f"one of {', '.join(ENGINE_VARIANT_KEYS)})")
+            raise ValueError(f"variant {label}: unknown key {key!r} (dense_layers, attention, a SparseConfig "
+                             f"field, sgl.<ServerArgs field> or one of {', '.join(ENGINE_VARIANT_KEYS)})")
     prof = base.replace(**top) if top else base
     if op:
         prof = prof.replace(operator=prof.operator.replace(**op))

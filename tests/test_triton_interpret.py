@@ -237,5 +237,26 @@ def test_selection_is_sparse_and_rules_hold(results):
     assert all(r.get("lowp_made") for r in results.values()), results
 
 
+def test_index_variant_sets_and_restores_the_backend_constants():
+    """``triton_backend.index_variant`` (the bench and the GPU tests run the index variants
+    through it) sets a variant's constants inside the block and restores them, also on errors."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(ROOT / "kernels"))
+    from flashprefill.config import INDEX_VARIANTS
+    from flashprefill.impl import triton_backend as tb
+
+    for name, over in INDEX_VARIANTS.items():
+        before = {k: getattr(tb, k) for k in over}
+        assert before != over, name                           # a variant changes something
+        with pytest.raises(RuntimeError):
+            with tb.index_variant(name):
+                assert {k: getattr(tb, k) for k in over} == over
+                raise RuntimeError("a failing run")
+        assert {k: getattr(tb, k) for k in over} == before
+    with pytest.raises(KeyError):
+        with tb.index_variant("no-such-variant"):
+            pass
+
+
 if __name__ == "__main__" and "--worker" in sys.argv:
     worker()

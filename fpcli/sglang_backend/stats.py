@@ -114,7 +114,6 @@ class BatchStats:
         self.layer_modes: list[str | None] = [None] * num_layers
         self.stage_events: list[tuple[Any, Any, Any]] = []  # (start, index done, attention done)
         self._gather: torch.Tensor | None = None   # int64 [2*B*Hkv] row_ptr positions (device)
-        self._n_segments = 0                       # Hkv * tiles: the row_ptr size the positions expect - 1
         self._gathered: set[int] = set()           # layer slots whose row of ``ends`` was written
         self.ends: torch.Tensor | None = None      # int32 [layers, 2*B*Hkv] gathered row_ptr entries
         self.start = _event(self.device)
@@ -144,7 +143,6 @@ class BatchStats:
 
         tile_ptr = host_tile_ptr(self.plan)
         n_tiles, h = tile_ptr[-1], self.num_kv_heads
-        self._n_segments = h * n_tiles
         starts = [hh * n_tiles + tile_ptr[b] for b in range(len(self.q_lens)) for hh in range(h)]
         ends = [hh * n_tiles + tile_ptr[b + 1] for b in range(len(self.q_lens)) for hh in range(h)]
         pos = torch.tensor(starts + ends, dtype=torch.int64)
@@ -169,7 +167,7 @@ class BatchStats:
         if self.ends is None:
             self._gather = self._gather_positions()
             self.ends = torch.empty(self.num_layers, self._gather.numel(), dtype=torch.int32, device=self.device)
-        if index.row_ptr.numel() != self._n_segments + 1:      # host metadata: no sync
+        if index.row_ptr.numel() != self.num_kv_heads * self.plan.n_tiles + 1:   # host metadata: no sync
             return
         torch.index_select(index.row_ptr, 0, self._gather, out=self.ends[i])
         self._gathered.add(i)

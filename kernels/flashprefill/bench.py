@@ -129,7 +129,7 @@ def _dense_baselines(q, k_lin, v_lin, L, batch, hq, hkv, d, scale):
 # --variants: attention tile configs timed besides the default (d=128: all fit in sm_90 smem,
 # scripts/compile_sm90.py)
 # index-stage tiles (config.INDEX_VARIANTS); selection BLOCK_J 128 / 8 warps were slower (2026-11-30)
-INDEX_VARIANTS: list[tuple[str, dict]] = [(f"index_{name}_ms", over) for name, over in CFG_INDEX_VARIANTS.items()]
+INDEX_VARIANTS: list[tuple[str, str]] = [(f"index_{name}_ms", name) for name in CFG_INDEX_VARIANTS]
 # "flat", "flat st4", "flat+merged" and "m64 st2" lost at every length on 2026-11-30 (H200,
 # docs/benchmarks.md) and were dropped; "m64" stays measured as the named variant the tests run.
 ATTN_CONFIG_VARIANTS = [("attn_mask_ms", {"mc_mode": "mask"}),
@@ -326,17 +326,12 @@ def run_operator_bench(lens, heads_q: int, heads_kv: int, head_dim: int, dtype, 
                 finally:
                     ta.get_config = base_cfg
             del ref_out, ref_lse
-            for key, over in INDEX_VARIANTS:         # selection tiles (module constants of the backend)
-                saved = {k: getattr(tb, k) for k in over}
+            for key, name in INDEX_VARIANTS:         # index-stage tiles (module constants of the backend)
                 try:
-                    for k, v in over.items():
-                        setattr(tb, k, v)
-                    row[key] = time_ms(lambda: tb.build_index(q, kc, vc, pt, sl, cu, config, scale, plan))
+                    with tb.index_variant(name):
+                        row[key] = time_ms(lambda: tb.build_index(q, kc, vc, pt, sl, cu, config, scale, plan))
                 except Exception as e:
                     row["notes"][key] = f"failed: {type(e).__name__}: {str(e)[:120]}"
-                finally:
-                    for k, v in saved.items():
-                        setattr(tb, k, v)
             row["select_programs_per_sm"] = sorted(set(tb._SELECT_OCC.values()))
             row["means_ms"] = time_ms(lambda: tb.block_means(kc, vc, pt, sl, plan, config.block_size))
             row["index_host_ms"] = host_ms(lambda: tb.build_index(q, kc, vc, pt, sl, cu, config, scale, plan))

@@ -196,16 +196,10 @@ def test_prefix_default_config(mc_mode):
 def test_index_variants(variant):
     """Each index-stage tile variant (``config.INDEX_VARIANTS``: block-means steps, selection
     pipelines) against the reference, so the bench's fastest can become the default."""
-    saved = {k: getattr(tb, k) for k in tb.INDEX_VARIANTS[variant]}
-    try:
-        for k, v in tb.INDEX_VARIANTS[variant].items():
-            setattr(tb, k, v)
+    with tb.index_variant(variant):
         run_case(f"{variant}/batch", [100, 8192, 1], [0, 4096, 63], 2, 3, 128, 16, torch.bfloat16)
         run_case(f"{variant}/4097", [4097], [0], 1, 8, 64, 1, torch.float16)
         run_case(f"{variant}/d256", [1000], [300], 2, 4, 256, 64, torch.bfloat16)
-    finally:
-        for k, v in saved.items():
-            setattr(tb, k, v)
 
 
 @pytest.mark.parametrize("ps", [1, 16, 64, 128])

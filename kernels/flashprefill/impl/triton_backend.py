@@ -9,12 +9,14 @@ Host syncs: none, except one in ``build_index`` to read ``nnz`` (the CSR total) 
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 
 import torch
 import triton
 
-from ..config import INDEX_VARIANTS, SparseConfig  # noqa: F401  (INDEX_VARIANTS: re-exported)
+from ..config import INDEX_VARIANTS, SparseConfig
 from ..index import BlockIndex
 from ..plan import BatchPlan
 from . import triton_index as ti
@@ -40,6 +42,26 @@ MEANS_WARPS = 4                  # launch: 64 x d 16-bit loads in flight, as 32 
 EXACT_SCORES = False
 
 _SM_COUNT: dict[int, int] = {}
+
+
+@contextlib.contextmanager
+def index_variant(name: str):
+    """Run the index stage with ``INDEX_VARIANTS[name]`` (module constants of this backend, e.g.
+    ``MEANS_TOKENS``) inside the block; the previous values come back on exit, also on errors.
+
+    Raises:
+        KeyError: ``name`` is not in ``INDEX_VARIANTS``.
+    """
+    over = INDEX_VARIANTS[name]
+    module = sys.modules[__name__]
+    saved = {k: getattr(module, k) for k in over}
+    try:
+        for k, v in over.items():
+            setattr(module, k, v)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)
 
 
 def _check(q: torch.Tensor) -> None:
