@@ -89,8 +89,9 @@ def _attn(bf):
                 for name, over in ta.ATTN_VARIANTS.items()]
     for label, d, cfg in configs:
         for ps in (64, 128, 1):
-            for sparse, mc, sub in ((True, True, False), (True, True, True), (True, False, False),
-                                    (False, False, False)):
+            for sparse, mc, sub, bits in ((True, True, False, False), (True, True, True, False),
+                                          (True, True, False, True), (True, False, False, False),
+                                          (False, False, False, False)):
                 if ps != 64 and not (sparse and mc):
                     continue
                 for means in (("*fp32", bf) if (sparse and mc) else ("*fp32",)):
@@ -99,15 +100,17 @@ def _attn(bf):
                         mc_stages = min(mc_stages, 2)
                     ptrs = {n: "*i32" for n in ta._attn_fwd.arg_names if n in (
                         "page_table", "seq_lens", "cu_seqlens_q", "tile_request", "tile_local", "block_ptr",
-                        "row_ptr", "col_idx")}
+                        "row_ptr", "col_idx", "sel_bits")}
+                    ptrs["t_ptr"] = "*i64"
                     ptrs.update({"q_ptr": bf, "k_cache": bf, "v_cache": bf, "k_mean": means, "v_mean": means,
                                  "out_ptr": bf, "lse_ptr": "*fp32"})
                     consts = dict(GROUP=4, HEAD_DIM=d, TILE_ROWS=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                                   BLOCK_SIZE=128, BLOCK_U=cfg.block_u, BLOCK_S=cfg.block_s, PAGE_SIZE=ps,
-                                  SPARSE=sparse, MEAN_CORR=mc, MC_SUBTRACT=sub,
+                                  SPARSE=sparse, MEAN_CORR=mc, MC_SUBTRACT=sub, MC_BITS=bits,
                                   MAIN_STAGES=cfg.num_stages, MC_STAGES=mc_stages,
                                   MERGE_LOOPS=cfg.merge_loops, FLAT_STEPS=cfg.flat_steps)
-                    name = f"attn {label} ps{ps} sparse={sparse} mc={mc}{' subtract' if sub else ''}"
+                    name = (f"attn {label} ps{ps} sparse={sparse} mc={mc}{' subtract' if sub else ''}"
+                            f"{' bits' if bits else ''}")
                     if sparse and mc:
                         name += f" means {means[1:]}"
                     compile_one(name, ta._attn_fwd, ptrs, consts, floats=("scale_log2",),

@@ -44,6 +44,12 @@ CASES = {
     # default, "subtract": fold every candidate in, take the selected ones out)
     "mask_batch_g3_ps64": ([300, 1, 129], [700, 63, 0], 2, 3, 64, 64, 64, {"_mc_mode": "mask"}, True),
     "mask_long_prefix_d128": ([100], [9000], 1, 2, 128, 64, 64, {"_mc_mode": "mask"}, True),
+    # the "bits" mode (membership from the index's selection bitmask, no subtract loop), and the
+    # same mode given the reference's index, which has no bitmask (falls back to "subtract")
+    "bits_batch_g3_ps64": ([300, 1, 129], [700, 63, 0], 2, 3, 64, 64, 64, {"_mc_mode": "bits"}, True),
+    "bits_long_prefix_d128": ([100], [9000], 1, 2, 128, 64, 64, {"_mc_mode": "bits"}, True),
+    "bits_b128_g7_ps16": ([200], [2900], 1, 7, 64, 16, 128,
+                          {"sink_tokens": 128, "window_tokens": 128, "alpha": 0.5, "_mc_mode": "bits"}, True),
     # the last token alone with a partial last block and a prefix: its tile's first row sees every
     # block (the correction's candidates run to the end of the segment)
     "last_token_partial_block_g7": ([1], [1000], 1, 7, 64, 16, 128, {"sink_tokens": 128, "window_tokens": 128,
@@ -63,6 +69,8 @@ CASES = {
                            "_attn": {"block_n": 64, "flat_steps": True, "merge_loops": True}}, True),
 }
 DEFAULT_MC_MODE = "subtract"   # set from triton_attention.MC_MODE in the worker
+# cases that also run the fused ``triton_backend.attention`` with its dense-tail split
+TAIL_SPLIT_CASES = ("batch_g3_ps64", "long_prefix_d128", "bits_b128_g7_ps16")
 
 # Shared sparse knobs for tiny shapes (B = 64 gives enough blocks at a few hundred tokens).
 BASE_CONFIG = dict(sink_tokens=64, window_tokens=64, dense_tail_tokens=32, alpha=0.3)
@@ -135,6 +143,10 @@ def _run_case(name):
     mine = ref._csr_to_mask(idx, hkv, plan.n_tiles, max_nb)
     theirs = ref._csr_to_mask(ridx, hkv, plan.n_tiles, max_nb)
     counts = (idx.row_ptr[1:] - idx.row_ptr[:-1])
+    # the kept selection bitmask says the same as the CSR (bits of visible blocks only)
+    words = idx.sel_bits.to(torch.int64) & 0xFFFFFFFF
+    decoded = ((words[:, :, None] >> torch.arange(32)) & 1).reshape(words.shape[0], -1)[:, :max_nb].bool()
+    decoded &= torch.arange(max_nb)[None, :] < idx.n_visible[:, None]
     res = {
         "case": name,
         "mean_err": float(max((idx.k_mean - ridx.k_mean).abs().max(), (idx.v_mean - ridx.v_mean).abs().max())),
@@ -149,6 +161,7 @@ def _run_case(name):
         "ascending": bool(all((idx.segment(s)[1:] > idx.segment(s)[:-1]).all() for s in range(idx.n_segments))),
         "empty_segments": int((counts == 0).sum()),
         "density": idx.nnz / max(1, int(idx.n_visible.sum())),
+        "sel_bits_match_csr": bool(torch.equal(decoded.reshape(mine.shape), mine.bool())),
     }
     # Attention with the Triton selection in both implementations.
     out = torch.full_like(q, float("nan"))
@@ -159,6 +172,25 @@ def _run_case(name):
     res["out_max"] = float((out.float() - ro.float()).abs().max())
     res["lse_max"] = float((l - rl.float()).abs().max())
     res["nan"] = bool(torch.isnan(out).any() or torch.isnan(l).any())
+    if name in TAIL_SPLIT_CASES:
+        # the fused call with the dense-tail tiles as a separate dense-mode launch
+        from flashprefill.plan import dense_tail_start
+        saved = tb.TAIL_SPLIT_MIN_KV
+        tb.TAIL_SPLIT_MIN_KV = 0
+        try:
+            res["tail_start"] = dense_tail_start(plan, cfg.dense_tail_tokens, cfg.min_sparse_len)
+            res["n_tiles"] = plan.n_tiles
+            fo, fl, _ = tb.attention(q, k, v, pt, sl, cu, cfg, None, plan)
+        finally:
+            tb.TAIL_SPLIT_MIN_KV = saved
+        res["tail_split_out_max"] = float((fo.float() - out.float()).abs().max())
+        res["tail_split_lse_max"] = float((fl - l).abs().max())
+    if ta.MC_MODE == "bits":
+        # the reference's index has no bitmask: the kernel falls back to "subtract"
+        assert ridx.sel_bits is None
+        o2, l2 = tb.sparse_attention(q, k, v, pt, sl, cu, cfg, None, plan, ridx)
+        ro2, _ = ref.sparse_attention(q, k, v, pt, sl, cu, cfg, None, plan, ridx)
+        res["ref_index_out_rel"] = float((o2.float() - ro2.float()).norm() / ro2.float().norm())
     do, dl = tb.dense_attention(q, k, v, pt, sl, cu, None, plan)
     rdo, rdl = ref.dense_attention(q, k, v, pt, sl, cu, None, plan)
     res["dense_rel"] = float((do.float() - rdo.float()).norm() / rdo.float().norm())
@@ -218,6 +250,7 @@ def test_kernels_match_reference(results, name):
     assert r["csr_mismatch"] <= 0.01 * r["visible"], r
     assert r["n_visible_equal"] and r["row_ptr_ok"] and r["ascending"], r
     assert r["empty_segments"] == 0, r
+    assert r["sel_bits_match_csr"], r
     assert not r["nan"] and not r["dense_nan"], r
     # fp16 operands, fp32 accumulation: well inside the 1e-3..1e-2 band of 16-bit attention
     assert r["out_rel"] < 3e-3, r
@@ -226,6 +259,11 @@ def test_kernels_match_reference(results, name):
     assert r["dense_lse_max"] < 2e-3, r
     if "bf16_mean_err" in r:
         assert r["bf16_mean_err"] < 1e-5, r
+    if name in TAIL_SPLIT_CASES:
+        assert 0 < r["tail_start"] < r["n_tiles"], r          # the split happened
+        assert r["tail_split_out_max"] <= 1e-3 and r["tail_split_lse_max"] <= 1e-4, r
+    if "ref_index_out_rel" in r:
+        assert r["ref_index_out_rel"] < 3e-3, r
 
 
 def test_selection_is_sparse_and_rules_hold(results):

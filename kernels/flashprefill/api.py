@@ -348,12 +348,16 @@ def flashprefill_attention(
     """
     config, scale, plan, mod = _prepare(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q,
                                         config, softmax_scale, plan, backend)
-    if index is None:
-        index = mod.build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale, plan)
-    elif not torch.compiler.is_compiling():
-        _check_index(index, plan, config, k_cache.shape[2])
-    out, lse = mod.sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale,
-                                    plan, index)
+    if index is None and hasattr(mod, "attention"):
+        # one call: the Triton backend overlaps the dense-tail tiles with its nnz sync
+        out, lse, index = mod.attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale, plan)
+    else:
+        if index is None:
+            index = mod.build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale, plan)
+        elif not torch.compiler.is_compiling():
+            _check_index(index, plan, config, k_cache.shape[2])
+        out, lse = mod.sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale,
+                                        plan, index)
     result = (out,)
     if return_lse:
         result += (lse,)

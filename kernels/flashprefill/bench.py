@@ -13,10 +13,12 @@ same run: FA4 CuTe (``flash_attn.cute``, if installed), cuDNN SDPA, FA2 (SDPA fl
 Times are ``triton.testing.do_bench`` medians after warm-up (one helper, ``time_ms``).
 
 ``--variants`` adds where-the-time-goes columns: attention without mean correction (same index),
-the index with exact (two-dot, ~fp32) scores, the block-means kernel alone, and the host time of
-one ``build_index`` call (the launch + sync floor). ``--profile`` prints the device time of every
-kernel of one index + attention call (torch.profiler, mean of 5 calls). The plain-text table is
-printed last.
+the other mean-correction modes and tile configs, the index with exact (two-dot, ~fp32) scores,
+the block-means kernel alone, and the host time of one ``build_index`` call (the launch + sync
+floor). ``--profile`` prints the device time of every kernel of one index + attention call
+(torch.profiler, mean of 5 calls), the GPU's idle time inside that call (``gpu_timeline``), and
+the attention kernel's time per phase from per-program timestamps (``attention_phases``). The
+plain-text table is printed last.
 """
 from __future__ import annotations
 
@@ -132,7 +134,8 @@ def _dense_baselines(q, k_lin, v_lin, L, batch, hq, hkv, d, scale):
 INDEX_VARIANTS: list[tuple[str, str]] = [(f"index_{name}_ms", name) for name in CFG_INDEX_VARIANTS]
 # "flat", "flat st4", "flat+merged" and "m64 st2" lost at every length on 2026-11-30 (H200,
 # docs/benchmarks.md) and were dropped; "m64" stays measured as the named variant the tests run.
-ATTN_CONFIG_VARIANTS = [("attn_mask_ms", {"mc_mode": "mask"}),
+ATTN_CONFIG_VARIANTS = [("attn_bits_ms", {"mc_mode": "bits"}),
+                        ("attn_mask_ms", {"mc_mode": "mask"}),
                         ("attn_mcst3_ms", {"mc_stages": 3}),
                         ("attn_m64_ms", ATTN_VARIANTS["m64"])]
 
@@ -168,6 +171,70 @@ def profile_kernels(fn: Callable[[], object], n: int = 5) -> list[tuple[str, flo
             rows.append((ev.key[:60], t / 1e3 / n, ev.count // n))
     rows.sort(key=lambda r: -r[1])
     return rows
+
+
+PHASES = ("setup", "exact", "exact masked", "mean loop", "mean subtract", "epilogue")
+
+
+def attention_phases(run: Callable[[torch.Tensor], object], n_programs: int) -> dict:
+    """Where one attention launch spends its SM time, from per-program ``%globaltimer`` stamps
+    (``launch_attention(timing=...)``): per phase (``PHASES``) the summed program time divided by
+    the SM count (ms; the phases add up to ``busy_ms``, comparable with the kernel time when
+    one program is resident per SM), the launch's span and the least / most busy SM (ms: load
+    balance). ``run(timing)`` launches the attention with the int64 ``[n_programs, 8]`` buffer."""
+    t = torch.zeros(n_programs, 8, dtype=torch.int64, device="cuda")
+    run(t)                                     # compile + warm
+    torch.cuda.synchronize()
+    run(t)
+    torch.cuda.synchronize()
+    t = t.cpu()
+    n_sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    stamps = t[:, :7].double()
+    per_phase = (stamps[:, 1:] - stamps[:, :-1]).sum(0) / n_sm / 1e6
+    program = (stamps[:, 6] - stamps[:, 0]) / 1e6
+    per_sm = torch.zeros(int(t[:, 7].max()) + 1, dtype=torch.float64).index_add_(0, t[:, 7], program)
+    per_sm = per_sm[per_sm > 0]
+    out = {name: float(ms) for name, ms in zip(PHASES, per_phase)}
+    out.update(busy_ms=float(program.sum() / n_sm), span_ms=float((stamps[:, 6].max() - stamps[:, 0].min()) / 1e6),
+               sm_busy_min_ms=float(per_sm.min()), sm_busy_max_ms=float(per_sm.max()), n_sm_used=int(per_sm.numel()))
+    return out
+
+
+def gpu_timeline(fn: Callable[[], object], n: int = 3) -> dict:
+    """GPU idle time inside one call of ``fn`` (torch.profiler device timestamps): span from the
+    first kernel's start to the last one's end, busy (union of kernels and copies), idle = span -
+    busy, and the longest gap with the kernels around it; the median call of ``n`` (ms)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    calls = []
+    for _ in range(n):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        ev = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if str(getattr(e, "device_type", "")).endswith("CUDA")), key=lambda x: x[0])
+        if not ev:
+            continue
+        busy, cur_s, cur_e, gap = 0.0, ev[0][0], ev[0][1], (0.0, "", "")
+        prev = ev[0][2]
+        for st, en, name in ev[1:]:
+            if st > cur_e:
+                busy += cur_e - cur_s
+                if st - cur_e > gap[0]:
+                    gap = (st - cur_e, prev[:40], name[:40])
+                cur_s, cur_e = st, en
+            else:
+                cur_e = max(cur_e, en)
+            prev = name
+        busy += cur_e - cur_s
+        span = max(e for _, e, _ in ev) - ev[0][0]
+        calls.append({"span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
+                      "longest_gap_ms": gap[0] / 1e3, "gap_after": gap[1], "gap_before": gap[2]})
+    if not calls:
+        return {}
+    calls.sort(key=lambda c: c["span_ms"])
+    return calls[len(calls) // 2]
 
 
 # --device cpu: a tiny reference run for plumbing and correctness, NOT representative of GPU speed
@@ -287,11 +354,15 @@ def run_operator_bench(lens, heads_q: int, heads_kv: int, head_dim: int, dtype, 
         row["index_ms"] = time_ms(lambda: tb.build_index(q, kc, vc, pt, sl, cu, config, scale, plan))
         row["attn_ms"] = time_ms(lambda: tb.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, index))
 
-        def total():
+        def total():                    # what flashprefill_attention runs (no index given)
+            return tb.attention(q, kc, vc, pt, sl, cu, config, scale, plan)
+        row["total_ms"] = time_ms(total)
+
+        def two_calls():                # build_index, then sparse_attention (no dense-tail overlap)
             idx = tb.build_index(q, kc, vc, pt, sl, cu, config, scale, plan)
             return tb.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, idx)
-        row["total_ms"] = time_ms(total)
         if variants:
+            row["total_2call_ms"] = time_ms(two_calls)
             cfg_nomc = config.replace(mean_correction=False)
             row["attn_nomc_ms"] = time_ms(lambda: tb.sparse_attention(q, kc, vc, pt, sl, cu, cfg_nomc, scale, plan, index))
             saved = tb.EXACT_SCORES
@@ -339,8 +410,28 @@ def run_operator_bench(lens, heads_q: int, heads_kv: int, head_dim: int, dtype, 
             try:
                 row["profile"] = profile_kernels(total)
                 say(f"[profile] L={L}: " + "; ".join(f"{k} {ms:.3f} ms x{c}" for k, ms, c in row["profile"]))
+                row["timeline"] = gpu_timeline(total)
+                row["timeline_2call"] = gpu_timeline(two_calls)
+                say(f"[timeline] L={L}: fused {json.dumps(row['timeline'])}; two calls "
+                    f"{json.dumps(row['timeline_2call'])}")
             except Exception as e:  # CUPTI missing etc.: say so
                 row["notes"]["profile"] = f"failed: {type(e).__name__}: {str(e)[:160]}"
+            from .impl import triton_attention as ta
+            n_prog = ta.attention_programs(plan, heads_kv, head_dim, q.dtype, config.block_size)
+            row["phases"] = {}
+            for mode in ("subtract", "bits"):
+                saved_mode = ta.MC_MODE
+                try:
+                    ta.MC_MODE = mode
+                    row["phases"][mode] = attention_phases(
+                        lambda t: tb.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, index, timing=t),
+                        n_prog)
+                    say(f"[phases] L={L} mc_mode={mode}: "
+                        + ", ".join(f"{k} {v:.3f}" for k, v in row["phases"][mode].items()))
+                except Exception as e:
+                    row["notes"][f"phases_{mode}"] = f"failed: {type(e).__name__}: {str(e)[:160]}"
+                finally:
+                    ta.MC_MODE = saved_mode
         row["dense_mode_ms"] = time_ms(lambda: tb.dense_attention(q, kc, vc, pt, sl, cu, scale, plan))
         # causal dense FLOPs: 4 * L^2/2 * d * Hq per request
         flops = 4.0 * (L * L / 2) * head_dim * heads_q * batch
@@ -365,6 +456,8 @@ TABLE_COLS = [("L", "L", "{:d}"), ("density", "density", "{:.4f}"), ("index_ms",
               ("cudnn_ms", "cuDNN ms", "{:.3f}"), ("fa2_ms", "FA2 ms", "{:.3f}"),
               ("speedup_vs_fa4", "x FA4", "{:.2f}"), ("speedup_vs_cudnn", "x cuDNN", "{:.2f}")]
 VARIANT_COLS = [("L", "L", "{:d}"), ("attn_ms", "attn ms", "{:.3f}"), ("attn_nomc_ms", "attn no-MC ms", "{:.3f}"),
+                ("total_ms", "total ms", "{:.3f}"), ("total_2call_ms", "total 2-call ms", "{:.3f}"),
+                ("attn_bits_ms", "attn MCbits ms", "{:.3f}"), ("attn_bits_maxdiff", "MCbits maxdiff", "{:.1e}"),
                 ("attn_mask_ms", "attn MCmask ms", "{:.3f}"), ("attn_mcst3_ms", "MC st3 ms", "{:.3f}"),
                 ("attn_m64_ms", "M64x2/SM ms", "{:.3f}"), ("attn_m64_maxdiff", "M64 maxdiff", "{:.1e}"),
                 ("attn_mask_maxdiff", "MCmask maxdiff", "{:.1e}"),

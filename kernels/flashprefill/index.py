@@ -36,6 +36,11 @@ class BlockIndex:
             q's dtype (bf16/fp16), written by the Triton block-means kernel next to the float32
             sums; the mean correction reads them (half the bytes, no conversion after the ``nnz``
             sync). ``None`` from the reference backend.
+        sel_bits: optional int32 ``[n_segments, ceil(max_blocks / 32)]``; the selection as a
+            bitmask (bit ``j % 32`` of word ``j // 32`` of segment ``s`` set iff block ``j`` is
+            in ``s``'s CSR row), kept by the Triton index so the mean correction can test
+            membership with one load per candidate chunk (``mc_mode="bits"``). ``None`` from the
+            reference backend (the correction then runs in ``"subtract"`` mode).
     """
 
     row_ptr: torch.Tensor
@@ -50,6 +55,7 @@ class BlockIndex:
     tile_rows: int = 128
     k_mean_lowp: torch.Tensor | None = None
     v_mean_lowp: torch.Tensor | None = None
+    sel_bits: torch.Tensor | None = None
 
     @property
     def n_kv_heads(self) -> int:
@@ -72,7 +78,7 @@ class BlockIndex:
         """Bytes held by the index tensors (CSR + block means)."""
         return sum(t.numel() * t.element_size() for t in (
             self.row_ptr, self.col_idx, self.k_mean, self.v_mean, self.block_ptr, self.tile_ptr, self.n_visible,
-            self.k_mean_lowp, self.v_mean_lowp) if t is not None)
+            self.k_mean_lowp, self.v_mean_lowp, self.sel_bits) if t is not None)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ Run on the device: ``PYTHONPATH=kernels:. pytest tests/gpu/test_kernels.py -q -x
   ``docs/layout.md`` "Attention with mean correction" restricted to those rows.
 - Mean correction lowers the error vs dense attention on structured inputs.
 - ``dense_attention`` vs torch SDPA (fp32).
+- The fused ``attention`` (dense-tail tiles on a side stream) vs the two-call path and the reference.
 """
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ import os
 import pytest
 import torch
 
+import flashprefill
 from flashprefill import SparseConfig, make_plan
+from flashprefill.plan import dense_tail_start
 from flashprefill.impl import reference as ref
 from flashprefill.impl import triton_attention as ta
 from flashprefill.impl import triton_backend as tb
@@ -33,13 +36,15 @@ REL_TOL = 1.5e-2
 TIE_FRACTION = 0.01
 DEV = os.environ.get("FP_TEST_DEVICE", "cuda")  # "cpu" only for an interpreter smoke run
 
-# Kernel variants every sparse case runs with: the two mean-correction modes
-# (triton_attention.MC_MODE) and the config the bench's --variants measure as "M64x2/SM" (flat
-# 64-key steps, one merged exact loop, 64-row programs, two resident per SM), so whichever wins
-# the bench has passed these tests.
+# Kernel variants every sparse case runs with: the mean-correction modes "subtract" and "bits"
+# (triton_attention.MC_MODE; "bits" reads the index's selection bitmask) and the config the
+# bench's --variants measure as "M64x2/SM" (flat 64-key steps, one merged exact loop, 64-row
+# programs, two resident per SM), so whichever wins the bench has passed these tests. The
+# "mask" mode (slower at every length since 2026-11-30) runs on the batch shapes only
+# (test_mask_mode_batch).
 KERNEL_VARIANTS = {
     "subtract": ("subtract", {}),
-    "mask": ("mask", {}),
+    "bits": ("bits", {}),
     "flat-m64": ("subtract", ta.ATTN_VARIANTS["m64"]),
 }
 
@@ -151,6 +156,12 @@ def run_case(name, q_lens, prefixes, hkv, g, d, ps, dtype, config=SMALL):
     assert torch.equal(idx.n_visible, ridx.n_visible), f"{name}: n_visible differs"
     counts = idx.row_ptr[1:] - idx.row_ptr[:-1]
     assert bool((counts > 0).all()), f"{name}: empty segment"
+    # the kept selection bitmask (the "bits" correction's membership test) says what the CSR says
+    words = idx.sel_bits.to(torch.int64) & 0xFFFFFFFF
+    bits = ((words[:, :, None] >> torch.arange(32, device=words.device)) & 1).reshape(words.shape[0], -1)
+    bits = bits[:, :max_nb].bool() & (torch.arange(max_nb, device=words.device)[None, :] < idx.n_visible[:, None])
+    csr = ref._csr_to_mask(idx, hkv, plan.n_tiles, max_nb).reshape(bits.shape)
+    assert torch.equal(bits, csr), f"{name}: sel_bits differs from the CSR"
     km_err = (idx.k_mean - ridx.k_mean).abs().max().item()
     vm_err = (idx.v_mean - ridx.v_mean).abs().max().item()
     assert km_err < 1e-4 and vm_err < 1e-4, f"{name}: k_mean err {km_err}, v_mean err {vm_err}"
@@ -186,6 +197,13 @@ def test_single_request(L, g, d, ps, dtype, mc_mode):
 @pytest.mark.parametrize("g,d,ps", [(3, 128, 16), (8, 64, 64), (7, 256, 1)])
 def test_batch_with_prefixes(g, d, ps, dtype, mc_mode):
     run_case("batch", [100, 8192, 1], [0, 4096, 63], 2, g, d, ps, dtype)
+
+
+@pytest.mark.parametrize("g,d,ps", [(3, 128, 16), (8, 64, 64), (7, 256, 1)])
+def test_mask_mode_batch(g, d, ps, monkeypatch):
+    monkeypatch.setattr(ta, "MC_MODE", "mask")
+    run_case("batch-mask", [100, 8192, 1], [0, 4096, 63], 2, g, d, ps, torch.bfloat16)
+    run_case("default-config-mask", [3000], [5000], 2, 4, 128, 64, torch.bfloat16, SparseConfig())
 
 
 def test_prefix_default_config(mc_mode):
@@ -307,6 +325,36 @@ def test_130k_tokens(mc_mode):
     got = out[rt // g, rt % g].float()
     got_lse = lse[rt // g, rt % g]
     check_outputs("130k rows", got, got_lse, r_out, r_lse, torch.bfloat16)
+
+
+@pytest.mark.parametrize("q_lens,prefixes,g,d,ps", [
+    ([12000], [0], 4, 128, 64),                 # one long request: 8 dense-tail tiles per KV head
+    ([100, 8192, 300], [0, 4096, 63], 3, 64, 16),   # a batch ending in a short, all-dense request
+    ([3000], [9000], 7, 128, 1),                # a prefix (P > 0), GQA 7, page size 1
+])
+def test_fused_attention_tail_split(q_lens, prefixes, g, d, ps, monkeypatch, mc_mode):
+    """``triton_backend.attention`` (what ``flashprefill_attention`` calls): the last request's
+    dense-tail tiles on a side stream, overlapping the nnz sync, the rest sparse. Every row must
+    be written (NaN-poisoned memory), equal to the two-call path, and match the reference."""
+    monkeypatch.setattr(tb, "TAIL_SPLIT_MIN_KV", 0)
+    cfg = SparseConfig(sink_tokens=128, window_tokens=256, dense_tail_tokens=256, alpha=0.1)
+    q, k, v, pt, sl, cu = make_inputs(q_lens, prefixes, 2, g, d, ps, torch.bfloat16)
+    plan = make_plan(sl, cu, g, 128)
+    lo = dense_tail_start(plan, cfg.dense_tail_tokens, cfg.min_sparse_len)
+    assert 0 < lo < plan.n_tiles, f"no split to test: tail starts at tile {lo} of {plan.n_tiles}"
+    poison(q.numel() * q.element_size() * 4)
+    out, lse, idx = tb.attention(q, k, v, pt, sl, cu, cfg, None, plan)
+    if DEV != "cpu":
+        torch.cuda.synchronize()
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any(), "fused: unwritten or NaN rows"
+    two_out, two_lse = tb.sparse_attention(q, k, v, pt, sl, cu, cfg, None, plan, idx)
+    diff = (out.float() - two_out.float()).abs().max().item()
+    assert diff <= 1e-2 and (lse - two_lse).abs().max().item() < 1e-3, f"fused vs two calls: {diff}"
+    r_out, r_lse, l_out = truth_and_lowp(ref.sparse_attention, q, k, v, pt, sl, cu, cfg, None, plan, idx)
+    check_outputs("fused", out, lse, r_out, r_lse, torch.bfloat16, l_out)
+    # and through the public entry point (which takes this path when no index is given)
+    api_out = flashprefill.flashprefill_attention(q, k, v, pt, sl, cu, config=cfg, plan=plan)
+    assert (api_out.float() - out.float()).abs().max().item() <= 1e-2
 
 
 def test_bad_head_dim_and_dtype():

@@ -46,11 +46,12 @@ LOG2E = 1.4426950408889634  # 1 / ln(2)
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): lse = (m2 + log2 l) * LN2
 SUPPORTED_HEAD_DIMS = TRITON_HEAD_DIMS  # one definition, in ``config.py`` (importable without triton)
 SUPPORTED_DTYPES = TRITON_DTYPES
-# How the mean correction excludes the selected blocks (``AttnConfig.mc_mode``): "mask" or
-# "subtract"; read by ``get_config`` at every launch (the bench and the tests switch it).
+# How the mean correction excludes the selected blocks (``AttnConfig.mc_mode``): "mask",
+# "subtract" or "bits"; read by ``get_config`` at every launch (the bench and the tests switch it).
 # "subtract": no loop-carried pointer, so its loads pipeline (``mc_stages``); same results within
-# one bf16 ulp at 128K (bench ``mc_sub_vs_mask_max_abs``), GPU tests run both.
+# one bf16 ulp at 128K (bench ``mc_sub_vs_mask_max_abs``), GPU tests run every mode.
 MC_MODE = "subtract"
+MC_MODES = ("mask", "subtract", "bits")
 
 
 def _variant_from_env() -> dict:
@@ -97,7 +98,10 @@ class AttnConfig:
             ``col_idx`` and a chunk bitmask); ``"subtract"``: every candidate is folded in (no
             membership test, no loop-carried pointer: the loads pipeline), then the mean terms
             of the selected candidates (``col_idx[start:end] < n_u``, typically one chunk) are
-            taken out again with the final running max (``_mean_subtract``).
+            taken out again with the final running max (``_mean_subtract``); ``"bits"``: the
+            membership test reads the index's selection bitmask (``BlockIndex.sel_bits``), one
+            word load per candidate addressed by the loop index (pipelined, no second loop);
+            runs as ``"subtract"`` when the index has no bitmask (the reference's).
     """
 
     block_m: int
@@ -139,8 +143,8 @@ def get_config(head_dim: int, dtype: torch.dtype, block_size: int = 128) -> Attn
         cfg = AttnConfig(block_m=128, block_n=128, block_u=64, block_s=64, num_warps=8, num_stages=3)
     if cfg.block_n > block_size:
         cfg = dataclasses.replace(cfg, block_n=block_size)
-    if MC_MODE not in ("mask", "subtract"):
-        raise ValueError(f"MC_MODE must be 'mask' or 'subtract', got {MC_MODE!r}")
+    if MC_MODE not in MC_MODES:
+        raise ValueError(f"MC_MODE must be one of {MC_MODES}, got {MC_MODE!r}")
     cfg = dataclasses.replace(cfg, **{"mc_mode": MC_MODE, **CONFIG_OVERRIDES})
     if block_size % cfg.block_n or cfg.block_n > block_size:
         raise ValueError(f"attention config: block_n {cfg.block_n} must divide the key block size {block_size}")
@@ -148,15 +152,23 @@ def get_config(head_dim: int, dtype: torch.dtype, block_size: int = 128) -> Attn
 
 
 @triton.jit
-def _softmax_step(acc, m_i, l_i, s, v):
-    """One online-softmax step (log2 units): fold logits ``s`` ``[M, N]`` (``-inf`` = masked) and
-    values ``v`` ``[N, d]`` into ``acc`` ``[M, d]`` / running max ``m_i`` / denominator ``l_i``
-    (``[M]``, float32). A row with no finite logit yet keeps ``m = -inf`` and adds nothing."""
+def _softmax_p(m_i, l_i, s):
+    """The first half of ``_softmax_step``: ``(p, alpha, m_new, l_new)`` for logits ``s``; the
+    caller rescales ``acc`` by ``alpha`` and adds ``p @ v``."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _softmax_step(acc, m_i, l_i, s, v):
+    """One online-softmax step (log2 units): fold logits ``s`` ``[M, N]`` (``-inf`` = masked) and
+    values ``v`` ``[N, d]`` into ``acc`` ``[M, d]`` / running max ``m_i`` / denominator ``l_i``
+    (``[M]``, float32). A row with no finite logit yet keeps ``m = -inf`` and adds nothing."""
+    p, alpha, m_new, l_i = _softmax_p(m_i, l_i, s)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, m_new, l_i
@@ -175,6 +187,60 @@ def _load_means(k_mean, v_mean, js, valid, blk0, h, lk, stride_mb, stride_mh, dt
     n_j = tl.minimum((js + 1) * BLOCK_SIZE, lk) - js * BLOCK_SIZE
     log2_n = tl.log2(tl.maximum(n_j, 1).to(tl.float32))
     return km, vm, log2_n
+
+
+@triton.jit
+def _kv_tile(k_cache, v_cache, pt_row, j, sub, e, mask_from, P, lk, tok, q, scale_log2,
+             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
+             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+             PAGE_SIZE: tl.constexpr, MASK: tl.constexpr):
+    """Keys ``j * B + sub * BLOCK_N + [0, BLOCK_N)`` of one step, gathered through the page
+    table: ``(qk, v)`` with ``qk = scale_log2 q kᵀ`` ``[M, BLOCK_N]`` masked per ``MASK`` (see
+    ``_attn_inner``) and ``v`` ``[BLOCK_N, d]``."""
+    dims = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    pos = j * BLOCK_SIZE + sub * BLOCK_N + offs_n
+    if MASK == 0:
+        pos_c = pos
+    else:
+        p_ok = pos < lk
+        pos_c = tl.where(p_ok, pos, 0)
+    if PAGE_SIZE % BLOCK_N == 0:
+        # the BLOCK_N keys (BLOCK_N-aligned) share one page: a scalar 64-bit base and
+        # 32-bit in-page offsets, contiguous rows
+        first = j * BLOCK_SIZE + sub * BLOCK_N
+        # (clamped: a sub-block past Lk of a partial last block must not read past the
+        # request's page-table row; its keys are masked anyway)
+        page = tl.load(pt_row + tl.minimum(first, lk - 1) // PAGE_SIZE).to(tl.int64)
+        slot = first % PAGE_SIZE + offs_n
+        k_base = k_cache + page * stride_kp + h * stride_kh
+        v_base = v_cache + page * stride_vp + h * stride_vh
+        k_ptrs = k_base + (slot * stride_ks)[:, None] + dims[None, :]
+        v_ptrs = v_base + (slot * stride_vs)[:, None] + dims[None, :]
+    else:
+        page = tl.load(pt_row + pos_c // PAGE_SIZE).to(tl.int64)
+        slot = (pos_c % PAGE_SIZE).to(tl.int64)
+        k_off = page * stride_kp + slot * stride_ks + h * stride_kh
+        v_off = page * stride_vp + slot * stride_vs + h * stride_vh
+        k_ptrs = k_cache + k_off[:, None] + dims[None, :]
+        v_ptrs = v_cache + v_off[:, None] + dims[None, :]
+    if MASK == 0:
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=p_ok[:, None], other=0.0)
+    qk = tl.dot(q, tl.trans(k)) * scale_log2
+    if MASK == 1:
+        allowed = (pos[None, :] <= P + tok[:, None]) & p_ok[None, :]
+        qk = tl.where(allowed, qk, float("-inf"))
+    elif MASK == 2:
+        if e >= mask_from:
+            allowed = (pos[None, :] <= P + tok[:, None]) & p_ok[None, :]
+            qk = tl.where(allowed, qk, float("-inf"))
+    if MASK == 0:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=p_ok[:, None], other=0.0)
+    return qk, v
 
 
 @triton.jit
@@ -197,8 +263,6 @@ def _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, lo, hi, mas
     with one shared-memory ring EACH (so ``flat_steps`` holds the same pipeline depth in half
     the shared memory when ``BLOCK_N = BLOCK_SIZE / 2``).
     """
-    dims = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
     SUBS: tl.constexpr = BLOCK_SIZE // BLOCK_N
     OUTER_SUBS: tl.constexpr = 1 if FLAT else SUBS
     STEP_SUBS: tl.constexpr = SUBS if FLAT else 1
@@ -213,49 +277,9 @@ def _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, lo, hi, mas
                 sub = it % STEP_SUBS
             else:
                 sub = sub_u
-            # -- gather K / V rows of positions p through the page table
-            pos = j * BLOCK_SIZE + sub * BLOCK_N + offs_n
-            if MASK == 0:
-                pos_c = pos
-            else:
-                p_ok = pos < lk
-                pos_c = tl.where(p_ok, pos, 0)
-            if PAGE_SIZE % BLOCK_N == 0:
-                # the BLOCK_N keys (BLOCK_N-aligned) share one page: a scalar 64-bit base and
-                # 32-bit in-page offsets, contiguous rows
-                first = j * BLOCK_SIZE + sub * BLOCK_N
-                # (clamped: a sub-block past Lk of a partial last block must not read past the
-                # request's page-table row; its keys are masked anyway)
-                page = tl.load(pt_row + tl.minimum(first, lk - 1) // PAGE_SIZE).to(tl.int64)
-                slot = first % PAGE_SIZE + offs_n
-                k_base = k_cache + page * stride_kp + h * stride_kh
-                v_base = v_cache + page * stride_vp + h * stride_vh
-                k_ptrs = k_base + (slot * stride_ks)[:, None] + dims[None, :]
-                v_ptrs = v_base + (slot * stride_vs)[:, None] + dims[None, :]
-            else:
-                page = tl.load(pt_row + pos_c // PAGE_SIZE).to(tl.int64)
-                slot = (pos_c % PAGE_SIZE).to(tl.int64)
-                k_off = page * stride_kp + slot * stride_ks + h * stride_kh
-                v_off = page * stride_vp + slot * stride_vs + h * stride_vh
-                k_ptrs = k_cache + k_off[:, None] + dims[None, :]
-                v_ptrs = v_cache + v_off[:, None] + dims[None, :]
-            if MASK == 0:
-                k = tl.load(k_ptrs)
-            else:
-                k = tl.load(k_ptrs, mask=p_ok[:, None], other=0.0)
-            # -- compute qk (log2 units)
-            qk = tl.dot(q, tl.trans(k)) * scale_log2
-            if MASK == 1:
-                allowed = (pos[None, :] <= P + tok[:, None]) & p_ok[None, :]
-                qk = tl.where(allowed, qk, float("-inf"))
-            elif MASK == 2:
-                if e >= mask_from:
-                    allowed = (pos[None, :] <= P + tok[:, None]) & p_ok[None, :]
-                    qk = tl.where(allowed, qk, float("-inf"))
-            if MASK == 0:
-                v = tl.load(v_ptrs)
-            else:
-                v = tl.load(v_ptrs, mask=p_ok[:, None], other=0.0)
+            qk, v = _kv_tile(k_cache, v_cache, pt_row, j, sub, e, mask_from, P, lk, tok, q, scale_log2,
+                             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
+                             HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, MASK)
             acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v)
     return acc, m_i, l_i
 
@@ -327,6 +351,38 @@ def _mean_all(acc, m_i, l_i, q, k_mean, v_mean, n_u, blk0, h, lk, scale_log2, st
 
 
 @triton.jit
+def _mean_bits(acc, m_i, l_i, q, k_mean, v_mean, bits_row, n_u, blk0, h, lk, scale_log2, stride_mb, stride_mh,
+               HEAD_DIM: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_SIZE: tl.constexpr, STAGES: tl.constexpr):
+    """Fold the pruned candidates ``j < n_u`` in as ``n_j`` mean tokens (``mc_mode="bits"``).
+
+    Same logit and value as ``_mean_correction``; membership from the index's selection bitmask
+    (``bits_row``: the segment's int32 words, bit ``j % 32`` of word ``j // 32`` set iff block
+    ``j`` is selected): one word load per candidate, addressed by the loop index only, so the
+    loads pipeline with the means' and nothing is taken out again afterwards.
+    """
+    for u0 in tl.range(0, n_u, BLOCK_U, num_stages=STAGES):
+        js = u0 + tl.arange(0, BLOCK_U)
+        cand = js < n_u
+        km, vm, log2_n = _load_means(k_mean, v_mean, js, cand, blk0, h, lk, stride_mb, stride_mh, q.dtype,
+                                     HEAD_DIM, BLOCK_SIZE)
+        words = tl.load(bits_row + js // 32, mask=cand, other=0)
+        use = cand & (((words >> (js % 32)) & 1) == 0)
+        s = tl.dot(q, tl.trans(km)) * scale_log2 + log2_n[None, :]
+        s = tl.where(use[None, :], s, float("-inf"))
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, vm)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _clock(TIMING: tl.constexpr):
+    """``%globaltimer`` (ns) when ``TIMING``, else 0 (the bench's per-phase breakdown)."""
+    if TIMING:
+        return tl.extra.cuda.globaltimer()
+    else:
+        return tl.full([], 0, tl.int64)
+
+
+@triton.jit
 def _mean_subtract(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u, blk0, h, lk, scale_log2,
                    stride_mb, stride_mh,
                    HEAD_DIM: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_SIZE: tl.constexpr, STAGES: tl.constexpr):
@@ -357,12 +413,12 @@ def _mean_subtract(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u, b
 @triton.jit
 def _attn_fwd(
     q_ptr, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, tile_request, tile_local, block_ptr,
-    row_ptr, col_idx, k_mean, v_mean,
+    row_ptr, col_idx, k_mean, v_mean, sel_bits, t_ptr,
     out_ptr, lse_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    stride_pt, stride_mb, stride_mh,
-    n_tiles, n_programs, n_kv_heads, scale_log2,
+    stride_pt, stride_mb, stride_mh, n_words,
+    n_tiles, tile_lo, n_programs, n_kv_heads, scale_log2,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     TILE_ROWS: tl.constexpr,
@@ -375,20 +431,23 @@ def _attn_fwd(
     SPARSE: tl.constexpr,
     MEAN_CORR: tl.constexpr,
     MC_SUBTRACT: tl.constexpr,
+    MC_BITS: tl.constexpr,
     MAIN_STAGES: tl.constexpr,
     MC_STAGES: tl.constexpr,
     MERGE_LOOPS: tl.constexpr,
     FLAT_STEPS: tl.constexpr,
+    TIMING: tl.constexpr = False,
 ):
     tl.static_assert(TILE_ROWS % BLOCK_M == 0)
     tl.static_assert(BLOCK_U % 64 == 0)
     tl.static_assert(BLOCK_SIZE % BLOCK_N == 0)
     SUBS: tl.constexpr = TILE_ROWS // BLOCK_M
     # ---------------------------------------------------------------- setup
+    t0 = _clock(TIMING)
     pid = tl.program_id(0)
     h = pid % n_kv_heads
     idx = n_programs - 1 - pid // n_kv_heads    # heaviest (last) tiles first, all heads together
-    tile = idx // SUBS
+    tile = tile_lo + idx // SUBS                # this launch covers tiles tile_lo ..
     sub = idx % SUBS
     # scalars of the whole 128-row tile (the index kernels' definition)
     b, i, q_start, lq, lk, P, t_first, t_last, n_vis, blk0 = _tile_geometry(
@@ -416,6 +475,8 @@ def _attn_fwd(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    t1 = _clock(TIMING)
+    t2 = t1
     # ---------------------------------------------------------------- exact keys
     if MERGE_LOOPS:
         acc, m_i, l_i = _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, start, end, split,
@@ -427,18 +488,27 @@ def _attn_fwd(
                                     P, lk, tok, scale_log2,
                                     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
                                     HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, SPARSE, 0, MAIN_STAGES, FLAT_STEPS)
+        t2 = _clock(TIMING)
         acc, m_i, l_i = _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, split, end, split,
                                     P, lk, tok, scale_log2,
                                     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
                                     HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, SPARSE, 1, MAIN_STAGES, FLAT_STEPS)
+    t3 = _clock(TIMING)
+    t4 = t3
     # ---------------------------------------------------------------- mean correction
     if SPARSE and MEAN_CORR:
         x = P + t_first + 1
         n_u = _n_fully_seen(x, lk, BLOCK_SIZE)           # blocks with e_j <= P + t_first + 1
         n_u = tl.where(end - start >= n_vis, 0, n_u)     # everything selected: U is empty
-        if MC_SUBTRACT:
+        if MC_BITS:
+            acc, m_i, l_i = _mean_bits(acc, m_i, l_i, q, k_mean, v_mean, sel_bits + seg.to(tl.int64) * n_words,
+                                       n_u, blk0, h, lk, scale_log2, stride_mb, stride_mh,
+                                       HEAD_DIM, BLOCK_U, BLOCK_SIZE, MC_STAGES)
+            t4 = _clock(TIMING)
+        elif MC_SUBTRACT:
             acc, m_i, l_i = _mean_all(acc, m_i, l_i, q, k_mean, v_mean, n_u, blk0, h, lk, scale_log2,
                                       stride_mb, stride_mh, HEAD_DIM, BLOCK_U, BLOCK_SIZE, MC_STAGES)
+            t4 = _clock(TIMING)
             # the selected candidates (< n_u) are a prefix of the segment: when the first row does
             # not see the whole request, n_u = n_full and they end at `split` (the window blocks
             # from n_full on are never candidates); nothing to take out when U is empty
@@ -449,6 +519,8 @@ def _attn_fwd(
             acc, m_i, l_i = _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u,
                                              blk0, h, lk, scale_log2, stride_mb, stride_mh,
                                              HEAD_DIM, BLOCK_U, BLOCK_SIZE, MC_STAGES)
+            t4 = _clock(TIMING)
+    t5 = _clock(TIMING)
     # ---------------------------------------------------------------- epilogue
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -457,24 +529,62 @@ def _attn_fwd(
     tl.store(out_ptr + o_off[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     l_off = (q_start + tok).to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh
     tl.store(lse_ptr + l_off, lse, mask=row_ok)
+    if TIMING:
+        # per program: start, after setup, loop 1, loop 2, the correction's mean loop, its
+        # subtract loop, end (ns) and the SM it ran on
+        t6 = _clock(TIMING)
+        row = t_ptr + pid.to(tl.int64) * 8
+        tl.store(row + 0, t0)
+        tl.store(row + 1, t1)
+        tl.store(row + 2, t2)
+        tl.store(row + 3, t3)
+        tl.store(row + 4, t4)
+        tl.store(row + 5, t5)
+        tl.store(row + 6, t6)
+        tl.store(row + 7, tl.extra.cuda.smid().to(tl.int64))
+
+
+def attention_programs(plan, n_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int,
+                       tiles: tuple[int, int] | None = None) -> int:
+    """Programs (grid size) of one ``_attn_fwd`` launch for ``plan`` (or its tiles
+    ``tiles = (lo, hi)``): one per (KV head, tile, ``block_m``-row sub-tile)."""
+    cfg = get_config(head_dim, dtype, block_size)
+    lo, hi = tiles if tiles is not None else (0, plan.n_tiles)
+    return (hi - lo) * (plan.tile_rows // cfg.block_m) * n_kv_heads
 
 
 def launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, softmax_scale, plan,
                      *, sparse: bool, mean_correction: bool, row_ptr=None, col_idx=None,
-                     k_mean=None, v_mean=None, block_size: int | None = None):
-    """Allocate ``out`` / ``lse`` and launch ``_attn_fwd`` (no host sync).
+                     k_mean=None, v_mean=None, sel_bits=None, block_size: int | None = None,
+                     timing: torch.Tensor | None = None, tiles: tuple[int, int] | None = None,
+                     out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+    """Launch ``_attn_fwd`` on the current stream (no host sync); returns ``(out, lse)``.
 
     ``k_mean`` / ``v_mean``: ``[n_blocks, Hkv, d]`` float32 or q's dtype (only read with the
-    correction).
+    correction). ``sel_bits``: int32 ``[n_segments, n_words]`` selection bitmask
+    (``BlockIndex.sel_bits``) for ``mc_mode="bits"``; without it that mode runs as
+    ``"subtract"``. ``timing``: int64 ``[n_programs, 8]`` (``attention_programs``) to receive
+    each program's phase timestamps (ns, ``%globaltimer``; the bench's breakdown), else None.
+    ``tiles = (lo, hi)``: only the query tiles ``lo <= tile < hi`` (all KV heads), writing their
+    rows of ``out`` / ``lse`` (allocated here when None: ``[total_q, Hq, d]`` q's dtype and
+    ``[total_q, Hq]`` float32); default every tile.
+
+    Raises:
+        ValueError: ``tiles`` outside ``[0, plan.n_tiles]`` or ``timing`` of the wrong shape.
     """
     total_q, hq, d = q.shape
     hkv = k_cache.shape[2]
     page_size = k_cache.shape[1]
     B = block_size or plan.block_size
     cfg = get_config(d, q.dtype, B)
-    out = torch.empty_like(q)
-    lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
-    if plan.n_tiles == 0 or total_q == 0:
+    if out is None:
+        out = torch.empty_like(q)
+    if lse is None:
+        lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
+    tile_lo, tile_hi = tiles if tiles is not None else (0, plan.n_tiles)
+    if not 0 <= tile_lo <= tile_hi <= plan.n_tiles:
+        raise ValueError(f"tiles must satisfy 0 <= lo <= hi <= n_tiles = {plan.n_tiles}, got {tiles}")
+    if tile_hi == tile_lo or total_q == 0:
         return out, lse
     if not sparse:
         row_ptr = col_idx = plan.tile_ptr      # unused placeholders (dense mode)
@@ -485,21 +595,27 @@ def launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, so
         # float32 means (short requests: no 16-bit copies) are twice the bytes per stage: 4 stages
         # of 64 x d float32 K and V means do not fit next to the K/V ring (sm_90: 227 KiB)
         mc_stages = min(mc_stages, 2)
-    per_head = plan.n_tiles * (plan.tile_rows // cfg.block_m)
-    grid = (per_head * hkv,)
+    per_head = (tile_hi - tile_lo) * (plan.tile_rows // cfg.block_m)
+    grid = (per_head * hkv,)                 # = attention_programs(...)
+    bits = cfg.mc_mode == "bits" and sel_bits is not None and sparse and mean_correction
+    if timing is not None and (timing.shape != (grid[0], 8) or timing.dtype != torch.int64):
+        raise ValueError(f"timing must be int64 [{grid[0]}, 8] (one row per program), got "
+                         f"{timing.dtype} {list(timing.shape)}")
     _attn_fwd[grid](
         q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, plan.tile_request, plan.tile_local,
-        plan.block_ptr, row_ptr, col_idx, k_mean, v_mean, out, lse,
+        plan.block_ptr, row_ptr, col_idx, k_mean, v_mean, sel_bits if bits else row_ptr,
+        timing if timing is not None else lse, out, lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        page_table.stride(0), k_mean.stride(0), k_mean.stride(1),
-        plan.n_tiles, per_head, hkv, float(softmax_scale) * LOG2E,
+        page_table.stride(0), k_mean.stride(0), k_mean.stride(1), sel_bits.shape[1] if bits else 0,
+        plan.n_tiles, tile_lo, per_head, hkv, float(softmax_scale) * LOG2E,
         GROUP=plan.group_size, HEAD_DIM=d, TILE_ROWS=plan.tile_rows, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_SIZE=B, BLOCK_U=cfg.block_u, BLOCK_S=cfg.block_s,
-        PAGE_SIZE=page_size, SPARSE=sparse, MEAN_CORR=mean_correction, MC_SUBTRACT=cfg.mc_mode == "subtract",
+        PAGE_SIZE=page_size, SPARSE=sparse, MEAN_CORR=mean_correction,
+        MC_SUBTRACT=cfg.mc_mode == "subtract" or (cfg.mc_mode == "bits" and not bits), MC_BITS=bits,
         MAIN_STAGES=cfg.num_stages, MC_STAGES=mc_stages, MERGE_LOOPS=cfg.merge_loops,
-        FLAT_STEPS=cfg.flat_steps,
+        FLAT_STEPS=cfg.flat_steps, TIMING=timing is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse

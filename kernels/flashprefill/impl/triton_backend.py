@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+from typing import Callable
 
 import torch
 import triton
 
 from ..config import INDEX_VARIANTS, SparseConfig
 from ..index import BlockIndex
-from ..plan import BatchPlan
+from ..plan import BatchPlan, dense_tail_start
 from . import triton_index as ti
 from .triton_attention import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, launch_attention
 
@@ -33,6 +34,7 @@ SELECT_NUM_WARPS = 4
 SELECT_NUM_STAGES = 2
 EXPAND_WORDS = 8                 # 256 blocks per expand step
 MEANS_DIRECT_MAX_KV = 32768      # sparse_attention reads the float32 means directly up to this Lk
+TAIL_SPLIT_MIN_KV = 8192         # ``attention`` runs the dense-tail tiles on a side stream from this Lk
 MEANS_TOKENS = 64                # tokens summed per step of the block-means kernel (one cache per
 MEANS_WARPS = 4                  # launch: 64 x d 16-bit loads in flight, as 32 of K + 32 of V before)
 
@@ -156,17 +158,18 @@ def _queue_nnz_copy(row_ptr: torch.Tensor):
 
 
 def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config: SparseConfig,
-                softmax_scale, plan: BatchPlan) -> BlockIndex:
+                softmax_scale, plan: BatchPlan, after_select: Callable[[], None] | None = None) -> BlockIndex:
     """Block means, selection and CSR of a batch (sections 3.1-3.6) on the GPU.
 
     Memory: the index tensors (``k_mean``/``v_mean`` ``2 x n_blocks x Hkv x d x 4`` bytes, their
-    16-bit copies half that, CSR ``4 x (n_segments + 1 + nnz)`` bytes) plus, during the call only,
-    a bitmask of ``n_segments x ceil(max_blocks / 32)`` int32 and a scratch of ``n_programs x
-    max_blocks`` float32 (at 128K, 32/8 heads, d 128: 8 + 4 MiB means, ~4 MiB bitmask, 2 MiB
-    scratch).
+    16-bit copies half that, CSR ``4 x (n_segments + 1 + nnz)`` bytes, the selection bitmask
+    ``sel_bits`` ``n_segments x ceil(max_blocks / 32)`` int32 that the mean correction reads)
+    plus, during the call only, a scratch of ``n_programs x max_blocks`` float32 (at 128K, 32/8
+    heads, d 128: 8 + 4 MiB means, 4 MiB bitmask, 3 MiB CSR, 2 MiB scratch).
 
     One host sync: ``row_ptr[-1]`` (``nnz``) to size ``col_idx``; it waits for the selection
-    only, while the GPU computes the value means.
+    only, while the GPU computes the value means. ``after_select``: called once the selection
+    is queued, before the sync (``attention`` launches the dense-tail tiles from it).
     """
     _check(q)
     B = config.block_size
@@ -221,6 +224,8 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
     # The one host sync, for nnz: its copy and event are queued first, then V's means (not needed
     # by the selection), so the GPU computes them while the host waits and launches the expand.
     nnz_ready = _queue_nnz_copy(row_ptr) if n_seg else None
+    if after_select is not None:
+        after_select()
     v_mean, v_lowp = _launch_means(v_cache, page_table, seq_lens, plan, B, lowp_dtype)
     # owned copies of the plan's pointers, made before the sync so they overlap the GPU work
     block_ptr, tile_ptr = plan.block_ptr.clone(), plan.tile_ptr.clone()
@@ -229,7 +234,8 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
     if n_seg:
         ti._expand_kernel[(n_seg,)](bits, row_ptr, n_visible, col_idx, n_words,
                                     WORDS=EXPAND_WORDS, num_warps=4)
-        del bits
+    else:
+        bits = None
     return BlockIndex(
         row_ptr=row_ptr,
         col_idx=col_idx,
@@ -243,34 +249,106 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
         tile_rows=plan.tile_rows,
         k_mean_lowp=k_lowp,
         v_mean_lowp=v_lowp,
+        sel_bits=bits,
     )
 
 
+def _correction_means(q, plan: BatchPlan, index: BlockIndex):
+    """The mean keys / values the correction reads: the 16-bit copies when the index has them
+    in q's dtype, else the float32 means (short batches) or 16-bit conversions (long ones)."""
+    lowp = (index.k_mean_lowp, index.v_mean_lowp)
+    if all(t is not None and t.dtype == q.dtype for t in lowp):
+        return lowp                         # rounded by the means kernel, before the nnz sync
+    if plan.max_kv_len <= MEANS_DIRECT_MAX_KV:
+        # short: the kernel reads the float32 means and rounds them itself (saves two
+        # conversion launches + allocations per call, ~tens of us of host time)
+        return index.k_mean, index.v_mean
+    # long: 16-bit copies halve the correction loop's L2 traffic (every tile re-reads the means
+    # of all its pruned blocks: ~8.6 GB in bf16 at 128K)
+    return index.k_mean.to(q.dtype), index.v_mean.to(q.dtype)
+
+
 def sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config: SparseConfig,
-                     softmax_scale, plan: BatchPlan, index: BlockIndex):
+                     softmax_scale, plan: BatchPlan, index: BlockIndex, timing=None, tiles=None,
+                     out=None, lse=None):
     """Block-sparse attention with mean correction (section 4). No host sync.
+
+    ``timing``, ``tiles``, ``out``, ``lse``: see ``triton_attention.launch_attention`` (the
+    bench's per-phase breakdown; a subset of the query tiles written into given outputs).
 
     Returns ``(out [total_q, Hq, d] q.dtype, lse [total_q, Hq] float32, natural log)``.
     """
     _check(q)
     scale = _scale(softmax_scale, q.shape[2])
     mc = bool(config.mean_correction)
-    km = vm = None
-    if mc:
-        lowp = (index.k_mean_lowp, index.v_mean_lowp)
-        if all(t is not None and t.dtype == q.dtype for t in lowp):
-            km, vm = lowp                   # rounded by the means kernel, before the nnz sync
-        elif plan.max_kv_len <= MEANS_DIRECT_MAX_KV:
-            # short: the kernel reads the float32 means and rounds them itself (saves two
-            # conversion launches + allocations per call, ~tens of us of host time)
-            km, vm = index.k_mean, index.v_mean
-        else:
-            # long: 16-bit copies halve the correction loop's L2 traffic (every tile re-reads
-            # the means of all its pruned blocks: ~8.6 GB in bf16 at 128K)
-            km, vm = index.k_mean.to(q.dtype), index.v_mean.to(q.dtype)
+    km, vm = _correction_means(q, plan, index) if mc else (None, None)
     return launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, scale, plan,
                             sparse=True, mean_correction=mc, row_ptr=index.row_ptr, col_idx=index.col_idx,
-                            k_mean=km, v_mean=vm, block_size=index.block_size)
+                            k_mean=km, v_mean=vm, sel_bits=index.sel_bits, block_size=index.block_size,
+                            timing=timing, tiles=tiles, out=out, lse=lse)
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SIDE_STREAMS:
+        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
+    return _SIDE_STREAMS[idx]
+
+
+def attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config: SparseConfig,
+              softmax_scale, plan: BatchPlan):
+    """``build_index`` + ``sparse_attention`` in one call; returns ``(out, lse, index)``.
+
+    When the batch's longest KV is at least ``TAIL_SPLIT_MIN_KV`` tokens, the last request's
+    dense-tail tiles (``plan.dense_tail_start``: they select every visible block, so they need no
+    index) run in the kernel's dense mode on a side CUDA stream, started once the selection is
+    queued: they fill the GPU while the host waits for ``nnz`` and launches the expand, instead
+    of leaving it idle. The sparse launch covers the other tiles; the current stream waits for
+    the side stream before returning. Same results as the two calls (a dense tile's CSR row is
+    every visible block, its correction set is empty, and the loops visit the same blocks in
+    the same order). On the CPU (``TRITON_INTERPRET``) the two launches run one after the other.
+
+    Returns ``(out [total_q, Hq, d] q.dtype, lse [total_q, Hq] float32, BlockIndex)``.
+    """
+    _check(q)
+    lo = plan.n_tiles
+    if plan.max_kv_len >= TAIL_SPLIT_MIN_KV:
+        lo = dense_tail_start(plan, config.dense_tail_tokens, config.min_sparse_len)
+    if lo >= plan.n_tiles:
+        index = build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale, plan)
+        out, lse = sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config,
+                                    softmax_scale, plan, index)
+        return out, lse, index
+    scale = _scale(softmax_scale, q.shape[2])
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+    done = []
+
+    def launch_tail() -> None:
+        if q.device.type != "cuda":
+            launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, scale, plan, sparse=False,
+                             mean_correction=False, block_size=config.block_size, tiles=(lo, plan.n_tiles),
+                             out=out, lse=lse)
+            return
+        main = torch.cuda.current_stream(q.device)
+        side = _side_stream(q.device)
+        side.wait_stream(main)              # the selection (and everything before it) first
+        with torch.cuda.stream(side):
+            launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, scale, plan, sparse=False,
+                             mean_correction=False, block_size=config.block_size, tiles=(lo, plan.n_tiles),
+                             out=out, lse=lse)
+        done.append((main, side))
+
+    index = build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale, plan,
+                        after_select=launch_tail)
+    sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale, plan, index,
+                     tiles=(0, lo), out=out, lse=lse)
+    for main, side in done:
+        main.wait_stream(side)
+    return out, lse, index
 
 
 def dense_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, softmax_scale, plan: BatchPlan):
