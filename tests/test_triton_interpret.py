@@ -41,15 +41,17 @@ CASES = {
     "long_prefix_d64": ([100], [9000], 1, 2, 64, 16, 64, {"window_tokens": 5000}, True),
     "long_prefix_d128": ([100], [9000], 1, 2, 128, 64, 64, {}, True),
     # the mean correction's "mask" mode (a membership walk over col_idx; the other cases run the
-    # default, "subtract": fold every candidate in, take the selected ones out)
+    # default, "bits", unless named "subtract_")
     "mask_batch_g3_ps64": ([300, 1, 129], [700, 63, 0], 2, 3, 64, 64, 64, {"_mc_mode": "mask"}, True),
     "mask_long_prefix_d128": ([100], [9000], 1, 2, 128, 64, 64, {"_mc_mode": "mask"}, True),
-    # the "bits" mode (membership from the index's selection bitmask, no subtract loop), and the
-    # same mode given the reference's index, which has no bitmask (falls back to "subtract")
-    "bits_batch_g3_ps64": ([300, 1, 129], [700, 63, 0], 2, 3, 64, 64, 64, {"_mc_mode": "bits"}, True),
-    "bits_long_prefix_d128": ([100], [9000], 1, 2, 128, 64, 64, {"_mc_mode": "bits"}, True),
-    "bits_b128_g7_ps16": ([200], [2900], 1, 7, 64, 16, 128,
-                          {"sink_tokens": 128, "window_tokens": 128, "alpha": 0.5, "_mc_mode": "bits"}, True),
+    # the "subtract" mode (fold every candidate in, take the selected ones out again; the default
+    # "bits" reads the index's selection bitmask, and falls back to "subtract" when given the
+    # reference's index, which has none: checked in every "bits" case)
+    "subtract_batch_g3_ps64": ([300, 1, 129], [700, 63, 0], 2, 3, 64, 64, 64, {"_mc_mode": "subtract"}, True),
+    "subtract_long_prefix_d128": ([100], [9000], 1, 2, 128, 64, 64, {"_mc_mode": "subtract"}, True),
+    "subtract_b128_g7_ps16": ([200], [2900], 1, 7, 64, 16, 128,
+                              {"sink_tokens": 128, "window_tokens": 128, "alpha": 0.5, "_mc_mode": "subtract"},
+                              True),
     # the last token alone with a partial last block and a prefix: its tile's first row sees every
     # block (the correction's candidates run to the end of the segment)
     "last_token_partial_block_g7": ([1], [1000], 1, 7, 64, 16, 128, {"sink_tokens": 128, "window_tokens": 128,
@@ -68,9 +70,9 @@ CASES = {
                           {"sink_tokens": 128, "window_tokens": 128, "alpha": 0.5,
                            "_attn": {"block_n": 64, "flat_steps": True, "merge_loops": True}}, True),
 }
-DEFAULT_MC_MODE = "subtract"   # set from triton_attention.MC_MODE in the worker
+DEFAULT_MC_MODE = "bits"   # set from triton_attention.MC_MODE in the worker
 # cases that also run the fused ``triton_backend.attention`` with its dense-tail split
-TAIL_SPLIT_CASES = ("batch_g3_ps64", "long_prefix_d128", "bits_b128_g7_ps16")
+TAIL_SPLIT_CASES = ("batch_g3_ps64", "long_prefix_d128", "subtract_b128_g7_ps16")
 
 # Shared sparse knobs for tiny shapes (B = 64 gives enough blocks at a few hundred tokens).
 BASE_CONFIG = dict(sink_tokens=64, window_tokens=64, dense_tail_tokens=32, alpha=0.3)

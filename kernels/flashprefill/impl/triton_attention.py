@@ -48,9 +48,10 @@ SUPPORTED_HEAD_DIMS = TRITON_HEAD_DIMS  # one definition, in ``config.py`` (impo
 SUPPORTED_DTYPES = TRITON_DTYPES
 # How the mean correction excludes the selected blocks (``AttnConfig.mc_mode``): "mask",
 # "subtract" or "bits"; read by ``get_config`` at every launch (the bench and the tests switch it).
-# "subtract": no loop-carried pointer, so its loads pipeline (``mc_stages``); same results within
-# one bf16 ulp at 128K (bench ``mc_sub_vs_mask_max_abs``), GPU tests run every mode.
-MC_MODE = "subtract"
+# "subtract": no loop-carried pointer, so its loads pipeline (``mc_stages``); "bits" (default since
+# 2026-11-30, fourth session): no second loop either; modes agree within one bf16 ulp at 128K
+# (bench ``*_maxdiff``), the GPU tests run every mode.
+MC_MODE = "bits"
 MC_MODES = ("mask", "subtract", "bits")
 
 
@@ -99,8 +100,8 @@ class AttnConfig:
             membership test, no loop-carried pointer: the loads pipeline), then the mean terms
             of the selected candidates (``col_idx[start:end] < n_u``, typically one chunk) are
             taken out again with the final running max (``_mean_subtract``); ``"bits"``: the
-            membership test reads the index's selection bitmask (``BlockIndex.sel_bits``), one
-            word load per candidate addressed by the loop index (pipelined, no second loop);
+            membership test reads the index's selection bitmask (``BlockIndex.sel_bits``), two
+            scalar word loads per 64-candidate chunk (pipelined, no second loop);
             runs as ``"subtract"`` when the index has no bitmask (the reference's).
     """
 
@@ -175,18 +176,28 @@ def _softmax_step(acc, m_i, l_i, s, v):
 
 
 @triton.jit
-def _load_means(k_mean, v_mean, js, valid, blk0, h, lk, stride_mb, stride_mh, dtype,
-                HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Mean keys / values of the request's blocks ``js`` (``valid`` ones; others 0) rounded to
-    ``dtype``, and ``log2 n_j`` of each block's valid-token count (the correction's logit
-    offset ``ln n_j`` in log2 units)."""
+def _count_logs(lk, BLOCK_SIZE: tl.constexpr):
+    """``(j_part, log2 n_part, log2 B)``: the request's last block ``j_part`` (the only one that
+    can hold fewer than ``B`` valid tokens, ``n_part = Lk - j_part B``) and the two values of the
+    correction's logit offset ``log2 n_j`` (scalars, computed once per program: a per-element
+    ``tl.log2`` compiles to a libdevice polynomial, ~15 FFMA per candidate and thread)."""
+    j_part = (lk + BLOCK_SIZE - 1) // BLOCK_SIZE - 1
+    log2_part = tl.log2((lk - j_part * BLOCK_SIZE).to(tl.float32))
+    log2_full = tl.log2(tl.full([], BLOCK_SIZE, tl.float32))
+    return j_part, log2_part, log2_full
+
+
+@triton.jit
+def _load_means(k_mean, v_mean, first, rel, valid, h, stride_mb, stride_mh, dtype, HEAD_DIM: tl.constexpr):
+    """Mean keys / values ``[len(rel), d]`` of the pooled blocks ``first + rel`` (``valid`` ones;
+    others 0) rounded to ``dtype``. ``first``: a scalar (its 64-bit offset computed once);
+    ``rel``: int32 block offsets from it (32-bit row arithmetic and compares in the loops)."""
     dims = tl.arange(0, HEAD_DIM)
-    rows = (blk0 + js).to(tl.int64) * stride_mb + h * stride_mh
-    km = tl.load(k_mean + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0).to(dtype)
-    vm = tl.load(v_mean + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0).to(dtype)
-    n_j = tl.minimum((js + 1) * BLOCK_SIZE, lk) - js * BLOCK_SIZE
-    log2_n = tl.log2(tl.maximum(n_j, 1).to(tl.float32))
-    return km, vm, log2_n
+    base = first.to(tl.int64) * stride_mb + h * stride_mh
+    rows = rel * stride_mb
+    km = tl.load(k_mean + base + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0).to(dtype)
+    vm = tl.load(v_mean + base + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0).to(dtype)
+    return km, vm
 
 
 @triton.jit
@@ -302,11 +313,14 @@ def _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u,
     (not only the pruned ones) so the loads do not wait on the membership test.
     """
     ptr = start
+    j_part, log2_part, log2_full = _count_logs(lk, BLOCK_SIZE)
     for u0 in tl.range(0, n_u, BLOCK_U, num_stages=STAGES):
-        js = u0 + tl.arange(0, BLOCK_U)
-        cand = js < n_u
-        km, vm, log2_n = _load_means(k_mean, v_mean, js, cand, blk0, h, lk, stride_mb, stride_mh, q.dtype,
-                                     HEAD_DIM, BLOCK_SIZE)
+        # per-candidate work against chunk-relative ids (a constant arange per thread, compared
+        # with scalars: 32-bit, not a widened loop counter)
+        rel_j = tl.arange(0, BLOCK_U)
+        cand = rel_j < n_u - u0
+        km, vm = _load_means(k_mean, v_mean, blk0 + u0, rel_j, cand, h, stride_mb, stride_mh, q.dtype, HEAD_DIM)
+        log2_n = tl.where(rel_j == j_part - u0, log2_part, log2_full)      # ln n_j in log2 units
         # -- membership: the selected entries of this chunk are col_idx[ptr : ptr + count]
         offs = ptr + tl.arange(0, BLOCK_U)
         cols = tl.load(col_idx + offs, mask=offs < end, other=2147483647)
@@ -315,7 +329,6 @@ def _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u,
         # chunk-local bitmask of the selected entries, 64 candidates per int64 word (distinct
         # entries: the sum is an OR), then each candidate reads its bit: O(BLOCK_U^2 / 64) work
         rel = tl.where(in_chunk, cols - u0, -1)
-        rel_j = js - u0
         in_s = tl.zeros([BLOCK_U], dtype=tl.int64)
         for w in tl.static_range(BLOCK_U // 64):
             mine = (rel >= w * 64) & (rel < w * 64 + 64)
@@ -324,8 +337,9 @@ def _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u,
             own = (rel_j >= w * 64) & (rel_j < w * 64 + 64)
             in_s += tl.where(own, (word >> (tl.where(own, rel_j - w * 64, 0)).to(tl.int64)) & 1, 0)
         use = cand & (in_s == 0)
-        s = tl.dot(q, tl.trans(km)) * scale_log2 + log2_n[None, :]
-        s = tl.where(use[None, :], s, float("-inf"))
+        # the mask folded into a per-candidate bias (-inf = excluded): one FMA per logit
+        bias = tl.where(use, log2_n, float("-inf"))
+        s = tl.dot(q, tl.trans(km)) * scale_log2 + bias[None, :]
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, vm)
     return acc, m_i, l_i
 
@@ -339,36 +353,50 @@ def _mean_all(acc, m_i, l_i, q, k_mean, v_mean, n_u, blk0, h, lk, scale_log2, st
     the loop index only, so Triton pipelines them. The selected candidates' terms are taken out
     again by ``_mean_subtract``.
     """
+    j_part, log2_part, log2_full = _count_logs(lk, BLOCK_SIZE)
     for u0 in tl.range(0, n_u, BLOCK_U, num_stages=STAGES):
-        js = u0 + tl.arange(0, BLOCK_U)
-        cand = js < n_u
-        km, vm, log2_n = _load_means(k_mean, v_mean, js, cand, blk0, h, lk, stride_mb, stride_mh, q.dtype,
-                                     HEAD_DIM, BLOCK_SIZE)
-        s = tl.dot(q, tl.trans(km)) * scale_log2 + log2_n[None, :]
-        s = tl.where(cand[None, :], s, float("-inf"))
+        # per-candidate work against chunk-relative ids (a constant arange per thread, compared
+        # with scalars: 32-bit, not a widened loop counter)
+        rel_j = tl.arange(0, BLOCK_U)
+        cand = rel_j < n_u - u0
+        km, vm = _load_means(k_mean, v_mean, blk0 + u0, rel_j, cand, h, stride_mb, stride_mh, q.dtype, HEAD_DIM)
+        log2_n = tl.where(rel_j == j_part - u0, log2_part, log2_full)      # ln n_j in log2 units
+        # the mask folded into a per-candidate bias (-inf = excluded): one FMA per logit
+        bias = tl.where(cand, log2_n, float("-inf"))
+        s = tl.dot(q, tl.trans(km)) * scale_log2 + bias[None, :]
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, vm)
     return acc, m_i, l_i
 
 
 @triton.jit
-def _mean_bits(acc, m_i, l_i, q, k_mean, v_mean, bits_row, n_u, blk0, h, lk, scale_log2, stride_mb, stride_mh,
-               HEAD_DIM: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_SIZE: tl.constexpr, STAGES: tl.constexpr):
+def _mean_bits(acc, m_i, l_i, q, k_mean, v_mean, bits_row, n_words, n_u, blk0, h, lk, scale_log2, stride_mb,
+               stride_mh, HEAD_DIM: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+               STAGES: tl.constexpr):
     """Fold the pruned candidates ``j < n_u`` in as ``n_j`` mean tokens (``mc_mode="bits"``).
 
     Same logit and value as ``_mean_correction``; membership from the index's selection bitmask
     (``bits_row``: the segment's int32 words, bit ``j % 32`` of word ``j // 32`` set iff block
-    ``j`` is selected): one word load per candidate, addressed by the loop index only, so the
-    loads pipeline with the means' and nothing is taken out again afterwards.
+    ``j`` is selected): two scalar word loads per 64-candidate chunk, addressed by the loop
+    index only, so they pipeline with the means' and nothing is taken out again afterwards.
     """
+    tl.static_assert(BLOCK_U == 64)
+    j_part, log2_part, log2_full = _count_logs(lk, BLOCK_SIZE)
     for u0 in tl.range(0, n_u, BLOCK_U, num_stages=STAGES):
-        js = u0 + tl.arange(0, BLOCK_U)
-        cand = js < n_u
-        km, vm, log2_n = _load_means(k_mean, v_mean, js, cand, blk0, h, lk, stride_mb, stride_mh, q.dtype,
-                                     HEAD_DIM, BLOCK_SIZE)
-        words = tl.load(bits_row + js // 32, mask=cand, other=0)
-        use = cand & (((words >> (js % 32)) & 1) == 0)
-        s = tl.dot(q, tl.trans(km)) * scale_log2 + log2_n[None, :]
-        s = tl.where(use[None, :], s, float("-inf"))
+        # per-candidate work against chunk-relative ids (a constant arange per thread, compared
+        # with scalars: 32-bit, not a widened loop counter)
+        rel_j = tl.arange(0, BLOCK_U)
+        cand = rel_j < n_u - u0
+        km, vm = _load_means(k_mean, v_mean, blk0 + u0, rel_j, cand, h, stride_mb, stride_mh, q.dtype, HEAD_DIM)
+        log2_n = tl.where(rel_j == j_part - u0, log2_part, log2_full)      # ln n_j in log2 units
+        # the chunk's 64 bits: two scalar words (u0 is a multiple of 64; the second may lie past
+        # the row's last word, then its candidates are past n_u anyway)
+        w0 = tl.load(bits_row + u0 // 32)
+        w1 = tl.load(bits_row + u0 // 32 + 1, mask=u0 // 32 + 1 < n_words, other=0)
+        word = tl.where(rel_j < 32, w0, w1)
+        use = cand & (((word >> (rel_j % 32)) & 1) == 0)
+        # the mask folded into a per-candidate bias (-inf = excluded): one FMA per logit
+        bias = tl.where(use, log2_n, float("-inf"))
+        s = tl.dot(q, tl.trans(km)) * scale_log2 + bias[None, :]
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, vm)
     return acc, m_i, l_i
 
@@ -395,15 +423,17 @@ def _mean_subtract(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u, b
     the cancellation is bounded by the 16-bit rounding of ``p`` in the PV product.
     """
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    j_part, log2_part, log2_full = _count_logs(lk, BLOCK_SIZE)
     for e0 in tl.range(start, end, BLOCK_U, num_stages=STAGES):
         offs = e0 + tl.arange(0, BLOCK_U)
         js = tl.load(col_idx + offs, mask=offs < end, other=2147483647)
         sel = js < n_u
         js = tl.where(sel, js, 0)
-        km, vm, log2_n = _load_means(k_mean, v_mean, js, sel, blk0, h, lk, stride_mb, stride_mh, q.dtype,
-                                     HEAD_DIM, BLOCK_SIZE)
-        s = tl.dot(q, tl.trans(km)) * scale_log2 + log2_n[None, :]
-        s = tl.where(sel[None, :], s, float("-inf"))
+        km, vm = _load_means(k_mean, v_mean, blk0, js, sel, h, stride_mb, stride_mh, q.dtype, HEAD_DIM)
+        log2_n = tl.where(js == j_part, log2_part, log2_full)      # ln n_j in log2 units
+        # the mask folded into a per-candidate bias (-inf = excluded): one FMA per logit
+        bias = tl.where(sel, log2_n, float("-inf"))
+        s = tl.dot(q, tl.trans(km)) * scale_log2 + bias[None, :]
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i - tl.sum(p, axis=1)
         acc = tl.dot((-p).to(vm.dtype), vm, acc)
@@ -502,7 +532,7 @@ def _attn_fwd(
         n_u = tl.where(end - start >= n_vis, 0, n_u)     # everything selected: U is empty
         if MC_BITS:
             acc, m_i, l_i = _mean_bits(acc, m_i, l_i, q, k_mean, v_mean, sel_bits + seg.to(tl.int64) * n_words,
-                                       n_u, blk0, h, lk, scale_log2, stride_mb, stride_mh,
+                                       n_words, n_u, blk0, h, lk, scale_log2, stride_mb, stride_mh,
                                        HEAD_DIM, BLOCK_U, BLOCK_SIZE, MC_STAGES)
             t4 = _clock(TIMING)
         elif MC_SUBTRACT:
