@@ -25,6 +25,11 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 
 
 def _sig(fn, ptrs: dict, consts: dict, floats=()):
+    # every constexpr parameter must be in ``consts``: one left out would compile as a runtime
+    # int32 (both sides of its branches, loops no longer pipelined)
+    missing = [n for n, p in zip(fn.arg_names, fn.params) if p.is_constexpr and n not in consts]
+    if missing:
+        raise ValueError(f"{fn.__name__}: constexpr parameters without a value: {missing}")
     sig = {}
     for name in fn.arg_names:
         if name in consts:
@@ -108,7 +113,8 @@ def _attn(bf):
                                   BLOCK_SIZE=128, BLOCK_U=cfg.block_u, BLOCK_S=cfg.block_s, PAGE_SIZE=ps,
                                   SPARSE=sparse, MEAN_CORR=mc, MC_SUBTRACT=sub, MC_BITS=bits,
                                   MAIN_STAGES=cfg.num_stages, MC_STAGES=mc_stages,
-                                  MERGE_LOOPS=cfg.merge_loops, FLAT_STEPS=cfg.flat_steps)
+                                  MERGE_LOOPS=cfg.merge_loops, FLAT_STEPS=cfg.flat_steps,
+                                  PAIR_SOFTMAX=cfg.pair_softmax, TIMING=False)
                     name = (f"attn {label} ps{ps} sparse={sparse} mc={mc}{' subtract' if sub else ''}"
                             f"{' bits' if bits else ''}")
                     if sparse and mc:

@@ -59,6 +59,10 @@ CASES = {
     # key block 128 with 64-key steps (the d=128 GPU config): two sub-tiles per block, unrolled
     # (default), as flat loop steps, and flat + one merged exact loop + 64-row programs
     "b128_d128_default": ([100], [3000], 1, 2, 128, 64, 128, {"_mc_mode": "mask"}, True),
+    # the d=128 default does one softmax update per 128-key block (pair_softmax); per sub-tile here
+    "b128_d128_nopair": ([100], [3000], 1, 2, 128, 64, 128, {"_attn": {"pair_softmax": False}}, True),
+    "b128_d128_pair_batch": ([300, 1, 129], [2700, 63, 0], 2, 3, 128, 16, 128,
+                             {"sink_tokens": 128, "window_tokens": 128, "alpha": 0.5}, True),
     "b128_d128_flat_merged_m64": ([100], [3000], 1, 2, 128, 64, 128,
                                   {"_attn": {"flat_steps": True, "merge_loops": True, "block_m": 64,
                                              "num_warps": 4}}, True),

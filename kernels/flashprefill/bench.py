@@ -137,7 +137,8 @@ INDEX_VARIANTS: list[tuple[str, str]] = [(f"index_{name}_ms", name) for name in 
 ATTN_CONFIG_VARIANTS = [("attn_sub_ms", {"mc_mode": "subtract"}),
                         ("attn_mask_ms", {"mc_mode": "mask"}),
                         ("attn_mcst3_ms", {"mc_stages": 3}),
-                        ("attn_m64_ms", ATTN_VARIANTS["m64"])]
+                        ("attn_m64_ms", ATTN_VARIANTS["m64"]),
+                        ("attn_nopair_ms", ATTN_VARIANTS["nopair"])]
 
 
 def host_ms(fn: Callable[[], object], n: int = 20) -> float:
@@ -467,6 +468,7 @@ VARIANT_COLS = [("L", "L", "{:d}"), ("attn_ms", "attn ms", "{:.3f}"), ("attn_nom
                 ("attn_sub_ms", "attn MCsub ms", "{:.3f}"), ("attn_sub_maxdiff", "MCsub maxdiff", "{:.1e}"),
                 ("attn_mask_ms", "attn MCmask ms", "{:.3f}"), ("attn_mcst3_ms", "MC st3 ms", "{:.3f}"),
                 ("attn_m64_ms", "M64x2/SM ms", "{:.3f}"), ("attn_m64_maxdiff", "M64 maxdiff", "{:.1e}"),
+                ("attn_nopair_ms", "no-pair ms", "{:.3f}"), ("attn_nopair_maxdiff", "no-pair maxdiff", "{:.1e}"),
                 ("attn_mask_maxdiff", "MCmask maxdiff", "{:.1e}"),
                 ("index_ms", "index ms", "{:.3f}"), ("index_exact_ms", "idx exact ms", "{:.3f}"),
                 ("index_onedot_ms", "idx 1-dot ms", "{:.3f}"), ("exact_vs_onedot_mismatch", "CSR diff frac", "{:.2e}"),

@@ -25,6 +25,7 @@ TRITON_HEAD_DIMS = (64, 128, 256)
 ATTN_VARIANTS: dict[str, dict] = {
     "flat": {"flat_steps": True},
     "m64": {"flat_steps": True, "merge_loops": True, "block_m": 64, "num_warps": 4, "mc_stages": 2},
+    "nopair": {"pair_softmax": False},
 }
 
 # Index-stage tile variants (module constants of ``impl.triton_backend``) that ``flashprefill.bench

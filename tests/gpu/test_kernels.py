@@ -36,16 +36,15 @@ REL_TOL = 1.5e-2
 TIE_FRACTION = 0.01
 DEV = os.environ.get("FP_TEST_DEVICE", "cuda")  # "cpu" only for an interpreter smoke run
 
-# Kernel variants every sparse case runs with: the mean-correction modes "subtract" and "bits"
-# (triton_attention.MC_MODE; "bits" reads the index's selection bitmask) and the config the
-# bench's --variants measure as "M64x2/SM" (flat 64-key steps, one merged exact loop, 64-row
-# programs, two resident per SM), so whichever wins the bench has passed these tests. The
-# "mask" mode (slower at every length since 2026-11-30) runs on the batch shapes only
-# (test_mask_mode_batch).
+# Kernel variants every sparse case runs with: the mean-correction modes "bits" (default) and
+# "subtract" (triton_attention.MC_MODE), and the d=128 config with one softmax update per 64-key
+# sub-tile instead of per 128-key block ("nopair"), so whichever wins the bench has passed these
+# tests. The "mask" mode and the "m64" config (slower at every length since 2026-11-30) run on
+# the batch shapes only (test_mask_mode_and_m64_batch).
 KERNEL_VARIANTS = {
-    "subtract": ("subtract", {}),
     "bits": ("bits", {}),
-    "flat-m64": ("subtract", ta.ATTN_VARIANTS["m64"]),
+    "subtract": ("subtract", {}),
+    "nopair": ("bits", ta.ATTN_VARIANTS["nopair"]),
 }
 
 
@@ -199,11 +198,16 @@ def test_batch_with_prefixes(g, d, ps, dtype, mc_mode):
     run_case("batch", [100, 8192, 1], [0, 4096, 63], 2, g, d, ps, dtype)
 
 
+@pytest.mark.parametrize("variant", ["mask", "m64"])
 @pytest.mark.parametrize("g,d,ps", [(3, 128, 16), (8, 64, 64), (7, 256, 1)])
-def test_mask_mode_batch(g, d, ps, monkeypatch):
-    monkeypatch.setattr(ta, "MC_MODE", "mask")
-    run_case("batch-mask", [100, 8192, 1], [0, 4096, 63], 2, g, d, ps, torch.bfloat16)
-    run_case("default-config-mask", [3000], [5000], 2, 4, 128, 64, torch.bfloat16, SparseConfig())
+def test_mask_mode_and_m64_batch(g, d, ps, variant, monkeypatch):
+    if variant == "mask":
+        monkeypatch.setattr(ta, "MC_MODE", "mask")
+    else:
+        monkeypatch.setattr(ta, "MC_MODE", "subtract")
+        monkeypatch.setattr(ta, "CONFIG_OVERRIDES", ta.ATTN_VARIANTS["m64"])
+    run_case(f"batch-{variant}", [100, 8192, 1], [0, 4096, 63], 2, g, d, ps, torch.bfloat16)
+    run_case(f"default-config-{variant}", [3000], [5000], 2, 4, 128, 64, torch.bfloat16, SparseConfig())
 
 
 def test_prefix_default_config(mc_mode):

@@ -103,6 +103,8 @@ class AttnConfig:
             membership test reads the index's selection bitmask (``BlockIndex.sel_bits``), two
             scalar word loads per 64-candidate chunk (pipelined, no second loop);
             runs as ``"subtract"`` when the index has no bitmask (the reference's).
+        pair_softmax: with two unrolled sub-tiles per key block (``block_n = block_size / 2``,
+            not ``flat_steps``), one online-softmax update per block (``_attn_inner``).
     """
 
     block_m: int
@@ -115,6 +117,7 @@ class AttnConfig:
     mc_stages: int = 0
     merge_loops: bool = False
     flat_steps: bool = False
+    pair_softmax: bool = False
 
 
 def get_config(head_dim: int, dtype: torch.dtype, block_size: int = 128) -> AttnConfig:
@@ -138,8 +141,10 @@ def get_config(head_dim: int, dtype: torch.dtype, block_size: int = 128) -> Attn
         # 128 keys with 2 (attention 23.1 vs 25.9 ms: with page 64 a 64-key step is one page, a
         # scalar page lookup, and 3 stages keep a load in flight; 161 KiB smem, 0 spills);
         # block_u 128 was no faster. The correction loop pipelines 4 deep (subtract mode only:
-        # the mask mode's pointer walk is loop-carried).
-        cfg = AttnConfig(block_m=128, block_n=64, block_u=64, block_s=64, num_warps=8, num_stages=3, mc_stages=4)
+        # the mask mode's pointer walk is loop-carried). One softmax update per 128-key block
+        # (pair_softmax: 802 -> 671 SASS instructions per block, 0 spills; fourth session).
+        cfg = AttnConfig(block_m=128, block_n=64, block_u=64, block_s=64, num_warps=8, num_stages=3, mc_stages=4,
+                         pair_softmax=True)
     else:
         cfg = AttnConfig(block_m=128, block_n=128, block_u=64, block_s=64, num_warps=8, num_stages=3)
     if cfg.block_n > block_size:
@@ -153,23 +158,26 @@ def get_config(head_dim: int, dtype: torch.dtype, block_size: int = 128) -> Attn
 
 
 @triton.jit
-def _softmax_p(m_i, l_i, s):
-    """The first half of ``_softmax_step``: ``(p, alpha, m_new, l_new)`` for logits ``s``; the
-    caller rescales ``acc`` by ``alpha`` and adds ``p @ v``."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+def _softmax_p(m_i, l_i, s, scale):
+    """The first half of ``_softmax_step``: ``(p, alpha, m_new, l_new)`` for logits
+    ``scale * s`` (``scale > 0``); the caller rescales ``acc`` by ``alpha`` and adds ``p @ v``.
+    The row max is taken on the unscaled ``s`` and scaled once per row (the same value: scaling
+    by a positive number is monotonic), and ``scale * s - m`` is one FMA per logit."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
+    p = tl.exp2(tl.fma(s, scale, -m_safe[:, None]))
     l_i = l_i * alpha + tl.sum(p, axis=1)
     return p, alpha, m_new, l_i
 
 
 @triton.jit
-def _softmax_step(acc, m_i, l_i, s, v):
-    """One online-softmax step (log2 units): fold logits ``s`` ``[M, N]`` (``-inf`` = masked) and
-    values ``v`` ``[N, d]`` into ``acc`` ``[M, d]`` / running max ``m_i`` / denominator ``l_i``
-    (``[M]``, float32). A row with no finite logit yet keeps ``m = -inf`` and adds nothing."""
-    p, alpha, m_new, l_i = _softmax_p(m_i, l_i, s)
+def _softmax_step(acc, m_i, l_i, s, v, scale):
+    """One online-softmax step (log2 units): fold logits ``scale * s`` ``[M, N]`` (``-inf`` =
+    masked) and values ``v`` ``[N, d]`` into ``acc`` ``[M, d]`` / running max ``m_i`` /
+    denominator ``l_i`` (``[M]``, float32). A row with no finite logit yet keeps ``m = -inf``
+    and adds nothing."""
+    p, alpha, m_new, l_i = _softmax_p(m_i, l_i, s, scale)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, m_new, l_i
@@ -239,7 +247,7 @@ def _kv_tile(k_cache, v_cache, pt_row, j, sub, e, mask_from, P, lk, tok, q, scal
         k = tl.load(k_ptrs)
     else:
         k = tl.load(k_ptrs, mask=p_ok[:, None], other=0.0)
-    qk = tl.dot(q, tl.trans(k)) * scale_log2
+    qk = tl.dot(q, tl.trans(k))          # unscaled: _softmax_step applies scale_log2 in its FMA
     if MASK == 1:
         allowed = (pos[None, :] <= P + tok[:, None]) & p_ok[None, :]
         qk = tl.where(allowed, qk, float("-inf"))
@@ -260,7 +268,7 @@ def _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, lo, hi, mas
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 PAGE_SIZE: tl.constexpr, SPARSE: tl.constexpr, MASK: tl.constexpr, STAGES: tl.constexpr,
-                FLAT: tl.constexpr = False):
+                FLAT: tl.constexpr = False, PAIR: tl.constexpr = False):
     """Online softmax over key blocks ``col_idx[lo:hi]`` (``SPARSE``) or ``lo..hi-1`` (dense).
 
     ``MASK``: 0 = no mask (every key of every step is visible to every row); 1 = apply the
@@ -273,6 +281,10 @@ def _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, lo, hi, mas
     instead of an unrolled inner loop over a block's sub-tiles, whose loads Triton pipelines
     with one shared-memory ring EACH (so ``flat_steps`` holds the same pipeline depth in half
     the shared memory when ``BLOCK_N = BLOCK_SIZE / 2``).
+
+    ``PAIR`` (two unrolled sub-tiles per block): one online-softmax update per key block
+    instead of one per sub-tile (half the rescales of the ``[M, d]`` accumulator, the dominant
+    non-MMA cost of a step).
     """
     SUBS: tl.constexpr = BLOCK_SIZE // BLOCK_N
     OUTER_SUBS: tl.constexpr = 1 if FLAT else SUBS
@@ -283,15 +295,35 @@ def _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, lo, hi, mas
             j = tl.load(col_idx + e)
         else:
             j = e
-        for sub_u in tl.static_range(OUTER_SUBS):
-            if FLAT:
-                sub = it % STEP_SUBS
-            else:
-                sub = sub_u
-            qk, v = _kv_tile(k_cache, v_cache, pt_row, j, sub, e, mask_from, P, lk, tok, q, scale_log2,
-                             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
-                             HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, MASK)
-            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v)
+        if PAIR and SUBS == 2 and not FLAT:
+            # one softmax update (row max, rescale of acc) per key block: both sub-tiles' logits
+            # first, then their two p v products
+            qk0, v0 = _kv_tile(k_cache, v_cache, pt_row, j, 0, e, mask_from, P, lk, tok, q, scale_log2,
+                               stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
+                               HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, MASK)
+            qk1, v1 = _kv_tile(k_cache, v_cache, pt_row, j, 1, e, mask_from, P, lk, tok, q, scale_log2,
+                               stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
+                               HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, MASK)
+            m_new = tl.maximum(m_i, tl.maximum(tl.max(qk0, axis=1), tl.max(qk1, axis=1)) * scale_log2)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p0 = tl.exp2(tl.fma(qk0, scale_log2, -m_safe[:, None]))
+            p1 = tl.exp2(tl.fma(qk1, scale_log2, -m_safe[:, None]))
+            l_i = l_i * alpha + tl.sum(p0, axis=1) + tl.sum(p1, axis=1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p0.to(v0.dtype), v0, acc)
+            acc = tl.dot(p1.to(v1.dtype), v1, acc)
+            m_i = m_new
+        else:
+            for sub_u in tl.static_range(OUTER_SUBS):
+                if FLAT:
+                    sub = it % STEP_SUBS
+                else:
+                    sub = sub_u
+                qk, v = _kv_tile(k_cache, v_cache, pt_row, j, sub, e, mask_from, P, lk, tok, q, scale_log2,
+                                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
+                                 HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, MASK)
+                acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, scale_log2)
     return acc, m_i, l_i
 
 
@@ -339,8 +371,8 @@ def _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u,
         use = cand & (in_s == 0)
         # the mask folded into a per-candidate bias (-inf = excluded): one FMA per logit
         bias = tl.where(use, log2_n, float("-inf"))
-        s = tl.dot(q, tl.trans(km)) * scale_log2 + bias[None, :]
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, vm)
+        s = tl.fma(tl.dot(q, tl.trans(km)), scale_log2, bias[None, :])
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, vm, 1.0)
     return acc, m_i, l_i
 
 
@@ -363,8 +395,8 @@ def _mean_all(acc, m_i, l_i, q, k_mean, v_mean, n_u, blk0, h, lk, scale_log2, st
         log2_n = tl.where(rel_j == j_part - u0, log2_part, log2_full)      # ln n_j in log2 units
         # the mask folded into a per-candidate bias (-inf = excluded): one FMA per logit
         bias = tl.where(cand, log2_n, float("-inf"))
-        s = tl.dot(q, tl.trans(km)) * scale_log2 + bias[None, :]
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, vm)
+        s = tl.fma(tl.dot(q, tl.trans(km)), scale_log2, bias[None, :])
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, vm, 1.0)
     return acc, m_i, l_i
 
 
@@ -396,8 +428,8 @@ def _mean_bits(acc, m_i, l_i, q, k_mean, v_mean, bits_row, n_words, n_u, blk0, h
         use = cand & (((word >> (rel_j % 32)) & 1) == 0)
         # the mask folded into a per-candidate bias (-inf = excluded): one FMA per logit
         bias = tl.where(use, log2_n, float("-inf"))
-        s = tl.dot(q, tl.trans(km)) * scale_log2 + bias[None, :]
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, vm)
+        s = tl.fma(tl.dot(q, tl.trans(km)), scale_log2, bias[None, :])
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, vm, 1.0)
     return acc, m_i, l_i
 
 
@@ -433,7 +465,7 @@ def _mean_subtract(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u, b
         log2_n = tl.where(js == j_part, log2_part, log2_full)      # ln n_j in log2 units
         # the mask folded into a per-candidate bias (-inf = excluded): one FMA per logit
         bias = tl.where(sel, log2_n, float("-inf"))
-        s = tl.dot(q, tl.trans(km)) * scale_log2 + bias[None, :]
+        s = tl.fma(tl.dot(q, tl.trans(km)), scale_log2, bias[None, :])
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i - tl.sum(p, axis=1)
         acc = tl.dot((-p).to(vm.dtype), vm, acc)
@@ -466,6 +498,7 @@ def _attn_fwd(
     MC_STAGES: tl.constexpr,
     MERGE_LOOPS: tl.constexpr,
     FLAT_STEPS: tl.constexpr,
+    PAIR_SOFTMAX: tl.constexpr = False,
     TIMING: tl.constexpr = False,
 ):
     tl.static_assert(TILE_ROWS % BLOCK_M == 0)
@@ -512,17 +545,17 @@ def _attn_fwd(
         acc, m_i, l_i = _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, start, end, split,
                                     P, lk, tok, scale_log2,
                                     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
-                                    HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, SPARSE, 2, MAIN_STAGES, FLAT_STEPS)
+                                    HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, SPARSE, 2, MAIN_STAGES, FLAT_STEPS, PAIR_SOFTMAX)
     else:
         acc, m_i, l_i = _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, start, split, split,
                                     P, lk, tok, scale_log2,
                                     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
-                                    HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, SPARSE, 0, MAIN_STAGES, FLAT_STEPS)
+                                    HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, SPARSE, 0, MAIN_STAGES, FLAT_STEPS, PAIR_SOFTMAX)
         t2 = _clock(TIMING)
         acc, m_i, l_i = _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, split, end, split,
                                     P, lk, tok, scale_log2,
                                     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, h,
-                                    HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, SPARSE, 1, MAIN_STAGES, FLAT_STEPS)
+                                    HEAD_DIM, BLOCK_N, BLOCK_SIZE, PAGE_SIZE, SPARSE, 1, MAIN_STAGES, FLAT_STEPS, PAIR_SOFTMAX)
     t3 = _clock(TIMING)
     t4 = t3
     # ---------------------------------------------------------------- mean correction
@@ -645,7 +678,7 @@ def launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, so
         PAGE_SIZE=page_size, SPARSE=sparse, MEAN_CORR=mean_correction,
         MC_SUBTRACT=cfg.mc_mode == "subtract" or (cfg.mc_mode == "bits" and not bits), MC_BITS=bits,
         MAIN_STAGES=cfg.num_stages, MC_STAGES=mc_stages, MERGE_LOOPS=cfg.merge_loops,
-        FLAT_STEPS=cfg.flat_steps, TIMING=timing is not None,
+        FLAT_STEPS=cfg.flat_steps, PAIR_SOFTMAX=cfg.pair_softmax, TIMING=timing is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse

@@ -168,18 +168,19 @@ def _score_chunk(kc, qT, j0, n_scored, rows_tok, row_ok, P, lk, scale_log2, need
     if EXACT:
         hi = kc.to(qT.dtype)
         lo = (kc - hi.to(tl.float32)).to(qT.dtype)
-        ellT = tl.dot(hi, qT)
-        ellT = tl.dot(lo, qT, ellT)
+        dotT = tl.dot(hi, qT)
+        dotT = tl.dot(lo, qT, dotT)
     else:
-        ellT = tl.dot(kc, qT)
-    ellT = ellT * scale_log2                                                        # [BLOCK_J, TILE_ROWS]
+        dotT = tl.dot(kc, qT)                                      # q·k̄ [BLOCK_J, TILE_ROWS], unscaled
     if need_mask:
         e_j = tl.minimum((js + 1) * BLOCK_SIZE, lk)
         valid = row_ok[None, :] & j_ok[:, None] & (e_j[:, None] <= P + rows_tok[None, :] + 1)
-        ellT = tl.where(valid, ellT, float("-inf"))
-    m_j = tl.max(ellT, axis=1)
+        dotT = tl.where(valid, dotT, float("-inf"))
+    # ℓ2 = scale_log2 q·k̄ (scale_log2 > 0: the max of ℓ2 is the scaled max of q·k̄), and
+    # ℓ2 - m_j as one FMA per element
+    m_j = tl.max(dotT, axis=1) * scale_log2
     m_j = tl.where(m_j == float("-inf"), 0.0, m_j)
-    energy = tl.sum(tl.exp2(ellT - m_j[:, None]), axis=1)                         # [BLOCK_J]
+    energy = tl.sum(tl.exp2(tl.fma(dotT, scale_log2, -m_j[:, None])), axis=1)       # [BLOCK_J]
     return tl.where(j_ok, m_j + tl.log2(energy), float("-inf"))
 
 
