@@ -131,14 +131,15 @@ def _index(bf):
         ptrs = {n: "*i32" for n in ("tile_request", "tile_local", "cu_seqlens_q", "seq_lens", "block_ptr",
                                     "counts", "row_ptr", "n_visible", "bits")}
         ptrs.update({"q_ptr": bf, "k_mean": "*fp32", "k_lowp": bf, "scratch": "*fp32"})
-        consts = dict(GROUP=4, HEAD_DIM=128, TILE_ROWS=128, BLOCK_SIZE=128, BLOCK_J=tb.SELECT_BLOCK_J,
-                      KEEP_ALL_SCORED=False, EXACT=exact)
-        compile_one(f"select exact={exact} BJ{tb.SELECT_BLOCK_J} w{tb.SELECT_NUM_WARPS}", ti._select_kernel,
-                    ptrs, consts, floats=("scale_log2", "log2_alpha"),
-                    num_warps=tb.SELECT_NUM_WARPS, num_stages=tb.SELECT_NUM_STAGES)
+        for pipe in sorted({tb.SELECT_PIPE_STAGES, 2, 3}):
+            consts = dict(GROUP=4, HEAD_DIM=128, TILE_ROWS=128, BLOCK_SIZE=128, BLOCK_J=tb.SELECT_BLOCK_J,
+                          KEEP_ALL_SCORED=False, EXACT=exact, PIPE_STAGES=pipe)
+            compile_one(f"select exact={exact} BJ{tb.SELECT_BLOCK_J} w{tb.SELECT_NUM_WARPS} pipe{pipe}",
+                        ti._select_kernel, ptrs, consts, floats=("scale_log2", "log2_alpha"),
+                        num_warps=tb.SELECT_NUM_WARPS, num_stages=tb.SELECT_NUM_STAGES)
     ptrs = {"x_ptr": bf, "page_table": "*i32", "seq_lens": "*i32", "block_ptr": "*i32",
             "x_mean": "*fp32", "x_lowp": bf}
-    for tokens, warps in ((tb.MEANS_TOKENS, tb.MEANS_WARPS), (32, 4), (128, 8)):
+    for tokens, warps in ((tb.MEANS_TOKENS, tb.MEANS_WARPS), (128, 8)):
         compile_one(f"block means T{tokens} w{warps}", ti._block_means_kernel, ptrs,
                     dict(HEAD_DIM=128, BLOCK_SIZE=128, TOKENS=tokens, PAGE_SIZE=64, WRITE_LOWP=True),
                     num_warps=warps)

@@ -52,6 +52,9 @@ CASES = {
     "subtract_b128_g7_ps16": ([200], [2900], 1, 7, 64, 16, 128,
                               {"sink_tokens": 128, "window_tokens": 128, "alpha": 0.5, "_mc_mode": "subtract"},
                               True),
+    # the selection's scoring loop pipelined by Triton (config.INDEX_VARIANTS "select_pipe*")
+    "select_pipe2_batch": ([300, 1, 129], [700, 63, 0], 2, 3, 64, 64, 64, {"_index": "select_pipe2"}, True),
+    "select_pipe3_long_prefix_d128": ([100], [9000], 1, 2, 128, 64, 64, {"_index": "select_pipe3"}, True),
     # the last token alone with a partial last block and a prefix: its tile's first row sees every
     # block (the correction's candidates run to the end of the segment)
     "last_token_partial_block_g7": ([1], [1000], 1, 7, 64, 16, 128, {"sink_tokens": 128, "window_tokens": 128,
@@ -129,17 +132,27 @@ def make_inputs(q_lens, prefixes, hkv, g, d, page_size, dtype, structured, seed=
 
 
 def _run_case(name):
-    import torch
-    from flashprefill import SparseConfig, make_plan
-    from flashprefill.impl import reference as ref
-    from flashprefill.impl import triton_backend as tb
-
     from flashprefill.impl import triton_attention as ta
+    from flashprefill.impl import triton_backend as tb
 
     q_lens, prefixes, hkv, g, d, ps, B, over, structured = CASES[name]
     over = dict(over)
     ta.MC_MODE = over.pop("_mc_mode", DEFAULT_MC_MODE)
     ta.CONFIG_OVERRIDES = over.pop("_attn", {})
+    index_variant = over.pop("_index", None)
+    if index_variant is not None:
+        with tb.index_variant(index_variant):
+            return _run_case_body(name, q_lens, prefixes, hkv, g, d, ps, B, over, structured)
+    return _run_case_body(name, q_lens, prefixes, hkv, g, d, ps, B, over, structured)
+
+
+def _run_case_body(name, q_lens, prefixes, hkv, g, d, ps, B, over, structured):
+    import torch
+    from flashprefill import SparseConfig, make_plan
+    from flashprefill.impl import reference as ref
+    from flashprefill.impl import triton_attention as ta
+    from flashprefill.impl import triton_backend as tb
+
     cfg = SparseConfig(block_size=B, **{**BASE_CONFIG, **over})
     q, k, v, pt, sl, cu = make_inputs(q_lens, prefixes, hkv, g, d, ps, torch.float16, structured)
     plan = make_plan(sl, cu, g, B)

@@ -30,12 +30,14 @@ ATTN_VARIANTS: dict[str, dict] = {
 
 # Index-stage tile variants (module constants of ``impl.triton_backend``) that ``flashprefill.bench
 # --variants`` times and ``tests/gpu/test_kernels.py`` runs, so a faster one can become the default
-# with its GPU tests already run: block means with 32 / 128 tokens per step, selection pipelines.
+# with its GPU tests already run.
+# (means with 32 tokens per step and the selection launched with 1 / 3 stages were within the
+# run-to-run spread on 2026-11-30 and left; "select_pipe*": the selection's scoring loop as a
+# Triton-pipelined loop, its mean keys streamed by cp.async into a 2- or 3-deep ring.)
 INDEX_VARIANTS: dict[str, dict] = {
-    "means_t32": {"MEANS_TOKENS": 32},
     "means_t128w8": {"MEANS_TOKENS": 128, "MEANS_WARPS": 8},
-    "select_st3": {"SELECT_NUM_STAGES": 3},
-    "select_st1": {"SELECT_NUM_STAGES": 1},
+    "select_pipe2": {"SELECT_PIPE_STAGES": 2},
+    "select_pipe3": {"SELECT_PIPE_STAGES": 3},
 }
 
 

@@ -32,6 +32,7 @@ SELECT_BLOCK_J = 64
 SELECT_PROGRAMS_PER_SM = 2
 SELECT_NUM_WARPS = 4
 SELECT_NUM_STAGES = 2
+SELECT_PIPE_STAGES = 0           # > 0: the scoring loop pipelined by Triton this deep (INDEX_VARIANTS)
 EXPAND_WORDS = 8                 # 256 blocks per expand step
 MEANS_DIRECT_MAX_KV = 32768      # sparse_attention reads the float32 means directly up to this Lk
 TAIL_SPLIT_MIN_KV = 8192         # ``attention`` runs the dense-tail tiles on a side stream from this Lk
@@ -209,7 +210,7 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
     if n_seg:
         bits = torch.empty(n_seg, n_words, dtype=torch.int32, device=dev)
         occ_key = (dev, d, q.dtype, g, B, plan.tile_rows, SELECT_BLOCK_J, SELECT_NUM_WARPS, SELECT_NUM_STAGES,
-                   exact, float(config.alpha) == 0.0)
+                   SELECT_PIPE_STAGES, exact, float(config.alpha) == 0.0)
         n_prog = _n_programs(dev, n_seg, occ_key)
         scratch_cols = max(SELECT_BLOCK_J, triton.cdiv(max_nb, SELECT_BLOCK_J) * SELECT_BLOCK_J)
         scratch = torch.empty(n_prog, scratch_cols, dtype=torch.float32, device=dev)
@@ -225,7 +226,7 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
             n_tiles, n_seg, n_prog, scale * ti.LOG2E, log2_alpha,
             config.sink_tokens, config.window_tokens, config.dense_tail_tokens, config.min_sparse_len,
             GROUP=g, HEAD_DIM=d, TILE_ROWS=plan.tile_rows, BLOCK_SIZE=B, BLOCK_J=SELECT_BLOCK_J,
-            KEEP_ALL_SCORED=alpha == 0.0, EXACT=exact,
+            KEEP_ALL_SCORED=alpha == 0.0, EXACT=exact, PIPE_STAGES=SELECT_PIPE_STAGES,
             num_warps=SELECT_NUM_WARPS, num_stages=SELECT_NUM_STAGES,
         )
         if dev.type == "cuda" and occ_key not in _SELECT_OCC:

@@ -198,6 +198,7 @@ def _select_kernel(
     BLOCK_J: tl.constexpr,
     KEEP_ALL_SCORED: tl.constexpr,   # alpha == 0
     EXACT: tl.constexpr,
+    PIPE_STAGES: tl.constexpr = 0,   # > 0: pass A as a Triton-pipelined loop this deep; 0: register prefetch
 ):
     tl.static_assert(BLOCK_J % 32 == 0)
     tl.static_assert(TILE_ROWS >= 16)
@@ -232,16 +233,27 @@ def _select_kernel(
         win_lo = tl.maximum(P + t_first - window_tokens + 1, 0) // BLOCK_SIZE
         # --- pass A: log2-energies of scored blocks -> scratch, and their max
         e_max_v = tl.full([BLOCK_J], float("-inf"), dtype=tl.float32)
-        kc = _load_mean_keys(k_mean, k_lowp, 0, n_score_loop, blk0, h, stride_mb, stride_mh,
-                             HEAD_DIM, BLOCK_J, EXACT)
-        for j0 in range(0, n_score_loop, BLOCK_J):
-            k_cur = kc
-            kc = _load_mean_keys(k_mean, k_lowp, j0 + BLOCK_J, n_score_loop, blk0, h, stride_mb, stride_mh,
+        if PIPE_STAGES > 0:
+            # Triton's software pipeline: the chunks' loads go to a shared-memory ring by cp.async,
+            # PIPE_STAGES deep (no register round trip, no store to shared memory per chunk)
+            for j0 in tl.range(0, n_score_loop, BLOCK_J, num_stages=PIPE_STAGES):
+                kc = _load_mean_keys(k_mean, k_lowp, j0, n_score_loop, blk0, h, stride_mb, stride_mh,
+                                     HEAD_DIM, BLOCK_J, EXACT)
+                log_e = _score_chunk(kc, qT, j0, n_score_loop, tok, row_ok, P, lk, scale_log2,
+                                     j0 + BLOCK_J > n_first, BLOCK_J, BLOCK_SIZE, EXACT)
+                tl.store(scratch_row + j0 + tl.arange(0, BLOCK_J), log_e)
+                e_max_v = tl.maximum(e_max_v, log_e)
+        else:
+            kc = _load_mean_keys(k_mean, k_lowp, 0, n_score_loop, blk0, h, stride_mb, stride_mh,
                                  HEAD_DIM, BLOCK_J, EXACT)
-            log_e = _score_chunk(k_cur, qT, j0, n_score_loop, tok, row_ok, P, lk, scale_log2,
-                                 j0 + BLOCK_J > n_first, BLOCK_J, BLOCK_SIZE, EXACT)
-            tl.store(scratch_row + j0 + tl.arange(0, BLOCK_J), log_e)
-            e_max_v = tl.maximum(e_max_v, log_e)
+            for j0 in range(0, n_score_loop, BLOCK_J):
+                k_cur = kc
+                kc = _load_mean_keys(k_mean, k_lowp, j0 + BLOCK_J, n_score_loop, blk0, h, stride_mb, stride_mh,
+                                     HEAD_DIM, BLOCK_J, EXACT)
+                log_e = _score_chunk(k_cur, qT, j0, n_score_loop, tok, row_ok, P, lk, scale_log2,
+                                     j0 + BLOCK_J > n_first, BLOCK_J, BLOCK_SIZE, EXACT)
+                tl.store(scratch_row + j0 + tl.arange(0, BLOCK_J), log_e)
+                e_max_v = tl.maximum(e_max_v, log_e)
         e_max = tl.max(e_max_v, axis=0)
         tl.debug_barrier()  # scratch written by other threads of this program
         threshold = e_max + log2_alpha - TIE_LOG2_SLACK * tl.abs(e_max)
