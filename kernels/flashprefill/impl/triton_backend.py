@@ -35,7 +35,7 @@ SELECT_NUM_STAGES = 2
 SELECT_PIPE_STAGES = 0           # > 0: the scoring loop pipelined by Triton this deep (INDEX_VARIANTS)
 EXPAND_WORDS = 8                 # 256 blocks per expand step
 MEANS_DIRECT_MAX_KV = 32768      # sparse_attention reads the float32 means directly up to this Lk
-TAIL_SPLIT_MIN_KV = 8192         # ``attention`` runs the dense-tail tiles on a side stream from this Lk
+TAIL_SPLIT_MIN_KV = 16384        # ``attention`` runs the dense-tail tiles on a side stream from this Lk
 MEANS_TOKENS = 64                # tokens summed per step of the block-means kernel (one cache per
 MEANS_WARPS = 4                  # launch: 64 x d 16-bit loads in flight, as 32 of K + 32 of V before)
 
