@@ -328,30 +328,6 @@ def _attn_inner(acc, m_i, l_i, q, k_cache, v_cache, pt_row, col_idx, lo, hi, mas
 
 
 @triton.jit
-def _candidate_chunk(k_mean, v_mean, u0, n_u, blk0, h, stride_mb, stride_mh, dtype, j_part, log2_part, log2_full,
-                     HEAD_DIM: tl.constexpr, BLOCK_U: tl.constexpr):
-    """The correction's candidates ``u0 .. u0 + BLOCK_U - 1`` (``< n_u``): ``(rel_j, cand, km, vm,
-    log2_n)``. Per-candidate work runs on chunk-relative ids (a constant ``arange`` per thread
-    compared with scalars: 32-bit, not a widened loop counter); ``log2 n_j`` comes from
-    ``_count_logs``' two scalars (a per-candidate ``tl.log2`` is a libdevice polynomial)."""
-    rel_j = tl.arange(0, BLOCK_U)
-    cand = rel_j < n_u - u0
-    km, vm = _load_means(k_mean, v_mean, blk0 + u0, rel_j, cand, h, stride_mb, stride_mh, dtype, HEAD_DIM)
-    log2_n = tl.where(rel_j == j_part - u0, log2_part, log2_full)      # ln n_j in log2 units
-    return rel_j, cand, km, vm, log2_n
-
-
-@triton.jit
-def _fold_means(acc, m_i, l_i, q, km, vm, use, log2_n, scale_log2):
-    """Fold the mean keys ``km`` / values ``vm`` of the candidates with ``use`` set into the online
-    softmax: logit ``scale_log2 q·k̄_j + log2 n_j``, the mask folded into a per-candidate bias
-    (``-inf`` = excluded), one FMA per logit."""
-    bias = tl.where(use, log2_n, float("-inf"))
-    s = tl.fma(tl.dot(q, tl.trans(km)), scale_log2, bias[None, :])
-    return _softmax_step(acc, m_i, l_i, s, vm, 1.0)
-
-
-@triton.jit
 def _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u, blk0, h, lk,
                      scale_log2, stride_mb, stride_mh,
                      HEAD_DIM: tl.constexpr, BLOCK_U: tl.constexpr,
@@ -371,8 +347,12 @@ def _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u,
     ptr = start
     j_part, log2_part, log2_full = _count_logs(lk, BLOCK_SIZE)
     for u0 in tl.range(0, n_u, BLOCK_U, num_stages=STAGES):
-        rel_j, cand, km, vm, log2_n = _candidate_chunk(k_mean, v_mean, u0, n_u, blk0, h, stride_mb, stride_mh,
-                                                       q.dtype, j_part, log2_part, log2_full, HEAD_DIM, BLOCK_U)
+        # per-candidate work against chunk-relative ids (a constant arange per thread, compared
+        # with scalars: 32-bit, not a widened loop counter)
+        rel_j = tl.arange(0, BLOCK_U)
+        cand = rel_j < n_u - u0
+        km, vm = _load_means(k_mean, v_mean, blk0 + u0, rel_j, cand, h, stride_mb, stride_mh, q.dtype, HEAD_DIM)
+        log2_n = tl.where(rel_j == j_part - u0, log2_part, log2_full)      # ln n_j in log2 units
         # -- membership: the selected entries of this chunk are col_idx[ptr : ptr + count]
         offs = ptr + tl.arange(0, BLOCK_U)
         cols = tl.load(col_idx + offs, mask=offs < end, other=2147483647)
@@ -389,7 +369,10 @@ def _mean_correction(acc, m_i, l_i, q, k_mean, v_mean, col_idx, start, end, n_u,
             own = (rel_j >= w * 64) & (rel_j < w * 64 + 64)
             in_s += tl.where(own, (word >> (tl.where(own, rel_j - w * 64, 0)).to(tl.int64)) & 1, 0)
         use = cand & (in_s == 0)
-        acc, m_i, l_i = _fold_means(acc, m_i, l_i, q, km, vm, use, log2_n, scale_log2)
+        # the mask folded into a per-candidate bias (-inf = excluded): one FMA per logit
+        bias = tl.where(use, log2_n, float("-inf"))
+        s = tl.fma(tl.dot(q, tl.trans(km)), scale_log2, bias[None, :])
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, vm, 1.0)
     return acc, m_i, l_i
 
 
@@ -404,9 +387,16 @@ def _mean_all(acc, m_i, l_i, q, k_mean, v_mean, n_u, blk0, h, lk, scale_log2, st
     """
     j_part, log2_part, log2_full = _count_logs(lk, BLOCK_SIZE)
     for u0 in tl.range(0, n_u, BLOCK_U, num_stages=STAGES):
-        rel_j, cand, km, vm, log2_n = _candidate_chunk(k_mean, v_mean, u0, n_u, blk0, h, stride_mb, stride_mh,
-                                                       q.dtype, j_part, log2_part, log2_full, HEAD_DIM, BLOCK_U)
-        acc, m_i, l_i = _fold_means(acc, m_i, l_i, q, km, vm, cand, log2_n, scale_log2)
+        # per-candidate work against chunk-relative ids (a constant arange per thread, compared
+        # with scalars: 32-bit, not a widened loop counter)
+        rel_j = tl.arange(0, BLOCK_U)
+        cand = rel_j < n_u - u0
+        km, vm = _load_means(k_mean, v_mean, blk0 + u0, rel_j, cand, h, stride_mb, stride_mh, q.dtype, HEAD_DIM)
+        log2_n = tl.where(rel_j == j_part - u0, log2_part, log2_full)      # ln n_j in log2 units
+        # the mask folded into a per-candidate bias (-inf = excluded): one FMA per logit
+        bias = tl.where(cand, log2_n, float("-inf"))
+        s = tl.fma(tl.dot(q, tl.trans(km)), scale_log2, bias[None, :])
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, vm, 1.0)
     return acc, m_i, l_i
 
 
@@ -424,15 +414,22 @@ def _mean_bits(acc, m_i, l_i, q, k_mean, v_mean, bits_row, n_words, n_u, blk0, h
     tl.static_assert(BLOCK_U == 64)
     j_part, log2_part, log2_full = _count_logs(lk, BLOCK_SIZE)
     for u0 in tl.range(0, n_u, BLOCK_U, num_stages=STAGES):
-        rel_j, cand, km, vm, log2_n = _candidate_chunk(k_mean, v_mean, u0, n_u, blk0, h, stride_mb, stride_mh,
-                                                       q.dtype, j_part, log2_part, log2_full, HEAD_DIM, BLOCK_U)
+        # per-candidate work against chunk-relative ids (a constant arange per thread, compared
+        # with scalars: 32-bit, not a widened loop counter)
+        rel_j = tl.arange(0, BLOCK_U)
+        cand = rel_j < n_u - u0
+        km, vm = _load_means(k_mean, v_mean, blk0 + u0, rel_j, cand, h, stride_mb, stride_mh, q.dtype, HEAD_DIM)
+        log2_n = tl.where(rel_j == j_part - u0, log2_part, log2_full)      # ln n_j in log2 units
         # the chunk's 64 bits: two scalar words (u0 is a multiple of 64; the second may lie past
         # the row's last word, then its candidates are past n_u anyway)
         w0 = tl.load(bits_row + u0 // 32)
         w1 = tl.load(bits_row + u0 // 32 + 1, mask=u0 // 32 + 1 < n_words, other=0)
         word = tl.where(rel_j < 32, w0, w1)
         use = cand & (((word >> (rel_j % 32)) & 1) == 0)
-        acc, m_i, l_i = _fold_means(acc, m_i, l_i, q, km, vm, use, log2_n, scale_log2)
+        # the mask folded into a per-candidate bias (-inf = excluded): one FMA per logit
+        bias = tl.where(use, log2_n, float("-inf"))
+        s = tl.fma(tl.dot(q, tl.trans(km)), scale_log2, bias[None, :])
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, s, vm, 1.0)
     return acc, m_i, l_i
 
 
