@@ -2,6 +2,7 @@
 test per validation error (type and message naming the argument). CPU only."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import types
@@ -313,6 +314,10 @@ def test_argument_errors(inp):
          "index was built with block_size 128"),
         (dict(plan=plan, index=R.build_index(inp[0][:100], *inp[1:3], inp[3][:1], inp[4][:1], inp[5][:2], CFG)),
          ValueError, "index has"),
+        # a selection bitmask that cannot belong to this index's segments
+        (dict(plan=plan, index=dataclasses.replace(R.build_index(*inp, CFG, plan=plan),
+                                                   sel_bits=torch.zeros(3, 1, dtype=torch.int32))),
+         ValueError, "index.sel_bits must be a contiguous int32"),
     ]
     kw = {k: v for k, v in (("config", CFG),)}
     for extra, exc, sub in cases:

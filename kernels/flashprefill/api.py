@@ -263,6 +263,16 @@ def _check_index(index, plan: BatchPlan, config: SparseConfig, hkv: int) -> None
             f"index has {index.n_segments} segments, expected Hkv * n_tiles = {hkv} * {plan.n_tiles} "
             "(was it built for another batch?)"
         )
+    bits = index.sel_bits
+    if bits is not None:
+        words = -(-max((-(-lk // config.block_size) for lk in plan.kv_lens), default=0) // 32)
+        if (bits.dtype != torch.int32 or bits.dim() != 2 or bits.shape[0] != index.n_segments
+                or bits.shape[1] < max(1, words) or not bits.is_contiguous()):
+            raise ValueError(
+                f"index.sel_bits must be a contiguous int32 [n_segments, >= ceil(max_blocks / 32)] = "
+                f"[{index.n_segments}, >= {max(1, words)}], got {bits.dtype} {list(bits.shape)} "
+                "(a BlockIndex with another CSR must set sel_bits=None)"
+            )
 
 
 # --------------------------------------------------------------------------------------------

@@ -37,10 +37,14 @@ class BlockIndex:
             sums; the mean correction reads them (half the bytes, no conversion after the ``nnz``
             sync). ``None`` from the reference backend.
         sel_bits: optional int32 ``[n_segments, ceil(max_blocks / 32)]``; the selection as a
-            bitmask (bit ``j % 32`` of word ``j // 32`` of segment ``s`` set iff block ``j`` is
-            in ``s``'s CSR row), kept by the Triton index so the mean correction can test
-            membership with one load per candidate chunk (``mc_mode="bits"``). ``None`` from the
-            reference backend (the correction then runs in ``"subtract"`` mode).
+            bitmask: for ``j < n_visible[s]``, bit ``j % 32`` of word ``j // 32`` of segment
+            ``s`` is set iff block ``j`` is in ``s``'s CSR row (bits past ``n_visible[s]`` are
+            not written: read them as garbage). Kept by the Triton index so the mean correction
+            can test membership with two word loads per candidate chunk (``mc_mode="bits"``).
+            ``None`` from the reference backend (the correction then runs in ``"subtract"``
+            mode). It must describe the same selection as ``row_ptr`` / ``col_idx``: a
+            ``BlockIndex`` built with another CSR (``dataclasses.replace``) must set it to
+            ``None``.
     """
 
     row_ptr: torch.Tensor

@@ -333,23 +333,30 @@ def test_130k_tokens(mc_mode):
 
 @pytest.mark.parametrize("q_lens,prefixes,g,d,ps", [
     ([12000], [0], 4, 128, 64),                 # one long request: 8 dense-tail tiles per KV head
-    ([100, 8192, 300], [0, 4096, 63], 3, 64, 16),   # a batch ending in a short, all-dense request
+    ([100, 8192, 300], [0, 4096, 63], 3, 64, 16),   # the last request: 1 sparse tile, 7 dense
+    ([100, 8192, 200], [0, 4096, 63], 3, 64, 16),   # the last request entirely dense (Lq <= tail)
+    ([200], [20000], 4, 128, 64),               # every tile dense: the sparse launch covers none
     ([3000], [9000], 7, 128, 1),                # a prefix (P > 0), GQA 7, page size 1
 ])
 def test_fused_attention_tail_split(q_lens, prefixes, g, d, ps, monkeypatch, mc_mode):
     """``triton_backend.attention`` (what ``flashprefill_attention`` calls): the last request's
     dense-tail tiles on a side stream, overlapping the nnz sync, the rest sparse. Every row must
-    be written (NaN-poisoned memory), equal to the two-call path, and match the reference."""
+    be written (NaN-poisoned memory) and visible on the CURRENT stream when the call returns (the
+    side stream is held back by a sleep queued on it first, and nothing synchronises the device
+    before the outputs are copied), equal to the two-call path, and match the reference."""
     monkeypatch.setattr(tb, "TAIL_SPLIT_MIN_KV", 0)
     cfg = SparseConfig(sink_tokens=128, window_tokens=256, dense_tail_tokens=256, alpha=0.1)
     q, k, v, pt, sl, cu = make_inputs(q_lens, prefixes, 2, g, d, ps, torch.bfloat16)
     plan = make_plan(sl, cu, g, 128)
     lo = dense_tail_start(plan, cfg.dense_tail_tokens, cfg.min_sparse_len)
-    assert 0 < lo < plan.n_tiles, f"no split to test: tail starts at tile {lo} of {plan.n_tiles}"
+    assert lo < plan.n_tiles, f"no split to test: tail starts at tile {lo} of {plan.n_tiles}"
     poison(q.numel() * q.element_size() * 4)
-    out, lse, idx = tb.attention(q, k, v, pt, sl, cu, cfg, None, plan)
     if DEV != "cpu":
         torch.cuda.synchronize()
+        with torch.cuda.stream(tb._side_stream(q.device)):
+            torch.cuda._sleep(100_000_000)       # ~50 ms: the tail would land after a missing wait
+    out, lse, idx = tb.attention(q, k, v, pt, sl, cu, cfg, None, plan)
+    out, lse = out.clone(), lse.clone()          # on the current stream, ordered by the call only
     assert torch.isfinite(out).all() and not torch.isnan(lse).any(), "fused: unwritten or NaN rows"
     two_out, two_lse = tb.sparse_attention(q, k, v, pt, sl, cu, cfg, None, plan, idx)
     diff = (out.float() - two_out.float()).abs().max().item()

@@ -661,9 +661,17 @@ def launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, so
     per_head = (tile_hi - tile_lo) * (plan.tile_rows // cfg.block_m)
     grid = (per_head * hkv,)                 # = attention_programs(...)
     bits = cfg.mc_mode == "bits" and sel_bits is not None and sparse and mean_correction
-    if timing is not None and (timing.shape != (grid[0], 8) or timing.dtype != torch.int64):
-        raise ValueError(f"timing must be int64 [{grid[0]}, 8] (one row per program), got "
-                         f"{timing.dtype} {list(timing.shape)}")
+    if timing is not None and (timing.shape != (grid[0], 8) or timing.dtype != torch.int64
+                               or not timing.is_contiguous()):
+        raise ValueError(f"timing must be a contiguous int64 [{grid[0]}, 8] (one row per program), got "
+                         f"{timing.dtype} {list(timing.shape)} with strides {timing.stride()}")
+    if sparse and mean_correction and not bits and cfg.mc_mode != "mask":
+        # "subtract" addresses a selected block's means as (32-bit block id) x row stride
+        max_nb = max((-(-lk // B) for lk in plan.kv_lens), default=0)
+        if max_nb * k_mean.stride(0) >= 2**31:
+            raise ValueError(
+                f"mean correction 'subtract' mode: {max_nb} key blocks x means row stride {k_mean.stride(0)} "
+                f"overflows 32-bit offsets; use mc_mode 'bits' (the default) or 'mask'")
     _attn_fwd[grid](
         q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, plan.tile_request, plan.tile_local,
         plan.block_ptr, row_ptr, col_idx, k_mean, v_mean, sel_bits if bits else row_ptr,

@@ -317,7 +317,7 @@ def attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config: S
               softmax_scale, plan: BatchPlan):
     """``build_index`` + ``sparse_attention`` in one call; returns ``(out, lse, index)``.
 
-    When the batch's longest KV is at least ``TAIL_SPLIT_MIN_KV`` tokens, the last request's
+    When the last request's KV is at least ``TAIL_SPLIT_MIN_KV`` tokens, its
     dense-tail tiles (``plan.dense_tail_start``: they select every visible block, so they need no
     index) run in the kernel's dense mode on a side CUDA stream, started once the selection is
     queued: they fill the GPU while the host waits for ``nnz`` and launches the expand, instead
@@ -330,7 +330,7 @@ def attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config: S
     """
     _check(q)
     lo = plan.n_tiles
-    if plan.max_kv_len >= TAIL_SPLIT_MIN_KV:
+    if plan.kv_lens and plan.kv_lens[-1] >= TAIL_SPLIT_MIN_KV:     # the split concerns the last request
         lo = dense_tail_start(plan, config.dense_tail_tokens, config.min_sparse_len)
     if lo >= plan.n_tiles:
         index = build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale, plan)
@@ -357,12 +357,17 @@ def attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config: S
                              out=out, lse=lse)
         done.append((main, side))
 
-    index = build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale, plan,
-                        after_select=launch_tail)
-    sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale, plan, index,
-                     tiles=(0, lo), out=out, lse=lse)
-    for main, side in done:
-        main.wait_stream(side)
+    try:
+        index = build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale, plan,
+                            after_select=launch_tail)
+        sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale, plan,
+                         index, tiles=(0, lo), out=out, lse=lse)
+    finally:
+        # also when something after the tail launch raises (the nnz sync, an allocation, the
+        # sparse launch): the current stream must not reuse out / lse while the side stream may
+        # still write them
+        for main, side in done:
+            main.wait_stream(side)
     return out, lse, index
 
 
