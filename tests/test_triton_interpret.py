@@ -317,3 +317,32 @@ def test_index_variant_sets_and_restores_the_backend_constants():
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     worker()
+
+
+def test_subtract_mode_refuses_32bit_overflowing_offsets(monkeypatch):
+    """The "subtract" correction addresses a selected block's means as a 32-bit block id times
+    the means' row stride: a batch where that overflows is refused before any launch."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(ROOT / "kernels"))
+    import dataclasses
+
+    import torch
+    from flashprefill import make_plan
+    from flashprefill.impl import triton_attention as ta
+
+    monkeypatch.setattr(ta, "MC_MODE", "subtract")
+    hkv, g, d = 2, 2, 64
+    q = torch.randn(8, hkv * g, d, dtype=torch.float16)
+    cache = torch.randn(1, 64, hkv, d, dtype=torch.float16)
+    sl = torch.tensor([8], dtype=torch.int32)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    means = torch.randn(1, hkv, d, dtype=torch.float16)            # row stride hkv * d = 128
+    plan = make_plan(sl, cu, g, 64)
+    huge = dataclasses.replace(plan, kv_lens=(64 * (2**31 // 128 + 1),))   # fake length: never launched
+    with pytest.raises(ValueError, match="overflows 32-bit offsets"):
+        ta.launch_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32), sl, cu, 0.125, huge,
+                            sparse=True, mean_correction=True, row_ptr=plan.tile_ptr, col_idx=plan.tile_ptr,
+                            k_mean=means, v_mean=means)
+    with pytest.raises(ValueError, match="timing must be a contiguous int64"):
+        ta.launch_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32), sl, cu, 0.125, plan,
+                            sparse=False, mean_correction=False, timing=torch.zeros(2, 3, dtype=torch.int64))
