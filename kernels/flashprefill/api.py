@@ -265,7 +265,7 @@ def _check_index(index, plan: BatchPlan, config: SparseConfig, hkv: int) -> None
         )
     bits = index.sel_bits
     if bits is not None:
-        words = -(-max((-(-lk // config.block_size) for lk in plan.kv_lens), default=0) // 32)
+        words = -(-plan.max_blocks(config.block_size) // 32)
         if (bits.dtype != torch.int32 or bits.dim() != 2 or bits.shape[0] != index.n_segments
                 or bits.shape[1] < max(1, words) or not bits.is_contiguous()):
             raise ValueError(

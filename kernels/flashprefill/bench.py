@@ -380,7 +380,7 @@ def run_operator_bench(lens, heads_q: int, heads_kv: int, head_dim: int, dtype, 
                 row[key] = time_ms(lambda: tb.build_index(q, kc, vc, pt, sl, cu, config, scale, plan))
                 alt = tb.build_index(q, kc, vc, pt, sl, cu, config, scale, plan)
                 from .impl import reference as ref
-                max_nb = max(-(-lk // config.block_size) for lk in plan.kv_lens)
+                max_nb = plan.max_blocks(config.block_size)
                 diff = (ref._csr_to_mask(alt, heads_kv, plan.n_tiles, max_nb)
                         != ref._csr_to_mask(index, heads_kv, plan.n_tiles, max_nb)).sum()
                 row["exact_vs_onedot_mismatch"] = int(diff) / max(1, int(index.n_visible.sum()))

@@ -69,6 +69,11 @@ class BatchPlan:
     def max_kv_len(self) -> int:
         return max(self.kv_lens, default=0)
 
+    def max_blocks(self, block_size: int | None = None) -> int:
+        """Key blocks of the longest request, ``ceil(max Lk / B)`` (0 for an empty batch), with
+        ``B = block_size`` or the plan's own block size."""
+        return -(-self.max_kv_len // (block_size or self.block_size))
+
 
 def make_plan(
     seq_lens: torch.Tensor,

@@ -205,8 +205,7 @@ def build_index(
     dev = q.device
     d = q.shape[2]
     tile_ptr = host_tile_ptr(plan)
-    block_counts = [-(-lk // B) for lk in plan.kv_lens]
-    max_nb = max(block_counts, default=0)
+    max_nb = plan.max_blocks(B)
     n_tiles = tile_ptr[-1]
 
     sel = torch.zeros(hkv, n_tiles, max_nb, dtype=torch.bool, device=dev)
@@ -413,7 +412,7 @@ def sparse_attention(
         index = build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale, plan)
     B = index.block_size
     tile_ptr = host_tile_ptr(plan)
-    max_nb = max((-(-lk // B) for lk in plan.kv_lens), default=0)
+    max_nb = plan.max_blocks(B)
     sel_all = _csr_to_mask(index, hkv, tile_ptr[-1], max_nb)
     return _attention(q, k_cache, v_cache, page_table, plan, scale, B, sel_all, tile_ptr, index,
                       config.mean_correction)

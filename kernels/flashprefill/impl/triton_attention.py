@@ -667,7 +667,7 @@ def launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, so
                          f"{timing.dtype} {list(timing.shape)} with strides {timing.stride()}")
     if sparse and mean_correction and not bits and cfg.mc_mode != "mask":
         # "subtract" addresses a selected block's means as (32-bit block id) x row stride
-        max_nb = max((-(-lk // B) for lk in plan.kv_lens), default=0)
+        max_nb = plan.max_blocks(B)
         if max_nb * k_mean.stride(0) >= 2**31:
             raise ValueError(
                 f"mean correction 'subtract' mode: {max_nb} key blocks x means row stride {k_mean.stride(0)} "

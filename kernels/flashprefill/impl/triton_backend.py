@@ -133,7 +133,7 @@ def _launch_means(cache, page_table, seq_lens, plan: BatchPlan, block_size: int,
     per-block request table."""
     _, page_size, hkv, d = cache.shape
     mean, lowp = out if out is not None else _alloc_means(cache, plan, lowp_dtype)
-    max_nb = max((-(-lk // block_size) for lk in plan.kv_lens), default=0)
+    max_nb = plan.max_blocks(block_size)
     if plan.n_blocks and max_nb:
         ti._block_means_kernel[(max_nb, hkv, plan.batch)](
             cache, page_table, seq_lens, plan.block_ptr, mean, lowp if lowp is not None else mean,
@@ -199,7 +199,7 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
     # the K means (0.01-0.1 ms) while the host launches the selection, instead of idling.
     n_tiles = plan.n_tiles
     n_seg = hkv * n_tiles
-    max_nb = max((-(-lk // B) for lk in plan.kv_lens), default=0)
+    max_nb = plan.max_blocks(B)
     n_words = max(1, -(-max_nb // ti.BITS_PER_WORD))
     k_out = _alloc_means(k_cache, plan, lowp_dtype)
     v_out = _alloc_means(v_cache, plan, lowp_dtype)
