@@ -343,19 +343,18 @@ def attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config: S
     done = []
 
     def launch_tail() -> None:
-        if q.device.type != "cuda":
+        on_side = contextlib.nullcontext()          # CPU (TRITON_INTERPRET): in order, no streams
+        if q.device.type == "cuda":
+            main = torch.cuda.current_stream(q.device)
+            side = _side_stream(q.device)
+            side.wait_stream(main)                  # the selection (and everything before it) first
+            on_side = torch.cuda.stream(side)
+        with on_side:
             launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, scale, plan, sparse=False,
                              mean_correction=False, block_size=config.block_size, tiles=(lo, plan.n_tiles),
                              out=out, lse=lse)
-            return
-        main = torch.cuda.current_stream(q.device)
-        side = _side_stream(q.device)
-        side.wait_stream(main)              # the selection (and everything before it) first
-        with torch.cuda.stream(side):
-            launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, scale, plan, sparse=False,
-                             mean_correction=False, block_size=config.block_size, tiles=(lo, plan.n_tiles),
-                             out=out, lse=lse)
-        done.append((main, side))
+        if q.device.type == "cuda":
+            done.append((main, side))
 
     try:
         index = build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale, plan,
