@@ -90,10 +90,10 @@ class AttnConfig:
         merge_loops: one exact-key loop with the causal mask switched on from the first block
             that needs it, instead of an unmasked and a masked loop (Triton gives each loop its
             own K/V ring in shared memory: one ring frees room for a second resident program
-            per SM with ``block_m`` 64 / 4 warps). Not measured yet: the bench's variants.
+            per SM with ``block_m`` 64 / 4 warps). Slower at every length on 2026-11-30.
         flat_steps: one loop step per ``block_n`` keys instead of an unrolled loop over a key
             block's ``block_size // block_n`` sub-tiles (each unrolled sub-tile gets its own
-            shared-memory ring). Not measured yet: the bench's variants.
+            shared-memory ring). Slower at every length on 2026-11-30.
         mc_mode: how the mean correction skips the selected blocks among its candidates:
             ``"mask"``: a membership test per candidate chunk (a pointer walk over the ascending
             ``col_idx`` and a chunk bitmask); ``"subtract"``: every candidate is folded in (no
@@ -214,8 +214,8 @@ def _kv_tile(k_cache, v_cache, pt_row, j, sub, e, mask_from, P, lk, tok, q, scal
              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
              PAGE_SIZE: tl.constexpr, MASK: tl.constexpr):
     """Keys ``j * B + sub * BLOCK_N + [0, BLOCK_N)`` of one step, gathered through the page
-    table: ``(qk, v)`` with ``qk = scale_log2 q kᵀ`` ``[M, BLOCK_N]`` masked per ``MASK`` (see
-    ``_attn_inner``) and ``v`` ``[BLOCK_N, d]``."""
+    table: ``(qk, v)`` with the unscaled ``qk = q kᵀ`` ``[M, BLOCK_N]`` (the softmax applies
+    ``scale_log2``) masked per ``MASK`` (see ``_attn_inner``) and ``v`` ``[BLOCK_N, d]``."""
     dims = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
     pos = j * BLOCK_SIZE + sub * BLOCK_N + offs_n
