@@ -16,6 +16,7 @@ Worked example (g = 4 query heads per KV head, tile_rows = 128, B = 128)::
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -123,7 +124,7 @@ def make_plan(
                 f"request {b}: q_len {lq} > seq_len {kv[b]} (seq_lens must include the new tokens)"
             )
         q_lens.append(lq)
-    tiles = [-(-lq * group_size // tile_rows) for lq in q_lens]
+    tiles = _tiles_per_request(q_lens, group_size, tile_rows)
     blocks = [-(-lk // block_size) for lk in kv]
     tile_ptr, block_ptr = [0], [0]
     for t, n in zip(tiles, blocks):
@@ -149,12 +150,14 @@ def make_plan(
     )
 
 
+def _tiles_per_request(q_lens, group_size: int, tile_rows: int) -> list[int]:
+    """``ceil(Lq * g / R)`` GQA-packed query tiles of each request."""
+    return [-(-lq * group_size // tile_rows) for lq in q_lens]
+
+
 def host_tile_ptr(plan: BatchPlan) -> list[int]:
     """Cumulative GQA-packed tiles per request, host ints (``plan.tile_ptr`` without a copy)."""
-    ptr = [0]
-    for lq in plan.q_lens:
-        ptr.append(ptr[-1] + -(-lq * plan.group_size // plan.tile_rows))
-    return ptr
+    return [0, *itertools.accumulate(_tiles_per_request(plan.q_lens, plan.group_size, plan.tile_rows))]
 
 
 def visible_blocks(plan: BatchPlan) -> list[int]:
