@@ -80,11 +80,12 @@ def evaluate(
         seen[p.name] = n
     check_model_or_exit(model)
     caps = [c for c in [_known_context(model)] + [p.engine.context_length for p in profs] if c]
+    note = None
     if lens is None and caps:  # the defaults that fit; an explicit --len is checked strictly below
         fitting = [n for n in lengths if n <= min(caps)] or [min(caps)]
-        if fitting != lengths and not quiet:
-            err.print(f"[dim]--len not given: {', '.join(map(str, fitting))} (the defaults up to the model's "
-                      f"context of {min(caps):,} tokens)[/]", highlight=False)
+        if fitting != lengths:
+            note = (f"--len not given: {', '.join(map(str, fitting))} (the defaults up to the model's "
+                    f"context of {min(caps):,} tokens)")
         lengths = fitting
     try:
         _check_lengths(lengths, task_list, min(caps) if caps else None)
@@ -93,6 +94,8 @@ def evaluate(
     if report is not None:
         check_output_path_or_exit("--report", report)
     stack = _haystack_or_exit(haystack or [], err, quiet)
+    if note and not quiet:
+        err.print(f"[dim]{escape(note)}[/]", highlight=False)
 
     # -- the run -----------------------------------------------------------------------------------
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
