@@ -1,0 +1,231 @@
+"""``fp eval``: RULER-style accuracy of several profiles side by side on the user's model."""
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.markup import escape
+
+from fpcli.commands import (
+    FpCommand,
+    check_model_or_exit,
+    check_output_path_or_exit,
+    engine_loader,
+    fail,
+    load_profile_or_exit,
+    stderr_console,
+)
+from fpcli.commands.bench import parse_lengths
+
+app = typer.Typer()
+
+DEFAULT_LENS = "4k,32k,128k"
+DEFAULT_PROFILES = "dense,bf16,fp8"
+
+
+class EngineChoice(str, Enum):
+    auto = "auto"
+    sglang = "sglang"
+    transformers = "transformers"
+
+
+class EvalUsageError(ValueError):
+    """Bad input found only once the model is loaded (its context length): exit 2."""
+
+
+@app.command("eval", cls=FpCommand)
+def evaluate(
+    tasks: Annotated[str, typer.Option("--task", help="Tasks, comma list: niah_single, niah_multikey, niah_multivalue, vt, cwe. Default: all.", show_default=False)] = "",
+    lens: Annotated[Optional[str], typer.Option("--len", "-l", help=f"Prompt lengths in tokens of the model's tokenizer: 4k, 32768, or a comma list. Default: those of {DEFAULT_LENS} that fit the model's context.", show_default=False)] = None,
+    profiles: Annotated[str, typer.Option("--profiles", "-p", help="Profiles side by side, comma list of names (bf16, fp8, dense) or .yaml paths.")] = DEFAULT_PROFILES,
+    samples: Annotated[int, typer.Option("--samples", "-n", min=1, help="Samples per (task, length); the same samples for every profile.")] = 5,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the generated samples (same seed, same samples).")] = 0,
+    haystack: Annotated[Optional[list[str]], typer.Option("--haystack", help="Use your own document(s) as the haystack instead of generated text (repeat for several files).", show_default=False)] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Hugging Face folder or cached id, or a .gguf file. Default: the embedded SmolLM2-135M-Instruct.")] = None,
+    engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: SGLang when CUDA and sglang are present, else transformers.")] = EngineChoice.auto,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (schema fp.eval/1) on stdout.")] = False,
+    report: Annotated[Optional[Path], typer.Option("--report", help="Also save the JSON object to this file.", dir_okay=False)] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or table on stderr (warnings and errors still shown).")] = False,
+) -> None:
+    """Score profiles side by side on RULER-style long-context tasks generated on the spot.
+
+    Each sample (a haystack with hidden needles, a question, the expected strings) is built at the given length with the model's tokenizer, the same samples for every profile. One engine per profile is loaded in turn and closed before the next. Each cell (task x length x profile) shows the score (RULER string match, points 0-100), the mean TTFT and the mean attention density; a profile whose precision did not run is labelled with what ran.
+
+    The table goes to stderr; --json prints every cell and sample on stdout. See docs/eval.md.
+    """
+    from fpcli.ruler.tasks import TASKS
+
+    err = stderr_console()
+    # -- bad input: exit 2 before loading anything -------------------------------------------------
+    task_names = [t.strip() for t in tasks.split(",") if t.strip()] or list(TASKS)
+    unknown = [t for t in task_names if t not in TASKS]
+    if unknown:
+        fail(f"--task: unknown task {unknown[0]!r} (allowed: {', '.join(TASKS)})", code=2)
+    task_list = [TASKS[t] for t in dict.fromkeys(task_names)]
+    try:
+        lengths = list(dict.fromkeys(parse_lengths(lens if lens is not None else DEFAULT_LENS)))
+    except ValueError as exc:
+        fail(str(exc), code=2)
+    names = [p.strip() for p in profiles.split(",") if p.strip()]
+    if not names:
+        fail("--profiles: no profile given (example: --profiles dense,bf16)", code=2)
+    profs = [load_profile_or_exit(n) for n in names]
+    seen: dict[str, str] = {}
+    for n, p in zip(names, profs):
+        if p.name in seen:
+            fail(f"--profiles: {n} and {seen[p.name]} are both named {p.name!r}; give each profile once", code=2)
+        seen[p.name] = n
+    check_model_or_exit(model)
+    caps = [c for c in [_known_context(model)] + [p.engine.context_length for p in profs] if c]
+    note = None
+    if lens is None and caps:  # the defaults that fit; an explicit --len is checked strictly below
+        fitting = [n for n in lengths if n <= min(caps)] or [min(caps)]
+        if fitting != lengths:
+            note = (f"--len not given: {', '.join(map(str, fitting))} (the defaults up to the model's "
+                    f"context of {min(caps):,} tokens)")
+        lengths = fitting
+    try:
+        _check_lengths(lengths, task_list, min(caps) if caps else None)
+    except EvalUsageError as exc:
+        fail(str(exc), code=2)
+    if report is not None:
+        check_output_path_or_exit("--report", report)
+    stack = _haystack_or_exit(haystack or [], err, quiet)
+    if note and not quiet:
+        err.print(f"[dim]{escape(note)}[/]", highlight=False)
+
+    # -- the run -----------------------------------------------------------------------------------
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from fpcli.ruler.runner import eval_report, run_profiles
+    from fpcli.ruler.tasks import TaskError, make_samples
+
+    load = engine_loader()
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TimeElapsedColumn(), console=err, transient=True, disable=quiet or not err.is_terminal)
+    n_samples = len(task_list) * len(lengths) * samples
+    building = bar.add_task("building samples", total=n_samples, visible=False)
+    answering = bar.add_task("answering", total=n_samples * len(profs), visible=False)
+
+    def say(message: str) -> None:
+        if not quiet:
+            err.print(f"[dim]{escape(message)}[/]", highlight=False)
+
+    def open_engine(prof):
+        bar.stop()  # the loader shows its own status and download bars
+        try:
+            return load(engine.value, model, prof, progress=False if quiet else err)
+        except Exception as exc:  # noqa: BLE001 - one line for any load failure
+            raise _LoadFailed(f"cannot load the model for profile {prof.name}: {_one_line(exc)}") from exc
+        finally:
+            bar.start()
+
+    def build(eng, context_length: int):
+        _check_lengths(lengths, task_list, context_length)  # a GGUF or hub model's context is known now
+        bar.update(building, visible=True)
+        built = make_samples(task_list, lengths, samples, seed, stack, eng, context_length,
+                             on_sample=lambda s: bar.advance(building))
+        bar.update(building, visible=False)
+        bar.update(answering, visible=True)
+        say(f"{len(built)} samples built with {eng.model_name}'s tokenizer (seed {seed}), "
+            f"prompts of {min(s.prompt_tokens for s in built):,}-{max(s.prompt_tokens for s in built):,} tokens")
+        return built
+
+    try:
+        with bar:
+            run = run_profiles(profs, open_engine, build, on_message=say,
+                               on_sample=lambda done, total: bar.update(answering, completed=done))
+    except (EvalUsageError, TaskError) as exc:
+        fail(str(exc), code=2)
+    except _LoadFailed as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        fail("interrupted", code=130)
+    except typer.Exit:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        fail(f"evaluation failed: {_one_line(exc)}")
+
+    data = eval_report(run, seed=seed, samples_per_cell=samples, tasks=[t.name for t in task_list],
+                       lengths=lengths, haystack=stack.name,
+                       profile_sources={p.name: str(p.source) if p.source else None for p in profs})
+    if json_out:
+        from fpcli.report import dumps
+
+        sys.stdout.write(dumps(data) + "\n")
+        sys.stdout.flush()
+    if report is not None:
+        from fpcli.report import save_report
+
+        try:
+            save_report(report, data)
+        except OSError as exc:
+            fail(f"cannot write the report {report}: {exc.strerror or exc}")
+    if not quiet:
+        from rich.console import Console
+
+        from fpcli.ruler.render import eval_table
+
+        table = eval_table(data)
+        need = Console(width=10_000).measure(table).maximum
+        Console(stderr=True, width=max(err.width, need)).print(table)
+        if report is not None:
+            err.print(f"[dim]report saved to {report}[/]", highlight=False)
+
+
+class _LoadFailed(RuntimeError):
+    """The engine of a profile could not be loaded (exit 1, one line)."""
+
+
+def _known_context(model: str | None) -> int | None:
+    try:
+        from fpcli.models import known_context_length
+    except ImportError:
+        return None
+    return known_context_length(model)
+
+
+def _check_lengths(lengths: list[int], tasks: list, context_length: int | None) -> None:
+    """Raise ``EvalUsageError`` for a length above the context or below a task's minimum."""
+    if context_length is not None:
+        for n in lengths:
+            if n > context_length:
+                raise EvalUsageError(f"--len {n:,} is above the model's context of {context_length:,} tokens "
+                                     f"(the maximum --len here is {context_length:,})")
+    for t in tasks:
+        for n in lengths:
+            if n < t.min_length:
+                raise EvalUsageError(f"--len {n:,} is too short for task {t.name}: it needs at least "
+                                     f"{t.min_length:,} tokens")
+
+
+def _haystack_or_exit(files: list[str], err, quiet: bool):
+    """The generated haystack, or the documents of ``--haystack`` (exit 2 on a bad path, 1 when
+    none is readable)."""
+    from fpcli.ruler.haystack import DocumentHaystack, GeneratedHaystack
+
+    if not files:
+        return GeneratedHaystack()
+    from fpcli.ingest import check_paths, ingest
+    from fpcli.report import render_ingestion
+
+    problems = check_paths(files)
+    if problems:
+        for p in problems:
+            err.print(f"[bold red]fp: error:[/] --haystack: {escape(p)}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+    docs = ingest(files)
+    if not quiet:
+        render_ingestion(err, docs)
+    usable = [(d.name, d.text) for d in docs if d.ok and d.text.strip()]
+    if not usable:
+        fail("--haystack: no readable document (see the reasons above)")
+    return DocumentHaystack.from_texts(usable)
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

@@ -1,0 +1,49 @@
+"""The ``fp eval`` table (stderr): one row per (task, length), then the per-length averages; for
+each profile three columns: score (points 0-100), mean TTFT (s) and mean density (%)."""
+from __future__ import annotations
+
+from rich.table import Table
+
+
+def eval_table(report: dict) -> Table:
+    """A rich table of an ``fp.eval/1`` report's ``cells`` and ``averages``. A profile's column
+    title is its label: the name, plus what ran when it is not what the profile asked for."""
+    profiles = report["profiles"]
+    t = Table(
+        title=(f"fp eval: {report['model']} ({report['engine']} engine), {report['samples_per_cell']} sample(s) "
+               f"per cell, seed {report['seed']}, haystack {report['haystack']}"),
+        title_justify="left",
+    )
+    t.add_column("task")
+    t.add_column("length", justify="right")
+    t.add_column("prompt tokens", justify="right")
+    for p in profiles:
+        t.add_column(f"{p['label']}\nscore", justify="right")
+        t.add_column("TTFT s", justify="right")
+        t.add_column("density", justify="right")
+    by_key = {(c["task"], c["length"], c["profile"]): c for c in report["cells"]}
+    rows = list(dict.fromkeys((c["task"], c["length"]) for c in report["cells"]))
+    for task, length in rows:
+        first = by_key[(task, length, profiles[0]["name"])]
+        cols = [task, _len(length), f"{first['prompt_tokens']:,.0f}"]
+        for p in profiles:
+            cols += _triple(by_key[(task, length, p["name"])])
+        t.add_row(*cols)
+    if t.rows:
+        t.rows[-1].end_section = True  # a rule above the averages
+    avg = {(a["length"], a["profile"]): a for a in report["averages"]}
+    for length in dict.fromkeys(a["length"] for a in report["averages"]):
+        cols = ["[b]all tasks[/]", _len(length), ""]
+        for p in profiles:
+            cols += _triple(avg[(length, p["name"])], bold=True)
+        t.add_row(*cols)
+    return t
+
+
+def _triple(c: dict, bold: bool = False) -> list[str]:
+    score = f"{c['score']:.1f}"
+    return [f"[b]{score}[/]" if bold else score, f"{c['ttft_s']:.3f}", f"{100 * c['density']:.1f}%"]
+
+
+def _len(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"

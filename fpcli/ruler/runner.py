@@ -1,0 +1,192 @@
+"""Run the same samples through one engine per profile, in turn, and aggregate the cells.
+
+One engine is loaded per profile, used for every sample, and closed before the next is loaded
+(one model in memory at a time). The samples are built once, with the first engine's tokenizer,
+and the same list goes to every profile. Answers are greedy (temperature 0).
+
+A cell is (task, length, profile): the mean score in points (``scoring``), the mean TTFT in
+seconds and the mean attention density (``GenerationResult.stats.density``: selected / visible key
+blocks over the layers that ran sparse, 1.0 when none did) over the cell's samples. What ran is
+taken from the results, not from the profile: a profile whose requested precision did not run
+(``GenerationResult.precision`` differs) is labelled with what ran, e.g. ``fp8 (ran bf16)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from statistics import fmean
+from typing import Callable, Sequence
+
+from fpcli.engine.base import Engine, GenerationResult
+from fpcli.ruler.scoring import mean_points, string_match
+from fpcli.ruler.tasks import Sample
+
+SCHEMA = "fp.eval/1"
+
+
+@dataclass
+class ProfileRun:
+    """What ran for one profile.
+
+    Attributes:
+        name: the profile's name; ``attention``, ``requested_precision``: from the profile.
+        engine, model: the engine that ran it (``Engine.name``) and the model's display name.
+        ran_precision: the attention precision the results report (``GenerationResult.precision``;
+            several joined by ``/`` if they differ between samples).
+        results: ``{sample id: GenerationResult}``.
+    """
+
+    name: str
+    attention: str
+    requested_precision: str
+    engine: str = ""
+    model: str = ""
+    ran_precision: str = ""
+    results: dict[str, GenerationResult] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """The column title: the name, plus what ran when it is not what the profile asked for."""
+        if self.ran_precision and self.ran_precision != self.requested_precision:
+            return f"{self.name} (ran {self.ran_precision})"
+        return self.name
+
+
+@dataclass
+class EvalRun:
+    """All samples and every profile's results (see ``eval_report`` for the JSON form)."""
+
+    samples: list[Sample]
+    profiles: list[ProfileRun]
+    context_length: int
+
+
+def run_profiles(
+    profiles: Sequence,
+    open_engine: Callable[[object], Engine],
+    build_samples: Callable[[Engine, int], list[Sample]],
+    on_message: Callable[[str], None] = lambda m: None,
+    on_sample: Callable[[int, int], None] = lambda done, total: None,
+) -> EvalRun:
+    """Load one engine per profile in turn, answer every sample, close it.
+
+    Args:
+        profiles: ``fpcli.profiles.Profile`` objects, names unique.
+        open_engine: ``open_engine(profile) -> Engine`` (loaded, not yet entered).
+        build_samples: ``build_samples(engine, context_length) -> samples``, called once, with the
+            first engine; ``context_length`` = the engine's, capped by every profile's
+            ``engine.context_length``.
+        on_message: progress lines (engine loads).
+        on_sample: ``(done, total)`` after each answer, over all profiles.
+
+    Raises:
+        whatever ``open_engine``, ``build_samples`` or ``Engine.generate`` raise.
+    """
+    samples: list[Sample] | None = None
+    runs: list[ProfileRun] = []
+    context = 0
+    for i, prof in enumerate(profiles):
+        on_message(f"profile {prof.name} ({i + 1} of {len(profiles)}): loading its engine "
+                   "(one engine per profile, closed before the next)")
+        eng = open_engine(prof)
+        with eng:
+            if samples is None:
+                caps = [eng.context_length] + [p.engine.context_length for p in profiles if p.engine.context_length]
+                context = min(caps)
+                samples = build_samples(eng, context)
+            run = ProfileRun(prof.name, prof.attention, prof.precision, eng.name, eng.model_name)
+            for s in samples:
+                run.results[s.id] = eng.generate(s.ids, max_new_tokens=s.max_new_tokens, temperature=0.0)
+                on_sample(i * len(samples) + len(run.results), len(profiles) * len(samples))
+            ran = sorted({r.precision for r in run.results.values()}) or [eng.precision]
+            run.ran_precision = "/".join(ran)
+            runs.append(run)
+    return EvalRun(samples or [], runs, context)
+
+
+def cells(run: EvalRun) -> list[dict]:
+    """One dict per (task, length, profile), in sample order then profile order: ``score``
+    (points 0-100), ``ttft_s`` and ``density`` (means), ``samples``, ``prompt_tokens`` (mean)."""
+    groups: dict[tuple[str, int], list[Sample]] = {}
+    for s in run.samples:
+        groups.setdefault((s.task, s.length), []).append(s)
+    out = []
+    for (task, length), group in groups.items():
+        for p in run.profiles:
+            results = [p.results[s.id] for s in group]
+            out.append({
+                "task": task,
+                "length": length,
+                "profile": p.name,
+                "score": mean_points([string_match(s.expected, r.text) for s, r in zip(group, results)]),
+                "ttft_s": fmean(r.ttft_s for r in results),
+                "density": fmean(r.stats.density for r in results),
+                "samples": len(group),
+                "prompt_tokens": fmean(s.prompt_tokens for s in group),
+            })
+    return out
+
+
+def averages(cell_list: Sequence[dict]) -> list[dict]:
+    """Per (length, profile): the mean of the task scores (each task weighs the same), TTFT and density."""
+    groups: dict[tuple[int, str], list[dict]] = {}
+    for c in cell_list:
+        groups.setdefault((c["length"], c["profile"]), []).append(c)
+    return [
+        {"length": length, "profile": prof, "score": fmean(c["score"] for c in cs),
+         "ttft_s": fmean(c["ttft_s"] for c in cs), "density": fmean(c["density"] for c in cs), "tasks": len(cs)}
+        for (length, prof), cs in groups.items()
+    ]
+
+
+def eval_report(run: EvalRun, *, seed: int, samples_per_cell: int, tasks: Sequence[str], lengths: Sequence[int],
+                haystack: str, profile_sources: dict[str, str | None] | None = None) -> dict:
+    """The ``fp.eval/1`` JSON object.
+
+    Keys: ``schema``, ``model``, ``engine``, ``seed``, ``samples_per_cell``, ``samples_total``,
+    ``tasks``, ``lengths`` (requested, tokens), ``context_length``, ``haystack``, ``profiles``
+    (name, label, attention, requested and ran precision, engine, source), ``cells`` (see
+    ``cells``), ``averages`` (see ``averages``) and ``samples``: per sample its id, task, length,
+    index, target and prompt tokens, question, expected strings, and per profile name the answer,
+    score (0-1), TTFT (s), density, precision that ran, output tokens and finish reason.
+    """
+    cell_list = cells(run)
+    sources = profile_sources or {}
+    return {
+        "schema": SCHEMA,
+        "model": run.profiles[0].model if run.profiles else None,
+        "engine": "/".join(sorted({p.engine for p in run.profiles})) or None,
+        "seed": seed,
+        "samples_per_cell": samples_per_cell,
+        "samples_total": len(run.samples),
+        "tasks": list(tasks),
+        "lengths": list(lengths),
+        "context_length": run.context_length,
+        "haystack": haystack,
+        "profiles": [
+            {"name": p.name, "label": p.label, "attention": p.attention, "requested_precision": p.requested_precision,
+             "ran_precision": p.ran_precision, "engine": p.engine, "source": sources.get(p.name)}
+            for p in run.profiles
+        ],
+        "cells": cell_list,
+        "averages": averages(cell_list),
+        "samples": [
+            {
+                "id": s.id, "task": s.task, "length": s.length, "index": s.index,
+                "target_tokens": s.target_tokens, "prompt_tokens": s.prompt_tokens,
+                "question": s.question, "expected": list(s.expected),
+                "results": {
+                    p.name: {
+                        "answer": (r := p.results[s.id]).text,
+                        "score": string_match(s.expected, r.text),
+                        "ttft_s": r.ttft_s,
+                        "density": r.stats.density,
+                        "precision": r.precision,
+                        "output_tokens": r.output_tokens,
+                        "finish_reason": r.finish_reason,
+                    }
+                    for p in run.profiles
+                },
+            }
+            for s in run.samples
+        ],
+    }

@@ -1,0 +1,258 @@
+"""``fp eval``: the task generators (with the real embedded tokenizer), the scorer, the length fit,
+the report through the CLI, bad input, and one end-to-end run with the REAL embedded model.
+
+The generator and end-to-end tests use the embedded SmolLM2-135M-Instruct (pulled once through
+``fp model pull``, see ``test_e2e_cpu.py``); the structure and bad-input tests use the fake engine.
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+import subprocess
+from collections import Counter
+
+import pytest
+
+from fpcli.cli import app
+from fpcli.ruler.haystack import DocumentHaystack, GeneratedHaystack
+from fpcli.ruler.scoring import mean_points, string_match
+from fpcli.ruler.tasks import TASKS, TaskError, fit_units, make_sample
+from test_e2e_cpu import fp_executable, run_env, smollm2  # noqa: F401 - the model fixture
+
+FIT_TOLERANCE = 48  # tokens a fitted prompt may fall short of its target (less than one filler unit)
+
+
+# -- scorer -----------------------------------------------------------------------------------------
+
+
+def test_string_match_exact_cases():
+    assert string_match(["4821937"], "The special magic number is 4821937.") == 1.0
+    assert string_match(["4821937"], "The number is 4821936.") == 0.0
+    assert string_match(["alpha", "beta", "gamma", "delta"], "ALPHA, then Beta.") == 0.5
+    assert string_match(["EZTBD", "CAQFW"], "variables: eztbd and caqfw") == 1.0
+    assert mean_points([1.0, 0.5, 0.0]) == pytest.approx(50.0)
+    with pytest.raises(ValueError, match="expected"):
+        string_match([], "anything")
+    with pytest.raises(ValueError, match="scores"):
+        mean_points([])
+
+
+# -- length fit -------------------------------------------------------------------------------------
+
+
+def test_fit_units_finds_the_largest_fitting_count():
+    assert fit_units(lambda n: 10 + 3 * n, 100) == (30, 100)
+    assert fit_units(lambda n: 10 + 3 * n, 102) == (30, 100)
+    assert fit_units(lambda n: 10 + 3 * n + n // 7, 1000, first_guess=5) == (315, 1000)  # 316 -> 1003
+    with pytest.raises(TaskError, match="needs 10 tokens"):
+        fit_units(lambda n: 10 + n, 9)
+
+
+# -- generators, with the real tokenizer ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2):  # noqa: F811 - the fixture imported above
+    """The embedded model's transformers engine: its ``encode_chat`` is what ``fp eval`` measures with."""
+    from fpcli.engine.transformers_engine import TransformersEngine
+    from fpcli.profiles import load_profile
+
+    eng = TransformersEngine(smollm2, load_profile("bf16"), model_name="smollm2-135m-instruct")
+    yield eng
+    eng.close()
+
+
+def _document(sample) -> str:
+    m = re.search(r'<document name="[^"]*">\n(.*)\n</document>', sample.user, re.S)
+    assert m, "the sample has no document block"
+    return m.group(1)
+
+
+def _check_derivable(sample) -> None:
+    """The expected answer is in (or follows from) the sample's haystack, and the question is last."""
+    doc = _document(sample)
+    assert sample.user.rstrip().endswith(sample.question)
+    if sample.task.startswith("niah"):
+        needles = re.findall(r"One of the special magic numbers for ([a-z]+-[a-z]+) is: (\d{7})\.", doc)
+        asked = re.search(r"for ([a-z]+-[a-z]+) mentioned", sample.question).group(1)
+        assert sorted(v for k, v in needles if k == asked) == sorted(sample.expected)
+        assert len(needles) == {"niah_single": 1, "niah_multikey": 4, "niah_multivalue": 4}[sample.task]
+    elif sample.task == "vt":
+        value = re.search(r"the value (\d+)", sample.question).group(1)
+        equal: set[str] = set()
+        for name, rhs in re.findall(r"VAR ([A-Z]{5}) = (VAR [A-Z]{5}|\d+)\.", doc):  # statements in text order
+            if rhs == value or rhs.removeprefix("VAR ") in equal:
+                equal.add(name)
+        assert equal == set(sample.expected) and len(equal) == 5
+    elif sample.task == "cwe":
+        counts = Counter(re.findall(r"^\d+\. ([a-z]{6})$", doc, re.M))
+        top = {w for w, _ in counts.most_common(10)}
+        assert top == set(sample.expected)
+        assert min(counts[w] for w in top) > max(c for w, c in counts.items() if w not in top)
+    else:  # pragma: no cover - a new task needs its check here
+        pytest.fail(f"no derivation check for task {sample.task}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", list(TASKS))
+@pytest.mark.parametrize("length", [1024, 3000])
+def test_sample_fits_its_length_and_holds_its_answer(tokenizer, task, length):
+    s = make_sample(TASKS[task], length, 0, seed=7, haystack=GeneratedHaystack(), tokenizer=tokenizer,
+                    context_length=tokenizer.context_length)
+    assert s.target_tokens == length
+    assert length - FIT_TOLERANCE <= s.prompt_tokens <= length
+    assert s.ids == tokenizer.encode_chat(s.system, s.user)
+    _check_derivable(s)
+
+
+@pytest.mark.slow
+def test_length_leaves_room_for_the_answer(tokenizer):
+    """--len equal to the context: the prompt is shortened by the task's answer budget."""
+    ctx = tokenizer.context_length
+    s = make_sample(TASKS["niah_single"], ctx, 0, 0, GeneratedHaystack(), tokenizer, ctx)
+    assert s.target_tokens == ctx - TASKS["niah_single"].max_new_tokens
+    assert s.target_tokens - FIT_TOLERANCE <= s.prompt_tokens <= s.target_tokens
+    _check_derivable(s)
+
+
+@pytest.mark.slow
+def test_seeds_are_deterministic_and_differ(tokenizer):
+    def sample(seed, index=0, task="vt"):
+        return make_sample(TASKS[task], 1024, index, seed, GeneratedHaystack(), tokenizer, 8192)
+
+    a, b = sample(3), sample(3)
+    assert (a.ids, a.expected) == (b.ids, b.expected)
+    assert sample(4).user != a.user and sample(4).expected != a.expected
+    assert sample(3, index=1).expected != a.expected  # samples of one cell differ too
+    c1, c2 = sample(3, task="cwe"), sample(3, task="cwe")
+    assert c1.ids == c2.ids
+
+
+@pytest.mark.slow
+def test_user_documents_as_haystack(tokenizer):
+    text = " ".join(f"Paragraph {i} of the report discusses topic number {i} in detail." for i in range(40))
+    stack = DocumentHaystack.from_texts([("report.md", text)])
+    s = make_sample(TASKS["niah_multikey"], 2048, 0, 1, stack, tokenizer, 8192)
+    doc = _document(s)
+    assert "of the report discusses topic number" in doc
+    assert 2048 - FIT_TOLERANCE <= s.prompt_tokens <= 2048  # the 40 sentences wrap around to fill it
+    _check_derivable(s)
+
+
+def test_short_length_is_a_task_error():
+    class Words:
+        def encode_chat(self, system, user):
+            return (system + " " + user).split()
+
+    with pytest.raises(TaskError, match="--len 40: too short for task cwe"):
+        make_sample(TASKS["cwe"], 40, 0, 0, GeneratedHaystack(), Words(), 8192)
+
+
+def test_document_haystack_rejects_empty_text():
+    with pytest.raises(ValueError, match="--haystack"):
+        DocumentHaystack.from_texts([("empty.txt", "  \n")])
+    stack = DocumentHaystack.from_texts([("a.txt", "One. Two! Three?")])
+    first = list(__import__("itertools").islice(stack.stream(random.Random(0)), 7))
+    assert sorted(set(first)) == ["One.", "Three?", "Two!"]  # wraps around
+
+
+# -- the CLI with the fake engine: structure, labels, bad input -------------------------------------
+
+
+def test_eval_json_structure_and_precision_labels(runner, fake_engine, monkeypatch):
+    from fp_fakes import LAST_FAKE
+
+    monkeypatch.setenv("FP_FAKE_CONTEXT", "8192")
+    r = runner.invoke(app, ["eval", "--len", "1k,2k", "--task", "niah_single,vt", "--samples", "2",
+                            "--profiles", "dense,fp8", "--seed", "5", "--json"])
+    assert r.exit_code == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["schema"] == "fp.eval/1"
+    assert (data["seed"], data["samples_per_cell"], data["samples_total"]) == (5, 2, 8)
+    assert data["tasks"] == ["niah_single", "vt"] and data["lengths"] == [1024, 2048]
+    labels = {p["name"]: p["label"] for p in data["profiles"]}
+    assert labels == {"dense": "dense", "fp8": "fp8 (ran bf16)"}  # the fake runs bf16: never labelled fp8
+    assert [p["ran_precision"] for p in data["profiles"]] == ["bf16", "bf16"]
+    assert len(data["cells"]) == 2 * 2 * 2 and all(c["samples"] == 2 for c in data["cells"])
+    assert all(0.0 <= c["score"] <= 100.0 and c["ttft_s"] > 0 and 0 < c["density"] <= 1 for c in data["cells"])
+    fp8_density = [c["density"] for c in data["cells"] if c["profile"] == "fp8"]
+    assert all(d < 1 for d in fp8_density)  # the fake's sparse statistics flow into the cells
+    for s in data["samples"]:
+        assert set(s["results"]) == {"dense", "fp8"} and s["expected"]
+        assert s["prompt_tokens"] <= s["target_tokens"] <= s["length"]
+    assert len(LAST_FAKE) == 2 and all(e.closed for e in LAST_FAKE)  # one engine per profile, closed
+    # the same samples for every profile: each engine got the same prompt lengths in the same order
+    assert [g["prompt_len"] for g in LAST_FAKE[0].generated] == [g["prompt_len"] for g in LAST_FAKE[1].generated]
+    assert "fp8 (ran bf16)" in r.stderr  # the table
+
+
+def test_eval_report_file_and_a_wrong_answer(runner, fake_engine, monkeypatch, tmp_path):
+    """--report saves the same object --json prints; an answer without the needle scores 0."""
+    monkeypatch.setenv("FP_FAKE_CONTEXT", "8192")
+    r = runner.invoke(app, ["eval", "--len", "1k", "--task", "niah_single", "--samples", "1",
+                            "--profiles", "bf16", "--json", "--report", str(tmp_path / "r.json")])
+    assert r.exit_code == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert json.loads((tmp_path / "r.json").read_text()) == data
+    assert data["cells"][0]["score"] == 0.0  # "The answer is 42." holds no 7-digit value
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--task", "niah,vt"], "--task: unknown task 'niah'"),
+        (["--len", "16k"], "--len 16,384 is above the model's context of 8,192 tokens (the maximum --len here is 8,192)"),
+        (["--len", "256"], "--len 256 is too short for task niah_single"),
+        (["--len", "800", "--task", "cwe"], "--len 800 is too short for task cwe: it needs at least 1,024 tokens"),
+        (["--len", "abc"], "--len: 'abc' is not a length"),
+        (["--profiles", "dense,turbo"], "turbo"),
+        (["--profiles", "bf16,bf16"], "--profiles: bf16 and bf16 are both named 'bf16'"),
+        (["--haystack", "/nonexistent/doc.pdf"], "/nonexistent/doc.pdf"),
+    ],
+)
+def test_eval_bad_input_exits_2_before_loading(runner, fake_engine, args, message):
+    from fp_fakes import LAST_FAKE
+
+    r = runner.invoke(app, ["eval", *args])
+    assert r.exit_code == 2, r.stderr
+    assert message in r.stderr
+    assert len([ln for ln in r.stderr.strip().splitlines() if ln.strip()]) == 1
+    assert LAST_FAKE == []  # nothing loaded
+
+
+def test_eval_length_checked_against_the_loaded_context(runner, fake_engine, monkeypatch, tmp_path):
+    """A model whose context is only known once loaded (here the fake reports 2,048): exit 2."""
+    monkeypatch.setenv("FP_FAKE_CONTEXT", "2048")
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    r = runner.invoke(app, ["eval", "--len", "4k", "--task", "niah_single", "--profiles", "dense", "-m", str(model)])
+    assert r.exit_code == 2, r.stderr
+    assert "--len 4,096 is above the model's context of 2,048 tokens" in r.stderr
+
+
+# -- end to end, the REAL embedded model --------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_eval_end_to_end_real_model(smollm2, tmp_path):  # noqa: F811
+    proc = subprocess.run(
+        [fp_executable(), "eval", "--len", "1k", "--task", "niah_single,vt", "--samples", "1",
+         "--profiles", "dense,bf16", "--engine", "transformers", "--json"],
+        capture_output=True, text=True, env=run_env(), timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    assert data["schema"] == "fp.eval/1" and data["engine"] == "transformers"
+    assert data["model"] == "smollm2-135m-instruct"
+    assert [p["name"] for p in data["profiles"]] == ["dense", "bf16"]
+    for p in data["profiles"]:  # the CPU runs float32: the columns say so
+        assert p["ran_precision"] == "fp32" and p["label"] == f"{p['name']} (ran fp32)"
+    assert len(data["cells"]) == 4 and len(data["samples"]) == 2
+    for c in data["cells"]:
+        assert 0.0 <= c["score"] <= 100.0 and c["ttft_s"] > 0 and 0 < c["density"] <= 1.0
+    for s in data["samples"]:
+        assert 1024 - FIT_TOLERANCE <= s["prompt_tokens"] <= 1024
+        for r in s["results"].values():
+            assert r["answer"].strip() and r["score"] == string_match(s["expected"], r["answer"])
+    assert "one engine per profile" in proc.stderr
