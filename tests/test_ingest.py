@@ -357,3 +357,103 @@ def test_empty_document_says_so(tmp_path):
     blank.write_text("   \n")
     (doc,) = ingest_all([str(blank)])
     assert doc.ok and doc.warnings and "empty" in doc.warnings[0]
+
+
+# -- words placed one by one, as TeX does: the extractor keeps them apart; glue is warned about --
+
+PROSE = ("The quick brown fox jumps over the lazy dog while the committee discusses the annual budget "
+         "and everyone waits patiently for the decision that will shape the coming year. ")
+
+
+@pytest.mark.parametrize("style", ["td", "tm", "tj"])
+def test_tex_placed_words_stay_apart(tmp_path, style):
+    """No space glyphs between words (each placed by Td, by Tm or by TJ kerning offsets): the
+    text keeps its spaces, and no glue warning."""
+    from fp_fakes import make_tex_pdf
+
+    path = tmp_path / f"tex-{style}.pdf"
+    make_tex_pdf([PROSE * 6, PROSE * 3], path, style=style)
+    (doc,) = ingest_all([str(path)])
+    assert doc.ok and doc.pages == 2
+    assert "the committee discusses the annual budget" in " ".join(doc.text.split())
+    assert ingest.glued_runs(doc.text) == [] and doc.glued_pages == []
+    assert doc.warnings == []
+
+
+def test_glued_words_in_a_pdf_are_warned_about(pdf_factory):
+    """A page whose text has words run together is named in one warning; the others are not."""
+    glued = "\n".join(line.replace(" ", "") for line in [PROSE[:90], PROSE[90:]] * 4)
+    path = pdf_factory("glued.pdf", [PROSE, glued, PROSE])
+    (doc,) = ingest_all([str(path)])
+    assert doc.ok and doc.glued_pages == [2]
+    (w,) = [w for w in doc.warnings if "run together" in w]
+    assert "page(s) 2:" in w and "\n" not in w and w.startswith(str(path))
+
+
+GERMAN = ("Die Rechtsschutzversicherungsgesellschaften haben am Montag mitgeteilt, dass die neue Regelung zur "
+          "Kraftfahrzeughaftpflichtversicherung erst im kommenden Jahr gilt. Bis dahin bleibt alles, wie es war: "
+          "Wer einen Schaden meldet, schickt die Unterlagen wie bisher an die zuständige Stelle und wartet auf "
+          "eine Antwort. Die Verbraucherzentrale rät, Fristen genau zu beachten und Belege aufzubewahren. ")
+
+
+@pytest.mark.parametrize("text", [
+    PROSE * 20,
+    GERMAN * 10,  # two 25+ letter compounds in every 60 words
+    "Siehe https://www.example.org/documentation/installationinstructionsforadministrators.html und "
+    "https://thequickbrownfoxjumpsoverthelazydog.example.com/ für Details. " + PROSE * 3,
+    "sha256 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08 " * 10 + PROSE,
+    "base64 U29tZSBsb25nIGJhc2U2NCBlbmNvZGVkIHRleHQgZm9yIHRoZSB0ZXN0IG9mIGdsdWVk " * 5 + PROSE,
+    "大規模言語モデルは長い文書を読むことができます。注意機構の計算量は文脈の長さの二乗に比例します。" * 30,
+    "Большие языковые модели читают длинные документы быстро, если внимание разрежено. " * 20,
+])
+def test_real_prose_is_not_called_glued(text):
+    """English, German with long compounds, URLs, hashes, CJK and Cyrillic stay under the rule."""
+    assert not ingest.is_glued(text)
+
+
+def test_glued_rule_trips_on_glued_lines():
+    glued = " ".join(PROSE.replace(" ", "")[i:i + 60] for i in range(0, len(PROSE) - 60, 60)) * 5
+    assert ingest.is_glued(glued) and ingest.glued_share(glued) > 0.5
+    assert ingest.glued_runs("a" * 24 + " " + "b" * 25) == ["b" * 25]
+    assert ingest.glued_share("") == 0.0
+
+
+# -- the same file given twice ---------------------------------------------------------------------
+
+
+def test_same_file_twice_is_read_once(pdf_factory, tmp_path, monkeypatch):
+    path = pdf_factory("twice.pdf", ["only once"])
+    other = tmp_path / "other.txt"
+    other.write_text("another file")
+    monkeypatch.chdir(tmp_path)
+    read = []
+    docs = ingest_all([str(path), str(other), str(path), "./twice.pdf"], on_file=read.append)
+    assert [d.name for d in docs] == [str(path), str(other)]
+    assert read == [str(path), str(other)]  # read once each
+    notes = docs[0].notes
+    assert any("given more than once; read once" in n for n in notes)
+    assert any(n.startswith("./twice.pdf: the same file as") for n in notes)
+
+
+def test_page_hung_inside_pdfium_loses_no_other_page_or_file(pdf_factory, monkeypatch):
+    """PDFium is not thread-safe: while a timed-out page still runs in it, the pages and files
+    after it are read with pypdf, and nothing else is lost."""
+    path = pdf_factory("hang.pdf", ["page one ok", "page two hangs", "page three ok"])
+    other = pdf_factory("next.pdf", ["the next file"])
+    release = threading.Event()
+    real = ingest._pdfium_page_text
+
+    def hang_on_second_page(pdf, index):  # runs holding the PDFium lock, as a real hang would
+        if index == 1:
+            release.wait(30)
+        return real(pdf, index)
+
+    monkeypatch.setattr(ingest, "_pdfium_page_text", hang_on_second_page)
+    try:
+        a, b = ingest_all([str(path), str(other)], page_timeout=0.3)
+    finally:
+        release.set()
+    assert a.ok and a.skipped_pages == [2]
+    assert "page one ok" in a.text and "page three ok" in a.text and "two hangs" not in a.text
+    assert any("pages 3 read with pypdf" in w for w in a.warnings)
+    assert b.ok and "the next file" in b.text and any("read with pypdf" in w for w in b.warnings)
