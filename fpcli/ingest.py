@@ -468,6 +468,7 @@ def _read_pdf_pages(doc: Document, source, name: str, password: str | None, page
     offset = 0
     timeouts = 0
     glued: list[int] = []
+    example = ""  # the longest glued run of the first glued page, quoted in the warning
     number = 0
     while number < len(pages):
         page = pages[number]
@@ -512,6 +513,7 @@ def _read_pdf_pages(doc: Document, source, name: str, password: str | None, page
             continue
         if is_glued(text):
             glued.append(number)
+            example = example or max(glued_runs(text), key=len)
         if parts:
             offset += 2  # the "\n\n" joining pages
         doc.page_starts.append((number, offset))
@@ -537,10 +539,9 @@ def _read_pdf_pages(doc: Document, source, name: str, password: str | None, page
                 "fp does no OCR, their content is missing (run the file through ocrmypdf first)"
             )
     if glued:
-        runs = [r for n, _ in doc.page_starts if n in glued for r in glued_runs(doc.text)][:1]
         doc.warnings.append(
             f"{name}: page(s) {_ranges(glued)}: words run together (at least {GLUED_SHARE:.0%} of the letters in "
-            f"runs of {GLUED_RUN}+ letters, e.g. {runs[0][:40]!r}); the PDF places words without spaces; "
+            f"runs of {GLUED_RUN}+ letters, e.g. {example[:40]!r}); the PDF places words without spaces; "
             "answers may misquote these pages"
         )
     # the garbled-text check runs once, in read_pdf

@@ -388,6 +388,7 @@ def test_glued_words_in_a_pdf_are_warned_about(pdf_factory):
     assert doc.ok and doc.glued_pages == [2]
     (w,) = [w for w in doc.warnings if "run together" in w]
     assert "page(s) 2:" in w and "\n" not in w and w.startswith(str(path))
+    assert "'Thequickbrownfoxjumpsoverthelazydogwhile'" in w  # quoted from page 2, its longest run
 
 
 GERMAN = ("Die Rechtsschutzversicherungsgesellschaften haben am Montag mitgeteilt, dass die neue Regelung zur "
