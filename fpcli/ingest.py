@@ -320,6 +320,9 @@ def _read_all(source) -> tuple[bytes, bytes, bytes]:
 # documents. Every call below holds this lock. A page whose extraction timed out keeps it while it
 # runs on; the pages and files after it are then read with pypdf instead (``_PypdfPage``).
 _PDFIUM_LOCK = threading.Lock()
+# Documents whose page timed out: kept referenced for the life of the process, so that their
+# finalizer (which calls PDFium without the lock) never runs while PDFium is in use elsewhere.
+_ABANDONED_PDFS: list = []
 
 
 class PdfiumBusy(RuntimeError):
@@ -416,7 +419,10 @@ def _open_pypdf(doc: Document, data: bytes, name: str, password: str | None, pro
         return None
     try:
         reader = PdfReader(io.BytesIO(data), strict=False)
-        if reader.is_encrypted and not reader.decrypt(""):
+        if reader.is_encrypted and reader.decrypt(""):
+            note = f"{name}: encrypted with an empty password; decrypted"
+            doc.notes += [] if note in doc.notes else [note]
+        elif reader.is_encrypted:
             if password is None:
                 doc.error = f"{name}: the PDF is password-protected; pass its password with --password"
                 return None
@@ -477,19 +483,21 @@ def _read_pdf_pages(doc: Document, source, name: str, password: str | None, page
         if status == "busy" and isinstance(page, _PdfiumPage):
             fallback = _open_pypdf(doc, data, name, password, problem, head)
             if fallback is None:  # keep what was read; say what is missing
-                doc.error = None
+                why, doc.error = doc.error, None
                 rest = list(range(number, len(pages) + 1))
                 doc.skipped_pages.extend(rest)
                 doc.warnings.append(f"{name}: PDFium is busy with a timed-out page and pypdf cannot read the "
-                                    f"file; pages {_ranges(rest)} skipped")
+                                    f"file ({why}); page(s) {_ranges(rest)} skipped")
                 break
-            doc.warnings.append(f"{name}: PDFium is still busy with a timed-out page; pages "
+            doc.warnings.append(f"{name}: PDFium is still busy with a timed-out page; page(s) "
                                 f"{_ranges(list(range(number, len(pages) + 1)))} read with pypdf instead "
                                 "(words may run together)")
             pages[number - 1:] = fallback[number - 1:]
             number -= 1
             continue
         if status == "timeout":
+            if isinstance(page, _PdfiumPage):
+                _ABANDONED_PDFS.append(page.pdf)
             timeouts += 1
             doc.skipped_pages.append(number)
             doc.warnings.append(f"{name}: page {number}: text extraction took over {page_timeout:g} s; page skipped")

@@ -456,5 +456,5 @@ def test_page_hung_inside_pdfium_loses_no_other_page_or_file(pdf_factory, monkey
         release.set()
     assert a.ok and a.skipped_pages == [2]
     assert "page one ok" in a.text and "page three ok" in a.text and "two hangs" not in a.text
-    assert any("pages 3 read with pypdf" in w for w in a.warnings)
+    assert any("page(s) 3 read with pypdf" in w for w in a.warnings)
     assert b.ok and "the next file" in b.text and any("read with pypdf" in w for w in b.warnings)
