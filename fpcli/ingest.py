@@ -353,13 +353,20 @@ def _pdfium_page_text(pdf, index: int) -> tuple[str, bool]:
     try:
         textpage = page.get_textpage()
         try:
-            text = textpage.get_text_bounded()
+            text = pdfium_plain_text(textpage.get_text_bounded())
         finally:
             textpage.close()
         has_images = next(iter(page.get_objects(filter=[pdfium_c.FPDF_PAGEOBJ_IMAGE])), None) is not None
         return text, has_images
     finally:
         page.close()
+
+
+def pdfium_plain_text(text: str) -> str:
+    """PDFium's page text as plain text: its ``\r\n`` line ends become ``\n``, and the ``\x02``
+    it puts where a word was hyphenated across a line end (the line break already removed) is
+    dropped, so the word is whole again ("extra\x02ordinary" -> "extraordinary")."""
+    return text.replace("\r\n", "\n").replace("\r", "\n").replace("\x02", "")
 
 
 class _PypdfPage:

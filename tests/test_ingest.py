@@ -458,3 +458,12 @@ def test_page_hung_inside_pdfium_loses_no_other_page_or_file(pdf_factory, monkey
     assert "page one ok" in a.text and "page three ok" in a.text and "two hangs" not in a.text
     assert any("page(s) 3 read with pypdf" in w for w in a.warnings)
     assert b.ok and "the next file" in b.text and any("read with pypdf" in w for w in b.warnings)
+
+
+def test_pdfium_line_ends_and_hyphenation_are_plain_text(pdf_factory):
+    """PDFium writes \\r\\n line ends and a \\x02 where a word is hyphenated across lines: the
+    text has plain \\n and the whole word."""
+    path = pdf_factory("hyphen.pdf", ["The committee discussed the extra-\nordinary budget of the year\nand left."])
+    (doc,) = ingest_all([str(path)])
+    assert doc.ok and "\r" not in doc.text and "\x02" not in doc.text
+    assert "extraordinary budget of the year\nand left." in doc.text
