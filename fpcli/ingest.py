@@ -555,9 +555,9 @@ def _read_pdf_pages(doc: Document, source, name: str, password: str | None, page
             )
     if glued:
         doc.warnings.append(
-            f"{name}: page(s) {_ranges(glued)}: words run together (at least {GLUED_SHARE:.0%} of the letters in "
-            f"runs of {GLUED_RUN}+ letters, e.g. {example[:40]!r}); the PDF places words without spaces; "
-            "answers may misquote these pages"
+            f"{name}: page(s) {_ranges(glued)}: words seem to run together (at least {GLUED_SHARE:.0%} of the "
+            f"letters in runs of {GLUED_RUN}+ letters, e.g. {example[:40]!r}); where the PDF places words without "
+            "spaces, answers may misquote these pages"
         )
     # the garbled-text check runs once, in read_pdf
 

@@ -386,7 +386,7 @@ def test_glued_words_in_a_pdf_are_warned_about(pdf_factory):
     path = pdf_factory("glued.pdf", [PROSE, glued, PROSE])
     (doc,) = ingest_all([str(path)])
     assert doc.ok and doc.glued_pages == [2]
-    (w,) = [w for w in doc.warnings if "run together" in w]
+    (w,) = [w for w in doc.warnings if "words seem to run together" in w]
     assert "page(s) 2:" in w and "\n" not in w and w.startswith(str(path))
     assert "'Thequickbrownfoxjumpsoverthelazydogwhile'" in w  # quoted from page 2, its longest run
 
