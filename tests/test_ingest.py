@@ -467,3 +467,19 @@ def test_pdfium_line_ends_and_hyphenation_are_plain_text(pdf_factory):
     (doc,) = ingest_all([str(path)])
     assert doc.ok and "\r" not in doc.text and "\x02" not in doc.text
     assert "extraordinary budget of the year\nand left." in doc.text
+
+
+def test_pypdf_fallback_reports_like_pdfium(pdf_factory, tmp_path):
+    """While PDFium is held by a timed-out page, pypdf reads: the same text, blank and scanned
+    pages, and decryption, with a warning that says so."""
+    path = pdf_factory("book.pdf", ["chapter one", "", "chapter two", None])
+    locked = tmp_path / "locked.pdf"
+    encrypt_pdf(make_pdf(["The vault code is 1234"]), "hunter2", locked, "AES-128")
+    with ingest._PDFIUM_LOCK:
+        doc, no_pw = ingest_all([str(path), str(locked)])
+        (good,) = ingest_all([str(locked)], password="hunter2")
+    assert doc.ok and "chapter one" in doc.text and "chapter two" in doc.text
+    assert doc.empty_pages == [2, 4] and doc.scanned_pages == [4]
+    assert any("read with pypdf" in w for w in doc.warnings)
+    assert not no_pw.ok and "--password" in no_pw.error
+    assert good.ok and "vault code is 1234" in good.text
