@@ -317,8 +317,9 @@ def _read_all(source) -> tuple[bytes, bytes, bytes]:
 
 # -- PDFium (pypdfium2): text, encryption, repair --------------------------------------------------
 # PDFium is not thread-safe: no two PDFium calls may run at once in a process, even on different
-# documents. Every call below holds this lock. A page whose extraction timed out keeps it while it
-# runs on; the pages and files after it are then read with pypdf instead (``_PypdfPage``).
+# documents. Every call below holds this lock, taken without waiting. A page whose extraction timed
+# out keeps it while it runs on; the pages and files after it are then read with pypdf instead
+# (``_PypdfPage``), as is a file read while another thread holds it.
 _PDFIUM_LOCK = threading.Lock()
 # Documents whose page timed out: kept referenced for the life of the process, so that their
 # finalizer (which calls PDFium without the lock) never runs while PDFium is in use elsewhere.

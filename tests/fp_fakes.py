@@ -8,7 +8,8 @@ whitespace-separated word, plus ``TEMPLATE_TOKENS`` for the chat template. It st
 answer and reports synthetic ``PrefillStats``. Use it directly, through the ``fake_engine``
 fixture of ``tests/conftest.py`` (which routes ``fpcli.engine.load_engine`` to it), or from a
 subprocess with ``FP_ENGINE_FACTORY=fp_fakes:fake_load_engine`` and ``tests/`` on ``PYTHONPATH``.
-``make_pdf``, ``encrypt_pdf`` and ``garble_pdf`` build real PDFs for the ingestion tests.
+``make_pdf``, ``make_tex_pdf`` (words placed one by one, as TeX does), ``encrypt_pdf`` and
+``garble_pdf`` build real PDFs for the ingestion tests.
 """
 from __future__ import annotations
 
