@@ -1,21 +1,31 @@
-"""Document ingestion: PDF (pypdf), text and Markdown files, and standard input.
+"""Document ingestion: PDF (PDFium through pypdfium2), text and Markdown files, and standard input.
+
+PDF text comes from PDFium: it keeps apart the words that TeX places one by one without space
+characters (pypdf was seen to glue them on real TeX-made manuals), and it is 9-19x faster than
+pypdf (measurements: docs/ingest.md). pypdf reads the rest of a batch only while PDFium is held
+by a page whose extraction timed out (PDFium is not thread-safe).
 
 Every input yields one ``Document``; a problem with one file or page is recorded on that
 ``Document`` (``error``, ``warnings``, ``skipped_pages``) and the rest of the batch goes on.
-The cases handled, each with a test in ``tests/test_ingest.py``:
+The same file given twice is read once. The cases handled, each with a test in
+``tests/test_ingest.py``:
 
-- encrypted PDF with an empty user password: decrypted, said in ``notes`` (not a problem);
+- encrypted PDF (RC4 or AES) with an empty user password: decrypted, said in ``notes``;
 - encrypted PDF with a real password: ``error`` names the file and ``--password``
   (a wrong ``--password`` is said to be wrong);
 - a page whose extraction hangs or raises: a per-page time limit (``page_timeout``, extraction
   runs in a daemon worker thread), the page is skipped and its number reported;
-- pages with no text layer (scanned images): reported; ``fp`` does no OCR;
-- a broken cross-reference table or trailer: pypdf's tolerant parser (``strict=False``) rebuilds
-  it; a file it still cannot open is skipped with an ``error`` that says why (``pdf_problem``):
-  not a PDF at all (no ``%PDF-`` header), truncated (no ``startxref`` / ``%%EOF`` at the end:
-  re-download it), or damaged (repair it with ``qpdf in.pdf out.pdf``, or re-download it);
+- pages with images and no text layer (scans): reported; ``fp`` does no OCR. Blank pages are not;
+- a broken cross-reference table or trailer: PDFium's tolerant parser rebuilds it (a note); a
+  repeated ``%%EOF`` or bytes after it are harmless and say nothing; a file that still cannot be
+  opened is skipped with an ``error`` that says why (``pdf_problem``): not a PDF at all (no
+  ``%PDF-`` header), truncated (no ``startxref`` / ``%%EOF`` at the end: re-download it), or
+  damaged (repair it with ``qpdf in.pdf out.pdf``, or re-download it);
 - text that is mostly U+FFFD or private-use characters: a "looks garbled" warning;
-- text files that are not valid UTF-8: decoded with replacement characters and a warning.
+- PDF pages whose words still run together (``is_glued``): a warning naming the pages;
+- text files that are not valid UTF-8: decoded with replacement characters and a warning;
+- a missing runtime dependency (pypdfium2, pypdf): ``error`` names the package and the install
+  command.
 
 Paths are checked up front by ``check_paths`` so the CLI can exit with code 2 naming every bad
 path before it loads a model.
@@ -23,8 +33,8 @@ path before it loads a model.
 from __future__ import annotations
 
 import io
-import logging
 import os
+import re
 import sys
 import threading
 from dataclasses import asdict, dataclass, field
@@ -35,6 +45,12 @@ STDIN = "-"
 PAGE_TIMEOUT_S = 20.0  # per-page extraction limit
 MAX_PAGE_TIMEOUTS = 3  # after this many timed-out pages the rest of the file is skipped
 GARBLED_FRACTION = 0.3  # share of U+FFFD / private-use among non-space characters
+GLUED_RUN = 25  # letters in one run that count as words glued together (English/German words are shorter)
+GLUED_SHARE = 0.3  # share of a page's letters in such runs that makes the page "glued": German prose with a
+# 25+ letter compound every 25 words reaches 22%; a page with every fourth line glued 31%, a glued page ~100%
+GLUED_MIN_RUNS = 3  # ... and at least this many runs on the page (one long URL or compound is not glue)
+# letters of the scripts that separate words with spaces (Latin, Greek, Cyrillic); CJK, Thai etc. do not
+_SPACED_LETTERS = re.compile(r"[A-Za-z\u00C0-\u00D6\u00D8-\u00F6\u00F8-\u024F\u0370-\u03FF\u0400-\u04FF\u1E00-\u1EFF]+")
 
 
 @dataclass
@@ -49,10 +65,14 @@ class Document:
         page_starts: character offset in ``text`` where each extracted page begins, as
             ``(page_number, offset)`` pairs, 1-based page numbers (PDF only).
         skipped_pages: 1-based pages skipped because extraction failed or timed out.
-        empty_pages: 1-based pages with no text layer (scanned images; no OCR is done).
+        empty_pages: 1-based pages with no text (blank pages and scanned ones).
+        scanned_pages: the ``empty_pages`` that draw images: scans without a text layer (no OCR
+            is done); only these are warned about, a blank page is not.
+        glued_pages: 1-based pages whose text shows words run together (``is_glued``).
         notes: one line each: facts worth knowing that are not problems (e.g. decrypted).
         warnings: one line each, for the user: the text may be incomplete or wrong.
-        error: why the file was skipped, or ``None``.
+        error: why the file was skipped, or ``None`` (the reason only: the CLI prints it after
+            "skipped: ").
     """
 
     name: str
@@ -62,6 +82,8 @@ class Document:
     page_starts: list[tuple[int, int]] = field(default_factory=list)
     skipped_pages: list[int] = field(default_factory=list)
     empty_pages: list[int] = field(default_factory=list)
+    scanned_pages: list[int] = field(default_factory=list)
+    glued_pages: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     error: str | None = None
@@ -120,6 +142,10 @@ def ingest(
 ) -> list[Document]:
     """Read every input; never raises for a bad document (see ``Document.error``).
 
+    Returns one ``Document`` per distinct input, in order of first appearance: a file given twice
+    (or by two paths) is read once, with a note, so the documents and the prompt's per-document
+    token counts (keyed by name) stay one-to-one.
+
     Args:
         paths: file paths; ``-`` reads standard input (PDF if ``%PDF-`` is in its first KiB, as for files).
         password: user password for encrypted PDFs (the same for all of them).
@@ -128,14 +154,34 @@ def ingest(
         on_file: called with each name before it is read (progress display).
     """
     docs = []
+    seen: dict[tuple[int, int] | str, Document] = {}
     for p in paths:
+        key = _file_key(p)
+        if key in seen:  # the same file again (maybe by another path): read once, said once
+            first = seen[key]
+            again = f"{p}: the same file as {first.name}" if p != first.name else f"{p}: given more than once"
+            first.notes.append(f"{again}; read once")
+            continue
         if on_file:
             on_file(p)
         doc = ingest_one(p, password=password, page_timeout=page_timeout, stdin=stdin)
+        seen[key] = doc
         if doc.ok and not doc.text.strip() and not doc.warnings:  # say why a file adds nothing
             doc.warnings.append(f"{p}: no text extracted")
         docs.append(doc)
     return docs
+
+
+def _file_key(path: str) -> tuple[int, int] | str:
+    """Identity of an input: (device, inode) of a file, so two paths to one file match; the path
+    itself where it cannot be stat'ed (the error comes when it is read)."""
+    if path == STDIN:
+        return path
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return path
+    return (st.st_dev, st.st_ino)
 
 
 def ingest_one(
@@ -171,7 +217,7 @@ def read_text_bytes(data: bytes, name: str, kind: str = "text") -> Document:
         _check_garbled(doc)
         return doc
     if b"\x00" in data[:8000]:  # git's test for binary files
-        doc.error = f"{name}: looks like a binary file, not text or PDF; skipped"
+        doc.error = f"{name}: looks like a binary file, not text or PDF"
         return doc
     try:
         doc.text = data.decode("utf-8-sig")
@@ -201,13 +247,7 @@ def read_pdf(
 ) -> Document:
     """Extract a PDF's text page by page. See the module docstring for the cases handled."""
     doc = Document(name=name, kind=kind)
-    with _PypdfLog() as log:
-        _read_pdf_pages(doc, source, name, password, page_timeout)
-    repaired = [m for m in log.messages if any(w in m.lower() for w in ("xref", "startxref", "trailer", "eof marker"))]
-    if repaired and doc.error is None:
-        doc.warnings.append(
-            f"{name}: damaged cross-reference table or trailer ({repaired[0]}); recovered by tolerant parsing"
-        )
+    _read_pdf_pages(doc, source, name, password, page_timeout)
     _check_garbled(doc)
     return doc
 
@@ -222,7 +262,7 @@ def pdf_problem(head: bytes, tail: bytes) -> str | None:
     """What is structurally wrong with a file given as PDF, from its first and last KiB:
     ``"not-pdf"`` (no ``%PDF-`` header), ``"truncated"`` (neither ``startxref`` nor ``%%EOF``
     near the end: an incomplete download or copy), or ``None`` (looks whole; damage, if any, is
-    inside)."""
+    inside). A repeated ``%%EOF`` or bytes after it are harmless and not a problem."""
     if not _is_pdf(head):
         return "not-pdf"
     if b"%%EOF" not in tail and b"startxref" not in tail:
@@ -243,95 +283,229 @@ def _what_it_is(head: bytes) -> str:
 
 
 def _parse_failure(name: str, problem: str | None, head: bytes, detail: str) -> str:
+    """``Document.error`` for a file that cannot be opened as a PDF (the CLI prefixes "skipped: ")."""
     if problem == "not-pdf":
-        return f"{name}: not a PDF file (no %PDF- header; {_what_it_is(head)}); skipped"
+        return f"{name}: not a PDF file (no %PDF- header; {_what_it_is(head)})"
     if problem == "truncated":
         return (f"{name}: truncated PDF (no startxref / %%EOF at the end: an incomplete download or copy); "
-                f"re-download it; skipped [{detail}]")
+                f"re-download it [{detail}]")
     return (f"{name}: damaged PDF (cross-reference table or objects unreadable: {detail}); repair it with "
-            f"`qpdf {name} repaired.pdf` (qpdf rebuilds the table) or re-download it; skipped")
+            f"`qpdf {name} repaired.pdf` (qpdf rebuilds the table) or re-download it")
+
+
+def missing_package(name: str, package: str, install: str) -> str:
+    """``Document.error`` when a runtime dependency of fp is not installed: one line naming the
+    package and the command that installs it."""
+    return f"{name}: reading it needs the Python package {package}, which is not installed (a dependency of fp): {install}"
 
 
 def _needs_crypto(name: str, exc: Exception) -> str:
     return (f"{name}: encrypted with AES, which needs the cryptography package (a dependency of fp: "
-            f"pip install cryptography) [{_one_line(exc)}]; skipped")
+            f"pip install cryptography) [{_one_line(exc)}]")
 
 
-def _head_tail(source) -> tuple[bytes, bytes]:
-    """First and last KiB of a path or seekable binary stream (the position is restored)."""
+def _read_all(source) -> tuple[bytes, bytes, bytes]:
+    """The whole content of a path or seekable binary stream, its first and its last KiB."""
     if isinstance(source, (str, os.PathLike)):
-        with open(source, "rb") as f:
-            head = f.read(1024)
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 1024))
-            return head, f.read()
-    pos = source.tell()
-    head = source.read(1024)
-    source.seek(0, os.SEEK_END)
-    source.seek(max(0, source.tell() - 1024))
-    tail = source.read()
-    source.seek(pos)
-    return head, tail
+        data = Path(source).read_bytes()
+    else:
+        pos = source.tell()
+        data = source.read()
+        source.seek(pos)
+    return data, data[:1024], data[-1024:]
+
+
+# -- PDFium (pypdfium2): text, encryption, repair --------------------------------------------------
+# PDFium is not thread-safe: no two PDFium calls may run at once in a process, even on different
+# documents. Every call below holds this lock, taken without waiting. A page whose extraction timed
+# out keeps it while it runs on; the pages and files after it are then read with pypdf instead
+# (``_PypdfPage``), as is a file read while another thread holds it.
+_PDFIUM_LOCK = threading.Lock()
+# Documents whose page timed out: kept referenced for the life of the process, so that their
+# finalizer (which calls PDFium without the lock) never runs while PDFium is in use elsewhere.
+_ABANDONED_PDFS: list = []
+
+
+class PdfiumBusy(RuntimeError):
+    """PDFium is still running an abandoned (timed-out) page extraction."""
+
+
+class _PdfiumPage:
+    """One page of an open PDFium document, for ``extract_page_text``."""
+
+    def __init__(self, pdf, index: int) -> None:
+        self.pdf, self.index, self.has_images = pdf, index, False
+
+    def text(self) -> str:
+        if not _PDFIUM_LOCK.acquire(blocking=False):
+            raise PdfiumBusy("PDFium is busy with a timed-out page")
+        try:
+            text, self.has_images = _pdfium_page_text(self.pdf, self.index)
+            return text
+        finally:
+            _PDFIUM_LOCK.release()
+
+
+def _pdfium_page_text(pdf, index: int) -> tuple[str, bool]:
+    """Text of page ``index`` (0-based) and whether the page draws any image (caller holds the lock)."""
+    import pypdfium2.raw as pdfium_c
+
+    page = pdf[index]
+    try:
+        textpage = page.get_textpage()
+        try:
+            text = pdfium_plain_text(textpage.get_text_bounded())
+        finally:
+            textpage.close()
+        has_images = next(iter(page.get_objects(filter=[pdfium_c.FPDF_PAGEOBJ_IMAGE])), None) is not None
+        return text, has_images
+    finally:
+        page.close()
+
+
+def pdfium_plain_text(text: str) -> str:
+    """PDFium's page text as plain text: its ``\r\n`` line ends become ``\n``, and the ``\x02``
+    it puts where a word was hyphenated across a line end (the line break already removed) is
+    dropped, so the word is whole again ("extra\x02ordinary" -> "extraordinary")."""
+    return text.replace("\r\n", "\n").replace("\r", "\n").replace("\x02", "")
+
+
+class _PypdfPage:
+    """One page of a pypdf reader, for ``extract_page_text`` (the fallback while PDFium is busy)."""
+
+    def __init__(self, page) -> None:
+        self.page, self.has_images = page, False
+
+    def text(self) -> str:
+        text = self.page.extract_text() or ""
+        if not text.strip():
+            xobjects = (self.page.get("/Resources") or {}).get("/XObject") or {}
+            self.has_images = any(x.get_object().get("/Subtype") == "/Image" for x in xobjects.values())
+        return text
+
+
+def _open_pdfium(doc: Document, data: bytes, name: str, password: str | None, problem, head: bytes):
+    """An open ``pypdfium2.PdfDocument`` (caller holds the lock), or ``None`` with ``doc.error`` set."""
+    import pypdfium2 as pdfium
+    import pypdfium2.raw as pdfium_c
+
+    pdf = opened_with = None
+    for attempt in (None, password) if password is not None else (None,):
+        try:
+            pdf, opened_with = pdfium.PdfDocument(data, password=attempt), attempt
+            break
+        except pdfium.PdfiumError as exc:
+            code = getattr(exc, "err_code", None)
+            if code == pdfium_c.FPDF_ERR_PASSWORD:
+                if attempt is None and password is None:
+                    doc.error = f"{name}: the PDF is password-protected; pass its password with --password"
+                elif attempt is not None:
+                    doc.error = f"{name}: wrong password given with --password"
+                continue
+            if code == pdfium_c.FPDF_ERR_SECURITY:
+                doc.error = f"{name}: encrypted with a security handler PDFium does not support"
+            else:
+                doc.error = _parse_failure(name, problem, head, _one_line(exc))
+            return None
+    if pdf is None:
+        return None
+    doc.error = None
+    if pdfium_c.FPDF_GetSecurityHandlerRevision(pdf) != -1 and opened_with is None:
+        doc.notes.append(f"{name}: encrypted with an empty password; decrypted")
+    if not pdfium_c.FPDF_DocumentHasValidCrossReferenceTable(pdf):
+        doc.notes.append(f"{name}: damaged cross-reference table; rebuilt by PDFium's tolerant parser")
+    return pdf
+
+
+def _open_pypdf(doc: Document, data: bytes, name: str, password: str | None, problem, head: bytes) -> list | None:
+    """Pages of a pypdf reader as ``_PypdfPage``, or ``None`` with ``doc.error`` set."""
+    try:
+        from pypdf import PdfReader
+        from pypdf.errors import DependencyError
+    except ImportError:
+        doc.error = missing_package(name, "pypdf", "pip install 'pypdf[crypto]'")
+        return None
+    try:
+        reader = PdfReader(io.BytesIO(data), strict=False)
+        if reader.is_encrypted and reader.decrypt(""):
+            note = f"{name}: encrypted with an empty password; decrypted"
+            doc.notes += [] if note in doc.notes else [note]
+        elif reader.is_encrypted:
+            if password is None:
+                doc.error = f"{name}: the PDF is password-protected; pass its password with --password"
+                return None
+            if not reader.decrypt(password):
+                doc.error = f"{name}: wrong password given with --password"
+                return None
+        return [_PypdfPage(p) for p in reader.pages]
+    except DependencyError as exc:  # AES without the cryptography package: not damage
+        doc.error = _needs_crypto(name, exc)
+    except Exception as exc:  # pypdf raises a wide range on damaged files
+        doc.error = _parse_failure(name, problem, head, f"{type(exc).__name__}: {_one_line(exc)}")
+    return None
 
 
 def _read_pdf_pages(doc: Document, source, name: str, password: str | None, page_timeout: float) -> None:
-    from pypdf import PdfReader
-    from pypdf.errors import DependencyError, FileNotDecryptedError, PdfReadError
-
     try:
-        head, tail = _head_tail(source)
+        data, head, tail = _read_all(source)
     except OSError as exc:
         doc.error = f"{name}: cannot read: {exc.strerror or exc}"
         return
     problem = pdf_problem(head, tail)
-    if problem == "not-pdf":  # pypdf's "Stream has ended unexpectedly" would say nothing useful
+    if problem == "not-pdf":  # a parser's "format error" would say nothing useful
         doc.error = _parse_failure(name, problem, head, "")
         return
     try:
-        reader = PdfReader(source, strict=False)
-    except DependencyError as exc:  # AES without the cryptography package: not damage
-        doc.error = _needs_crypto(name, exc)
-        return
-    except Exception as exc:  # pypdf raises a wide range on damaged files (PdfReadError, ValueError, KeyError ...)
-        doc.error = _parse_failure(name, problem, head, f"{type(exc).__name__}: {_one_line(exc)}")
+        import pypdfium2  # noqa: F401
+    except ImportError:
+        doc.error = missing_package(name, "pypdfium2", "pip install pypdfium2")
         return
 
-    if reader.is_encrypted:
+    pdf = None
+    if _PDFIUM_LOCK.acquire(blocking=False):
         try:
-            if reader.decrypt(""):
-                doc.notes.append(f"{name}: encrypted with an empty password; decrypted")
-            elif password is None:
-                doc.error = f"{name}: the PDF is password-protected; pass its password with --password"
+            pdf = _open_pdfium(doc, data, name, password, problem, head)
+            if pdf is None:
                 return
-            elif not reader.decrypt(password):
-                doc.error = f"{name}: wrong password given with --password"
-                return
-        except DependencyError as exc:
-            doc.error = _needs_crypto(name, exc)
+            pages: list = [_PdfiumPage(pdf, i) for i in range(len(pdf))]
+        finally:
+            _PDFIUM_LOCK.release()
+    else:
+        doc.warnings.append(f"{name}: PDFium is still busy with a timed-out page; read with pypdf instead "
+                            "(slower, and words may run together)")
+        pages = _open_pypdf(doc, data, name, password, problem, head)
+        if pages is None:
             return
-        except Exception as exc:
-            doc.error = f"{name}: cannot decrypt the PDF ({_one_line(exc)}); skipped"
-            return
-
-    try:
-        pages = list(reader.pages)
-    except FileNotDecryptedError as exc:
-        doc.error = f"{name}: cannot read the page tree ({_one_line(exc)}); skipped"
-        return
-    except PdfReadError as exc:
-        doc.error = _parse_failure(name, problem, head, f"page tree: {_one_line(exc)}")
-        return
-    except Exception as exc:
-        doc.error = _parse_failure(name, problem, head, f"page tree: {type(exc).__name__}: {_one_line(exc)}")
-        return
     doc.pages = len(pages)
 
     parts: list[str] = []
     offset = 0
     timeouts = 0
-    for number, page in enumerate(pages, start=1):
+    glued: list[int] = []
+    example = ""  # the longest glued run of the first glued page, quoted in the warning
+    number = 0
+    while number < len(pages):
+        page = pages[number]
+        number += 1
         status, value = _extract_with_timeout(page, page_timeout)
+        if status == "busy" and isinstance(page, _PdfiumPage):
+            fallback = _open_pypdf(doc, data, name, password, problem, head)
+            if fallback is None:  # keep what was read; say what is missing
+                why, doc.error = doc.error, None
+                rest = list(range(number, len(pages) + 1))
+                doc.skipped_pages.extend(rest)
+                doc.warnings.append(f"{name}: PDFium is busy with a timed-out page and pypdf cannot read the "
+                                    f"file ({why}); page(s) {_ranges(rest)} skipped")
+                break
+            doc.warnings.append(f"{name}: PDFium is still busy with a timed-out page; page(s) "
+                                f"{_ranges(list(range(number, len(pages) + 1)))} read with pypdf instead "
+                                "(words may run together)")
+            pages[number - 1:] = fallback[number - 1:]
+            number -= 1
+            continue
         if status == "timeout":
+            if isinstance(page, _PdfiumPage):
+                _ABANDONED_PDFS.append(page.pdf)
             timeouts += 1
             doc.skipped_pages.append(number)
             doc.warnings.append(f"{name}: page {number}: text extraction took over {page_timeout:g} s; page skipped")
@@ -339,46 +513,64 @@ def _read_pdf_pages(doc: Document, source, name: str, password: str | None, page
                 rest = list(range(number + 1, len(pages) + 1))
                 doc.skipped_pages.extend(rest)
                 doc.warnings.append(
-                    f"{name}: {timeouts} pages timed out; skipped the remaining pages {_ranges(rest)}"
+                    f"{name}: {timeouts} pages timed out; the remaining pages {_ranges(rest)} were not read"
                 )
                 break
             continue
-        if status == "error":
+        if status in ("error", "busy"):
             doc.skipped_pages.append(number)
             doc.warnings.append(f"{name}: page {number}: text extraction failed ({value}); page skipped")
             continue
         text = value.strip()
         if not text:
             doc.empty_pages.append(number)
+            if page.has_images:
+                doc.scanned_pages.append(number)
             continue
+        if is_glued(text):
+            glued.append(number)
+            example = example or max(glued_runs(text), key=len)
         if parts:
             offset += 2  # the "\n\n" joining pages
         doc.page_starts.append((number, offset))
         parts.append(text)
         offset += len(text)
     doc.text = "\n\n".join(parts)
+    doc.glued_pages = glued
+    if pdf is not None and _PDFIUM_LOCK.acquire(blocking=False):  # else a timed-out page still uses it
+        try:
+            pdf.close()
+        finally:
+            _PDFIUM_LOCK.release()
 
-    if doc.empty_pages:
-        if len(doc.empty_pages) == doc.pages:
+    if doc.scanned_pages:
+        if len(doc.scanned_pages) == doc.pages:
             doc.warnings.append(
-                f"{name}: no text layer on any page (a scanned document?); fp does no OCR: run it through "
-                "an OCR tool (e.g. ocrmypdf) first"
+                f"{name}: no text layer on any page, only images (a scanned document?); fp does no OCR: run it "
+                "through an OCR tool (e.g. ocrmypdf) first"
             )
         else:
             doc.warnings.append(
-                f"{name}: page(s) {_ranges(doc.empty_pages)} have no text layer (scanned images?); "
+                f"{name}: page(s) {_ranges(doc.scanned_pages)} have images but no text layer (scanned?); "
                 "fp does no OCR, their content is missing (run the file through ocrmypdf first)"
             )
+    if glued:
+        doc.warnings.append(
+            f"{name}: page(s) {_ranges(glued)}: words seem to run together (at least {GLUED_SHARE:.0%} of the "
+            f"letters in runs of {GLUED_RUN}+ letters, e.g. {example[:40]!r}); where the PDF places words without "
+            "spaces, answers may misquote these pages"
+        )
     # the garbled-text check runs once, in read_pdf
 
 
 def extract_page_text(page) -> str:
-    """Text of one pypdf page. A module-level function so tests can make it hang or raise."""
-    return page.extract_text() or ""
+    """Text of one page (``page.text()``). A module-level function so tests can make it hang or raise."""
+    return page.text()
 
 
 def _extract_with_timeout(page, timeout: float) -> tuple[str, str]:
-    """``("ok", text)``, ``("error", message)`` or ``("timeout", "")``.
+    """``("ok", text)``, ``("error", message)``, ``("busy", message)`` (PDFium is held by an
+    abandoned page) or ``("timeout", "")``.
 
     Runs in a daemon thread: a hung extraction cannot be killed, but it is abandoned and never
     keeps the process alive.
@@ -388,6 +580,8 @@ def _extract_with_timeout(page, timeout: float) -> tuple[str, str]:
     def work() -> None:
         try:
             box["text"] = extract_page_text(page)
+        except PdfiumBusy as exc:
+            box["busy"] = str(exc)
         except BaseException as exc:  # noqa: BLE001 - anything a broken page throws
             box["error"] = f"{type(exc).__name__}: {_one_line(exc)}"
 
@@ -396,32 +590,11 @@ def _extract_with_timeout(page, timeout: float) -> tuple[str, str]:
     worker.join(timeout)
     if worker.is_alive():
         return "timeout", ""
+    if "busy" in box:
+        return "busy", str(box["busy"])
     if "error" in box:
         return "error", str(box["error"])
     return "ok", str(box.get("text", ""))
-
-
-class _PypdfLog(logging.Handler):
-    """Collects pypdf's log warnings (e.g. a repaired xref) instead of printing them."""
-
-    def __init__(self) -> None:
-        super().__init__(level=logging.WARNING)
-        self.messages: list[str] = []
-        self._logger = logging.getLogger("pypdf")
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage().strip())
-
-    def __enter__(self) -> "_PypdfLog":
-        self._propagate = self._logger.propagate
-        self._logger.addHandler(self)
-        self._logger.propagate = False
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._logger.removeHandler(self)
-        self._logger.propagate = self._propagate
-
 
 def garbled_fraction(text: str) -> float:
     """Share of U+FFFD and private-use characters among the non-whitespace characters."""
@@ -434,6 +607,28 @@ def garbled_fraction(text: str) -> float:
         if o == 0xFFFD or 0xE000 <= o <= 0xF8FF or o >= 0xF0000:
             bad += 1
     return bad / total if total else 0.0
+
+
+def glued_runs(text: str) -> list[str]:
+    """Runs of ``GLUED_RUN`` or more letters (Latin, Greek, Cyrillic only) in ``text``: words that
+    a PDF extractor joined because the PDF placed them without space characters, as TeX does.
+    Digits, punctuation and other scripts (CJK, which uses no spaces) end a run."""
+    return [m for m in _SPACED_LETTERS.findall(text) if len(m) >= GLUED_RUN]
+
+
+def glued_share(text: str) -> float:
+    """Share of the letters counted by ``glued_runs`` (Latin, Greek, Cyrillic) that lie in runs of
+    ``GLUED_RUN`` or more; 0.0 when there are none. English prose has none; German prose with a
+    long compound every 25 words reaches 0.22, under ``GLUED_SHARE``; glued pages are far above."""
+    runs = _SPACED_LETTERS.findall(text)
+    total = sum(map(len, runs))
+    return sum(len(r) for r in runs if len(r) >= GLUED_RUN) / total if total else 0.0
+
+
+def is_glued(text: str) -> bool:
+    """Whether one page's text shows words glued together: at least ``GLUED_MIN_RUNS`` runs of
+    ``GLUED_RUN``+ letters holding at least ``GLUED_SHARE`` of its letters."""
+    return len(glued_runs(text)) >= GLUED_MIN_RUNS and glued_share(text) >= GLUED_SHARE
 
 
 def _check_garbled(doc: Document) -> None:

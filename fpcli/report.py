@@ -26,7 +26,7 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
       },
       "ingestion": {
         "documents": [{"name", "kind", "pages", "chars", "tokens", "skipped_pages", "empty_pages",
-                       "notes", "warnings", "error"}],
+                       "scanned_pages", "glued_pages", "notes", "warnings", "error"}],
         "prompt": {"prompt_tokens", "context_length", "max_new_tokens", "budget", "doc_tokens",
                    "truncated", "cuts": [{"file", "tokens_total", "tokens_kept", "tokens_dropped",
                                           "where", "char_start", "char_end", "first_page", "last_page"}]}

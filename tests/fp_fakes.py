@@ -8,7 +8,8 @@ whitespace-separated word, plus ``TEMPLATE_TOKENS`` for the chat template. It st
 answer and reports synthetic ``PrefillStats``. Use it directly, through the ``fake_engine``
 fixture of ``tests/conftest.py`` (which routes ``fpcli.engine.load_engine`` to it), or from a
 subprocess with ``FP_ENGINE_FACTORY=fp_fakes:fake_load_engine`` and ``tests/`` on ``PYTHONPATH``.
-``make_pdf``, ``encrypt_pdf`` and ``garble_pdf`` build real PDFs for the ingestion tests.
+``make_pdf``, ``make_tex_pdf`` (words placed one by one, as TeX does), ``encrypt_pdf`` and
+``garble_pdf`` build real PDFs for the ingestion tests.
 """
 from __future__ import annotations
 
@@ -171,7 +172,8 @@ def fake_load_engine(engine: str = "auto", model: str | None = None, profile=Non
 
 def make_pdf(pages: list[str | None], path=None) -> bytes:
     """A real PDF with one page per entry: a string is drawn as text lines; ``None`` makes an
-    image-only page (no text layer, like a scan). Written to ``path`` when given."""
+    image-only page (no text layer, like a scan); ``""`` a blank page (nothing drawn). Written to
+    ``path`` when given."""
     from reportlab.lib.utils import ImageReader
     from reportlab.pdfgen import canvas
 
@@ -180,9 +182,9 @@ def make_pdf(pages: list[str | None], path=None) -> bytes:
     for content in pages:
         if content is None:
             c.drawImage(ImageReader(_scan_image()), 72, 300, width=400, height=400)
-        else:
+        elif content:
             y = 760
-            for line in content.splitlines() or [""]:
+            for line in content.splitlines():
                 c.drawString(72, y, line)
                 y -= 14
         c.showPage()
@@ -192,6 +194,56 @@ def make_pdf(pages: list[str | None], path=None) -> bytes:
         with open(path, "wb") as f:
             f.write(data)
     return data
+
+
+def make_tex_pdf(pages: list[str], path=None, style: str = "td") -> bytes:
+    """A PDF whose words are placed the way TeX's PDF writers place them: no space glyph between
+    words, each word positioned on its own. ``style``: ``td`` (a relative ``Td`` move before every
+    word, as xdvipdfmx writes), ``tm`` (an absolute text matrix per word) or ``tj`` (one ``TJ``
+    array per line with a kerning offset of -333/1000 em for each space, as pdfTeX writes).
+    Each page's text is wrapped at 80 characters. Written to ``path`` when given."""
+    import textwrap
+
+    from reportlab.pdfbase.pdfmetrics import stringWidth
+    from reportlab.pdfgen import canvas
+
+    font, size, leading, space = "Times-Roman", 10, 13, 10 / 3  # TeX: a third of an em between words
+    buf = io.BytesIO()
+    c = canvas.Canvas(buf)
+    for content in pages:
+        c.setFont(font, size)  # registers the font on this page
+        lines = [line for para in content.split("\n") for line in textwrap.wrap(para, 80)]
+        if style == "tj":
+            fname = c._doc.getInternalFontName(font)
+            for i, line in enumerate(lines):
+                words = "-333".join(f"({_pdf_escape(w)})" for w in line.split())
+                c.addLiteral(f"BT {fname} {size} Tf 72 {760 - i * leading} Td [{words}] TJ ET")
+        else:
+            t = c.beginText()
+            t.setFont(font, size)
+            for i, line in enumerate(lines):
+                x, y = 72.0, 760.0 - i * leading
+                t.setTextOrigin(x, y)
+                for j, word in enumerate(line.split()):
+                    if j and style == "tm":
+                        t.setTextOrigin(x, y)
+                    elif j:
+                        t.moveCursor(prev_w + space, 0)
+                    t.textOut(word)
+                    prev_w = stringWidth(word, font, size)
+                    x += prev_w + space
+            c.drawText(t)
+        c.showPage()
+    c.save()
+    data = buf.getvalue()
+    if path is not None:
+        with open(path, "wb") as f:
+            f.write(data)
+    return data
+
+
+def _pdf_escape(s: str) -> str:
+    return s.replace("\\", "\\\\").replace("(", "\\(").replace(")", "\\)")
 
 
 def encrypt_pdf(data: bytes, user_password: str, path, algorithm: str = "RC4-128") -> None:

@@ -90,6 +90,8 @@ def test_ask_json_is_one_object_same_as_report(runner, fake_engine, doc, tmp_pat
     assert data["summary"]["engine"] == "fake" and data["summary"]["profile"] == "bf16"
     (docrow,) = data["ingestion"]["documents"]
     assert docrow["name"] == str(doc) and docrow["kind"] == "text" and docrow["tokens"] > 0 and docrow["error"] is None
+    assert set(docrow) == {"name", "kind", "pages", "chars", "tokens", "skipped_pages", "empty_pages",
+                           "scanned_pages", "glued_pages", "notes", "warnings", "error"}  # as fpcli/report.py documents
     assert data["ingestion"]["prompt"]["truncated"] is False
     assert json.loads(saved.read_text()) == data
 
@@ -282,9 +284,22 @@ def test_stderr_lines_are_not_wrapped_when_not_a_terminal(runner, fake_engine, d
     r = invoke(runner, ["ask", str(long_name), str(doc), "q?"], env={"COLUMNS": "80"})
     assert r.exit_code == 0, r.output
     skipped = [line for line in r.stderr.splitlines() if line.startswith("skipped: ")]
-    assert len(skipped) == 1 and skipped[0].endswith("; skipped") and str(long_name) in skipped[0]
+    assert len(skipped) == 1 and str(long_name) in skipped[0]
+    assert skipped[0].count("skipped") == 1  # "skipped: NAME: not a PDF file ...", not "...; skipped" again
     density = [line for line in r.stderr.splitlines() if line.startswith("attention density")]
     assert len(density) == 1 and density[0].rstrip().endswith("(all 4 layers)")  # one table row, one line
+
+
+def test_same_file_twice_is_one_document_in_prompt_and_report(runner, fake_engine, doc):
+    """The documents list and the prompt's per-document token counts name the same documents."""
+    r = invoke(runner, ["ask", str(doc), str(doc), "q?", "--json"])
+    assert r.exit_code == 0, r.output
+    ingestion = json.loads(r.stdout)["ingestion"]
+    names = [d["name"] for d in ingestion["documents"]]
+    assert names == [str(doc)] and list(ingestion["prompt"]["doc_tokens"]) == names
+    assert ingestion["documents"][0]["tokens"] == ingestion["prompt"]["doc_tokens"][str(doc)]
+    assert fake_engine().prompts[-1][1].count("<document ") == 1  # the text is sent once
+    assert "read once" in r.stderr
 
 
 def test_no_readable_document_is_said_once(runner, fake_engine, tmp_path):
