@@ -569,7 +569,7 @@ def _convert_into(gguf: Path, target: Path, ui: "_UI", source: dict, force: bool
     t0 = time.perf_counter()
     with _tempdir("convert-") as tmp:
         out = tmp / "model"
-        with ui.status(f"converting {gguf.name} to a Hugging Face folder ({dtype}, about 30 s)"):
+        with ui.status(f"converting {gguf.name} ({gguf.stat().st_size / 1e6:.0f} MB) to a Hugging Face folder ({dtype}), once"):
             info = gguf_to_hf(gguf, out, dtype=dtype)
         info.update(source=source, converted_s=round(time.perf_counter() - t0, 1),
                     created=time.strftime("%Y-%m-%dT%H:%M:%S"))

@@ -693,3 +693,13 @@ def test_ask_context_yarn_is_said_and_reported(runner, fake_engine, doc):
     s = json.loads(r.stdout)["summary"]
     assert s["context"] == s["native_context"] == 4096 and s["rope_scaling"] is None
     assert "YaRN" not in r.stderr
+
+
+def test_profile_context_yarn_in_json(runner, fake_engine, doc, tmp_path):
+    r = invoke(runner, ["profile", str(doc), "--context", "8k", "--json", "--png", str(tmp_path / "d.png")])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["native_context"] == 4096 and data["context"] == 8192 and data["rope_scaling"]["factor"] == 2.0
+    assert "extending fake-model from 4,096 to 8,192 tokens with YaRN factor 2" in r.stderr
+    r = invoke(runner, ["profile", str(doc), "--context", "lots"])
+    assert r.exit_code == 2 and "--context: 'lots' is not a length" in r.stderr
