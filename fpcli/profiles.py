@@ -26,6 +26,8 @@ PRECISIONS = ("bf16", "fp8")
 ATTENTIONS = ("flashprefill", "dense")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 MIN_CHUNKED_PREFILL = 8192
+MIN_CONTEXT_LENGTH = 256
+MAX_CONTEXT_LENGTH = 1 << 20  # 1,048,576 tokens; a model's own limit (YaRN <= 8x native) comes later
 TOP_KEYS = ("name", "description", "attention", "precision", "dense_layers", "operator", "engine")
 
 
@@ -44,14 +46,19 @@ class EngineSettings:
         page_size: KV cache page size in tokens, >= 1.
         mem_fraction_static: share of GPU memory for weights and KV cache, in (0, 1).
         cuda_graph_decode: capture decode steps in CUDA graphs.
+        cuda_graph_max_bs: largest decode batch captured in a CUDA graph, >= 1 (SGLang captures
+            1, 2, 4, ..., this; larger batches run without a graph). Small for one local user:
+            each captured size costs start-up time.
         dtype: weight dtype, one of ``DTYPES``; ``auto`` = the model's own (bf16 on GPU).
-        context_length: cap on the model's context in tokens; ``None`` = the model's own.
+        context_length: the context to run the model at, in tokens (256 .. 1,048,576):
+            a cap at or below the model's native context, YaRN beyond it; ``None`` = the model's own.
     """
 
     chunked_prefill_size: int = 16384
     page_size: int = 64
     mem_fraction_static: float = 0.85
     cuda_graph_decode: bool = True
+    cuda_graph_max_bs: int = 8
     dtype: str = "auto"
     context_length: int | None = None
 
@@ -228,11 +235,36 @@ def _validate_engine(where: str, e: EngineSettings) -> None:
     if not 0.0 < frac < 1.0:
         raise ProfileError(f"{where}: engine.mem_fraction_static: must be in (0, 1), got {frac}")
     _typed(where, "engine.cuda_graph_decode", e.cuda_graph_decode, bool)
+    if _typed(where, "engine.cuda_graph_max_bs", e.cuda_graph_max_bs, int) < 1:
+        raise ProfileError(f"{where}: engine.cuda_graph_max_bs: must be >= 1, got {e.cuda_graph_max_bs}")
     if e.dtype not in DTYPES:
         raise ProfileError(f"{where}: engine.dtype: {e.dtype!r} is not allowed (allowed: {', '.join(DTYPES)})")
     if e.context_length is not None:
-        if _typed(where, "engine.context_length", e.context_length, int) < 256:
-            raise ProfileError(f"{where}: engine.context_length: must be >= 256 or absent, got {e.context_length}")
+        _typed(where, "engine.context_length", e.context_length, int)
+        problem = context_length_problem(e.context_length)
+        if problem:
+            raise ProfileError(f"{where}: engine.context_length: {problem} or absent")
+
+
+def context_length_problem(tokens: int) -> str | None:
+    """What is wrong with a context of ``tokens`` (``None`` if it is in range)."""
+    if tokens < MIN_CONTEXT_LENGTH:
+        return f"must be >= {MIN_CONTEXT_LENGTH}, got {tokens:,}"
+    if tokens > MAX_CONTEXT_LENGTH:
+        return f"must be <= {MAX_CONTEXT_LENGTH:,} tokens, got {tokens:,}"
+    return None
+
+
+def with_context_length(profile: Profile, tokens: int) -> Profile:
+    """``profile`` with ``engine.context_length = tokens``.
+
+    Raises:
+        ProfileError: ``tokens`` out of range (``context_length_problem``).
+    """
+    problem = context_length_problem(int(tokens))
+    if problem:
+        raise ProfileError(problem)
+    return dataclasses.replace(profile, engine=dataclasses.replace(profile.engine, context_length=int(tokens)))
 
 
 def _check_keys(where: str, prefix: str, data: dict, allowed: tuple[str, ...]) -> None:

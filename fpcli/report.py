@@ -86,7 +86,8 @@ def layer_ranges(layers: Sequence[int]) -> str:
     return ("layer " if len(layers) == 1 else "layers ") + text
 
 
-def ask_report(result, question: str, docs: Sequence, prompt, profile) -> dict:
+def ask_report(result, question: str, docs: Sequence, prompt, profile, context: dict | None = None,
+               start_phases: dict | None = None) -> dict:
     """The ``fp.ask/1`` report of one answer.
 
     Args:
@@ -95,6 +96,9 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile) -> dict:
         docs: ``fpcli.ingest.Document`` list (all inputs, failed ones included).
         prompt: ``fpcli.prompt.Prompt`` that was sent.
         profile: ``fpcli.profiles.Profile`` in use.
+        context: the engine's context (``ContextPlan.to_dict``: ``native_context``, ``context``,
+            ``rope_scaling``), in tokens; ``None`` when the engine does not say.
+        start_phases: the engine's start-up seconds per phase (``engine.start_phases``).
     """
     from fpcli import __version__
 
@@ -111,6 +115,10 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile) -> dict:
         "finish_reason": result.finish_reason,
         "engine": result.engine,
         "model": result.model,
+        "native_context": (context or {}).get("native_context"),
+        "context": (context or {}).get("context"),
+        "rope_scaling": (context or {}).get("rope_scaling"),
+        "engine_start_phases": dict(start_phases) if start_phases else None,
         "profile": result.profile or profile.name,
         "precision": getattr(result, "precision", None) or profile.precision,
         "precision_requested": profile.precision,

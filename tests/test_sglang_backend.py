@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import types
 import random
 from types import SimpleNamespace
 
@@ -492,19 +493,88 @@ def test_backend_call_sequence_on_reference(page_size):
             assert 0 < sel <= vis
 
 
-def test_warmup_length_covers_the_sparse_path_with_and_without_prefix():
+# KV-length thresholds of the Triton launchers (TAIL_SPLIT_MIN_KV, MEANS_DIRECT_MAX_KV + 1) as
+# ``kernel_kv_thresholds`` returns them on a GPU (the import needs Triton; checked in tests/gpu).
+KV_THRESHOLDS = (16384, 32769)
+
+
+def _chunk_kv_lengths(n: int, chunk: int) -> list[int]:
+    """KV length after each prefill chunk of an ``n``-token prompt."""
+    return [min(k, n) for k in range(chunk, n + chunk, chunk)]
+
+
+def test_warmup_plan_covers_every_kv_range_up_to_the_context():
+    from fpcli.engine.sglang_engine import warmup_plan
+
+    plan = warmup_plan(131072, 16384, 8192, KV_THRESHOLDS)
+    assert plan == [131005, 12285, 64] and len(set(plan)) == len(plan)  # one warm-up per length
+    assert all(n % 16 for n in plan[:2])  # not multiples of 16, as real prompts mostly are
+    # every range of KV lengths a sparse chunk can have is reached by some warm-up chunk
+    ranges = [(8192, 16384), (16384, 32769), (32769, 131072 - 64)]
+    kvs = [kv for n in plan if n >= 8192 for kv in _chunk_kv_lengths(n, 16384)]
+    for lo, hi in ranges:
+        assert any(lo <= kv < hi or kv == hi for kv in kvs), (lo, hi, kvs)
+    assert max(kvs) == 131005  # the longest request compiles its last-chunk variant too
+
+
+def test_kernel_thresholds_come_from_the_triton_backend():
+    from flashprefill.impl.triton_backend import MEANS_DIRECT_MAX_KV, TAIL_SPLIT_MIN_KV
+
+    from fpcli.engine.sglang_engine import kernel_kv_thresholds, warmup_plan
+
+    thresholds = kernel_kv_thresholds()
+    assert thresholds == tuple(sorted({TAIL_SPLIT_MIN_KV, MEANS_DIRECT_MAX_KV + 1}))
+    for ctx, chunk in ((131072, 16384), (65536, 8192), (32768, 32768)):  # every side of every threshold
+        plan = warmup_plan(ctx, chunk, 8192, thresholds)
+        kvs = [kv for n in plan if n >= 8192 for kv in _chunk_kv_lengths(n, chunk)]
+        for t in thresholds:
+            if t <= ctx - 64:
+                assert any(kv < t for kv in kvs) and any(kv >= t for kv in kvs), (ctx, chunk, t, kvs)
+
+
+def test_warmup_plan_short_contexts_and_dense():
+    from fpcli.engine.sglang_engine import warmup_plan
+
+    assert warmup_plan(32768, 16384, 8192, KV_THRESHOLDS) == [32701, 12285, 64]
+    assert warmup_plan(32768, 8192, 4096, KV_THRESHOLDS) == [32701, 6141, 64]  # first chunk 8192 < 16384
+    assert warmup_plan(8192, 16384, 8192, KV_THRESHOLDS) == [64]  # no sparse prompt fits: a short one
+    assert warmup_plan(32768, 16384, None) == [16384 + 1024 - 3, 64]  # dense: a chunk and a prefix chunk
+    assert warmup_plan(200, 16384, 8192) == [64] and warmup_plan(100, 16384, 8192) == []  # 64 must fit
+
+
+def test_server_kwargs_capture_few_decode_graphs(tmp_path):
+    import dataclasses
+
+    from fpcli.engine.sglang_engine import build_server_kwargs, decode_graph_batch_sizes
+    from fpcli.profiles import load_profile
+
+    assert decode_graph_batch_sizes(8) == [1, 2, 4, 8]
+    assert decode_graph_batch_sizes(6) == [1, 2, 4, 6] and decode_graph_batch_sizes(1) == [1]
+    prof = load_profile("bf16")
+    kw = build_server_kwargs(_model_dir(tmp_path), prof)
+    assert kw["cuda_graph_bs_decode"] == [1, 2, 4, 8] and kw["cuda_graph_max_bs_decode"] == 8
+    four = prof.replace(engine=dataclasses.replace(prof.engine, cuda_graph_max_bs=4))
+    assert build_server_kwargs(tmp_path / "model", four)["cuda_graph_bs_decode"] == [1, 2, 4]
+    off = prof.replace(engine=dataclasses.replace(prof.engine, cuda_graph_decode=False))
+    kw = build_server_kwargs(tmp_path / "model", off)
+    assert kw["disable_decode_cuda_graph"] is True and "cuda_graph_bs_decode" not in kw
+
+
+def test_engine_warmup_lengths_use_the_plan(monkeypatch):
+    import fpcli.engine.sglang_engine as se
     from fpcli.engine.sglang_engine import SGLangEngine
 
-    eng = object.__new__(SGLangEngine)  # no SGLang: only the length rule
+    eng = object.__new__(SGLangEngine)  # no SGLang: only the plan inputs
     eng.sparse = True
     eng.settings = BackendSettings(sparse=SparseConfig(min_sparse_len=4096))
     eng.server_kwargs = {"chunked_prefill_size": 8192}
     eng.context_length = 32768
-    assert eng.warmup_length() == 8192 + 4096 + 256  # a full chunk, then a sparse chunk with a prefix
-    eng.context_length = 8192  # SmolLM2: one chunk, still >= min_sparse_len
-    assert eng.warmup_length() == 8192 - 64
-    eng.context_length = 4096  # too short for a sparse prompt: short warm-up only
-    assert eng.warmup_length() == 0
+    monkeypatch.setattr(se, "kernel_kv_thresholds", lambda: KV_THRESHOLDS)
+    assert eng.warmup_lengths() == se.warmup_plan(32768, 8192, 4096, KV_THRESHOLDS) == [32701, 6141, 64]
+    eng._engine = types.SimpleNamespace(scheduler_info={"max_req_input_len": 20000})  # a smaller KV pool
+    assert eng.warmup_lengths() == se.warmup_plan(20064, 8192, 4096, KV_THRESHOLDS) == [20000 - 3, 6141, 64]
+    eng.sparse = False
+    assert eng.warmup_lengths() == se.warmup_plan(20064, 8192, None)
 
 
 class _FakeBenchEngine:

@@ -120,25 +120,94 @@ def check_model_or_exit(model: str | None) -> None:
         fail(f"--model: {exc}", code=2)
 
 
-def check_max_new_tokens_or_exit(max_new_tokens: int, model: str | None, profile, context_length: int | None = None) -> None:
-    """Exit 2 when ``--max-new-tokens`` leaves no room for a prompt in the model's context: before
-    loading when that context is known (embedded model, Hugging Face folder, profile cap), else
-    with the loaded engine's ``context_length``."""
-    known = context_length
-    if known is None:
+def context_or_exit(text: str | None, profile, model: str | None):
+    """``profile`` run at the context ``--context TEXT`` asks for (``128k``, ``131072``; the
+    project's length parser), or ``profile`` itself without ``--context``. Exit 2 when ``TEXT``
+    is not one length, is out of range, or is beyond what a model whose native context is known
+    before loading (embedded, Hugging Face folder) can be extended to with YaRN."""
+    if text is None:
+        return profile
+    from fpcli.commands.bench import parse_lengths
+    from fpcli.engine.context import ContextError, plan_context
+    from fpcli.profiles import ProfileError, with_context_length
+
+    try:
+        values = parse_lengths(text, option="--context")
+    except ValueError as exc:
+        fail(str(exc), code=2)
+    if len(values) != 1:
+        fail(f"--context: expected one length (e.g. 128k), got {text!r}", code=2)
+    try:
+        profile = with_context_length(profile, values[0])
+    except ProfileError as exc:
+        fail(f"--context {text}: {exc}", code=2)
+    native = None
+    if model is not None:  # the default model depends on the engine: checked when it loads
         try:
             from fpcli.models import known_context_length
 
-            known = known_context_length(model)
+            native = known_context_length(model)
         except ImportError:
-            known = None
-    caps = [c for c in (known, profile.engine.context_length) if c]
-    if caps and max_new_tokens >= min(caps):
+            native = None
+    if native:
+        try:
+            plan_context({"max_position_embeddings": native}, values[0], model=model)
+        except ContextError as exc:
+            fail(f"--context {text}: {exc}", code=2)
+    return profile
+
+
+def context_source(profile, context: str | None) -> str:
+    """Who asked for the context, for error messages: ``--context 128k`` or the profile's key."""
+    if context is not None:
+        return f"--context {context}"
+    return f"{profile.source or 'profile ' + profile.name}: engine.context_length"
+
+
+def say_context(console: Console | None, engine) -> dict | None:
+    """One line on ``console`` (stderr; ``None`` = quiet) when the engine extends its model with
+    YaRN; returns the engine's context for the report (``ContextPlan.to_dict``), or ``None`` when
+    the engine does not say."""
+    plan = getattr(engine, "context_plan", None)
+    if plan is None:
+        return None
+    line = plan.describe(getattr(engine, "model_name", "the model"))
+    if line and console is not None:
+        console.print(f"[dim]{escape(line)}[/]", highlight=False, soft_wrap=True)
+    return plan.to_dict()
+
+
+def check_max_new_tokens_or_exit(max_new_tokens: int, model: str | None, profile, context_length: int | None = None,
+                                 engine: str = "auto") -> None:
+    """Exit 2 when ``--max-new-tokens`` leaves no room for a prompt in the context: before loading
+    when that context is known (the profile's ``engine.context_length``, an embedded model, a
+    Hugging Face folder, or the default model of ``engine``), else with the loaded engine's
+    ``context_length``."""
+    known = context_length or profile.engine.context_length
+    if known is None:
+        known = _model_context(model, engine)
+    if known and max_new_tokens >= known:
         fail(
             f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's context of "
-            f"{min(caps):,} tokens (use at most a few thousand, e.g. -n 512)",
+            f"{known:,} tokens (use at most a few thousand, e.g. -n 512)",
             code=2,
         )
+
+
+def _model_context(model: str | None, engine: str) -> int | None:
+    """The context ``model`` runs at by default, if known before loading; for ``model=None`` the
+    default model of the engine that will run (``fpcli.models.default_model``)."""
+    try:
+        from fpcli.models import default_model, known_context_length
+
+        if model is not None:
+            return known_context_length(model)
+        from fpcli.engine import resolve_engine
+
+        default = default_model(resolve_engine(engine))
+        return default.context_length or known_context_length(default.name)
+    except Exception:  # noqa: BLE001 - unknown before loading: checked against the loaded engine
+        return None
 
 
 def check_output_path_or_exit(option: str, path) -> None:

@@ -14,11 +14,14 @@ from fpcli.commands import (
     check_max_new_tokens_or_exit,
     check_model_or_exit,
     check_output_path_or_exit,
+    context_or_exit,
+    context_source,
     engine_loader,
     fail,
     is_file,
     load_profile_or_exit,
     looks_like_question,
+    say_context,
     stderr_console,
     warn_precision,
 )
@@ -57,7 +60,11 @@ def ask(
     ] = None,
     model: Annotated[
         Optional[str],
-        typer.Option("--model", "-m", help="Hugging Face folder or cached id, or a .gguf file. Default: the embedded SmolLM2-135M-Instruct."),
+        typer.Option("--model", "-m", help="Embedded model name (`fp model list`), Hugging Face folder or cached id, or a .gguf file. Default: qwen2.5-coder-0.5b at 128K context on a GPU (SGLang), smollm2-135m-instruct on the CPU."),
+    ] = None,
+    context: Annotated[
+        Optional[str],
+        typer.Option("--context", "-c", help="Context to run the model at, in tokens (e.g. 32k, 128k, 131072): a cap within the model's own context, YaRN beyond it (up to 8x). Default: the profile's engine.context_length, else the model's own.", show_default=False),
     ] = None,
     profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, fp8, dense, or a path to a profile .yaml.")] = "bf16",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Longest answer, in tokens.")] = 256,
@@ -110,7 +117,8 @@ def ask(
         check_output_path_or_exit("--report", report)
     prof = load_profile_or_exit(profile)
     check_model_or_exit(model)
-    check_max_new_tokens_or_exit(max_new_tokens, model, prof)
+    prof = context_or_exit(context, prof, model)
+    check_max_new_tokens_or_exit(max_new_tokens, model, prof, engine=engine.value)
 
     if quiet:
         docs = ingest(files, password=password, page_timeout=page_timeout)
@@ -123,13 +131,18 @@ def ask(
         fail("no readable document remains (see the reasons above)" if len(docs) > 1 else "no readable document (see the reason above)")
 
     load = engine_loader()
+    from fpcli.engine.context import ContextError
+
     try:
         eng = load(engine.value, model, prof, progress=False if quiet else err)
     except typer.Exit:
         raise
+    except ContextError as exc:
+        fail(f"{context_source(prof, context)}: {exc}", code=2)
     except Exception as exc:  # noqa: BLE001 - one line for any load failure
         fail(f"cannot load the model: {_one_line(exc)}")
 
+    context_info = say_context(None if quiet else err, eng)
     warn_precision(err, prof, eng)
     with eng:
         # a GGUF or hub model's context is only known now: the same usage error, exit 2
@@ -139,7 +152,7 @@ def ask(
                 usable, question, eng, max_new_tokens, context_length=prof.engine.context_length, cut=cut.value
             )
         except PromptError as exc:
-            fail(str(exc))
+            fail(f"{context_source(prof, context)}: {exc}" if context else str(exc), code=2 if context else 1)
         render_cuts(err, prompt)
         if not quiet:
             err.print(
@@ -167,7 +180,8 @@ def ask(
             sys.stdout.write("\n") if not json_out else None
             fail(f"generation failed: {_one_line(exc)}")
 
-    data = ask_report(result, question, docs, prompt, prof)
+    data = ask_report(result, question, docs, prompt, prof, context=context_info,
+                      start_phases=getattr(eng, "start_phases", None))
     if json_out:
         sys.stdout.write(dumps(data) + "\n")
     elif not last[0].endswith("\n"):

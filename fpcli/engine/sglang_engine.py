@@ -12,11 +12,18 @@
 - ``close`` (also ``__exit__`` and ``atexit``) stops the engine within ``shutdown_timeout_s`` and
   then SIGKILLs whatever of its own child processes is still alive.
 
-YaRN: a model's native context (``max_position_embeddings``) is extended only when the caller opts
-in with ``rope_scaling_factor`` (> 1); SGLang then gets ``json_model_override_args`` with
-``rope_scaling = {"rope_type": "yarn", "factor": f, "original_max_position_embeddings": native,
-"rope_theta": theta}`` (``rope_theta`` inside, else SGLang's scheduler dies with KeyError
-'rope_theta') and ``max_position_embeddings = native * f``.
+YaRN: a profile whose ``engine.context_length`` exceeds the model's native context
+(``max_position_embeddings``) runs it with YaRN (``fpcli.engine.context.plan_context``): SGLang
+gets ``json_model_override_args`` with ``rope_scaling = {"rope_type": "yarn", "factor": f,
+"original_max_position_embeddings": native, "rope_theta": theta}`` (``rope_theta`` inside, else
+SGLang's scheduler dies with KeyError 'rope_theta') and ``max_position_embeddings`` = the context.
+``rope_scaling_factor`` (> 1) forces a factor instead (``max_position_embeddings = native * f``).
+
+Start-up (``start_phases``): the tokenizer; SGLang's ``Engine`` (weights, KV cache pool, decode
+CUDA graphs for the batch sizes ``decode_graph_batch_sizes`` lists: 1, 2, 4, 8 by default, since
+one local user runs one request at a time; SGLang's own default captures ~36 sizes up to 256);
+then one warm-up pass (``warmup_plan``): a prompt per KV-length range in which our Triton
+kernels compile a different variant, so the first long request runs as fast as the next.
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from fpcli.engine import context as _context
 from fpcli.engine.base import GenerationResult, PrefillStats
 from fpcli.sglang_backend.settings import BackendSettings, settings_from_profile
 from fpcli.sglang_backend.stats import read_prefill_stats
@@ -70,45 +78,54 @@ def check_available() -> None:
 
 
 def _model_config(model_path: str | os.PathLike) -> dict:
-    path = Path(model_path) / "config.json"
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
+    return _context.read_config(model_path)
 
 
 def native_context_length(model_path: str | os.PathLike) -> int | None:
     """``max_position_embeddings`` of a Hugging Face folder (``None`` if unknown)."""
-    cfg = _model_config(model_path)
-    text = cfg.get("text_config") or {}
-    value = cfg.get("max_position_embeddings") or text.get("max_position_embeddings")
-    return int(value) if value else None
+    return _context.native_context_length(_model_config(model_path))
 
 
 def rope_theta(model_path: str | os.PathLike) -> float:
-    cfg = _model_config(model_path)
-    for src in (cfg, cfg.get("rope_parameters") or {}, cfg.get("rope_scaling") or {}, cfg.get("text_config") or {}):
-        if isinstance(src, dict) and src.get("rope_theta"):
-            return float(src["rope_theta"])
-    return 10000.0
+    return _context.rope_theta(_model_config(model_path))
 
 
 def yarn_override(model_path: str | os.PathLike, factor: float) -> dict:
-    """``json_model_override_args`` (as a dict) that turns on YaRN with ``factor``."""
+    """``json_model_override_args`` (as a dict) that turns on YaRN with ``factor`` over the native
+    context (``max_position_embeddings = native * factor``)."""
     native = native_context_length(model_path)
     if not native:
         raise ValueError(f"{model_path}: config.json has no max_position_embeddings; cannot apply YaRN")
     if factor <= 1.0:
         raise ValueError(f"rope_scaling_factor must be > 1, got {factor}")
     return {
-        "rope_scaling": {
-            "rope_type": "yarn",
-            "factor": float(factor),
-            "original_max_position_embeddings": native,
-            "rope_theta": rope_theta(model_path),
-        },
+        "rope_scaling": _context.yarn_rope_scaling(native, factor, rope_theta(model_path)),
         "max_position_embeddings": int(native * factor),
     }
+
+
+def context_plan(model_path: str | os.PathLike, profile: Any, context_length: int | None = None,
+                 rope_scaling_factor: float | None = None) -> _context.ContextPlan:
+    """The context SGLang will run the model at: ``rope_scaling_factor`` (> 1) forces YaRN with
+    that factor; else ``context_length`` or the profile's ``engine.context_length``, with YaRN when
+    beyond the native context (``fpcli.engine.context.plan_context``).
+
+    Raises:
+        fpcli.engine.context.ContextError: a context the model cannot be extended to.
+    """
+    ctx = context_length or profile.engine.context_length
+    if rope_scaling_factor and rope_scaling_factor > 1.0:
+        override = yarn_override(model_path, rope_scaling_factor)
+        used = min(ctx, override["max_position_embeddings"]) if ctx else override["max_position_embeddings"]
+        return _context.ContextPlan(native_context_length(model_path), used, override["rope_scaling"])
+    return _context.plan_context(_model_config(model_path), ctx, model=Path(model_path).name)
+
+
+def decode_graph_batch_sizes(max_bs: int) -> list[int]:
+    """Decode batch sizes to capture CUDA graphs for: powers of two below ``max_bs``, and ``max_bs``
+    (8 -> [1, 2, 4, 8]; 6 -> [1, 2, 4, 6]). A larger batch still runs, without a graph."""
+    sizes = [1 << i for i in range(max_bs.bit_length()) if (1 << i) < max_bs]
+    return sizes + [int(max_bs)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,13 +143,19 @@ def build_server_kwargs(
     log_level: str = "error",
     overrides: dict | None = None,
 ) -> dict:
-    """``ServerArgs`` keyword arguments for a profile (``Engine(**kwargs)``).
+    """``ServerArgs`` keyword arguments for a profile (``Engine(**kwargs)``) of the local,
+    single-user engine: decode CUDA graphs only for ``decode_graph_batch_sizes(
+    engine.cuda_graph_max_bs)``; YaRN when the context exceeds the model's (``context_plan``).
 
     ``overrides`` wins over everything (tests use it for ``chunked_prefill_size=2048``,
     ``page_size`` and ``disable_cuda_graph``).
+
+    Raises:
+        fpcli.engine.context.ContextError: a context the model cannot be extended to.
     """
     eng = profile.engine
     dense = bool(getattr(profile, "is_dense", False))
+    plan = context_plan(model_path, profile, context_length, rope_scaling_factor)
     kwargs: dict[str, Any] = dict(
         model_path=str(model_path),
         attention_backend=DEFAULT_DENSE_BACKEND,
@@ -148,15 +171,18 @@ def build_server_kwargs(
         log_level=log_level,
         random_seed=0,
     )
+    if eng.cuda_graph_decode:
+        sizes = decode_graph_batch_sizes(int(eng.cuda_graph_max_bs))
+        kwargs.update(cuda_graph_bs_decode=sizes, cuda_graph_max_bs_decode=max(sizes))
     if eng.dtype and eng.dtype != "auto":
         kwargs["dtype"] = eng.dtype
-    ctx = context_length or eng.context_length
-    if rope_scaling_factor and rope_scaling_factor > 1.0:
-        override = yarn_override(model_path, rope_scaling_factor)
+    if plan.rope_scaling is not None:
+        override = plan.override()
+        if rope_scaling_factor and rope_scaling_factor > 1.0:  # a forced factor keeps native * factor
+            override["max_position_embeddings"] = int(plan.native * plan.yarn_factor)
         kwargs["json_model_override_args"] = json.dumps(override)
-        ctx = min(ctx, override["max_position_embeddings"]) if ctx else override["max_position_embeddings"]
-    if ctx:
-        kwargs["context_length"] = int(ctx)
+    if context_length or eng.context_length or plan.rope_scaling is not None:
+        kwargs["context_length"] = int(plan.context)
     if overrides:
         kwargs.update(overrides)
     return kwargs
@@ -215,6 +241,65 @@ def _kill(pids: Sequence[int], wait_s: float = 10.0) -> list[int]:
             except ProcessLookupError:
                 pass
     return alive
+
+
+WARMUP_SHORT = 64  # a short prompt: the dense extend path of short requests (below min_sparse_len)
+WARMUP_MARGIN = 64  # tokens left free below the context (the answer's 2 tokens, template slack)
+
+
+def kernel_kv_thresholds() -> tuple[int, ...]:
+    """KV lengths at which the Triton operator switches code paths (each side compiles its own
+    kernel variants): ``TAIL_SPLIT_MIN_KV`` (dense tail on a side stream from there) and
+    ``MEANS_DIRECT_MAX_KV`` (float32 block means up to there, 16-bit above: another ``MC_STAGES``).
+    Imports the Triton backend (needs the ``triton`` package)."""
+    from flashprefill.impl.triton_backend import MEANS_DIRECT_MAX_KV, TAIL_SPLIT_MIN_KV
+
+    return tuple(sorted({int(TAIL_SPLIT_MIN_KV), int(MEANS_DIRECT_MAX_KV) + 1}))
+
+
+def _unaligned(n: int) -> int:
+    """``n`` moved down to a length that is not a multiple of 16, as real prompts mostly are
+    (Triton specialises integer arguments divisible by 16; full chunks already cover those)."""
+    return n - 3 if n % 16 == 0 else n
+
+
+def warmup_plan(context_length: int, chunk: int, min_sparse_len: int | None,
+                kv_thresholds: Sequence[int] = ()) -> list[int]:
+    """Prompt lengths (tokens) whose prefill compiles every kernel variant a request of up to
+    ``context_length`` tokens can hit, each length once, longest first.
+
+    A prompt of ``n`` tokens is prefilled in chunks of ``chunk`` tokens whose KV lengths are
+    ``chunk, 2 chunk, ..., n``; the sparse path (chunks of ``>= min_sparse_len`` new tokens; ``None``
+    = dense profile) compiles different variants on each side of every ``kv_thresholds`` entry.
+    The plan is one prompt at the context (its chunks cover every range from ``chunk`` up), one
+    per range that lies below the first chunk's KV length (only a prompt shorter than a chunk
+    reaches it), and a short dense one. Example (Qwen at 131072, chunk 16384, min_sparse_len 8192,
+    thresholds 16384 and 32769)::
+
+        long:  131072 - 64 = 131008 -> 131005 (not a multiple of 16); its 8 chunks end at KV
+               16384, 32768, 49152, ..., 131005: both sides of 32769
+        range [8192, 16384) lies below the first chunk's KV 16384: (8192 + 16384) // 2 = 12288 -> 12285
+        short: 64
+        plan:  [131005, 12285, 64]
+    """
+    cap = context_length - WARMUP_MARGIN
+    lengths: list[int] = []
+    if min_sparse_len is not None and cap >= max(min_sparse_len, 1) + 256:
+        lengths.append(_unaligned(cap))
+        first_kv = min(chunk, cap)  # the KV length of the long prompt's first chunk
+        edges = sorted({max(min_sparse_len, 1), *[t for t in kv_thresholds if t > max(min_sparse_len, 1)]})
+        for lo, hi in zip(edges, edges[1:] + [cap + 1]):
+            if lo >= first_kv:  # the long prompt's chunks reach this range
+                break
+            hi = min(hi, first_kv)
+            mid = _unaligned((lo + hi) // 2)
+            if lo <= mid < hi and mid not in lengths:
+                lengths.append(mid)
+    elif min_sparse_len is None and cap > WARMUP_SHORT:
+        lengths.append(_unaligned(min(cap, chunk + 1024)))  # dense profile: a chunk and a prefix chunk
+    if cap >= WARMUP_SHORT:
+        lengths.append(WARMUP_SHORT)
+    return lengths
 
 
 def _finish_reason(meta: dict) -> str:
@@ -285,6 +370,7 @@ class SGLangEngine:
             profile, stats_dir=self._stats_dir, collect_stats=collect_stats, layer_timing=layer_timing,
             **(settings_overrides or {}),
         )
+        self.context_plan = context_plan(model_path, profile, context_length, rope_scaling_factor)
         self.server_kwargs = build_server_kwargs(
             model_path, profile, rope_scaling_factor=rope_scaling_factor, context_length=context_length,
             disable_radix_cache=disable_radix_cache,
@@ -292,7 +378,10 @@ class SGLangEngine:
         )
         from transformers import AutoTokenizer
 
+        self.start_phases: dict[str, float] = {}  # seconds per start-up phase, in order
+        t0 = time.perf_counter()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.start_phases["tokenizer"] = time.perf_counter() - t0
         from fpcli.sglang_backend.plugin import engine_class
 
         before = _children()
@@ -308,6 +397,7 @@ class SGLangEngine:
             shutil.rmtree(self._stats_dir, ignore_errors=True)
             raise
         self.startup_s = time.perf_counter() - t0
+        self.start_phases["engine"] = self.startup_s  # weights, KV cache pool, decode CUDA graphs
         self._child_pids = sorted(_children() - before)
         _LIVE_ENGINES.add(self)
         atexit.register(self.close)
@@ -324,29 +414,32 @@ class SGLangEngine:
                 self.close()
                 raise
 
-    def warmup_length(self) -> int:
-        """Tokens of the start-up warm-up prompt: one full chunk plus a second one of at least
-        ``min_sparse_len`` + 256 tokens (the sparse path without and with a prefix), capped by the
-        context; 0 when even ``min_sparse_len`` + 256 does not fit (then a short prompt only)."""
-        min_sparse = int(self.settings.sparse.min_sparse_len) if self.sparse else 0
+    def warmup_lengths(self) -> list[int]:
+        """Prompt lengths of the start-up warm-up (``warmup_plan`` for this engine's context,
+        chunk size and ``min_sparse_len``, with the Triton launchers' KV-length thresholds)."""
+        min_sparse = int(self.settings.sparse.min_sparse_len) if self.sparse else None
         chunk = int(self.server_kwargs.get("chunked_prefill_size") or MIN_CHUNKED_PREFILL)
-        cap = (self.context_length or 0) - 64
-        want = chunk + max(min_sparse, 1024) + 256
-        n = min(want, cap)
-        return n if n >= min_sparse + 256 else 0
+        ctx = self.context_length or 0
+        # a KV cache pool smaller than the context caps the longest request SGLang accepts
+        info = getattr(getattr(self, "_engine", None), "scheduler_info", None) or {}
+        if isinstance(info, dict) and info.get("max_req_input_len"):
+            ctx = min(ctx, int(info["max_req_input_len"]) + WARMUP_MARGIN)
+        return warmup_plan(ctx, chunk, min_sparse, kernel_kv_thresholds() if self.sparse else ())
 
     def warmup(self) -> float:
-        """Compile every kernel a first request would (our Triton operator, SGLang's dense extend
-        kernels, sampling) with a dummy prompt, then flush the radix cache, so measured TTFTs
-        exclude JIT compilation. Returns the seconds it took (also ``self.warmup_s``)."""
+        """Compile every kernel a request up to the context length can hit (our Triton operator in
+        each KV-length range, SGLang's dense extend kernels, sampling, decode) with one pass of
+        dummy prompts (``warmup_lengths``), then flush the radix cache, so the first real request
+        is as fast as the next. Returns the seconds it took (also ``self.warmup_s``); each prompt's
+        time is in ``start_phases`` as ``warmup <n> tokens``."""
         t0 = time.perf_counter()
-        n = self.warmup_length()
         vocab = max(1000, min(len(self.tokenizer), int(getattr(self.tokenizer, "vocab_size", 0) or 0) or 32000))
-        lengths = [n] if n else []
-        lengths.append(64)  # a short (dense) batch as well
+        lengths = self.warmup_lengths()
         for length in lengths:
+            t1 = time.perf_counter()
             ids = [(i * 7919 + 13) % (vocab - 200) + 100 for i in range(length)]
             self.generate(ids, max_new_tokens=2, rid=f"fp-warmup-{uuid.uuid4().hex[:8]}")
+            self.start_phases[f"warmup {length} tokens"] = time.perf_counter() - t1
         self.flush_cache()
         self.warmup_s = time.perf_counter() - t0
         logger.info("SGLang warm-up (prompts of %s tokens, radix cache flushed) in %.1f s", lengths, self.warmup_s)

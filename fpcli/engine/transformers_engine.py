@@ -33,6 +33,10 @@ bf16 matmuls are emulated and much slower. float32 also keeps the dequantized GG
 and the reference operator computes in float32 anyway. A profile can ask for ``bfloat16``.
 GPU: bfloat16 (the Triton operator's dtype).
 
+Context: ``profile.engine.context_length`` caps the model's context, or extends it with YaRN when
+it exceeds the native ``max_position_embeddings`` (``fpcli.engine.context``): the YaRN
+``rope_scaling`` is set on the loaded config before the model is built (``apply_context``).
+
 Threads: torch's OpenMP threads spin while idle; on a busy or shared CPU that made a 1K-token
 prefill 4x slower here (18 s vs 4.6 s). ``OMP_WAIT_POLICY=PASSIVE`` (set before torch is imported)
 avoids it.
@@ -48,6 +52,7 @@ from typing import Callable
 import torch
 
 from .base import GenerationResult, PrefillStats
+from .context import ContextPlan, plan_context
 
 # Not "flashprefill": transformers 5 treats any implementation name containing "flash" as a
 # FlashAttention kernel request (``is_flash_attention_requested``) and tries to import it.
@@ -282,6 +287,20 @@ def install_flashprefill(model: torch.nn.Module, runtime: FlashPrefillRuntime) -
 # engine
 
 
+def apply_context(config, plan: ContextPlan) -> None:
+    """Turn on YaRN on a transformers ``PretrainedConfig`` before the model is built (nothing
+    without ``plan.rope_scaling``): ``rope_parameters`` (transformers 5; ``rope_scaling`` in
+    older versions) = the plan's mapping, ``max_position_embeddings`` = the plan's context."""
+    if plan.rope_scaling is None:
+        return
+    params = dict(plan.rope_scaling)
+    if hasattr(config, "rope_parameters"):
+        config.rope_parameters = params
+    else:  # pragma: no cover - transformers < 5
+        config.rope_scaling = params
+    config.max_position_embeddings = int(plan.context)
+
+
 def _pick_dtype(requested: str, device: torch.device) -> torch.dtype:
     if requested in (None, "auto"):
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -297,6 +316,10 @@ class TransformersEngine:
         model_name: name for reports (default: the folder name).
         device: ``"cpu"``, ``"cuda"`` or ``None`` (CUDA when available).
         timing: measure per-layer index/attention time (one CUDA sync per layer).
+
+    Raises:
+        fpcli.engine.context.ContextError: ``profile.engine.context_length`` beyond what the model
+            can be extended to.
     """
 
     name = "transformers"
@@ -304,7 +327,7 @@ class TransformersEngine:
     def __init__(self, model_path, profile=None, model_name: str | None = None, device: str | None = None,
                  timing: bool = True) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         if profile is None:
@@ -321,12 +344,16 @@ class TransformersEngine:
         self.precision = DTYPE_PRECISION.get(self.dtype, str(self.dtype).replace("torch.", ""))
         t0 = time.perf_counter()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.start_phases: dict[str, float] = {"tokenizer": time.perf_counter() - t0}  # seconds per phase
         register_attention()
+        config = AutoConfig.from_pretrained(self.model_path)
+        self.context_plan = plan_context(config.to_dict(), profile.engine.context_length, model=self.model_name)
+        apply_context(config, self.context_plan)
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
         try:
             self.model = AutoModelForCausalLM.from_pretrained(
-                self.model_path, dtype=self.dtype, attn_implementation=ATTN_NAME
+                self.model_path, config=config, dtype=self.dtype, attn_implementation=ATTN_NAME
             ).to(self.device).eval()
         finally:
             if bars:
@@ -337,12 +364,10 @@ class TransformersEngine:
         self.runtime = install_flashprefill(
             self.model, FlashPrefillRuntime(config=sparse_cfg, dense_layers=profile.dense_layers, timing=timing)
         )
-        ctx = int(getattr(cfg, "max_position_embeddings", 0) or getattr(self.tokenizer, "model_max_length", 2048))
-        if profile.engine.context_length:
-            ctx = min(ctx, int(profile.engine.context_length))
-        self.context_length = ctx
+        self.context_length = int(self.context_plan.context or getattr(self.tokenizer, "model_max_length", 2048))
         self.eos_ids = self._eos_ids()
         self.load_s = time.perf_counter() - t0
+        self.start_phases["weights"] = self.load_s - self.start_phases["tokenizer"]
         forward_params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in forward_params else "past_key_values"
 
