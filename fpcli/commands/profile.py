@@ -8,8 +8,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from fpcli.commands import (FpCommand, check_model_or_exit, check_output_path_or_exit, engine_loader, fail, is_file,
-                            load_profile_or_exit, looks_like_question, stderr_console, warn_precision)
+from fpcli.commands import (FpCommand, check_model_or_exit, check_output_path_or_exit, fail, is_file,
+                            load_profile_or_exit, looks_like_question, obtain_engine, render_answered_by,
+                            stderr_console, warn_precision)
 from fpcli.commands.ask import EngineChoice
 
 app = typer.Typer()
@@ -28,6 +29,7 @@ def profile_cmd(
     engine: Annotated[EngineChoice, typer.Option("--engine")] = EngineChoice.auto,
     password: Annotated[Optional[str], typer.Option("--password", help="Password of an encrypted PDF.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the statistics as JSON on stdout.")] = False,
+    no_server: Annotated[bool, typer.Option("--no-server", help="Load the model in this process even when a resident engine (fp start) runs.")] = False,
 ) -> None:
     """Show the attention density per layer and KV head of one prefill of FILE.
 
@@ -56,7 +58,7 @@ def profile_cmd(
         fail("no readable document (see the reason above)")  # the reason was printed once, above
 
     try:
-        eng = engine_loader()(engine.value, model, prof, progress=err)
+        eng = obtain_engine(engine.value, model, prof, err, no_server, err)
     except typer.Exit:
         raise
     except Exception as exc:  # noqa: BLE001
@@ -102,6 +104,7 @@ def profile_cmd(
         "attention_ms_per_layer": attn_per_layer,
         "fp8_error_per_layer": fp8_error,
         "png": None,
+        "server": render_answered_by(err, eng),  # None: profiled in-process
     }
     if grid:
         # default: the current directory (never beside the input, which may be read-only or shared)

@@ -7,6 +7,7 @@ transformers. Engines are imported lazily: ``import fpcli.engine`` costs nothing
 from __future__ import annotations
 
 import importlib.util
+from typing import Sequence
 
 from .base import Engine, GenerationResult, PrefillStats
 from .sglang_engine import EngineUnavailable
@@ -38,7 +39,8 @@ def available_engines() -> list[str]:
     return (["sglang"] if _sglang_missing() is None else []) + ["transformers"]
 
 
-def load_engine(engine: str = "auto", model: str | None = None, profile=None, progress=None) -> Engine:
+def load_engine(engine: str = "auto", model: str | None = None, profile=None, progress=None,
+                engine_args: Sequence[str] = ()) -> Engine:
     """Resolve ``model`` and load it with ``engine``.
 
     Args:
@@ -49,11 +51,14 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
         profile: ``fpcli.profiles.Profile`` or a profile name/path (default ``"bf16"``).
         progress: ``None`` = messages and progress bars on stderr, ``False`` = silent, or a
             ``rich.console.Console``.
+        engine_args: SGLang command-line settings for the SGLang engine (``["--tp", "2"]``);
+            the transformers engine takes none.
 
     Raises:
         EngineUnavailable: ``engine="sglang"`` where SGLang or CUDA is missing (names what to
             install and the fallback).
-        ValueError: unknown ``engine``.
+        ValueError: unknown ``engine``; ``engine_args`` for the transformers engine or that
+            SGLang rejects.
         fpcli.models.ModelError: the model cannot be found, fetched or converted.
     """
     if engine not in ENGINES:
@@ -78,11 +83,15 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
     path = resolve_model(model, progress=progress)
     name = model_display_name(model, path)
     if engine == "sglang":
-        from .sglang_engine import SGLangEngine
+        from .sglang_engine import SGLangEngine, server_overrides_from_argv
 
-        eng = SGLangEngine(path, profile)
+        overrides = server_overrides_from_argv(engine_args) if engine_args else None
+        eng = SGLangEngine(path, profile, server_overrides=overrides)
         eng.model_name = name
         return eng
+    if engine_args:
+        raise ValueError(f"the transformers engine takes no extra engine settings (got {' '.join(engine_args)}); "
+                         "they are SGLang options, for --engine sglang")
     from .transformers_engine import TransformersEngine
 
     ui = _console(progress)
