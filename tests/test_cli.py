@@ -73,6 +73,7 @@ SUMMARY_KEYS = {
     "prompt_tokens", "output_tokens", "ttft_s", "prefill_s", "total_s", "decode_tokens_per_s", "finish_reason",
     "engine", "model", "profile", "precision", "precision_requested", "attention", "min_sparse_len", "density", "density_per_layer_head",
     "attention_flops_dense", "attention_flops_skipped", "attention_flops_skipped_fraction", "index_ms", "attention_ms",
+    "cached_tokens", "server",
 }
 
 
@@ -88,6 +89,7 @@ def test_ask_json_is_one_object_same_as_report(runner, fake_engine, doc, tmp_pat
     assert set(d) == {"overall", "min", "median", "max", "per_layer", "over", "sparse_layers"}
     assert d["min"] <= d["median"] <= d["max"]
     assert data["summary"]["engine"] == "fake" and data["summary"]["profile"] == "bf16"
+    assert data["summary"]["server"] is None  # answered in-process (no resident engine runs)
     (docrow,) = data["ingestion"]["documents"]
     assert docrow["name"] == str(doc) and docrow["kind"] == "text" and docrow["tokens"] > 0 and docrow["error"] is None
     assert data["ingestion"]["prompt"]["truncated"] is False
