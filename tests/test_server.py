@@ -412,3 +412,36 @@ def test_tcp_needs_the_token_and_speaks_openai(servers):
     p.send_signal(signal.SIGINT)  # Ctrl-C in the foreground
     p.communicate(timeout=30)
     assert s.state() is None and not Path(st["token_file"]).exists()
+
+
+def test_a_server_that_hangs_mid_answer_is_detected(servers):
+    """A server that stops answering inside a generate stream: the client gives up after
+    ``stream_read_s`` of silence (the server sends heartbeats while it works) instead of hanging."""
+    from fpcli.server.client import ClientConfig, RemoteEngine, ServerUnavailable, probe
+    from fpcli.server.state import ServerState
+
+    s = servers
+    st = _start(s, env={"FP_FAKE_PIECES": "100", "FP_FAKE_STEP_S": "0.1"})
+    state = ServerState.from_dict(st)
+    pieces = []
+
+    def on_text(piece):
+        if not pieces:
+            os.kill(st["pid"], signal.SIGSTOP)
+        pieces.append(piece)
+
+    with RemoteEngine(state, probe(state), ClientConfig(stream_read_s=3.0)) as eng:
+        with pytest.raises(ServerUnavailable, match="silent for 3 s"):
+            eng.generate([1] * 5, max_new_tokens=100, on_text=on_text)
+    assert len(pieces) < 100
+
+
+def test_profile_uses_the_resident_engine(servers, tmp_path):
+    s = servers
+    st = _start(s)
+    png = tmp_path / "d.png"
+    r = s.fp("profile", DOC.as_posix(), "--model", s.model, "--json", "--png", str(png))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["server"]["pid"] == st["pid"] and len(data["density_per_layer_head"]) == 4
+    assert len(s.traced("load")) == 1 and png.is_file()

@@ -196,13 +196,17 @@ def create_app(engine, info: ServerInfo, token: str | None = None, idle_s: float
     async def get_health() -> dict:
         return health()
 
+    tokenizing = threading.Lock()  # tokenization requests one at a time (beside a running generation)
+
     @app.post("/fp/encode_chat")
     def encode_chat(body: EncodeChatBody) -> dict:  # sync: starlette runs it in its thread pool
-        return {"ids": [int(i) for i in engine.encode_chat(body.system, body.user)]}
+        with tokenizing:
+            return {"ids": [int(i) for i in engine.encode_chat(body.system, body.user)]}
 
     @app.post("/fp/count_tokens")
     def count_tokens(body: CountTokensBody) -> dict:
-        return {"tokens": int(engine.count_tokens(body.text))}
+        with tokenizing:
+            return {"tokens": int(engine.count_tokens(body.text))}
 
     @app.post("/fp/shutdown")
     async def shutdown() -> dict:
@@ -290,7 +294,8 @@ def create_app(engine, info: ServerInfo, token: str | None = None, idle_s: float
         if len(turns) != 1 or turns[0].role != "user":
             raise HTTPException(400, "messages: expected system messages and exactly one user message "
                                      f"(multi-turn chat is not supported), got roles {[m.role for m in body.messages]}")
-        ids = await asyncio.to_thread(engine.encode_chat, system or None, _text_of(turns[0].content))
+        ids = (await asyncio.to_thread(encode_chat, EncodeChatBody(system=system or None,
+                                                                    user=_text_of(turns[0].content))))["ids"]
         max_new = body.max_completion_tokens or body.max_tokens or 256
         temperature = body.temperature or 0.0
         cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())

@@ -89,3 +89,12 @@ def test_resident_sglang_engine_reuses_the_document_kv_cache():
         if pid is not None and _alive(pid):
             os.killpg(pid, signal.SIGKILL)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_sglang_settings_become_server_overrides():
+    from fpcli.engine.sglang_engine import server_overrides_from_argv
+
+    assert server_overrides_from_argv(["--tp", "2", "--mem-fraction-static=0.5"]) == {"tp_size": 2, "mem_fraction_static": 0.5}
+    assert server_overrides_from_argv(["--dp", "2"]) == {"dp_size": 2}
+    with pytest.raises(ValueError, match="--no-such-option"):
+        server_overrides_from_argv(["--no-such-option", "1"])
