@@ -211,25 +211,29 @@ def obtain_engine(engine: str, model: str | None, profile, progress, no_server: 
     not answer), else an in-process engine from ``engine_loader()``. ``no_server`` skips the
     resident engine. The caller handles load errors (``fail``)."""
     if not no_server:
-        try:
-            from fpcli.server.client import connect
-        except ImportError:  # fastapi/httpx missing: in-process only
-            connect = None
-        if connect is not None:
-            remote = connect(
-                model, profile, engine,
-                warn=lambda m: console.print(f"[yellow]warning: {escape(m)}[/]", soft_wrap=True),
-                note=lambda m: console.print(f"[dim]{escape(m)}[/]", soft_wrap=True, highlight=False),
-            )
-            if remote is not None:
-                return remote
+        from fpcli.server.client import connect
+
+        remote = connect(
+            model, profile, engine,
+            warn=lambda m: console.print(f"[yellow]warning: {escape(m)}[/]", soft_wrap=True),
+            note=lambda m: console.print(f"[dim]{escape(m)}[/]", soft_wrap=True, highlight=False),
+        )
+        if remote is not None:
+            return remote
     return engine_loader()(engine, model, profile, progress=progress)
 
 
+def server_of(engine) -> dict | None:
+    """The report's ``server`` value: ``{"address", "pid", "engine_start_s": 0.0}`` when the resident
+    engine answered (``RemoteEngine``), ``None`` for an in-process engine."""
+    from fpcli.server.client import RemoteEngine
+
+    return dict(engine.server) if isinstance(engine, RemoteEngine) else None
+
+
 def render_answered_by(console: Console, engine) -> dict | None:
-    """One dim line naming who answered (the resident engine's address and pid, or in-process);
-    returns the ``summary.server`` value: ``{"address", "pid", "engine_start_s": 0.0}`` or None."""
-    server = getattr(engine, "server", None)
+    """One dim line when the resident engine answered (its address and pid); returns ``server_of``."""
+    server = server_of(engine)
     if server:
         console.print(f"[dim]answered by the resident engine at {escape(server['address'])} (pid {server['pid']}; "
                       "no engine start)[/]", highlight=False, soft_wrap=True)

@@ -20,6 +20,7 @@ from fpcli.commands import (
     looks_like_question,
     obtain_engine,
     render_answered_by,
+    server_of,
     stderr_console,
     warn_precision,
 )
@@ -171,7 +172,7 @@ def ask(
             fail(f"generation failed: {_one_line(exc)}")
 
     data = ask_report(result, question, docs, prompt, prof)
-    data["summary"]["server"] = getattr(eng, "server", None)  # None: answered in-process
+    data["summary"]["server"] = server_of(eng)  # None: answered in-process
     data["summary"].setdefault("cached_tokens", result.cached_tokens)  # prompt tokens served from the KV cache
     if json_out:
         sys.stdout.write(dumps(data) + "\n")

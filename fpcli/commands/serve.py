@@ -11,6 +11,7 @@ from rich.markup import escape
 from fpcli.commands import (FpCommand, check_model_or_exit, engine_loader, fail, load_profile_or_exit,
                             parse_duration_or_exit, stderr_console)
 from fpcli.commands.ask import EngineChoice
+from fpcli.server import LOOPBACK
 
 app = typer.Typer()
 
@@ -26,7 +27,7 @@ def serve(
     profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, fp8, dense, or a path; sets the backend and engine defaults.")] = "bf16",
     engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: SGLang when CUDA and sglang are present, else transformers.")] = EngineChoice.auto,
     port: Annotated[Optional[int], typer.Option("--port", min=0, max=65535, help="Listen on this TCP port of 127.0.0.1 (0: any free port) with a bearer token, instead of the private Unix socket.")] = None,
-    host: Annotated[str, typer.Option("--host", help="With --port: a loopback address only (127.0.0.1, ::1, localhost).")] = "127.0.0.1",
+    host: Annotated[str, typer.Option("--host", help="With --port: a loopback address only (127.0.0.1, ::1, localhost).")] = LOOPBACK,
     idle: Annotated[Optional[str], typer.Option("--idle", help="End after this long without a request, e.g. 10m (default: never).")] = None,
     log: Annotated[Optional[str], typer.Option("--log", hidden=True, help="The log file (set by fp start).")] = None,
 ) -> None:
@@ -46,7 +47,7 @@ def serve(
             check_host(host)
         except ServeError as exc:
             fail(str(exc), code=2)
-    elif host != "127.0.0.1":
+    elif host != LOOPBACK:
         fail(f"--host {host}: only with --port (without it fp serve listens on a private Unix socket)", code=2)
     idle_s = parse_duration_or_exit("--idle", idle)
     prof = load_profile_or_exit(profile)

@@ -10,6 +10,7 @@ from rich.markup import escape
 from fpcli.commands import (FpCommand, check_model_or_exit, fail, load_profile_or_exit, parse_duration_or_exit,
                             stderr_console)
 from fpcli.commands.ask import EngineChoice
+from fpcli.server import START_TIMEOUT_S
 
 app = typer.Typer()
 
@@ -26,7 +27,7 @@ def start(
     engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: SGLang when CUDA and sglang are present, else transformers.")] = EngineChoice.auto,
     idle: Annotated[Optional[str], typer.Option("--idle", help="End after this long without a request, e.g. 10m (default: never).")] = None,
     replace: Annotated[bool, typer.Option("--replace", help="Stop a resident engine with another model or profile first.")] = False,
-    timeout: Annotated[float, typer.Option("--timeout", min=1.0, help="Seconds to wait for the engine to be ready.")] = 900.0,
+    timeout: Annotated[float, typer.Option("--timeout", min=1.0, help="Seconds to wait for the engine to be ready.")] = START_TIMEOUT_S,
 ) -> None:
     """Start the resident engine in the background and return once it answers; fp ask and fp profile then use it.
 

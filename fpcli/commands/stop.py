@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape
 
 from fpcli.commands import FpCommand, fail, stderr_console
+from fpcli.server import STOP_WAIT_S
 
 app = typer.Typer()
 
@@ -78,7 +79,7 @@ def status(
 
 @app.command("stop", cls=FpCommand)
 def stop(
-    wait: Annotated[float, typer.Option("--wait", min=0.0, help="Seconds to wait for a clean shutdown before SIGTERM, then SIGKILL.")] = 30.0,
+    wait: Annotated[float, typer.Option("--wait", min=0.0, help="Seconds to wait for a clean shutdown before SIGTERM, then SIGKILL.")] = STOP_WAIT_S,
 ) -> None:
     """Stop the resident engine (and every process it started); does nothing when none runs."""
     from fpcli.server.lifecycle import LifecycleError, stop_server

@@ -10,5 +10,11 @@ Modules, one job each:
 - ``client``: ``RemoteEngine`` (the ``Engine`` protocol over the socket) and ``connect``.
 - ``lifecycle``: ``fp start`` / ``fp status`` / ``fp stop``: spawn, probe and end the server.
 
-Nothing here imports torch or an engine at import time.
+Nothing here imports torch or an engine at import time; this package's own defaults are below
+(importing them costs nothing, the CLI uses them as option defaults).
 """
+
+LOOPBACK = "127.0.0.1"  # the only kind of TCP address fp serve listens on (IPv6 ::1 and localhost allowed too)
+START_TIMEOUT_S = 900.0  # fp start: longest wait for a new engine (SGLang starts in 41-100 s on an H200)
+STOP_WAIT_S = 30.0  # fp stop: wait for a clean shutdown before SIGTERM, then SIGKILL
+

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from . import START_TIMEOUT_S, STOP_WAIT_S
 from .client import ClientConfig, ServerUnavailable, probe, shutdown
 from .paths import ServerPaths
 from .state import ServerState, clear_state, pid_alive, read_state, start_lock
@@ -34,7 +35,7 @@ class StartRequest:
     """
 
     serve_args: list[str] = field(default_factory=list)
-    timeout_s: float = 900.0
+    timeout_s: float = START_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,7 @@ def _end_process(pid: int, grace_s: float) -> str:
     return how
 
 
-def stop_server(paths: ServerPaths, wait_s: float = 30.0, config: ClientConfig = ClientConfig()) -> tuple[Status, str]:
+def stop_server(paths: ServerPaths, wait_s: float = STOP_WAIT_S, config: ClientConfig = ClientConfig()) -> tuple[Status, str]:
     """End the resident engine: ``/fp/shutdown``, wait ``wait_s``, then SIGTERM and SIGKILL its
     process group. Idempotent. Returns (status before, how it ended: ``shutdown``, ``SIGTERM``,
     ``SIGKILL``, or ``""`` when nothing ran).
@@ -188,8 +189,6 @@ def stop_server(paths: ServerPaths, wait_s: float = 30.0, config: ClientConfig =
     asked = shutdown(state, config)
     if asked and _wait_gone(state.pid, wait_s):
         how = "shutdown"
-        if _group_leader(state.pid):
-            pass
     else:
         how = _end_process(state.pid, grace_s=10.0)
     try:  # children left in the detached group

@@ -9,11 +9,10 @@ import socket
 import time
 from dataclasses import dataclass
 
+from . import LOOPBACK
 from .app import ServerInfo, create_app
 from .paths import ServerPaths, write_private
 from .state import ServerState, clear_state, pid_alive, read_state, write_state
-
-LOOPBACK = "127.0.0.1"
 
 
 class ServeError(RuntimeError):
