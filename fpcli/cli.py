@@ -1,4 +1,5 @@
-"""The ``fp`` command line: ``fp ask``, ``fp bench``, ``fp eval``, ``fp profile``, ``fp serve``, ``fp model``.
+"""The ``fp`` command line: ``fp ask``, ``fp chat``, ``fp bench``, ``fp eval``, ``fp profile``, ``fp serve``,
+``fp start``, ``fp status``, ``fp stop``, ``fp model``.
 
 One module per command under ``fpcli/commands/``, joined here with ``add_typer``. stdout carries
 only answers and ``--json`` output; everything else goes to stderr.
@@ -10,7 +11,7 @@ from typing import Annotated
 import typer
 
 from fpcli import __version__
-from fpcli.commands import FpGroup, ask, bench, evaluate, model, profile, serve
+from fpcli.commands import FpGroup, ask, bench, evaluate, model, profile, serve, start, stop
 
 app = typer.Typer(
     name="fp",
@@ -27,6 +28,8 @@ app.add_typer(bench.app)
 app.add_typer(evaluate.app)
 app.add_typer(profile.app)
 app.add_typer(serve.app)
+app.add_typer(start.app)
+app.add_typer(stop.app)
 app.add_typer(model.app, name="model", help="Manage the embedded default model (list, pull, path).")
 
 

@@ -34,9 +34,19 @@ sys.path.insert(0, str(ROOT))
 from fpcli.bench_e2e import answered, needle_document  # noqa: E402
 
 
+def _auth() -> dict:
+    """``fp serve --port`` needs the bearer token it writes to a 0600 file in the runtime folder."""
+    from fpcli.server.paths import default_paths
+
+    try:
+        return {"Authorization": "Bearer " + default_paths().token.read_text().strip()}
+    except OSError:
+        return {}
+
+
 def _get(url: str, timeout: float = 5.0) -> int:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=_auth()), timeout=timeout) as r:
             return r.status
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return 0
@@ -47,7 +57,7 @@ def stream_chat(base: str, text: str, max_tokens: int = 16, timeout: float = 300
     body = json.dumps({"model": "default", "messages": [{"role": "user", "content": text}], "stream": True,
                        "temperature": 0.0, "max_tokens": max_tokens}).encode()
     req = urllib.request.Request(base + "/v1/chat/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **_auth()})
     t0 = time.perf_counter()
     ttft, parts = None, []
     with urllib.request.urlopen(req, timeout=timeout) as r:

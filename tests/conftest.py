@@ -50,3 +50,12 @@ def pdf_factory(tmp_path):
         return path
 
     return build
+
+
+@pytest.fixture(autouse=True)
+def _private_runtime_dir(monkeypatch, tmp_path_factory):
+    """Every test sees its own empty runtime folder, so a resident engine (``fp start``) of the
+    developer running the tests is never used by them."""
+    rt = tmp_path_factory.mktemp("rt")
+    rt.chmod(0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(rt))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fp_fakes import encrypt_pdf, make_pdf
+from fp_fakes import FakeEngine, encrypt_pdf, make_pdf
 from fpcli.cli import app
 from fpcli.commands.bench import parse_heads, parse_lengths
 
@@ -36,7 +36,7 @@ def doc(tmp_path):
 def test_help_lists_commands(runner):
     r = invoke(runner, ["--help"])
     assert r.exit_code == 0
-    for cmd in ("ask", "bench", "profile", "serve", "model"):
+    for cmd in ("ask", "bench", "profile", "serve", "start", "status", "stop", "model"):
         assert cmd in r.stdout
     assert invoke(runner, ["--version"]).stdout.startswith("fp ")
 
@@ -74,6 +74,7 @@ SUMMARY_KEYS = {
     "engine", "model", "profile", "precision", "precision_requested", "attention", "min_sparse_len", "density", "density_per_layer_head",
     "attention_flops_dense", "attention_flops_skipped", "attention_flops_skipped_fraction", "index_ms", "attention_ms",
     "native_context", "context", "rope_scaling", "engine_start_phases",
+    "cached_tokens", "server",
 }
 
 
@@ -89,6 +90,7 @@ def test_ask_json_is_one_object_same_as_report(runner, fake_engine, doc, tmp_pat
     assert set(d) == {"overall", "min", "median", "max", "per_layer", "over", "sparse_layers"}
     assert d["min"] <= d["median"] <= d["max"]
     assert data["summary"]["engine"] == "fake" and data["summary"]["profile"] == "bf16"
+    assert data["summary"]["server"] is None  # answered in-process (no resident engine runs)
     (docrow,) = data["ingestion"]["documents"]
     assert docrow["name"] == str(doc) and docrow["kind"] == "text" and docrow["tokens"] > 0 and docrow["error"] is None
     assert set(docrow) == {"name", "kind", "pages", "chars", "tokens", "skipped_pages", "empty_pages",
@@ -577,31 +579,29 @@ def test_profile_two_files_is_not_a_question(runner, fake_engine, doc, tmp_path)
 # -- fp serve -------------------------------------------------------------------------------------
 
 
-def test_serve_without_sglang_names_gpu_extras(runner, monkeypatch):
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
-    r = invoke(runner, ["serve", "--model-path", "x", "--port", "30000"])
-    assert r.exit_code == 1 and "pip install -e .[gpu]" in r.stderr
-
-
-def test_serve_passes_arguments_through(runner, monkeypatch):
-    import importlib.util
-
-    import torch
+def test_serve_passes_engine_settings_to_the_loader(runner, monkeypatch, tmp_path):
+    """Options fp serve does not know (``--tp 2``) are engine settings for the loader; the server
+    itself is replaced by a recorder (test_server.py runs the real one)."""
+    import fpcli.server.serve as serve_mod
 
     seen = {}
-    mod = types.ModuleType("fpcli.engine.sglang_engine")
-    mod.launch_server = lambda argv, profile: seen.update(argv=argv, profile=profile) or 0
-    monkeypatch.setitem(sys.modules, "fpcli.engine.sglang_engine", mod)
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "sglang" else real(name, *a))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    r = invoke(runner, ["serve", "--profile", "fp8", "--model-path", "Qwen/Qwen3-8B", "--tp", "2", "--enable-metrics"])
+
+    def loader(engine, model, profile, progress=None, **kw):
+        seen.update(engine=engine, profile=profile.name, **kw)
+        return FakeEngine(model_name="m")
+
+    monkeypatch.setenv("FP_ENGINE_FACTORY", "fpcli_test_loader:load")
+    mod = types.ModuleType("fpcli_test_loader")
+    mod.load = loader
+    monkeypatch.setitem(sys.modules, "fpcli_test_loader", mod)
+    monkeypatch.setattr(serve_mod, "run_server", lambda eng, info, paths, config, on_ready=None: seen.update(info=info, config=config))
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    r = invoke(runner, ["serve", "--profile", "fp8", "--model-path", str(model), "--tp", "2", "--enable-metrics"])
     assert r.exit_code == 0, r.output
-    assert seen["argv"] == ["--model-path", "Qwen/Qwen3-8B", "--tp", "2", "--enable-metrics"]
-    assert seen["profile"].name == "fp8"
+    assert seen["engine_args"] == ["--tp", "2", "--enable-metrics"] and seen["profile"] == "fp8"
+    assert seen["info"].model_path == str(model.resolve()) and seen["config"].port is None
 
 
 # -- fp model -------------------------------------------------------------------------------------

@@ -278,3 +278,28 @@ def test_engine_reports_the_precision_that_ran(model_dir):
         assert eng.precision == "fp32"  # the CPU model dtype: what the attention really runs in
         r = eng.generate(eng.encode_chat(None, "w1 w2 w3"), max_new_tokens=1)
     assert r.precision == "fp32" and r.to_dict()["precision"] == "fp32"
+
+
+def test_engine_stops_when_on_text_raises(model_dir):
+    """A client that goes away (the resident engine's on_text raises) stops the generation before
+    the next decode step, and the exception reaches the caller."""
+
+    class Cancelled(Exception):
+        pass
+
+    with TransformersEngine(model_dir, profile("dense"), model_name="tiny") as eng:
+        user = " ".join(WORDS[i % 200] for i in range(1000))
+        prompt = eng.encode_chat(None, user)
+        assert eng.generate(prompt, max_new_tokens=6).output_tokens >= 2  # it would go on
+        forwards = []
+        real = eng.model.forward
+        eng.model.forward = lambda *a, **k: forwards.append(1) or real(*a, **k)
+        pieces = []
+
+        def on_text(piece):
+            pieces.append(piece)
+            raise Cancelled
+
+        with pytest.raises(Cancelled):
+            eng.generate(prompt, max_new_tokens=6, on_text=on_text)
+        assert len(pieces) == 1 and len(forwards) == 1  # the prefill only, no decode step after it

@@ -250,3 +250,60 @@ def is_file(arg: str) -> bool:
 def looks_like_question(arg: str) -> bool:
     """A 'file' name that is more likely the question: it has spaces or ends with '?'."""
     return " " in arg.strip() or arg.rstrip().endswith("?")
+
+
+DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration_or_exit(option: str, text: str | None) -> float | None:
+    """Seconds of ``10m``, ``90s``, ``1.5h``, ``2d`` or a bare number of seconds; ``None`` for
+    ``None``, ``0``, ``never`` or ``off``. Exit 2 on anything else."""
+    if text is None:
+        return None
+    t = text.strip().lower()
+    if t in ("0", "never", "off", "none"):
+        return None
+    unit = DURATION_UNITS.get(t[-1:], None)
+    number = t[:-1] if unit else t
+    try:
+        value = float(number) * (unit or 1.0)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        fail(f"{option} {text}: expected a duration such as 90s, 10m, 1h or never", code=2)
+    return value
+
+
+def obtain_engine(engine: str, model: str | None, profile, progress, no_server: bool, console: Console):
+    """The engine for a command: the resident engine when one runs with the same model, profile
+    and engine (``fpcli.server.client.connect``; warnings on ``console`` when it is stale or does
+    not answer), else an in-process engine from ``engine_loader()``. ``no_server`` skips the
+    resident engine. The caller handles load errors (``fail``)."""
+    if not no_server:
+        from fpcli.server.client import connect
+
+        remote = connect(
+            model, profile, engine,
+            warn=lambda m: console.print(f"[yellow]warning: {escape(m)}[/]", soft_wrap=True),
+            note=lambda m: console.print(f"[dim]{escape(m)}[/]", soft_wrap=True, highlight=False),
+        )
+        if remote is not None:
+            return remote
+    return engine_loader()(engine, model, profile, progress=progress)
+
+
+def server_of(engine) -> dict | None:
+    """The report's ``server`` value: ``{"address", "pid", "engine_start_s": 0.0}`` when the resident
+    engine answered (``RemoteEngine``), ``None`` for an in-process engine."""
+    from fpcli.server.client import RemoteEngine
+
+    return dict(engine.server) if isinstance(engine, RemoteEngine) else None
+
+
+def render_answered_by(console: Console, engine) -> dict | None:
+    """One dim line when the resident engine answered (its address and pid); returns ``server_of``."""
+    server = server_of(engine)
+    if server:
+        console.print(f"[dim]answered by the resident engine at {escape(server['address'])} (pid {server['pid']}; "
+                      "no engine start)[/]", highlight=False, soft_wrap=True)
+    return server

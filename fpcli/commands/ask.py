@@ -16,12 +16,14 @@ from fpcli.commands import (
     check_output_path_or_exit,
     context_or_exit,
     context_source,
-    engine_loader,
     fail,
     is_file,
     load_profile_or_exit,
     looks_like_question,
+    obtain_engine,
+    render_answered_by,
     say_context,
+    server_of,
     stderr_console,
     warn_precision,
 )
@@ -76,8 +78,11 @@ def ask(
     cut: Annotated[CutChoice, typer.Option("--cut", help="When the documents exceed the context: cut the middle (keep start and end) or the end.")] = CutChoice.middle,
     page_timeout: Annotated[float, typer.Option("--page-timeout", min=0.1, help="Seconds allowed to extract one PDF page.")] = 20.0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary or progress on stderr (warnings and errors still shown).")] = False,
+    no_server: Annotated[bool, typer.Option("--no-server", help="Load the model in this process even when a resident engine (fp start) runs.")] = False,
 ) -> None:
     """Answer QUESTION about the documents FILE... with a local model.
+
+    Uses the resident engine (fp start) when it runs the same model and profile, else loads the model in-process.
 
     The answer streams to stdout; a summary (prompt tokens, TTFT, decode speed, attention density, FLOPs skipped, engine, model, profile) goes to stderr.
 
@@ -130,11 +135,10 @@ def ask(
     if not usable:  # each file's reason was printed just above, once
         fail("no readable document remains (see the reasons above)" if len(docs) > 1 else "no readable document (see the reason above)")
 
-    load = engine_loader()
     from fpcli.engine.context import ContextError
 
     try:
-        eng = load(engine.value, model, prof, progress=False if quiet else err)
+        eng = obtain_engine(engine.value, model, prof, False if quiet else err, no_server, err)
     except typer.Exit:
         raise
     except ContextError as exc:
@@ -182,6 +186,8 @@ def ask(
 
     data = ask_report(result, question, docs, prompt, prof, context=context_info,
                       start_phases=getattr(eng, "start_phases", None))
+    data["summary"]["server"] = server_of(eng)  # None: answered in-process
+    data["summary"].setdefault("cached_tokens", result.cached_tokens)  # prompt tokens served from the KV cache
     if json_out:
         sys.stdout.write(dumps(data) + "\n")
     elif not last[0].endswith("\n"):
@@ -194,6 +200,7 @@ def ask(
             fail(f"cannot write the report {report}: {exc.strerror or exc}")
     if not quiet:
         render_summary(err, data)
+        render_answered_by(err, eng)
         if report is not None:
             err.print(f"[dim]report saved to {report}[/]", highlight=False)
 

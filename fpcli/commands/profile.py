@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from fpcli.commands import (FpCommand, check_model_or_exit, check_output_path_or_exit, context_or_exit, context_source,
-                            engine_loader, fail, is_file, load_profile_or_exit, looks_like_question, say_context,
+                            fail, is_file, load_profile_or_exit, looks_like_question, obtain_engine,
+                            render_answered_by, say_context,
                             stderr_console, warn_precision)
 from fpcli.commands.ask import EngineChoice
 
@@ -30,6 +31,7 @@ def profile_cmd(
     engine: Annotated[EngineChoice, typer.Option("--engine")] = EngineChoice.auto,
     password: Annotated[Optional[str], typer.Option("--password", help="Password of an encrypted PDF.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the statistics as JSON on stdout.")] = False,
+    no_server: Annotated[bool, typer.Option("--no-server", help="Load the model in this process even when a resident engine (fp start) runs.")] = False,
 ) -> None:
     """Show the attention density per layer and KV head of one prefill of FILE.
 
@@ -61,7 +63,7 @@ def profile_cmd(
     from fpcli.engine.context import ContextError
 
     try:
-        eng = engine_loader()(engine.value, model, prof, progress=err)
+        eng = obtain_engine(engine.value, model, prof, err, no_server, err)
     except typer.Exit:
         raise
     except ContextError as exc:
@@ -113,6 +115,7 @@ def profile_cmd(
         "attention_ms_per_layer": attn_per_layer,
         "fp8_error_per_layer": fp8_error,
         "png": None,
+        "server": render_answered_by(err, eng),  # None: profiled in-process
     }
     if grid:
         # default: the current directory (never beside the input, which may be read-only or shared)

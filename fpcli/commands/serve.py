@@ -1,16 +1,19 @@
-"""``fp serve [SGLang args...]``: an SGLang server with the flashprefill attention backend."""
+"""``fp serve``: the resident engine in the foreground -- the OpenAI-compatible server for other
+clients, and the server ``fp ask`` / ``fp profile`` use (``fp start`` runs it detached)."""
 from __future__ import annotations
 
-import importlib.util
-from typing import Annotated
+import os
+from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
-from fpcli.commands import FpCommand, fail, load_profile_or_exit
+from fpcli.commands import (FpCommand, check_model_or_exit, engine_loader, fail, load_profile_or_exit,
+                            parse_duration_or_exit, stderr_console)
+from fpcli.commands.ask import EngineChoice
+from fpcli.server import LOOPBACK
 
 app = typer.Typer()
-
-GPU_HINT = "install the GPU extras with `pip install -e .[gpu]` on a machine with a CUDA GPU"
 
 
 @app.command(
@@ -20,26 +23,68 @@ GPU_HINT = "install the GPU extras with `pip install -e .[gpu]` on a machine wit
 )
 def serve(
     ctx: typer.Context,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", "--model-path", help="Model (default: the embedded one); as for fp ask.")] = None,
     profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, fp8, dense, or a path; sets the backend and engine defaults.")] = "bf16",
+    engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: SGLang when CUDA and sglang are present, else transformers.")] = EngineChoice.auto,
+    port: Annotated[Optional[int], typer.Option("--port", min=0, max=65535, help="Listen on this TCP port of 127.0.0.1 (0: any free port) with a bearer token, instead of the private Unix socket.")] = None,
+    host: Annotated[str, typer.Option("--host", help="With --port: a loopback address only (127.0.0.1, ::1, localhost).")] = LOOPBACK,
+    idle: Annotated[Optional[str], typer.Option("--idle", help="End after this long without a request, e.g. 10m (default: never).")] = None,
+    log: Annotated[Optional[str], typer.Option("--log", hidden=True, help="The log file (set by fp start).")] = None,
 ) -> None:
-    """Start an SGLang server whose prefill attention is FlashPrefill.
+    """Serve a model until stopped: fp ask and fp profile use it, and other clients through its OpenAI-compatible API (/v1/models, /v1/chat/completions).
 
-    Every other argument goes to SGLang unchanged, e.g. fp serve --model-path Qwen/Qwen3-8B --port 30000 --tp 2
+    Listens on a Unix socket in a private runtime folder, or with --port on 127.0.0.1 with a bearer token in a 0600 file (OpenAI clients pass it as api_key). Other arguments are engine settings for SGLang, e.g. fp serve --engine sglang --tp 2. Stop with Ctrl-C or fp stop.
     """
-    prof = load_profile_or_exit(profile)
-    if importlib.util.find_spec("sglang") is None:
-        fail(f"fp serve needs SGLang, which is not installed: {GPU_HINT}")
-    try:
-        import torch
+    from fpcli import __version__
+    from fpcli.server.app import ServerInfo
+    from fpcli.server.paths import PathsError, default_paths
+    from fpcli.server.serve import ServeConfig, ServeError, check_host, run_server
+    from fpcli.server.state import profile_hash
 
-        cuda = torch.cuda.is_available()
-    except Exception:  # noqa: BLE001
-        cuda = False
-    if not cuda:
-        fail(f"fp serve needs a CUDA GPU (none found): {GPU_HINT}")
+    err = stderr_console()
+    if port is not None:
+        try:
+            check_host(host)
+        except ServeError as exc:
+            fail(str(exc), code=2)
+    elif host != LOOPBACK:
+        fail(f"--host {host}: only with --port (without it fp serve listens on a private Unix socket)", code=2)
+    idle_s = parse_duration_or_exit("--idle", idle)
+    prof = load_profile_or_exit(profile)
+    check_model_or_exit(model)
     try:
-        from fpcli.engine.sglang_engine import launch_server
-    except ImportError as exc:
-        fail(f"the SGLang engine is unavailable ({exc}): {GPU_HINT}")
-    code = launch_server(list(ctx.args), prof)
-    raise typer.Exit(code if isinstance(code, int) else 0)
+        paths = default_paths().ensure()
+    except (PathsError, OSError) as exc:
+        fail(f"cannot prepare the runtime folder: {exc}")
+    engine_args = list(ctx.args)
+    try:
+        from fpcli.engine import resolve_request
+        from fpcli.models import resolve_model
+
+        _, model, prof = resolve_request(engine.value, model, prof)  # the defaults the client applies too
+        model_path = str(resolve_model(model, progress=err))
+        load = engine_loader()
+        kwargs = {"engine_args": engine_args} if engine_args else {}
+        eng = load(engine.value, model, prof, progress=err, **kwargs)
+    except typer.Exit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - one line for any load failure
+        lines = str(exc).strip().splitlines()
+        fail(f"cannot load the model: {lines[0] if lines else type(exc).__name__}")
+    info = ServerInfo(model=eng.model_name, model_path=model_path, profile=prof.name, profile_hash=profile_hash(prof),
+                      engine=eng.name, context_length=int(eng.context_length), precision=str(eng.precision),
+                      version=__version__)
+
+    def ready(state) -> None:
+        err.print(f"fp: serving {escape(info.model)} ({info.engine} engine, profile {escape(info.profile)}) at "
+                  f"{escape(state.address)}, pid {os.getpid()}", highlight=False, soft_wrap=True)
+        if state.token_file:
+            err.print(f"fp: bearer token in {escape(state.token_file)} (OpenAI clients: api_key=<its content>, "
+                      f"base_url={escape(state.address)}/v1)", highlight=False, soft_wrap=True)
+
+    try:
+        run_server(eng, info, paths, ServeConfig(port=port, host=host, idle_s=idle_s, log=log), on_ready=ready)
+    except ServeError as exc:
+        eng.close()
+        fail(str(exc))
+    err.print("fp: the server stopped", highlight=False)

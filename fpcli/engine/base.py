@@ -4,7 +4,7 @@ Data path: document -> prompt (token ids) -> ``Engine.generate`` -> ``Generation
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Callable, Protocol, runtime_checkable
 
 
@@ -57,6 +57,7 @@ class GenerationResult:
     stats: PrefillStats = field(default_factory=PrefillStats)
     finish_reason: str = "length"
     precision: str = "bf16"
+    cached_tokens: int = 0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -67,6 +68,23 @@ class GenerationResult:
         d = asdict(self)
         d["decode_tokens_per_s"] = self.decode_tokens_per_s
         return d
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "GenerationResult":
+        """The inverse of ``to_dict`` (derived and unknown keys are ignored).
+
+        Raises:
+            KeyError: a required field is missing.
+        """
+        names = {f.name for f in fields(cls)}
+        kept = {k: v for k, v in data.items() if k in names}
+        stats = kept.pop("stats", None) or {}
+        stat_names = {f.name for f in fields(PrefillStats)}
+        missing = [f.name for f in fields(cls) if f.name not in kept and f.name != "stats"
+                   and f.default is MISSING and f.default_factory is MISSING]
+        if missing:
+            raise KeyError(f"GenerationResult fields missing: {', '.join(missing)}")
+        return cls(**kept, stats=PrefillStats(**{k: v for k, v in stats.items() if k in stat_names}))
 
 
 @runtime_checkable

@@ -475,7 +475,9 @@ class SGLangEngine:
         rid: str | None = None,
     ) -> GenerationResult:
         """Greedy when ``temperature == 0``; streams text deltas to ``on_text``. ``prompt_ids`` may
-        be a string (tokenized here, no template). TTFT = submission to the first answer token."""
+        be a string (tokenized here, no template). TTFT = submission to the first answer token.
+        An exception raised by ``on_text`` (e.g. a cancelled client) aborts the request in SGLang
+        and propagates."""
         if self._closed:
             raise RuntimeError("SGLangEngine is closed")
         if isinstance(prompt_ids, str):
@@ -491,20 +493,24 @@ class SGLangEngine:
         out_ids: list[int] = []
         meta: dict = {}
         shown = ""
-        for chunk in stream:
-            new = list(chunk.get("output_ids") or [])
-            if self._incremental:
-                out_ids.extend(new)
-            elif new:
-                out_ids = new
-            if out_ids and first_t is None:
-                first_t = time.perf_counter()
-            meta = chunk.get("meta_info") or meta
-            if on_text is not None and out_ids:
-                text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
-                if text.startswith(shown) and not text.endswith("\ufffd") and len(text) > len(shown):
-                    on_text(text[len(shown):])
-                    shown = text
+        try:
+            for chunk in stream:
+                new = list(chunk.get("output_ids") or [])
+                if self._incremental:
+                    out_ids.extend(new)
+                elif new:
+                    out_ids = new
+                if out_ids and first_t is None:
+                    first_t = time.perf_counter()
+                meta = chunk.get("meta_info") or meta
+                if on_text is not None and out_ids:
+                    text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
+                    if text.startswith(shown) and not text.endswith("\ufffd") and len(text) > len(shown):
+                        on_text(text[len(shown):])  # may raise to cancel: the request is aborted below
+                        shown = text
+        except BaseException:
+            self._abort(rid)
+            raise
         t_end = time.perf_counter()
         text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
         if on_text is not None and text.startswith(shown) and len(text) > len(shown):
@@ -525,10 +531,21 @@ class SGLangEngine:
             stats=stats,
             finish_reason=_finish_reason(meta),
             precision=self.precision,
+            cached_tokens=int(meta.get("cached_tokens", 0) or 0),
         )
-        result.cached_tokens = int(meta.get("cached_tokens", 0) or 0)  # extra, not in to_dict()
         result.rid = rid
         return result
+
+    def _abort(self, rid: str) -> None:
+        """Abort request ``rid`` in SGLang's scheduler (after ``on_text`` raised or an interrupt),
+        so a cancelled answer stops decoding and frees its batch slot."""
+        tm = getattr(self._engine, "tokenizer_manager", None)
+        if tm is None:
+            return
+        try:
+            tm.abort_request(rid)
+        except Exception as exc:  # noqa: BLE001 - best effort; the stream is already abandoned
+            logger.warning("could not abort SGLang request %s: %s", rid, exc)
 
     def _prefill_stats(self, rid: str, prompt_tokens: int, ttft: float) -> tuple[PrefillStats, float]:
         """(stats, prefill seconds) from the backend's JSONL; TTFT stands in for prefill time when
@@ -638,9 +655,8 @@ class SGLangEngine:
 # ----------------------------------------------------------------------------------------------
 
 
-def serve_argv(argv: Sequence[str], profile: Any) -> list[str]:
-    """SGLang CLI arguments for ``fp serve``: ``--tp N`` / ``--dp N`` spelled out, the profile's
-    defaults added where the user gave none (pure; tested on CPU)."""
+def _spell_out(argv: Sequence[str]) -> list[str]:
+    """``--tp N`` / ``--dp N`` (and ``=`` forms) as SGLang spells them: ``--tp-size`` / ``--dp-size``."""
     out: list[str] = []
     alias = {"--tp": "--tp-size", "--dp": "--dp-size"}
     for a in argv:
@@ -648,6 +664,35 @@ def serve_argv(argv: Sequence[str], profile: Any) -> list[str]:
         if head in alias:
             a = alias[head] + (sep + tail if sep else "")
         out.append(a)
+    return out
+
+
+def server_overrides_from_argv(argv: Sequence[str]) -> dict:
+    """``ServerArgs`` fields set by SGLang command-line options (``--tp 2``, ``--dp 2``,
+    ``--mem-fraction-static 0.5`` ...), parsed by SGLang's own parser: only the options given.
+    They become ``SGLangEngine(server_overrides=...)`` in the resident engine.
+
+    Raises:
+        ValueError: an option SGLang does not know, or a bad value (SGLang's message).
+    """
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):  # argparse exits; we raise
+            raise ValueError(f"SGLang settings {' '.join(argv)}: {message}")
+
+    parser = Parser(add_help=False)
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--model-path", "unused", *_spell_out(argv)])
+    return {k: v for k, v in vars(ns).items() if k != "model_path" and v != parser.get_default(k)}
+
+
+def serve_argv(argv: Sequence[str], profile: Any) -> list[str]:
+    """SGLang CLI arguments for ``fp serve``: ``--tp N`` / ``--dp N`` spelled out, the profile's
+    defaults added where the user gave none (pure; tested on CPU)."""
+    out = _spell_out(argv)
     given = {a.partition("=")[0] for a in out if a.startswith("--")}
     eng = profile.engine
     dense = bool(getattr(profile, "is_dense", False))
@@ -670,26 +715,3 @@ def serve_argv(argv: Sequence[str], profile: Any) -> list[str]:
     if eng.context_length and "--context-length" not in given:
         out += ["--context-length", str(eng.context_length)]
     return out
-
-
-def launch_server(argv: Sequence[str], profile: Any) -> None:
-    """``fp serve``: SGLang's OpenAI-compatible HTTP server with ``flashprefill`` registered in
-    every process (blocks until the server stops). ``argv`` are SGLang's own options
-    (``--model-path``, ``--port``, ``--tp``, ``--dp`` ...)."""
-    check_available()
-    from fpcli.sglang_backend.plugin import register, run_scheduler_process
-
-    register(source="direct")  # argparse choices + registry in this process
-    from sglang.srt.entrypoints.http_server import launch_server as sglang_launch_server
-    from sglang.srt.server_args import prepare_server_args
-    from sglang.srt.utils import kill_process_tree
-
-    full = serve_argv(argv, profile)
-    server_args = prepare_server_args(full)
-    settings = settings_from_profile(profile, collect_stats=False)
-    os.environ.update(settings.to_env())  # inherited by every spawned scheduler (TP/DP ranks)
-    logger.info("fp serve: sglang %s", " ".join(full))
-    try:
-        sglang_launch_server(server_args, run_scheduler_process_func=run_scheduler_process)
-    finally:
-        kill_process_tree(os.getpid(), include_parent=False)

@@ -396,6 +396,13 @@ class TransformersEngine:
         temperature: float = 0.0,
         on_text: Callable[[str], None] | None = None,
     ) -> GenerationResult:
+        """Greedy when ``temperature == 0``; streams decoded text pieces to ``on_text``. An
+        exception raised by ``on_text`` (e.g. a cancelled client) stops the generation before the
+        next decode step and propagates.
+
+        Raises:
+            ValueError: empty ``prompt_ids``, or a prompt that fills the context.
+        """
         from transformers import DynamicCache
 
         t_submit = time.perf_counter()

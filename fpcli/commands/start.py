@@ -1,0 +1,88 @@
+"""``fp start``: run the resident engine detached and return once it is ready."""
+from __future__ import annotations
+
+import os
+from typing import Annotated, Optional
+
+import typer
+from rich.markup import escape
+
+from fpcli.commands import (FpCommand, check_model_or_exit, fail, load_profile_or_exit, parse_duration_or_exit,
+                            stderr_console)
+from fpcli.commands.ask import EngineChoice
+from fpcli.server import START_TIMEOUT_S
+
+app = typer.Typer()
+
+
+@app.command(
+    "start",
+    cls=FpCommand,
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def start(
+    ctx: typer.Context,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model (default: the embedded one); as for fp ask.")] = None,
+    profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, fp8, dense, or a path to a profile .yaml.")] = "bf16",
+    engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: SGLang when CUDA and sglang are present, else transformers.")] = EngineChoice.auto,
+    idle: Annotated[Optional[str], typer.Option("--idle", help="End after this long without a request, e.g. 10m (default: never).")] = None,
+    replace: Annotated[bool, typer.Option("--replace", help="Stop a resident engine with another model or profile first.")] = False,
+    timeout: Annotated[float, typer.Option("--timeout", min=1.0, help="Seconds to wait for the engine to be ready.")] = START_TIMEOUT_S,
+) -> None:
+    """Start the resident engine in the background and return once it answers; fp ask and fp profile then use it.
+
+    Extra arguments after -- are engine settings for SGLang, e.g. fp start --engine sglang -- --tp 2. See fp status and fp stop.
+    """
+    from fpcli.server.lifecycle import LifecycleError, StartRequest, start_server
+    from fpcli.server.paths import PathsError, default_paths
+    from fpcli.server.state import profile_hash
+
+    err = stderr_console()
+    idle_s = parse_duration_or_exit("--idle", idle)
+    prof = load_profile_or_exit(profile)
+    check_model_or_exit(model)
+    try:
+        paths = default_paths().ensure()
+    except (PathsError, OSError) as exc:
+        fail(f"cannot prepare the runtime folder: {exc}")
+    try:
+        from fpcli.engine import resolve_request
+        from fpcli.models import resolve_model
+
+        _, resolved_model, prof = resolve_request(engine.value, model, prof)  # the server applies the same defaults
+        model_path = str(resolve_model(resolved_model, progress=err))  # fetch/convert here, with progress
+    except Exception as exc:  # noqa: BLE001
+        fail(f"cannot load the model: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
+
+    args = ["--profile", os.path.abspath(profile) if os.path.exists(profile) else profile, "--engine", engine.value]
+    if model is not None:
+        args += ["--model", os.path.abspath(model) if os.path.exists(model) else model]
+    if idle_s:
+        args += ["--idle", f"{idle_s}s"]
+    if ctx.args:
+        args += ["--", *ctx.args]
+    want_hash = profile_hash(prof)
+
+    def differences(state) -> list[str]:
+        out = []
+        if state.model_path != model_path:
+            out.append("model")
+        if state.profile_hash != want_hash:
+            out.append("profile")
+        if engine.value not in ("auto", state.engine):
+            out.append("engine")
+        return out
+
+    with err.status("starting the resident engine") as status:
+        def waiting(waited: float, line: str) -> None:
+            status.update(f"starting the resident engine ({waited:.0f} s){': ' + escape(line[:80]) if line else ''}")
+
+        try:
+            outcome, state = start_server(paths, StartRequest(serve_args=args, timeout_s=timeout), lock_timeout_s=timeout + 30,
+                                          matches=differences, replace=replace, on_wait=waiting)
+        except (LifecycleError, TimeoutError) as exc:
+            fail(str(exc))
+    verb = {"running": "already runs", "started": "started", "replaced": "replaced the previous one and started"}[outcome]
+    err.print(f"fp: resident engine {verb}: {escape(state.model)} ({state.engine} engine, profile {escape(state.profile)}) "
+              f"at {escape(state.address)}, pid {state.pid}" + (f"; log {escape(state.log)}" if state.log else ""),
+              highlight=False, soft_wrap=True)

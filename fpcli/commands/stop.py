@@ -1,0 +1,99 @@
+"""``fp status`` and ``fp stop``: what the resident engine is doing, and ending it."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from fpcli.commands import FpCommand, fail, stderr_console
+from fpcli.server import STOP_WAIT_S
+
+app = typer.Typer()
+
+EXIT_NOT_RUNNING = 3  # fp status: nothing runs (or it was stale); 1: it hangs
+
+
+def _paths():
+    from fpcli.server.paths import PathsError, default_paths
+
+    try:
+        return default_paths().ensure()
+    except (PathsError, OSError) as exc:
+        fail(f"cannot prepare the runtime folder: {exc}")
+
+
+def _size(n) -> str:
+    return "n/a" if n is None else f"{n / 2**20:,.0f} MiB"
+
+
+def _duration(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+@app.command("status", cls=FpCommand)
+def status(
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+) -> None:
+    """Show the resident engine: model, profile, engine, address, idle time, memory, requests.
+
+    Exit code 0 when it runs, 3 when none runs (a stale state file of a dead engine is removed, and said), 1 when it does not answer (hung).
+    """
+    from fpcli.server.lifecycle import probe_status
+
+    err = stderr_console()
+    st = probe_status(_paths())
+    code = {"running": 0, "none": EXIT_NOT_RUNNING, "stale": EXIT_NOT_RUNNING, "hung": 1}[st.kind]
+    if json_out:
+        sys.stdout.write(json.dumps(st.to_dict(), indent=2) + "\n")
+        raise typer.Exit(code)
+    if st.kind == "none":
+        err.print("no resident engine runs (start one with fp start)", highlight=False)
+    elif st.kind == "stale":
+        err.print(f"[yellow]the resident engine is gone (stale): {escape(st.detail)}[/]", soft_wrap=True)
+    elif st.kind == "hung":
+        err.print(f"[bold red]the resident engine hangs:[/] {escape(st.detail)}; end it with fp stop", soft_wrap=True)
+    else:
+        h, s = st.health, st.state
+        rows = [
+            ("model", f"{h['model']} ({h['model_path']})"),
+            ("profile", h["profile"]),
+            ("engine", f"{h['engine']} ({h['precision']}, context {h['context_length']:,} tokens)"),
+            ("address", s.address + (f" (token in {s.token_file})" if s.token_file else "")),
+            ("pid", str(s.pid)),
+            ("up", _duration(h["uptime_s"]) + f" (since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(h['started_at']))})"),
+            ("idle", _duration(h["idle_s"]) + (f" (ends after {_duration(h['idle_limit_s'])})" if h.get("idle_limit_s") else "")),
+            ("requests", f"{h['requests_served']} served, {h['busy']} running, {h['queued']} queued, "
+                         f"{h['requests_cancelled']} cancelled"),
+            ("memory", f"RSS {_size(h['rss_bytes'])}" + (f", GPU {_size(h['gpu_used_bytes'])} in use" if h.get("gpu_used_bytes") else "")),
+        ] + ([("log", s.log)] if s.log else [])
+        out = sys.stdout
+        for k, v in rows:
+            out.write(f"{k + ':':<10}{v}\n")
+    raise typer.Exit(code)
+
+
+@app.command("stop", cls=FpCommand)
+def stop(
+    wait: Annotated[float, typer.Option("--wait", min=0.0, help="Seconds to wait for a clean shutdown before SIGTERM, then SIGKILL.")] = STOP_WAIT_S,
+) -> None:
+    """Stop the resident engine (and every process it started); does nothing when none runs."""
+    from fpcli.server.lifecycle import LifecycleError, stop_server
+
+    err = stderr_console()
+    try:
+        before, how = stop_server(_paths(), wait_s=wait)
+    except LifecycleError as exc:
+        fail(str(exc))
+    if before.kind == "none":
+        err.print("no resident engine runs", highlight=False)
+    elif before.kind == "stale":
+        err.print(f"[yellow]the resident engine was already gone: {escape(before.detail)}[/]", soft_wrap=True)
+    else:
+        s = before.state
+        ended = "shut down" if how == "shutdown" else f"ended with {how}"
+        err.print(f"fp: resident engine {escape(s.model)} (pid {s.pid}) {ended}", highlight=False, soft_wrap=True)

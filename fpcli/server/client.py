@@ -1,0 +1,214 @@
+"""``RemoteEngine``: the ``fpcli.engine.base.Engine`` protocol spoken to a resident engine, and
+``connect``, which finds a running one that matches a model and profile.
+
+Timeouts: connecting and ``/fp/health`` get a few seconds (a hung server is detected, never
+waited on); a generate stream gets ``{}`` heartbeats from the server every ~2 s, so its read
+timeout (``ClientConfig.stream_read_s``) bounds how long a silent server is trusted, whatever
+the prefill length.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+import httpx
+
+from fpcli.engine.base import GenerationResult
+
+from .paths import ServerPaths, default_paths
+from .state import ServerState, clear_state, pid_alive, profile_hash, read_state
+
+
+class ServerUnavailable(RuntimeError):
+    """The resident engine did not answer (connection refused or closed, or a timeout)."""
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Client timeouts, in seconds."""
+
+    connect_s: float = 2.0
+    health_s: float = 5.0
+    request_s: float = 60.0  # tokenization requests
+    stream_read_s: float = 30.0  # longest silence accepted inside a generate stream
+
+
+def _client(state: ServerState, token: str | None = None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    if state.address.startswith("unix:"):
+        transport = httpx.HTTPTransport(uds=state.address[len("unix:"):])
+        return httpx.Client(transport=transport, base_url="http://fp-engine", headers=headers)
+    return httpx.Client(base_url=state.address, headers=headers)
+
+
+def _token(state: ServerState) -> str | None:
+    if not state.token_file:
+        return None
+    try:
+        with open(state.token_file, encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def probe(state: ServerState, config: ClientConfig = ClientConfig()) -> dict:
+    """``/fp/health`` of the server in ``state``.
+
+    Raises:
+        ServerUnavailable: refused, closed, or no answer within ``connect_s`` + ``health_s``
+            (``"timed out"`` in the message: the process lives but does not answer).
+    """
+    timeout = httpx.Timeout(config.health_s, connect=config.connect_s)
+    try:
+        with _client(state, _token(state)) as c:
+            r = c.get("/fp/health", timeout=timeout)
+            r.raise_for_status()
+            return r.json()
+    except httpx.TimeoutException:
+        raise ServerUnavailable(f"timed out after {config.connect_s + config.health_s:.0f} s") from None
+    except (httpx.HTTPError, ValueError) as exc:
+        raise ServerUnavailable(str(exc) or type(exc).__name__) from None
+
+
+def shutdown(state: ServerState, config: ClientConfig = ClientConfig()) -> bool:
+    """Ask the server to end; True if it acknowledged."""
+    try:
+        with _client(state, _token(state)) as c:
+            c.post("/fp/shutdown", timeout=httpx.Timeout(config.health_s, connect=config.connect_s)).raise_for_status()
+            return True
+    except httpx.HTTPError:
+        return False
+
+
+class RemoteEngine:
+    """An ``Engine`` whose model lives in the resident engine (see ``fpcli.engine.base.Engine``).
+
+    ``server`` describes who answers (``address``, ``pid``, and ``engine_start_s = 0``: no engine
+    was started for this command). ``close`` closes the connection only; the server lives on.
+    """
+
+    def __init__(self, state: ServerState, health: dict, config: ClientConfig = ClientConfig()) -> None:
+        self.state = state
+        self.config = config
+        self.name = str(health["engine"])
+        self.model_name = str(health["model"])
+        self.precision = str(health["precision"])
+        self.context_length = int(health["context_length"])
+        self.profile_name = str(health["profile"])
+        self.server = {"address": state.address, "pid": state.pid, "engine_start_s": 0.0}
+        self._http = _client(state, _token(state))
+
+    def _post(self, path: str, body: dict) -> dict:
+        try:
+            r = self._http.post(path, json=body, timeout=httpx.Timeout(self.config.request_s, connect=self.config.connect_s))
+        except httpx.HTTPError as exc:
+            raise ServerUnavailable(f"the resident engine at {self.state.address} did not answer ({exc})") from None
+        if r.status_code != 200:
+            raise RuntimeError(f"the resident engine refused {path}: HTTP {r.status_code} {r.text[:200]}")
+        return r.json()
+
+    def encode_chat(self, system: str | None, user: str) -> list[int]:
+        return [int(i) for i in self._post("/fp/encode_chat", {"system": system, "user": user})["ids"]]
+
+    def count_tokens(self, text: str) -> int:
+        return int(self._post("/fp/count_tokens", {"text": text})["tokens"])
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        on_text: Callable[[str], None] | None = None,
+    ) -> GenerationResult:
+        """As ``Engine.generate``; waits in the server's queue while it is busy. Interrupting
+        (KeyboardInterrupt) closes the connection, which cancels this request on the server.
+
+        Raises:
+            ServerUnavailable: the server closed the connection or stayed silent for
+                ``stream_read_s`` seconds.
+            RuntimeError: the engine failed (its one-line message).
+        """
+        body = {"prompt_ids": [int(i) for i in prompt_ids], "max_new_tokens": int(max_new_tokens),
+                "temperature": float(temperature)}
+        timeout = httpx.Timeout(self.config.stream_read_s, connect=self.config.connect_s)
+        try:
+            with self._http.stream("POST", "/fp/generate", json=body, timeout=timeout) as r:
+                if r.status_code != 200:
+                    r.read()
+                    raise RuntimeError(f"the resident engine refused the request: HTTP {r.status_code} {r.text[:200]}")
+                for line in r.iter_lines():
+                    if not line.strip():
+                        continue
+                    msg = json.loads(line)
+                    if "text" in msg:
+                        if on_text is not None:
+                            on_text(msg["text"])
+                    elif "result" in msg:
+                        return GenerationResult.from_dict(msg["result"])
+                    elif "error" in msg:
+                        raise RuntimeError(msg["error"])
+        except httpx.TimeoutException:
+            raise ServerUnavailable(f"the resident engine at {self.state.address} was silent for "
+                                    f"{self.config.stream_read_s:.0f} s") from None
+        except httpx.HTTPError as exc:
+            raise ServerUnavailable(f"the resident engine at {self.state.address} went away ({exc})") from None
+        raise ServerUnavailable(f"the resident engine at {self.state.address} closed the stream before the result")
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "RemoteEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def connect(model: str | None, profile, engine: str = "auto", paths: ServerPaths | None = None,
+            config: ClientConfig = ClientConfig(), warn: Callable[[str], None] | None = None,
+            note: Callable[[str], None] | None = None) -> RemoteEngine | None:
+    """The running resident engine when it holds the same model (resolved path), the same profile
+    (by content: ``profile_hash``) and, unless ``engine`` is ``auto``, the same engine; else
+    ``None`` (run in-process).
+
+    A stale state (dead process) is removed and reported through ``warn``; a server that does not
+    answer its health check within ``config`` timeouts is reported through ``warn`` (in-process
+    then); a running engine that does not match is reported through ``note``. Never raises for a
+    server problem.
+    """
+    warn = warn or (lambda m: None)
+    note = note or (lambda m: None)
+    paths = paths or default_paths()
+    state = read_state(paths)
+    if state is None:
+        return None
+    if not pid_alive(state.pid):
+        clear_state(paths, state.pid)
+        warn(f"the resident engine (pid {state.pid}) is gone; removed its stale state file; running in-process")
+        return None
+    try:
+        from fpcli.engine import resolve_request
+        from fpcli.models import resolve_model
+
+        _, model, profile = resolve_request(engine, model, profile)  # the same defaults as the server's
+        wanted = str(resolve_model(model, progress=False))
+    except Exception:  # noqa: BLE001 - the in-process path reports a bad model
+        return None
+    differs = []
+    if wanted != state.model_path:
+        differs.append(f"model {state.model}")
+    if profile_hash(profile) != state.profile_hash:
+        differs.append(f"profile {state.profile}")
+    if engine not in ("auto", state.engine):
+        differs.append(f"engine {state.engine}")
+    if differs:
+        note(f"the resident engine runs {', '.join(differs)}; this command runs in-process")
+        return None
+    try:
+        health = probe(state, config)
+    except ServerUnavailable as exc:
+        warn(f"the resident engine (pid {state.pid}, {state.address}) does not answer ({exc}); "
+             "running in-process (see `fp status`)")
+        return None
+    return RemoteEngine(state, health, config)

@@ -1,0 +1,236 @@
+"""``fp start`` / ``fp status`` / ``fp stop``: spawn the server detached, probe it, end it.
+
+``fp start`` holds the start lock (``state.start_lock``) from its check of the state file until
+the server it spawned is ready, so two concurrent starts start one engine.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from . import START_TIMEOUT_S, STOP_WAIT_S
+from .client import ClientConfig, ServerUnavailable, probe, shutdown
+from .paths import ServerPaths
+from .state import ServerState, clear_state, pid_alive, read_state, start_lock
+
+
+class LifecycleError(RuntimeError):
+    """A start that failed or timed out (the message names the log file), or a stop that could
+    not end the process."""
+
+
+@dataclass(frozen=True)
+class StartRequest:
+    """What ``fp start`` asks for: ``fp serve`` arguments of the detached server.
+
+    Attributes:
+        serve_args: the ``fp serve`` options (``--model``, ``--profile``, ``--engine``,
+            ``--idle``, then engine settings) as a list of strings.
+        timeout_s: how long to wait for the server to be ready.
+    """
+
+    serve_args: list[str] = field(default_factory=list)
+    timeout_s: float = START_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class Status:
+    """What ``probe_status`` found: ``kind`` is ``running``, ``none``, ``stale`` (the process was
+    gone; its state file was removed) or ``hung`` (alive, no health answer)."""
+
+    kind: str
+    state: ServerState | None = None
+    health: dict | None = None
+    detail: str = ""
+
+    def to_dict(self) -> dict:
+        return {"status": self.kind, "running": self.kind == "running",
+                "state": self.state.to_dict() if self.state else None, "health": self.health, "detail": self.detail}
+
+
+def probe_status(paths: ServerPaths, config: ClientConfig = ClientConfig()) -> Status:
+    """The resident engine's status; cleans a stale state file."""
+    state = read_state(paths)
+    if state is None:
+        return Status("none")
+    if not pid_alive(state.pid):
+        clear_state(paths, state.pid)
+        return Status("stale", state, detail=f"pid {state.pid} is gone; removed its state file {paths.state}")
+    try:
+        return Status("running", state, probe(state, config))
+    except ServerUnavailable as exc:
+        return Status("hung", state, detail=f"pid {state.pid} lives but {state.address} does not answer ({exc})")
+
+
+def _serve_command(request: StartRequest) -> list[str]:
+    return [sys.executable, "-m", "fpcli", "serve", *request.serve_args]
+
+
+def spawn(paths: ServerPaths, request: StartRequest, on_wait: Callable[[float, str], None] | None = None,
+          config: ClientConfig = ClientConfig()) -> ServerState:
+    """Start ``fp serve`` detached (new session, stdout/stderr to ``paths.log``) and wait until its
+    state file names it and its health check answers. The caller holds the start lock.
+
+    Args:
+        on_wait: called about every 0.5 s with (seconds waited, last log line).
+
+    Raises:
+        LifecycleError: the server exited first, or was not ready in ``request.timeout_s`` (then
+            it is stopped); the message names the log file and its last line.
+    """
+    log = open(paths.log, "w", encoding="utf-8")
+    os.chmod(paths.log, 0o600)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(_serve_command(request) + ["--log", str(paths.log)], stdin=subprocess.DEVNULL,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, close_fds=True)
+    log.close()
+    t0 = time.monotonic()
+    while True:
+        waited = time.monotonic() - t0
+        code = proc.poll()
+        if code is not None:
+            raise LifecycleError(f"the server exited with code {code} before it was ready: {last_log_line(paths)} "
+                                 f"(log: {paths.log})")
+        state = read_state(paths)
+        if state is not None and state.pid == proc.pid:
+            try:
+                probe(state, config)
+                return state
+            except ServerUnavailable:
+                pass
+        if waited > request.timeout_s:
+            _end_process(proc.pid, grace_s=5.0)
+            proc.wait(timeout=10)
+            raise LifecycleError(f"the server was not ready after {request.timeout_s:.0f} s and was stopped: "
+                                 f"{last_log_line(paths)} (log: {paths.log})")
+        if on_wait is not None:
+            on_wait(waited, last_log_line(paths))
+        time.sleep(0.25)
+
+
+def last_log_line(paths: ServerPaths) -> str:
+    try:
+        with open(paths.log, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:200] if lines else ""
+
+
+def _group_leader(pid: int) -> bool:
+    try:
+        return os.getpgid(pid) == pid
+    except ProcessLookupError:
+        return False
+
+
+def _signal(pid: int, sig: int) -> None:
+    """``sig`` to the process group of ``pid`` when it leads one (a detached server and its
+    children), else to ``pid`` alone (a foreground ``fp serve`` shares the shell's group)."""
+    try:
+        if _group_leader(pid):
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _wait_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while pid_alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _end_process(pid: int, grace_s: float) -> str:
+    """SIGTERM, then SIGKILL after ``grace_s``; returns how it ended."""
+    group = _group_leader(pid)
+    _signal(pid, signal.SIGCONT)  # a stopped (SIGSTOP) server cannot handle SIGTERM
+    _signal(pid, signal.SIGTERM)
+    if _wait_gone(pid, grace_s):
+        how = "SIGTERM"
+    else:
+        _signal(pid, signal.SIGKILL)
+        if not _wait_gone(pid, 10.0):
+            raise LifecycleError(f"pid {pid} survived SIGKILL")
+        how = "SIGKILL"
+    if group:  # children left in the group (e.g. SGLang's scheduler) go too
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return how
+
+
+def stop_server(paths: ServerPaths, wait_s: float = STOP_WAIT_S, config: ClientConfig = ClientConfig()) -> tuple[Status, str]:
+    """End the resident engine: ``/fp/shutdown``, wait ``wait_s``, then SIGTERM and SIGKILL its
+    process group. Idempotent. Returns (status before, how it ended: ``shutdown``, ``SIGTERM``,
+    ``SIGKILL``, or ``""`` when nothing ran).
+
+    Raises:
+        LifecycleError: the process survived SIGKILL.
+    """
+    state = read_state(paths)
+    if state is None:
+        return Status("none"), ""
+    if not pid_alive(state.pid):
+        clear_state(paths, state.pid)
+        return Status("stale", state, detail=f"pid {state.pid} was already gone; removed its state file"), ""
+    asked = shutdown(state, config)
+    if asked and _wait_gone(state.pid, wait_s):
+        how = "shutdown"
+    else:
+        how = _end_process(state.pid, grace_s=10.0)
+    try:  # children left in the detached group
+        os.killpg(state.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    clear_state(paths, state.pid)
+    if state.address.startswith("unix:") and not pid_alive(state.pid):
+        paths.socket.unlink(missing_ok=True)
+    return Status("running", state), how
+
+
+def start_server(paths: ServerPaths, request: StartRequest, lock_timeout_s: float,
+                 matches: Callable[[ServerState], list[str]], replace: bool = False,
+                 on_wait: Callable[[float, str], None] | None = None) -> tuple[str, ServerState]:
+    """``fp start``: under the start lock, reuse a matching running server, replace or refuse a
+    different one, else spawn one. Returns (``"running"`` | ``"started"`` | ``"replaced"``, state).
+
+    Args:
+        matches: the differences (``["model X", ...]``) between a running server and the request.
+
+    Raises:
+        LifecycleError: a different server runs and ``replace`` is False (names it and how to
+            stop it), or the start failed.
+        TimeoutError: another start held the lock for ``lock_timeout_s``.
+    """
+    with start_lock(paths, lock_timeout_s):
+        status = probe_status(paths)
+        outcome = "started"
+        if status.kind == "running":
+            differs = matches(status.state)
+            if not differs:
+                return "running", status.state
+            if not replace:
+                s = status.state
+                raise LifecycleError(f"a resident engine already runs with another {', '.join(differs)} (pid {s.pid}, "
+                                     f"{s.address}, model {s.model}, profile {s.profile}, engine {s.engine}); "
+                                     "stop it with `fp stop` or use `fp start --replace`")
+        if status.kind in ("running", "hung"):
+            if status.kind == "hung" and not replace:
+                raise LifecycleError(f"a resident engine hangs ({status.detail}); stop it with `fp stop` "
+                                     "or use `fp start --replace`")
+            stop_server(paths)
+            outcome = "replaced"
+        return outcome, spawn(paths, request, on_wait=on_wait)

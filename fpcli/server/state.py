@@ -1,0 +1,138 @@
+"""The resident engine's state file (one per user) and the lock that serialises ``fp start``.
+
+The state file (``ServerPaths.state``, mode 0600) is written by the server once it accepts
+requests and removed when it ends. A state whose process is gone is stale: readers clean it.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Iterator
+
+from .paths import ServerPaths, write_private
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """What runs, as written by the server.
+
+    Attributes:
+        pid: the server process (its process group leader when started by ``fp start``).
+        address: ``unix:/path/engine.sock`` or ``http://127.0.0.1:PORT``.
+        model: the model's display name; model_path: its resolved local path.
+        profile: profile name; profile_hash: ``profile_hash`` of its content.
+        engine: ``transformers`` or ``sglang`` (what runs, never ``auto``).
+        started_at: Unix time the server started accepting requests.
+        version: the ``fp`` version of the server.
+        token_file: file holding the bearer token (TCP only), else ``None``.
+        log: the log file of a detached server, else ``None``.
+        idle_s: seconds without a request after which the server ends (``None``: never).
+    """
+
+    pid: int
+    address: str
+    model: str
+    model_path: str
+    profile: str
+    profile_hash: str
+    engine: str
+    started_at: float
+    version: str
+    token_file: str | None = None
+    log: str | None = None
+    idle_s: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ServerState":
+        """Raises ``ValueError`` when a required field is missing or of the wrong type."""
+        names = {f.name for f in fields(cls)}
+        try:
+            state = cls(**{k: v for k, v in data.items() if k in names})
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
+        if not isinstance(state.pid, int) or not isinstance(state.address, str):
+            raise ValueError("pid must be an integer and address a string")
+        return state
+
+
+def profile_hash(profile) -> str:
+    """sha256 (16 hex digits) of a profile's settings (``Profile.to_dict`` without its name,
+    description and source file): two profiles with the same settings match whatever they are called."""
+    data = dict(profile.to_dict())
+    for key in ("name", "description", "source"):
+        data.pop(key, None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def read_state(paths: ServerPaths) -> ServerState | None:
+    """The state file, or ``None`` when there is none or it cannot be parsed (then it is removed:
+    a half-written or foreign file is as stale as a dead process)."""
+    try:
+        text = paths.state.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    try:
+        return ServerState.from_dict(json.loads(text))
+    except (ValueError, AttributeError):
+        paths.state.unlink(missing_ok=True)
+        return None
+
+
+def write_state(paths: ServerPaths, state: ServerState) -> None:
+    write_private(paths.state, json.dumps(state.to_dict(), indent=2) + "\n")
+
+
+def clear_state(paths: ServerPaths, pid: int | None = None) -> bool:
+    """Remove the state file (only if it names ``pid``, when given). True if removed."""
+    current = read_state(paths)
+    if current is None or (pid is not None and current.pid != pid):
+        return False
+    paths.state.unlink(missing_ok=True)
+    return True
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's: not ours, but alive
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+@contextmanager
+def start_lock(paths: ServerPaths, timeout_s: float) -> Iterator[None]:
+    """Hold the exclusive start lock (``fcntl.flock`` on ``paths.lock``).
+
+    Raises:
+        TimeoutError: another ``fp start`` held it for ``timeout_s``.
+    """
+    fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"another `fp start` holds {paths.lock} (waited {timeout_s:.0f} s)") from None
+                time.sleep(0.1)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

@@ -1,0 +1,447 @@
+"""The resident engine (``fp start`` / ``fp status`` / ``fp stop`` / ``fp serve``) and its faults.
+
+Every server here is a real ``fp serve`` subprocess in temporary runtime and state folders
+(``XDG_RUNTIME_DIR`` / ``XDG_STATE_HOME`` for that subprocess); the fault tests use the fake engine
+of ``fp_server_fakes`` (``FP_ENGINE_FACTORY``), one lifecycle test loads the real embedded model.
+Every wait is bounded, and the ``servers`` fixture kills whatever a test started.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fpcli.server.paths import ServerPaths
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+DOC = ROOT / "examples" / "harbor-report.md"
+
+
+def _alive(pid: int) -> bool:
+    from fpcli.server.state import pid_alive
+
+    return pid_alive(pid)
+
+
+def _wait(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)
+
+
+class Servers:
+    """Runs ``python -m fpcli`` in private runtime/state folders; remembers every pid to kill."""
+
+    def __init__(self, root: Path, model_dir: Path) -> None:
+        self.runtime = root / "rt"
+        self.state_home = root / "st"
+        self.runtime.mkdir(mode=0o700)
+        self.state_home.mkdir(mode=0o700)
+        self.trace = root / "trace.txt"
+        self.model = str(model_dir)
+        self.paths = ServerPaths(self.runtime / "fp", self.state_home / "fp")
+        self.env = dict(os.environ, XDG_RUNTIME_DIR=str(self.runtime), XDG_STATE_HOME=str(self.state_home),
+                        FP_ENGINE_FACTORY="fp_server_fakes:load", FP_FAKE_TRACE=str(self.trace),
+                        PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        self.pids: set[int] = set()
+
+    def fp(self, *args, timeout: float = 120, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+        r = subprocess.run([sys.executable, "-m", "fpcli", *args], capture_output=True, text=True, timeout=timeout,
+                           env={**self.env, **(env or {})}, cwd=str(ROOT), **kw)
+        self.remember()
+        return r
+
+    def popen(self, *args, env: dict | None = None) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-m", "fpcli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env={**self.env, **(env or {})}, cwd=str(ROOT))
+        self.pids.add(p.pid)
+        return p
+
+    def state(self) -> dict | None:
+        try:
+            return json.loads(self.paths.state.read_text())
+        except FileNotFoundError:
+            return None
+
+    def remember(self) -> None:
+        s = self.state()
+        if s:
+            self.pids.add(int(s["pid"]))
+
+    def traced(self, kind: str) -> list[list[str]]:
+        if not self.trace.exists():
+            return []
+        return [ln.split()[1:] for ln in self.trace.read_text().splitlines() if ln.split()[0] == kind]
+
+    def kill_all(self) -> None:
+        self.remember()
+        children = [int(p[0]) for p in self.traced("child")]
+        for pid in list(self.pids) + children:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    if os.getpgid(pid) == pid:
+                        os.killpg(pid, sig)
+                    else:
+                        os.kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+
+@pytest.fixture
+def servers():
+    root = Path(tempfile.mkdtemp(prefix="fps-", dir="/tmp"))  # short: a Unix socket path holds 107 bytes
+    model = root / "fake-model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    s = Servers(root, model)
+    try:
+        yield s
+    finally:
+        s.kill_all()
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _start(s: Servers, *extra, env=None):
+    r = s.fp("start", "--model", s.model, *extra, "--timeout", "60", env=env)
+    assert r.returncode == 0, r.stderr
+    st = s.state()
+    assert st is not None and _alive(st["pid"])
+    return st
+
+
+def _ask(s: Servers, *extra, timeout=120, env=None):
+    return s.fp("ask", DOC.as_posix(), "Who runs the harbor?", "--model", s.model, "--json", *extra,
+                timeout=timeout, env=env)
+
+
+# -- units ------------------------------------------------------------------------------------------
+
+
+def test_default_paths_follow_xdg(monkeypatch, tmp_path):
+    from fpcli.server.paths import default_paths
+
+    rt = tmp_path / "rt"
+    rt.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(rt))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "st"))
+    p = default_paths().ensure()
+    assert p.runtime_dir.parent == rt and p.log_dir.parent == tmp_path / "st"
+    assert stat.S_IMODE(os.stat(p.runtime_dir).st_mode) == 0o700
+
+
+def test_profile_hash_is_content_not_name():
+    from fpcli.profiles import load_profile
+    from fpcli.server.state import profile_hash
+
+    bf16 = load_profile("bf16")
+    assert profile_hash(bf16) == profile_hash(bf16.replace(name="mine", description="same settings"))
+    assert profile_hash(bf16) != profile_hash(load_profile("dense"))
+    assert profile_hash(bf16) != profile_hash(bf16.replace(dense_layers=bf16.dense_layers + 1))
+
+
+def test_generation_result_round_trips():
+    from fp_fakes import FakeEngine
+
+    from fpcli.engine.base import GenerationResult
+
+    r = FakeEngine().generate([5, 6, 7, 8], max_new_tokens=3)
+    r.cached_tokens = 2
+    back = GenerationResult.from_dict(json.loads(json.dumps(r.to_dict())))
+    assert back == r and back.stats.density_per_layer_head == r.stats.density_per_layer_head
+    with pytest.raises(KeyError, match="text"):
+        GenerationResult.from_dict({k: v for k, v in r.to_dict().items() if k != "text"})
+
+
+@pytest.mark.parametrize("text,seconds", [("90s", 90.0), ("10m", 600.0), ("1.5h", 5400.0), ("45", 45.0), ("never", None)])
+def test_durations(text, seconds):
+    from fpcli.commands import parse_duration_or_exit
+
+    assert parse_duration_or_exit("--idle", text) == seconds
+
+
+def test_bad_duration_is_a_usage_error(runner):
+    from fpcli.cli import app
+
+    r = runner.invoke(app, ["start", "--idle", "ten minutes"])
+    assert r.exit_code == 2 and "--idle ten minutes: expected a duration" in r.stderr
+
+
+def test_non_loopback_host_is_refused(runner):
+    from fpcli.cli import app
+
+    for host in ("0.0.0.0", "192.168.1.5", "example.com"):
+        r = runner.invoke(app, ["serve", "--port", "0", "--host", host])
+        assert r.exit_code == 2 and f"--host {host}: only a loopback address is allowed" in r.stderr, r.stderr
+
+
+# -- lifecycle with the real embedded model ----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_lifecycle_with_the_real_engine(servers):
+    s = servers
+    env = {"FP_ENGINE_FACTORY": ""}  # the real loader
+    r = s.fp("start", "--engine", "transformers", "--timeout", "300", timeout=360, env=env)
+    assert r.returncode == 0, r.stderr
+    st = s.state()
+    assert "started" in r.stderr and st["engine"] == "transformers"
+    answers = []
+    for _ in range(2):
+        a = s.fp("ask", DOC.as_posix(), "Who runs the harbor?", "--engine", "transformers", "-n", "8", "--json",
+                 timeout=300, env=env)
+        assert a.returncode == 0, a.stderr
+        data = json.loads(a.stdout)
+        assert data["summary"]["server"]["pid"] == st["pid"] and data["summary"]["server"]["engine_start_s"] == 0.0
+        assert data["summary"]["output_tokens"] > 0 and data["summary"]["engine"] == "transformers"
+        answers.append(data["answer"])
+    assert answers[0] == answers[1]  # greedy: the same question gets the same answer
+    local = s.fp("ask", DOC.as_posix(), "Who runs the harbor?", "--engine", "transformers", "-n", "8", "--json",
+                 "--no-server", timeout=300, env=env)
+    assert local.returncode == 0, local.stderr
+    assert json.loads(local.stdout)["summary"]["server"] is None and json.loads(local.stdout)["answer"] == answers[0]
+    status = s.fp("status", "--json", env=env)
+    info = json.loads(status.stdout)
+    assert status.returncode == 0 and info["status"] == "running"
+    assert info["health"]["requests_served"] == 2 and info["health"]["rss_bytes"] > 0
+    stop = s.fp("stop", env=env)
+    assert stop.returncode == 0 and "shut down" in stop.stderr, stop.stderr
+    assert not _alive(st["pid"]) and s.state() is None and not s.paths.socket.exists()
+    again = s.fp("stop", env=env)  # idempotent
+    assert again.returncode == 0 and "no resident engine runs" in again.stderr
+
+
+# -- faults (fake engine) ---------------------------------------------------------------------------
+
+
+def test_files_are_private_and_ask_uses_the_server(servers):
+    s = servers
+    st = _start(s)
+    p = s.paths
+    assert stat.S_IMODE(os.stat(p.runtime_dir).st_mode) == 0o700
+    for f in (p.socket, p.state, p.log):
+        assert stat.S_IMODE(os.stat(f).st_mode) == 0o600, f
+    assert stat.S_ISSOCK(os.stat(p.socket).st_mode) and st["address"] == f"unix:{p.socket}"
+    a = _ask(s)
+    assert a.returncode == 0, a.stderr
+    assert json.loads(a.stdout)["summary"]["server"]["pid"] == st["pid"]
+    assert len(s.traced("load")) == 1  # answered by the server's engine, none loaded in-process
+    b = _ask(s, "--no-server")
+    assert json.loads(b.stdout)["summary"]["server"] is None and len(s.traced("load")) == 2
+
+
+def test_stale_state_is_cleaned(servers):
+    s = servers
+    st = _start(s)
+    os.kill(st["pid"], signal.SIGKILL)
+    _wait(lambda: not _alive(st["pid"]), 10, "the server to die")
+    status = s.fp("status")
+    assert status.returncode == 3 and "stale" in status.stderr and f"pid {st['pid']} is gone" in status.stderr
+    assert s.state() is None
+    # and through fp ask: a state naming a dead pid is cleaned, the answer comes in-process
+    s.paths.state.write_text(json.dumps({**st, "pid": st["pid"]}))
+    a = _ask(s)
+    assert a.returncode == 0 and "removed its stale state file" in a.stderr, a.stderr
+    assert json.loads(a.stdout)["summary"]["server"] is None and s.state() is None
+
+
+def test_hung_server_is_reported_and_ask_falls_back(servers):
+    s = servers
+    st = _start(s)
+    os.kill(st["pid"], signal.SIGSTOP)
+    try:
+        status = s.fp("status", timeout=30)
+        assert status.returncode == 1 and "hangs" in status.stderr and "timed out" in status.stderr, status.stderr
+        a = _ask(s, timeout=60)  # bounded: the health check times out in seconds
+        assert a.returncode == 0, a.stderr
+        assert "does not answer" in a.stderr and json.loads(a.stdout)["summary"]["server"] is None
+        assert s.state() is not None  # hung is not stale: the state stays for fp stop
+    finally:
+        stop = s.fp("stop", "--wait", "2", timeout=60)
+    assert stop.returncode == 0, stop.stderr
+    assert not _alive(st["pid"]) and s.state() is None
+
+
+def test_two_concurrent_starts_start_one_engine(servers):
+    s = servers
+    env = {"FP_FAKE_LOAD_S": "1.5"}
+    procs = [s.popen("start", "--model", s.model, "--timeout", "60", env=env) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    said = sorted("started" if "engine started" in err else "running" if "already runs" in err else err for _, err in outs)
+    assert said == ["running", "started"]
+    s.remember()
+    assert len(s.traced("load")) == 1
+
+
+def test_second_start_with_another_profile_says_what_runs(servers):
+    s = servers
+    st = _start(s)
+    r = s.fp("start", "--model", s.model, "--profile", "dense", "--timeout", "60")
+    assert r.returncode == 1 and f"pid {st['pid']}" in r.stderr and "fp stop" in r.stderr and "--replace" in r.stderr
+    assert s.state()["pid"] == st["pid"]
+    r = s.fp("start", "--model", s.model, "--profile", "dense", "--replace", "--timeout", "60")
+    assert r.returncode == 0, r.stderr
+    new = s.state()
+    assert new["pid"] != st["pid"] and new["profile"] == "dense" and not _alive(st["pid"])
+    # an ask with the old profile does not use a server with another profile
+    a = _ask(s)
+    assert json.loads(a.stdout)["summary"]["server"] is None and "runs profile dense" in a.stderr
+
+
+def _remote(s: Servers):
+    from fpcli.server.client import ClientConfig, RemoteEngine, probe
+    from fpcli.server.state import ServerState
+
+    state = ServerState.from_dict(s.state())
+    return RemoteEngine(state, probe(state), ClientConfig())
+
+
+def test_busy_engine_queues_and_a_disconnect_cancels_only_its_request(servers):
+    s = servers
+    _start(s, env={"FP_FAKE_PIECES": "40", "FP_FAKE_STEP_S": "0.1"})
+    first_piece, second_queued = threading.Event(), threading.Event()
+    results: dict = {}
+
+    def interrupted_client():  # like Ctrl-C in fp ask: KeyboardInterrupt while streaming
+        def on_text(piece):
+            first_piece.set()
+            if second_queued.is_set():
+                raise KeyboardInterrupt
+
+        with _remote(s) as eng:
+            try:
+                eng.generate([1] * 11, max_new_tokens=40, on_text=on_text)
+            except KeyboardInterrupt:
+                results["a"] = "interrupted"
+
+    def waiting_client():
+        with _remote(s) as eng:
+            results["b"] = eng.generate([1] * 22, max_new_tokens=40)
+
+    a = threading.Thread(target=interrupted_client)
+    a.start()
+    assert first_piece.wait(30)
+    from fpcli.server.client import probe
+    from fpcli.server.state import ServerState
+
+    state = ServerState.from_dict(s.state())
+    b = threading.Thread(target=waiting_client)
+    b.start()
+    _wait(lambda: probe(state)["queued"] == 1, 20, "the second request to queue")
+    assert probe(state)["busy"] == 1 and len(s.traced("start")) == 1  # one at a time: the second waits
+    second_queued.set()  # now the first client interrupts its own request
+    a.join(60)
+    b.join(60)
+    assert not a.is_alive() and not b.is_alive()
+    assert results["a"] == "interrupted"
+    assert results["b"].output_tokens == 40 and results["b"].prompt_tokens == 22
+    stops, dones = s.traced("stop"), s.traced("done")
+    assert stops and stops[0][0] == "11" and int(stops[0][1]) < 40  # cancelled early, at a decode step
+    assert dones == [["22", "40"]]
+    h = probe(state)
+    assert h["requests_cancelled"] == 1 and h["requests_served"] == 1 and h["busy"] == 0
+
+
+def test_stop_leaves_no_process(servers):
+    s = servers
+    st = _start(s, env={"FP_FAKE_CHILD": "1"})
+    child = int(s.traced("child")[0][0])
+    assert _alive(child)
+    r = s.fp("stop")
+    assert r.returncode == 0, r.stderr
+    _wait(lambda: not _alive(child) and not _alive(st["pid"]), 10, "the server and its child to end")
+    assert s.state() is None and not s.paths.socket.exists()
+
+
+def test_idle_limit_ends_the_server(servers):
+    import re
+
+    s = servers
+    r = s.fp("start", "--model", s.model, "--idle", "3s", "--timeout", "60")
+    assert r.returncode == 0 and "engine started" in r.stderr, r.stderr
+    pid = int(re.search(r"pid (\d+)", r.stderr).group(1))
+    s.pids.add(pid)
+    _wait(lambda: not _alive(pid), 30, "the idle server to end")  # it may already be gone (slow machine)
+    _wait(lambda: s.state() is None, 5, "the state file to go")
+    assert "idle" in s.paths.log.read_text()
+
+
+def test_tcp_needs_the_token_and_speaks_openai(servers):
+    import httpx
+
+    s = servers
+    p = s.popen("serve", "--model", s.model, "--port", "0")
+    _wait(lambda: s.state() is not None or p.poll() is not None, 60, "fp serve to be ready")
+    st = s.state()
+    assert st is not None, p.communicate(timeout=5)
+    assert st["address"].startswith("http://127.0.0.1:")
+    assert stat.S_IMODE(os.stat(st["token_file"]).st_mode) == 0o600
+    token = Path(st["token_file"]).read_text().strip()
+    base = st["address"]
+    assert httpx.get(f"{base}/v1/models", timeout=10).status_code == 401
+    assert httpx.get(f"{base}/fp/health", headers={"Authorization": "Bearer wrong"}, timeout=10).status_code == 401
+    auth = {"Authorization": f"Bearer {token}"}
+    models = httpx.get(f"{base}/v1/models", headers=auth, timeout=10).json()
+    assert models["data"][0]["id"] == "fake-model"
+    body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a b c"}], "max_tokens": 3}
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, headers=auth, timeout=30).json()
+    assert r["choices"][0]["message"]["content"] == "w0 w1 w2 " and r["usage"]["completion_tokens"] == 3
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, headers=auth, timeout=30) as resp:
+        events = [ln[len("data: "):] for ln in resp.iter_lines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1])
+    assert text == "w0 w1 w2 "
+    bad = httpx.post(f"{base}/v1/chat/completions", headers=auth, timeout=10,
+                     json={"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                        {"role": "user", "content": "c"}]})
+    assert bad.status_code == 400 and "exactly one user message" in bad.text
+    p.send_signal(signal.SIGINT)  # Ctrl-C in the foreground
+    p.communicate(timeout=30)
+    assert s.state() is None and not Path(st["token_file"]).exists()
+
+
+def test_a_server_that_hangs_mid_answer_is_detected(servers):
+    """A server that stops answering inside a generate stream: the client gives up after
+    ``stream_read_s`` of silence (the server sends heartbeats while it works) instead of hanging."""
+    from fpcli.server.client import ClientConfig, RemoteEngine, ServerUnavailable, probe
+    from fpcli.server.state import ServerState
+
+    s = servers
+    st = _start(s, env={"FP_FAKE_PIECES": "100", "FP_FAKE_STEP_S": "0.1"})
+    state = ServerState.from_dict(st)
+    pieces = []
+
+    def on_text(piece):
+        if not pieces:
+            os.kill(st["pid"], signal.SIGSTOP)
+        pieces.append(piece)
+
+    with RemoteEngine(state, probe(state), ClientConfig(stream_read_s=3.0)) as eng:
+        with pytest.raises(ServerUnavailable, match="silent for 3 s"):
+            eng.generate([1] * 5, max_new_tokens=100, on_text=on_text)
+    assert len(pieces) < 100
+
+
+def test_profile_uses_the_resident_engine(servers, tmp_path):
+    s = servers
+    st = _start(s)
+    png = tmp_path / "d.png"
+    r = s.fp("profile", DOC.as_posix(), "--model", s.model, "--json", "--png", str(png))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["server"]["pid"] == st["pid"] and len(data["density_per_layer_head"]) == 4
+    assert len(s.traced("load")) == 1 and png.is_file()
