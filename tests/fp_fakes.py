@@ -203,18 +203,26 @@ def make_pdf(pages: list[str | None], path=None) -> bytes:
     return data
 
 
-def make_tex_pdf(pages: list[str], path=None, style: str = "td") -> bytes:
+def make_tex_pdf(
+    pages: list[str], path=None, style: str = "td", gap: int = 333, space_width: int | None = None
+) -> bytes:
     """A PDF whose words are placed the way TeX's PDF writers place them: no space glyph between
     words, each word positioned on its own. ``style``: ``td`` (a relative ``Td`` move before every
     word, as xdvipdfmx writes), ``tm`` (an absolute text matrix per word) or ``tj`` (one ``TJ``
-    array per line with a kerning offset of -333/1000 em for each space, as pdfTeX writes).
-    Each page's text is wrapped at 80 characters. Written to ``path`` when given."""
+    array per line with a kerning offset of ``-gap`` for each space, as pdfTeX writes).
+    ``gap``: the space between words in 1/1000 em (TeX's interword glue: 333 natural, down to
+    222 on a line squeezed to its shrink limit). ``space_width``: when given, the font carries
+    ``/FirstChar 32 /Widths`` with this width (1/1000 em) for code 32 although no space is ever
+    drawn, as pdfTeX copies every code's width from the TeX font metrics (Latin Modern: 500);
+    ``None``: a standard font without ``/Widths`` (Times-Roman's own space, 250).
+    Each page's text is wrapped at 80 characters (Times-Roman 10pt). Written to ``path`` when given."""
     import textwrap
 
     from reportlab.pdfbase.pdfmetrics import stringWidth
     from reportlab.pdfgen import canvas
 
-    font, size, leading, space = "Times-Roman", 10, 13, 10 / 3  # TeX: a third of an em between words
+    font, size, leading = "Times-Roman", 10, 13
+    space = size * gap / 1000
     buf = io.BytesIO()
     c = canvas.Canvas(buf)
     for content in pages:
@@ -223,7 +231,7 @@ def make_tex_pdf(pages: list[str], path=None, style: str = "td") -> bytes:
         if style == "tj":
             fname = c._doc.getInternalFontName(font)
             for i, line in enumerate(lines):
-                words = "-333".join(f"({_pdf_escape(w)})" for w in line.split())
+                words = f"-{gap}".join(f"({_pdf_escape(w)})" for w in line.split())
                 c.addLiteral(f"BT {fname} {size} Tf 72 {760 - i * leading} Td [{words}] TJ ET")
         else:
             t = c.beginText()
@@ -243,10 +251,32 @@ def make_tex_pdf(pages: list[str], path=None, style: str = "td") -> bytes:
         c.showPage()
     c.save()
     data = buf.getvalue()
+    if space_width is not None:
+        data = _with_widths(data, space_width)
     if path is not None:
         with open(path, "wb") as f:
             f.write(data)
     return data
+
+
+def _with_widths(data: bytes, space_width: int) -> bytes:
+    """``data`` with ``/FirstChar 32 /LastChar 255 /Widths`` on every font: Times-Roman's widths
+    (WinAnsi codes), except ``space_width`` for code 32."""
+    from pypdf import PdfReader, PdfWriter
+    from pypdf.generic import ArrayObject, NameObject, NumberObject
+    from reportlab.pdfbase.pdfmetrics import getFont
+
+    widths = [space_width] + list(getFont("Times-Roman").widths[33:256])
+    writer = PdfWriter(clone_from=PdfReader(io.BytesIO(data)))
+    for page in writer.pages:
+        for name in page["/Resources"]["/Font"]:
+            f = page["/Resources"]["/Font"][name].get_object()
+            f[NameObject("/FirstChar")] = NumberObject(32)
+            f[NameObject("/LastChar")] = NumberObject(255)
+            f[NameObject("/Widths")] = ArrayObject(NumberObject(w) for w in widths)
+    buf = io.BytesIO()
+    writer.write(buf)
+    return buf.getvalue()
 
 
 def _pdf_escape(s: str) -> str:

@@ -391,6 +391,43 @@ def test_glued_words_in_a_pdf_are_warned_about(pdf_factory):
     assert "'Thequickbrownfoxjumpsoverthelazydogwhile'" in w  # quoted from page 2, its longest run
 
 
+# pdfTeX's structure behind the glue reported on real manuals (measured on the beamer user guide,
+# docs/ingest.md): one TJ per line, words apart by kerning offsets only, shrunk to 235/1000 em on a
+# tight line, in a font whose /Widths gives code 32 (never drawn) half an em. pypdf adds a space
+# only for an offset of at least 0.95 x half that width (237.5): it glues such lines.
+def _pypdf_text(data: bytes) -> str:
+    from pypdf import PdfReader
+
+    return "\n".join(p.extract_text() for p in PdfReader(io.BytesIO(data)).pages)
+
+
+def test_pdftex_tight_lines_glued_by_pypdf_stay_apart(tmp_path):
+    """The words pypdf glues on pdfTeX's tight lines stay apart in fp's text, with no warning."""
+    from fp_fakes import make_tex_pdf
+
+    pages = [PROSE * 6, PROSE * 3]
+    tight = make_tex_pdf(pages, tmp_path / "tight.pdf", style="tj", gap=235, space_width=500)
+    assert ingest.is_glued(_pypdf_text(tight))  # the defect the switch to PDFium removed
+    assert not ingest.glued_runs(_pypdf_text(make_tex_pdf(pages, style="tj", gap=260, space_width=500)))
+    assert not ingest.glued_runs(_pypdf_text(make_tex_pdf(pages, style="tj", gap=235)))  # Times' space: 250
+    (doc,) = ingest_all([str(tmp_path / "tight.pdf")])
+    assert doc.ok and doc.pages == 2
+    assert " ".join(doc.text.split()) == " ".join((PROSE * 9).split())
+    assert doc.glued_pages == [] and doc.warnings == []
+
+
+def test_pdftex_words_that_touch_are_warned_about(tmp_path):
+    """The same structure with words that really touch (no offset between them): glue, warned."""
+    from fp_fakes import make_tex_pdf
+
+    make_tex_pdf([PROSE * 6, PROSE * 6], tmp_path / "touch.pdf", style="tj", gap=0, space_width=500)
+    (doc,) = ingest_all([str(tmp_path / "touch.pdf")])
+    assert doc.ok and doc.glued_pages == [1, 2]
+    (w,) = [w for w in doc.warnings if "words seem to run together" in w]
+    quoted = w.split("'")[1]  # the longest run (shortened), a line without its spaces
+    assert "page(s) 1-2:" in w and len(quoted) >= ingest.GLUED_RUN and quoted in (PROSE * 2).replace(" ", "")
+
+
 GERMAN = ("Die Rechtsschutzversicherungsgesellschaften haben am Montag mitgeteilt, dass die neue Regelung zur "
           "Kraftfahrzeughaftpflichtversicherung erst im kommenden Jahr gilt. Bis dahin bleibt alles, wie es war: "
           "Wer einen Schaden meldet, schickt die Unterlagen wie bisher an die zuständige Stelle und wartet auf "
