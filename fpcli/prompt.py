@@ -227,6 +227,8 @@ def build_prompt(
     best: Prompt | None = None
     for _ in range(6):
         targets = water_fill(sizes, max(0, budget - overhead - reserve))
+        if not any(targets) and best is not None:
+            break
         if not any(targets):
             raise NoRoomError(
                 f"no document token fits: the prompt budget is {budget:,} tokens (context {ctx:,} - "
