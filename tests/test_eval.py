@@ -18,7 +18,7 @@ from fpcli.cli import app
 from fpcli.ruler.haystack import DocumentHaystack, GeneratedHaystack
 from fpcli.ruler.scoring import mean_points, string_match
 from fpcli.ruler.tasks import TASKS, TaskError, fit_units, make_sample
-from test_e2e_cpu import fp_executable, run_env, smollm2  # noqa: F401 - the model fixture
+from fp_fakes import fp_executable, run_env  # noqa: F401
 
 FIT_TOLERANCE = 48  # tokens a fitted prompt may fall short of its target (less than one filler unit)
 

@@ -376,3 +376,19 @@ def test_load_engine_default_model_per_engine(monkeypatch):
 
     engine_mod.load_engine("sglang", None, with_context_length(load_profile("bf16"), 65536), progress=False)
     assert seen == [(models.QWEN_CODER, 131072), (DEFAULT_MODEL, None), (models.QWEN_CODER, 65536)]
+
+
+def test_first_use_says_the_default_model_is_a_demo(cache, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    calls: list = []
+    _fake_pipeline(monkeypatch, calls)
+    buf = io.StringIO()
+    models.pull_model(progress=Console(file=buf, width=400, force_terminal=False))
+    out = buf.getvalue()
+    assert "small CPU demo" in out and "--model" in out and out.count("small CPU demo") == 1
+    buf2 = io.StringIO()
+    models.pull_model(progress=Console(file=buf2, width=400, force_terminal=False))  # cached: said once only
+    assert "demo" not in buf2.getvalue()

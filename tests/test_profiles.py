@@ -110,3 +110,16 @@ def test_invalid_yaml_names_line_and_column(tmp_path):
     path = write(tmp_path, "name: x\noperator:\n  alpha: 0.1\n  bad: key: here\n")
     with pytest.raises(ProfileError, match=r"not valid YAML: line 4, column 11: mapping values are not allowed"):
         load_profile(path)
+
+
+def test_sparse_threshold_fits_the_model_context():
+    from fpcli.profiles import sparse_threshold
+
+    p = load_profile("bf16")
+    assert p.operator.min_sparse_len == 8192
+    small = p.fit_to_context(8192)  # the embedded SmolLM2-135M: 8K context
+    assert small.operator.min_sparse_len == 4096 == sparse_threshold(8192, 8192)
+    assert small.operator.alpha == p.operator.alpha and small.name == p.name
+    assert p.fit_to_context(32768) is p and p.fit_to_context(131072).operator.min_sparse_len == 8192
+    assert small.fit_to_context(8192) is small  # idempotent
+    assert load_profile("dense").fit_to_context(8192).operator.min_sparse_len == 0

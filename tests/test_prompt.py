@@ -103,14 +103,6 @@ def test_question_too_long_is_an_error():
         build_prompt([Doc("d", "text")], "q?", eng, max_new_tokens=100)
 
 
-def test_document_dropped_entirely_when_no_room():
-    eng = FakeEngine(context_length=200)
-    question = words("q", 60)
-    p = build_prompt([Doc("d", words("D", 5000))], question, eng, max_new_tokens=50)
-    assert p.tokens <= 150
-    assert p.cuts[0].where in ("all", "middle")
-
-
 def test_empty_documents_left_out():
     eng = FakeEngine()
     p = build_prompt([Doc("scan.pdf", "  "), Doc("b", "hello")], "q?", eng, max_new_tokens=10)
@@ -129,3 +121,109 @@ def test_template_overhead_is_counted():
     p = build_prompt([Doc("d", "x y z")], "q?", eng, max_new_tokens=10)
     expected = TEMPLATE_TOKENS + len(SYSTEM_PROMPT.split()) + len(p.user.split())
     assert p.tokens == expected
+
+
+# -- fill: a cut keeps >= 90% of the budget, for any token density profile ---------------------
+
+
+def _section(kind: str, n: int, rng) -> str:
+    """``n`` lines of one token-density kind (tokens per character differ by ~10x between kinds)."""
+    if kind == "toc":  # a table of contents: short entries, dot leaders, page numbers
+        return "\n".join(f"{i}.{rng.randint(1, 9)} Part {rng.randint(1, 99)} {'.' * rng.randint(3, 30)} {rng.randint(1, 400)}"
+                         for i in range(n))
+    if kind == "numbers":  # a table of figures
+        return "\n".join(" ".join(f"{rng.uniform(-1e4, 1e4):.3f}" for _ in range(8)) for _ in range(n))
+    if kind == "cjk":
+        return "\n".join("".join(chr(rng.randint(0x4E00, 0x62FF)) for _ in range(30)) for _ in range(n))
+    if kind == "long_words":  # few tokens per character for a whitespace tokenizer
+        return "\n".join(" ".join("x" * rng.randint(15, 40) for _ in range(4)) for _ in range(n))
+    if kind == "blank":  # layout whitespace, as PDF extraction leaves it
+        return "\n".join(" " * rng.randint(5, 60) + f"w{i}" for i in range(n))
+    words = ["the", "harbour", "authority", "approved", "terminal", "budget", "of", "in", "2023", "ferries"]
+    return "\n".join(" ".join(rng.choice(words) for _ in range(12)) + "." for _ in range(n))
+
+
+PROFILES = {
+    "toc_first": ["toc", "prose", "prose", "prose"],
+    "toc_last": ["prose", "prose", "prose", "toc"],
+    "dense_middle": ["long_words", "numbers", "numbers", "long_words"],
+    "sparse_start_dense_end": ["long_words", "long_words", "prose", "cjk"],
+    "mixed": ["blank", "toc", "cjk", "prose", "numbers", "long_words"],
+}
+
+
+def adversarial_doc(profile: str, seed: int, lines: int) -> str:
+    import random
+
+    rng = random.Random(seed)
+    return "\n\n".join(_section(kind, lines, rng) for kind in PROFILES[profile])
+
+
+@pytest.mark.parametrize("cut", ["middle", "end"])
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cut_fills_the_budget_whatever_the_density_fake_tokenizer(profile, seed, cut):
+    eng = FakeEngine(context_length=2048)
+    docs = [Doc("a.txt", adversarial_doc(profile, seed, 150)), Doc("b.txt", adversarial_doc(profile, seed + 7, 40))]
+    p = build_prompt(docs, "What is the budget?", eng, max_new_tokens=128, cut=cut)
+    assert p.cuts, "the documents must exceed the budget for this test"
+    assert 0.9 * p.budget <= p.tokens <= p.budget, (p.tokens, p.budget)
+    for c in p.cuts:
+        assert c.where == cut and c.tokens_kept + c.tokens_dropped == c.tokens_total
+
+
+def test_cut_keeps_exactly_the_tokens_it_reports():
+    """Cuts fall on token boundaries: the kept head and tail are exactly ``tokens_kept`` tokens."""
+    eng = FakeEngine(context_length=1000)
+    doc = Doc("d", adversarial_doc("toc_first", 3, 100))
+    p = build_prompt([doc], "q?", eng, max_new_tokens=100)
+    c = p.cuts[0]
+    kept = eng.count_tokens(doc.text[: c.char_start]) + eng.count_tokens(doc.text[c.char_end:])
+    assert kept == c.tokens_kept and c.tokens_total == eng.count_tokens(doc.text)
+
+
+def test_answer_budget_that_eats_the_context_is_reported():
+    eng = FakeEngine(context_length=8192)
+    p = build_prompt([Doc("d", words("D", 20000))], "q?", eng, max_new_tokens=8000)
+    assert p.cuts and p.budget == 192
+    note = p.to_dict()["budget_note"]
+    assert note and "--max-new-tokens 8,000" in note and "leaving 192" in note
+    # an ordinary cut has no such note
+    assert build_prompt([Doc("d", words("D", 20000))], "q?", eng, max_new_tokens=256).to_dict()["budget_note"] is None
+
+
+def test_no_document_token_fits_is_a_usage_error():
+    from fpcli.prompt import NoRoomError
+
+    eng = FakeEngine(context_length=200)
+    with pytest.raises(NoRoomError, match="no document token fits.*--max-new-tokens"):
+        build_prompt([Doc("d", words("D", 5000))], words("q", 85), eng, max_new_tokens=50)
+
+
+# -- the same with the embedded model's real tokenizer (byte-level BPE) --------------------------
+
+
+@pytest.fixture(scope="module")
+def real_engine(smollm2):
+    from fpcli.engine.transformers_engine import TransformersEngine
+
+    with TransformersEngine(smollm2, device="cpu", timing=False) as eng:
+        yield eng
+
+
+@pytest.mark.parametrize("cut", ["middle", "end"])
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_cut_fills_the_budget_whatever_the_density_real_tokenizer(real_engine, profile, cut):
+    for seed in (0, 1):
+        doc = Doc("manual.pdf", adversarial_doc(profile, seed, 120))
+        p = build_prompt([doc], "What is the budget?", real_engine, max_new_tokens=256, context_length=2048, cut=cut)
+        assert p.cuts and p.doc_tokens["manual.pdf"] >= 2 * p.budget
+        assert 0.9 * p.budget <= p.tokens <= p.budget, (profile, seed, p.tokens, p.budget)
+        assert len(real_engine.encode_chat(SYSTEM_PROMPT, p.user)) == p.tokens
+
+
+def test_real_token_starts_count_the_tokens(real_engine):
+    text = adversarial_doc("mixed", 5, 20)
+    starts = real_engine.token_starts(text)
+    assert len(starts) == real_engine.count_tokens(text)
+    assert starts == sorted(starts) and starts[0] == 0 and starts[-1] < len(text)

@@ -48,7 +48,86 @@ def test_density_line_says_why_nothing_ran_sparse():
 
     d = {"overall": 1.0, "per_layer": [1.0] * 4, "sparse_layers": [], "min": 1.0, "median": 1.0, "max": 1.0}
     line = density_line(d, "flashprefill", prompt_tokens=813, min_sparse_len=8192)
-    assert "(no layer ran sparse: 813 prompt tokens < the profile's min_sparse_len 8,192)" in line
+    assert "(no layer ran sparse: 813 prompt tokens < min_sparse_len 8,192)" in line
     assert "min_sparse_len" not in density_line(d, "flashprefill", prompt_tokens=9000, min_sparse_len=8192)
     assert "min_sparse_len" not in density_line(d, "flashprefill")
     assert "dense attention" in density_line(d, "dense", prompt_tokens=813, min_sparse_len=None)
+
+
+# -- ragged per-head rows (SGLang: dense layers report no per-head row) ---------------------------
+
+
+def sglang_like_stats(layers: int = 6, hkv: int = 4, dense_layers: int = 2):
+    """``PrefillStats`` made by the SGLang statistics code (``RequestPrefill.to_prefill_stats``)
+    for a prefill whose first ``dense_layers`` layers ran dense: their per-head rows are empty."""
+    from fpcli.sglang_backend.stats import RequestPrefill
+
+    modes = ["dense:layer"] * dense_layers + ["sparse"] * (layers - dense_layers)
+    selected = [None] * dense_layers + [[3 + h + i for h in range(hkv)] for i in range(layers - dense_layers)]
+    visible = [None] * dense_layers + [[20] * hkv for _ in range(layers - dense_layers)]
+    rec = RequestPrefill(rid="r", chunks=1, prompt_tokens=2048, layers=modes, selected=selected, visible=visible,
+                         dense_flops=[1e9] * layers)
+    return rec.to_prefill_stats()
+
+
+def test_sglang_stats_are_ragged_and_the_grid_is_rectangular():
+    from fpcli.report import density_grid
+
+    st = sglang_like_stats()
+    assert {len(r) for r in st.density_per_layer_head} == {0, 4}  # the shape that crashed the PNG
+    grid = density_grid(st.density_per_layer_head, st.density_per_layer, st.sparse_layers)
+    assert len(grid) == 6 and all(len(r) == 4 for r in grid)
+    assert grid[0] == grid[1] == [1.0] * 4  # dense layers: every head 1.0
+    assert grid[2] == st.density_per_layer_head[2] and grid[2][0] == 3 / 20
+
+
+def test_grid_marks_missing_heads_and_single_values():
+    from fpcli.report import density_grid
+
+    grid = density_grid([[0.5, 0.25, 0.75], [0.4], [0.3, 0.2]], [0.5, 0.4, 0.25], sparse_layers=[0, 1, 2])
+    assert grid == [[0.5, 0.25, 0.75], [None, None, None], [0.3, 0.2, None]]
+    # without sparse_layers a per-layer density of 1.0 means dense
+    assert density_grid([[0.5, 0.5], [1.0]], [0.5, 1.0]) == [[0.5, 0.5], [1.0, 1.0]]
+    # no per-head value at all: one column, the per-layer densities
+    assert density_grid([[], []], [1.0, 0.6]) == [[1.0], [0.6]]
+
+
+def test_png_and_terminal_heatmap_of_ragged_rows(tmp_path):
+    from fpcli.report import density_grid, heatmap_table, write_heatmap_png
+
+    st = sglang_like_stats()
+    grid = density_grid(st.density_per_layer_head, st.density_per_layer, st.sparse_layers)
+    grid[3][1] = None  # a missing cell is drawn blank, not as a density
+    path = write_heatmap_png(tmp_path / "h.png", grid, title="x")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    buf = io.StringIO()
+    Console(file=buf, width=120, force_terminal=False).print(heatmap_table(grid))
+    lines = buf.getvalue().splitlines()
+    assert "--" in lines[4] and "99" in lines[1]  # layer 3 has a blank cell, layer 0 is dense
+
+
+def test_png_title_lies_within_the_figure():
+    """A long title (file name, tokens, model, profile) over a narrow heatmap was clipped."""
+    from fpcli.report import heatmap_figure
+
+    title = "a-rather-long-document-name-2024-final-v3.pdf: 126,512 tokens, Qwen2.5-7B-Instruct-1M, bf16+fp8"
+    for heads in (2, 4, 8):
+        fig = heatmap_figure([[0.5 + 0.01 * h for h in range(heads)] for _ in range(24)], title=title)
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        box = fig.axes[0].title.get_window_extent(renderer)
+        fig_box = fig.bbox
+        assert box.x0 >= fig_box.x0 and box.x1 <= fig_box.x1 and box.y1 <= fig_box.y1, (heads, box, fig_box)
+        assert fig.axes[0].title.get_text().replace("\n", " ") == title
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+
+
+def test_ask_report_density_per_layer_head_is_rectangular():
+    from fpcli.engine.base import GenerationResult
+
+    st = sglang_like_stats()
+    result = GenerationResult("a", 2048, 2, 0.1, 0.1, 0.2, "sglang", "m", "bf16", stats=st)
+    rows = ask_report(result, "q?", [], None, load_profile("bf16"))["summary"]["density_per_layer_head"]
+    assert [len(r) for r in rows] == [4] * 6 and rows[0] == [1.0] * 4

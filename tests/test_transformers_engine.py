@@ -303,3 +303,76 @@ def test_engine_stops_when_on_text_raises(model_dir):
         with pytest.raises(Cancelled):
             eng.generate(prompt, max_new_tokens=6, on_text=on_text)
         assert len(pieces) == 1 and len(forwards) == 1  # the prefill only, no decode step after it
+
+
+def test_dense_profile_reports_dense_equivalent_flops(model_dir):
+    """The dense profile skips nothing, but its dense-equivalent FLOPs are known and reported
+    (the summary printed "0 of 0 dense-equivalent")."""
+    import io
+
+    from rich.console import Console
+
+    from fpcli.engine.base import causal_attention_flops as formula
+    from fpcli.report import ask_report, render_summary
+
+    prof = load_profile("dense")
+    with TransformersEngine(model_dir, prof) as eng:
+        prompt = eng.encode_chat(None, " ".join(WORDS[:300]))
+        r = eng.generate(prompt, max_new_tokens=2)
+    n = len(prompt)
+    assert r.stats.attention_flops_dense == pytest.approx(LAYERS * formula(n, n, D, HQ))
+    assert r.stats.attention_flops_skipped == 0.0
+    buf = io.StringIO()
+    render_summary(Console(file=buf, force_terminal=False, width=300), ask_report(r, "q?", [], None, prof))
+    line = next(x for x in buf.getvalue().splitlines() if x.startswith("attention FLOPs skipped"))
+    assert " of 0 " not in line and "MFLOP dense-equivalent" in line
+
+
+def test_sglang_dense_profile_stats_from_the_model_config(model_dir):
+    """The SGLang engine records nothing per layer with the dense profile (stock attention); its
+    stats come from the model's config with the same FLOP formula."""
+    from fpcli.engine.base import causal_attention_flops as formula
+    from fpcli.engine.sglang_engine import SGLangEngine
+
+    eng = SGLangEngine.__new__(SGLangEngine)  # no server: only the config-reading helper runs
+    eng.model_path = str(model_dir)
+    st = eng._dense_stats(1000)
+    assert st.attention_flops_dense == pytest.approx(LAYERS * formula(1000, 1000, D, HQ))
+    assert st.density_per_layer_head == [[1.0] * HKV] * LAYERS and st.density == 1.0
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("lk", [1, 37, 300])
+def test_grouped_decode_equals_expanded_kv(lk):
+    """Decode attention without expanding K/V (a grouped matmul over views) equals SDPA on K/V
+    expanded to Hq heads with repeat_interleave (the previous path)."""
+    from fpcli.engine.transformers_engine import _sdpa
+
+    g = torch.Generator().manual_seed(lk)
+    q = torch.randn(1, HQ, 1, D, generator=g)
+    k = torch.randn(1, HKV, lk, D, generator=g) * 3
+    v = torch.randn(1, HKV, lk, D, generator=g)
+    groups = HQ // HKV
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), scale=0.2).transpose(1, 2)
+    got = _sdpa(q, k, v, 0.2, groups)
+    assert got.shape == (1, 1, HQ, D)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # and a prefill chunk after a prefix (enable_gqa) against the expanded path
+    q2 = torch.randn(1, HQ, 5, D, generator=g)
+    if lk >= 5:
+        pos = torch.arange(lk)
+        mask = pos[None, :] <= (lk - 5 + torch.arange(5))[:, None]
+        want2 = torch.nn.functional.scaled_dot_product_attention(
+            q2, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), attn_mask=mask,
+            scale=0.2).transpose(1, 2)
+        torch.testing.assert_close(_sdpa(q2, k, v, 0.2, groups), want2, rtol=1e-5, atol=1e-5)
+
+
+def test_load_engine_fits_the_sparse_threshold_to_the_model(model_dir):
+    """bf16's min_sparse_len 8192 on a 4096-token model: the engine runs 2048 (half the context)."""
+    import fpcli.engine as engine_mod
+
+    with engine_mod.load_engine("transformers", model=str(model_dir), profile="bf16", progress=False) as eng:
+        assert eng.context_length == 4096
+        assert eng.profile.operator.min_sparse_len == 2048 and eng.runtime.config.min_sparse_len == 2048

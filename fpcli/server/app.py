@@ -5,7 +5,8 @@ Endpoints for ``fpcli.server.client.RemoteEngine`` (JSON bodies):
 - ``GET /fp/health``: ``ServerInfo`` fields plus pid, uptime, idle time, requests served,
   busy/queued counts, RSS and (on CUDA) device memory in use, in bytes.
 - ``POST /fp/encode_chat`` ``{system, user}`` -> ``{ids}``; ``POST /fp/count_tokens`` ``{text}``
-  -> ``{tokens}`` (run beside a generation, not queued behind it).
+  -> ``{tokens}``; ``POST /fp/token_starts`` ``{text}`` -> ``{starts}`` (character offset of each
+  token); these run beside a generation, not queued behind it.
 - ``POST /fp/generate`` ``{prompt_ids, max_new_tokens, temperature}`` -> NDJSON stream: ``{"text":
   piece}`` lines, ``{}`` heartbeats every ``heartbeat_s`` while waiting or prefilling, then one
   ``{"result": GenerationResult.to_dict()}`` or ``{"error": message}`` line.
@@ -207,6 +208,11 @@ def create_app(engine, info: ServerInfo, token: str | None = None, idle_s: float
     def count_tokens(body: CountTokensBody) -> dict:
         with tokenizing:
             return {"tokens": int(engine.count_tokens(body.text))}
+
+    @app.post("/fp/token_starts")
+    def token_starts(body: CountTokensBody) -> dict:
+        with tokenizing:
+            return {"starts": [int(i) for i in engine.token_starts(body.text)]}
 
     @app.post("/fp/shutdown")
     async def shutdown() -> dict:

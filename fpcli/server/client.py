@@ -114,6 +114,9 @@ class RemoteEngine:
     def count_tokens(self, text: str) -> int:
         return int(self._post("/fp/count_tokens", {"text": text})["tokens"])
 
+    def token_starts(self, text: str) -> list[int]:
+        return [int(i) for i in self._post("/fp/token_starts", {"text": text})["starts"]]
+
     def generate(
         self,
         prompt_ids: list[int],

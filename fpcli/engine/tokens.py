@@ -1,0 +1,31 @@
+"""Token offsets from a Hugging Face tokenizer: where each token of a text begins.
+
+Prompt building (``fpcli.prompt``) cuts documents on token boundaries with these offsets, so a
+cut keeps exactly the tokens it counts, whatever the text's token density.
+"""
+from __future__ import annotations
+
+
+def token_starts(tokenizer, text: str) -> list[int]:
+    """Character offset in ``text`` where each of its tokens begins (no special tokens added).
+
+    Args:
+        tokenizer: a fast Hugging Face tokenizer (``PreTrainedTokenizerFast``; offsets need one).
+        text: any string.
+
+    Returns:
+        ``n`` non-decreasing offsets in ``[0, len(text)]``, ``n`` = the text's token count
+        (``len(tokenizer(text, add_special_tokens=False).input_ids)``). Tokens that share a
+        character (a multi-byte character split over byte tokens) share its offset.
+
+    Raises:
+        ValueError: ``tokenizer`` is a slow (Python) tokenizer, which has no offsets.
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"token offsets need a fast tokenizer (tokenizer.json); got {type(tokenizer).__name__}")
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    out, last = [], 0
+    for start, _end in enc["offset_mapping"]:
+        last = max(last, min(int(start), len(text)))
+        out.append(last)
+    return out
