@@ -185,7 +185,7 @@ def check_max_new_tokens_or_exit(max_new_tokens: int, model: str | None, profile
     ``context_length``."""
     known = context_length or profile.engine.context_length
     if known is None:
-        known = _model_context(model, engine)
+        known = model_context(model, engine)
     if known and max_new_tokens >= known:
         fail(
             f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's context of "
@@ -194,7 +194,7 @@ def check_max_new_tokens_or_exit(max_new_tokens: int, model: str | None, profile
         )
 
 
-def _model_context(model: str | None, engine: str) -> int | None:
+def model_context(model: str | None, engine: str) -> int | None:
     """The context ``model`` runs at by default, if known before loading; for ``model=None`` the
     default model of the engine that will run (``fpcli.models.default_model``)."""
     try:

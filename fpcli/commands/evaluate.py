@@ -16,6 +16,7 @@ from fpcli.commands import (
     engine_loader,
     fail,
     load_profile_or_exit,
+    model_context,
     stderr_console,
 )
 from fpcli.commands.bench import parse_lengths
@@ -79,7 +80,7 @@ def evaluate(
             fail(f"--profiles: {n} and {seen[p.name]} are both named {p.name!r}; give each profile once", code=2)
         seen[p.name] = n
     check_model_or_exit(model)
-    caps = [c for c in [_known_context(model)] + [p.engine.context_length for p in profs] if c]
+    caps = [c for c in [model_context(model, engine.value)] + [p.engine.context_length for p in profs] if c]
     note = None
     if lens is None and caps:  # the defaults that fit; an explicit --len is checked strictly below
         fitting = [n for n in lengths if n <= min(caps)] or [min(caps)]
@@ -178,14 +179,6 @@ def evaluate(
 
 class _LoadFailed(RuntimeError):
     """The engine of a profile could not be loaded (exit 1, one line)."""
-
-
-def _known_context(model: str | None) -> int | None:
-    try:
-        from fpcli.models import known_context_length
-    except ImportError:
-        return None
-    return known_context_length(model)
 
 
 def _check_lengths(lengths: list[int], tasks: list, context_length: int | None) -> None:
