@@ -1,4 +1,4 @@
-"""The ``fp`` command line: ``fp ask``, ``fp bench``, ``fp profile``, ``fp serve``, ``fp model``.
+"""The ``fp`` command line: ``fp ask``, ``fp chat``, ``fp bench``, ``fp profile``, ``fp serve``, ``fp model``.
 
 One module per command under ``fpcli/commands/``, joined here with ``add_typer``. stdout carries
 only answers and ``--json`` output; everything else goes to stderr.
@@ -9,8 +9,9 @@ from typing import Annotated
 
 import typer
 
+from fpcli import clock  # noqa: F401 - first: anchors the wall clock where /proc is missing
 from fpcli import __version__
-from fpcli.commands import FpGroup, ask, bench, model, profile, serve
+from fpcli.commands import FpGroup, ask, bench, chat, model, profile, serve
 
 app = typer.Typer(
     name="fp",
@@ -23,6 +24,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.add_typer(ask.app)
+app.add_typer(chat.app)
 app.add_typer(bench.app)
 app.add_typer(profile.app)
 app.add_typer(serve.app)

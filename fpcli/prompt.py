@@ -105,6 +105,8 @@ class Prompt:
         context_length, max_new_tokens: the budget's inputs; ``budget`` = their difference.
         doc_tokens: ``{name: tokens}`` of every document before any cut.
         cuts: one record per cut document (empty when everything fit).
+        documents: the ``(name, text)`` pairs in the prompt, after cuts (reused by ``fp chat``
+            for every question, so that the documents stay a shared token prefix).
     """
 
     system: str
@@ -114,6 +116,7 @@ class Prompt:
     max_new_tokens: int
     doc_tokens: dict[str, int] = field(default_factory=dict)
     cuts: list[Cut] = field(default_factory=list)
+    documents: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -135,9 +138,12 @@ class Prompt:
         }
 
 
-def format_user(docs: Sequence[tuple[str, str]], question: str) -> str:
-    """The user message: each ``(name, text)`` delimited by its name, then the question."""
+def format_user(docs: Sequence[tuple[str, str]], question: str, history: Sequence[tuple[str, str]] = ()) -> str:
+    """The user message: each ``(name, text)`` delimited by its name, then the earlier
+    ``(question, answer)`` turns of a chat, then the question. Nothing before the documents
+    depends on the question, so prompts about the same documents share their token prefix."""
     parts = [f'<document name="{_attr(name)}">\n{text.strip()}\n</document>' for name, text in docs]
+    parts += [f"Earlier question: {q.strip()}\nYour answer: {a.strip()}" for q, a in history]
     parts.append(f"Question: {question.strip()}")
     return "\n\n".join(parts)
 
@@ -179,7 +185,8 @@ def build_prompt(
 
     def make(pairs_: Sequence[tuple[str, str]], cuts_: list[Cut]) -> Prompt:
         user = format_user(pairs_, question)
-        return Prompt(system or "", user, engine.encode_chat(system, user), ctx, max_new_tokens, doc_tokens, cuts_)
+        return Prompt(system or "", user, engine.encode_chat(system, user), ctx, max_new_tokens, doc_tokens, cuts_,
+                      list(pairs_))
 
     prompt = make(pairs, [])
     if prompt.tokens <= budget:

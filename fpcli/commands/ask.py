@@ -69,6 +69,7 @@ def ask(
     cut: Annotated[CutChoice, typer.Option("--cut", help="When the documents exceed the context: cut the middle (keep start and end) or the end.")] = CutChoice.middle,
     page_timeout: Annotated[float, typer.Option("--page-timeout", min=0.1, help="Seconds allowed to extract one PDF page.")] = 20.0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary or progress on stderr (warnings and errors still shown).")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also show other libraries' log lines, warnings and progress bars.")] = False,
 ) -> None:
     """Answer QUESTION about the documents FILE... with a local model.
 
@@ -76,7 +77,20 @@ def ask(
 
     If the documents exceed the model's context, the longest ones are cut and fp says what was cut and where.
     """
+    from fpcli.logs import third_party_output
+
+    with third_party_output(verbose):
+        _ask(files, question, model, profile, max_new_tokens, engine, temperature, password, json_out, report, cut,
+             page_timeout, quiet)
+
+
+def _ask(files, question, model, profile, max_new_tokens, engine, temperature, password, json_out, report, cut,
+         page_timeout, quiet) -> None:
+    import time
+
+    from fpcli.clock import process_age_s
     from fpcli.ingest import check_paths, ingest
+    from fpcli.prefill_progress import PrefillDisplay
     from fpcli.prompt import PromptError, build_prompt
     from fpcli.report import ask_report, dumps, render_cuts, render_ingestion, render_summary, save_report
 
@@ -123,12 +137,15 @@ def ask(
         fail("no readable document remains (see the reasons above)" if len(docs) > 1 else "no readable document (see the reason above)")
 
     load = engine_loader()
+    t_load = time.perf_counter()
     try:
         eng = load(engine.value, model, prof, progress=False if quiet else err)
     except typer.Exit:
         raise
     except Exception as exc:  # noqa: BLE001 - one line for any load failure
         fail(f"cannot load the model: {_one_line(exc)}")
+    # the loader's wall time (model fetch/conversion included); 0 when a running engine answered
+    engine_start_s = time.perf_counter() - t_load if eng.start_s > 0 else 0.0
 
     warn_precision(err, prof, eng)
     with eng:
@@ -157,9 +174,11 @@ def ask(
                 last[0] = piece
 
         try:
-            result = eng.generate(
-                prompt.ids, max_new_tokens=max_new_tokens, temperature=temperature, on_text=None if json_out else stream
-            )
+            with PrefillDisplay(err, prompt.tokens, enabled=not quiet) as display:
+                result = eng.generate(
+                    prompt.ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                    on_text=None if json_out else display.wrap(stream), on_progress=display.on_progress,
+                )
         except KeyboardInterrupt:
             sys.stdout.write("\n")
             fail("interrupted", code=130)
@@ -167,7 +186,7 @@ def ask(
             sys.stdout.write("\n") if not json_out else None
             fail(f"generation failed: {_one_line(exc)}")
 
-    data = ask_report(result, question, docs, prompt, prof)
+    data = ask_report(result, question, docs, prompt, prof, wall_s=process_age_s(), engine_start_s=engine_start_s)
     if json_out:
         sys.stdout.write(dumps(data) + "\n")
     elif not last[0].endswith("\n"):

@@ -77,15 +77,19 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
         profile = load_profile(profile)
     path = resolve_model(model, progress=progress)
     name = model_display_name(model, path)
+    ui = _console(progress)
     if engine == "sglang":
         from .sglang_engine import SGLangEngine
 
-        eng = SGLangEngine(path, profile)
+        if ui is not None:
+            with ui.status(f"starting SGLang with {name} (weights, CUDA graphs, kernel compilation, warm-up)"):
+                eng = SGLangEngine(path, profile)
+        else:
+            eng = SGLangEngine(path, profile)
         eng.model_name = name
         return eng
     from .transformers_engine import TransformersEngine
 
-    ui = _console(progress)
     if ui is not None:
         with ui.status(f"loading {name} (transformers engine)"):
             return TransformersEngine(path, profile, model_name=name)

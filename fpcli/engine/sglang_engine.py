@@ -323,6 +323,7 @@ class SGLangEngine:
             except BaseException:
                 self.close()
                 raise
+        self.start_s = self.startup_s + self.warmup_s
 
     def warmup_length(self) -> int:
         """Tokens of the start-up warm-up prompt: one full chunk plus a second one of at least
@@ -376,13 +377,17 @@ class SGLangEngine:
         max_new_tokens: int = 256,
         temperature: float = 0.0,
         on_text: Callable[[str], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
         *,
         top_p: float = 1.0,
         top_k: int = -1,
         rid: str | None = None,
     ) -> GenerationResult:
         """Greedy when ``temperature == 0``; streams text deltas to ``on_text``. ``prompt_ids`` may
-        be a string (tokenized here, no template). TTFT = submission to the first answer token."""
+        be a string (tokenized here, no template). TTFT = submission to the first answer token.
+        ``on_progress`` is accepted for the contract and not called (SGLang's scheduler runs the
+        prefill in another process). ``cached_tokens``: prompt tokens SGLang's radix cache served
+        (``meta_info["cached_tokens"]``; on unless ``disable_radix_cache``)."""
         if self._closed:
             raise RuntimeError("SGLangEngine is closed")
         if isinstance(prompt_ids, str):
@@ -432,8 +437,8 @@ class SGLangEngine:
             stats=stats,
             finish_reason=_finish_reason(meta),
             precision=self.precision,
+            cached_tokens=int(meta.get("cached_tokens", 0) or 0),
         )
-        result.cached_tokens = int(meta.get("cached_tokens", 0) or 0)  # extra, not in to_dict()
         result.rid = rid
         return result
 
