@@ -10,7 +10,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-COMMANDS = [[], ["ask"], ["bench"], ["profile"], ["serve"], ["model"], ["model", "list"],
+COMMANDS = [[], ["ask"], ["chat"], ["bench"], ["profile"], ["serve"], ["model"], ["model", "list"],
             ["model", "pull"], ["model", "path"]]
 DOC = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 
