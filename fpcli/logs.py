@@ -16,6 +16,8 @@ from typing import Iterator
 # Libraries that set their own logger level (a root-level setting does not reach them).
 OWN_LEVEL_LOGGERS = ("transformers", "sglang", "flashprefill", "fpcli.sglang_backend", "torch",
                      "huggingface_hub", "accelerate", "urllib3", "filelock")
+# fp's own loggers outside the FlashPrefill integration: their warnings stay visible.
+FP_LOGGERS = ("fpcli.engine",)
 # Read by transformers and huggingface_hub when they are imported.
 QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
              "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
@@ -30,7 +32,8 @@ def third_party_output(verbose: bool) -> Iterator[None]:
         yield
         return
     loggers = [logging.getLogger()] + [logging.getLogger(n) for n in OWN_LEVEL_LOGGERS]
-    levels = [lg.level for lg in loggers]
+    ours = [logging.getLogger(n) for n in FP_LOGGERS]
+    levels = [lg.level for lg in loggers + ours]
     env_added = [k for k in QUIET_ENV if k not in os.environ]
     bars = _hf_progress_bars(False)
     with warnings.catch_warnings():
@@ -39,10 +42,12 @@ def third_party_output(verbose: bool) -> Iterator[None]:
             os.environ[k] = QUIET_ENV[k]
         for lg in loggers:
             lg.setLevel(logging.ERROR)
+        for lg in ours:
+            lg.setLevel(logging.WARNING)
         try:
             yield
         finally:
-            for lg, level in zip(loggers, levels):
+            for lg, level in zip(loggers + ours, levels):
                 lg.setLevel(level)
             for k in env_added:
                 os.environ.pop(k, None)

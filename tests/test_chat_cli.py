@@ -116,3 +116,19 @@ def test_third_party_lines_only_with_verbose(doc, command):
     for what in ("transformers warning", "sglang warning", "python warning"):
         assert f"THIRD-PARTY {what}" in loud.stderr
     assert quiet.stdout == loud.stdout == "The answer is 42.\n"
+
+
+def test_quiet_keeps_fp_engine_warnings_and_restores_levels(caplog):
+    import logging
+
+    from fpcli.logs import third_party_output
+
+    before = [logging.getLogger(n).level for n in ("", "sglang", "fpcli.engine")]
+    with third_party_output(verbose=False):
+        logging.getLogger("sglang.srt.scheduler").warning("hidden third-party")
+        logging.getLogger("fpcli.engine.sglang_engine").warning("kept fp engine warning")
+    logging.getLogger("sglang.srt.scheduler").warning("shown again")
+    messages = [r.getMessage() for r in caplog.records]
+    assert "kept fp engine warning" in messages and "shown again" in messages
+    assert "hidden third-party" not in messages
+    assert [logging.getLogger(n).level for n in ("", "sglang", "fpcli.engine")] == before
