@@ -64,9 +64,9 @@ def test_engine_reuses_the_documents_cache_exactly(engine, smollm2):
 
 
 def test_fp_chat_two_questions_second_is_cached(smollm2):
-    proc = subprocess.run(
-        [fp_executable(), "chat", str(HARBOR), "-n", "32"], input=f"{Q1}\n{Q2}\n",
-        capture_output=True, text=True, env=run_env(), timeout=900,
+    proc = subprocess.run(  # the README's path: the document's name is part of the prompt
+        [fp_executable(), "chat", "examples/harbor-report.md", "-n", "32"], input=f"{Q1}\n{Q2}\n",
+        capture_output=True, text=True, env=run_env(), timeout=900, cwd=HARBOR.parent.parent,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = re.findall(r"^prompt tokens ([\d,]+)(?: \(([\d,]+) cached\))?, TTFT", proc.stderr, re.M)
