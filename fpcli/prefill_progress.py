@@ -42,6 +42,11 @@ class PrefillDisplay:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    @property
+    def active(self) -> bool:
+        """Whether the live line is on screen."""
+        return self._progress is not None
+
     def stop(self) -> None:
         """Remove the line (idempotent)."""
         if self._progress is not None:

@@ -132,3 +132,27 @@ def test_quiet_keeps_fp_engine_warnings_and_restores_levels(caplog):
     assert "kept fp engine warning" in messages and "shown again" in messages
     assert "hidden third-party" not in messages
     assert [logging.getLogger(n).level for n in ("", "sglang", "fpcli.engine")] == before
+
+
+def test_prefill_display_on_a_terminal_only_and_gone_before_the_answer():
+    import io
+
+    from rich.console import Console
+
+    from fpcli.prefill_progress import PrefillDisplay
+
+    buf = io.StringIO()
+    term = Console(file=buf, force_terminal=True, width=120)
+    got: list[str] = []
+    with PrefillDisplay(term, 12345) as display:
+        assert display.active
+        display.on_progress(15, 30)
+        display.wrap(got.append)("Answer")
+        assert display.active is False  # stopped by the first answer piece
+        display.on_progress(30, 30)  # late calls are harmless
+    assert got == ["Answer"] and "prefilling 12,345 tokens" in buf.getvalue()
+
+    pipe = io.StringIO()
+    with PrefillDisplay(Console(file=pipe, force_terminal=False), 99) as display:
+        display.on_progress(1, 2)
+    assert pipe.getvalue() == ""  # a log or a pipe: nothing drawn
