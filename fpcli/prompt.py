@@ -32,6 +32,10 @@ SYSTEM_PROMPT = (
 )
 MARKER = "[... {dropped} tokens of {name} omitted here by fp to fit the model's context ...]"
 MARKER_TOKENS = 40  # allowance per cut document for the marker line
+# Cuts leave room for a question of this many tokens (at most 1/32 of the budget) whatever the
+# question is, so every question up to that length gets the same cut documents: the same token
+# prefix, whose KV cache an engine reuses from one question to the next (fp chat, a resident engine).
+QUESTION_ALLOWANCE = 256
 CUT_MODES = ("middle", "end")
 
 
@@ -193,6 +197,9 @@ def build_prompt(
         return prompt
 
     overhead = len(engine.encode_chat(system, format_user([(n, "") for n, _ in pairs], question)))
+    allowance = max(0, question_allowance(budget) - engine.count_tokens(question))
+    if overhead + allowance <= budget:
+        overhead += allowance
     if overhead > budget:
         raise PromptError(
             f"the question and chat template alone need {overhead} tokens, more than the {budget} available "
@@ -216,6 +223,11 @@ def build_prompt(
             return prompt
         available -= excess + max(8, excess // 4)
     raise PromptError(f"could not fit the documents into {budget} tokens")  # pragma: no cover
+
+
+def question_allowance(budget: int) -> int:
+    """Tokens a cut leaves for the question whatever it is: ``min(QUESTION_ALLOWANCE, budget // 32)``."""
+    return min(QUESTION_ALLOWANCE, max(0, budget) // 32)
 
 
 def water_fill(sizes: Sequence[int], available: int) -> list[int]:

@@ -30,8 +30,8 @@ from fpcli.commands.ask import CutChoice, EngineChoice, _one_line
 app = typer.Typer()
 
 EXIT_COMMANDS = ("/exit", "/quit")
-QUESTION_RESERVE = 256  # tokens kept free for each question when the documents must be cut
-HISTORY_RESERVE = 1024  # more for the earlier turns with --history (never over a quarter of the budget)
+HISTORY_RESERVE = 1024  # tokens kept free for the earlier turns with --history when the documents
+# must be cut (never over a quarter of the budget); the question's room is fpcli.prompt.QUESTION_ALLOWANCE
 
 
 class ChatCommand(FpCommand):
@@ -102,7 +102,7 @@ def _chat(files, model, profile, engine, history, max_new_tokens, temperature, p
     with eng:
         check_max_new_tokens_or_exit(max_new_tokens, None, prof, context_length=eng.context_length)
         ctx = min(eng.context_length, prof.engine.context_length or eng.context_length)
-        reserve = min(HISTORY_RESERVE if history else QUESTION_RESERVE, max(0, (ctx - max_new_tokens) // 4))
+        reserve = min(HISTORY_RESERVE, max(0, (ctx - max_new_tokens) // 4)) if history else 0
         try:  # fit the documents once, leaving room for the question (and the turns)
             fitted = build_prompt(usable, "", eng, max_new_tokens + reserve, context_length=ctx, cut=cut.value)
         except PromptError as exc:
