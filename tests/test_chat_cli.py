@@ -8,11 +8,9 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 
-from fpcli.cli import app
 from test_cli import TESTS, _fp, doc, invoke  # noqa: F401 - doc is a fixture
 
 

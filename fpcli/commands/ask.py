@@ -81,11 +81,11 @@ def ask(
 
     with third_party_output(verbose):
         _ask(files, question, model, profile, max_new_tokens, engine, temperature, password, json_out, report, cut,
-             page_timeout, quiet)
+             page_timeout, quiet, verbose)
 
 
 def _ask(files, question, model, profile, max_new_tokens, engine, temperature, password, json_out, report, cut,
-         page_timeout, quiet) -> None:
+         page_timeout, quiet, verbose) -> None:
     import time
 
     from fpcli.clock import process_age_s
@@ -139,7 +139,7 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
     load = engine_loader()
     t_load = time.perf_counter()
     try:
-        eng = load(engine.value, model, prof, progress=False if quiet else err)
+        eng = load(engine.value, model, prof, progress=False if quiet else err, verbose=verbose)
     except typer.Exit:
         raise
     except Exception as exc:  # noqa: BLE001 - one line for any load failure

@@ -65,10 +65,11 @@ def chat(
     from fpcli.logs import third_party_output
 
     with third_party_output(verbose):
-        _chat(list(files or []), model, profile, engine, history, max_new_tokens, temperature, password, cut, json_out)
+        _chat(list(files or []), model, profile, engine, history, max_new_tokens, temperature, password, cut, json_out,
+              verbose)
 
 
-def _chat(files, model, profile, engine, history, max_new_tokens, temperature, password, cut, json_out) -> None:
+def _chat(files, model, profile, engine, history, max_new_tokens, temperature, password, cut, json_out, verbose) -> None:
     from fpcli.ingest import check_paths, ingest
     from fpcli.prompt import PromptError, build_prompt
     from fpcli.report import render_cuts, render_ingestion
@@ -93,7 +94,7 @@ def _chat(files, model, profile, engine, history, max_new_tokens, temperature, p
         fail("no readable document remains (see the reasons above)" if len(docs) > 1 else "no readable document (see the reason above)")
 
     try:
-        eng = engine_loader()(engine.value, model, prof, progress=err)
+        eng = engine_loader()(engine.value, model, prof, progress=err, verbose=verbose)
     except typer.Exit:
         raise
     except Exception as exc:  # noqa: BLE001 - one line for any load failure

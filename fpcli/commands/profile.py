@@ -37,10 +37,10 @@ def profile_cmd(
     from fpcli.logs import third_party_output
 
     with third_party_output(verbose):
-        _profile(file, question, fp8, png, model, profile, engine, password, json_out)
+        _profile(file, question, fp8, png, model, profile, engine, password, json_out, verbose)
 
 
-def _profile(file, question, fp8, png, model, profile, engine, password, json_out) -> None:
+def _profile(file, question, fp8, png, model, profile, engine, password, json_out, verbose) -> None:
     from rich.console import Console
 
     from fpcli.ingest import check_paths, ingest
@@ -64,7 +64,7 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
         fail("no readable document (see the reason above)")  # the reason was printed once, above
 
     try:
-        eng = engine_loader()(engine.value, model, prof, progress=err)
+        eng = engine_loader()(engine.value, model, prof, progress=err, verbose=verbose)
     except typer.Exit:
         raise
     except Exception as exc:  # noqa: BLE001

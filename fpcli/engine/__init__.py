@@ -38,7 +38,8 @@ def available_engines() -> list[str]:
     return (["sglang"] if _sglang_missing() is None else []) + ["transformers"]
 
 
-def load_engine(engine: str = "auto", model: str | None = None, profile=None, progress=None) -> Engine:
+def load_engine(engine: str = "auto", model: str | None = None, profile=None, progress=None,
+                verbose: bool = False) -> Engine:
     """Resolve ``model`` and load it with ``engine``.
 
     Args:
@@ -49,6 +50,7 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
         profile: ``fpcli.profiles.Profile`` or a profile name/path (default ``"bf16"``).
         progress: ``None`` = messages and progress bars on stderr, ``False`` = silent, or a
             ``rich.console.Console``.
+        verbose: SGLang's own processes log at ``info`` (else ``error``: ``fp -v``).
 
     Raises:
         EngineUnavailable: ``engine="sglang"`` where SGLang or CUDA is missing (names what to
@@ -81,11 +83,12 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
     if engine == "sglang":
         from .sglang_engine import SGLangEngine
 
+        log_level = "info" if verbose else None
         if ui is not None:
             with ui.status(f"starting SGLang with {name} (weights, CUDA graphs, kernel compilation, warm-up)"):
-                eng = SGLangEngine(path, profile)
+                eng = SGLangEngine(path, profile, log_level=log_level)
         else:
-            eng = SGLangEngine(path, profile)
+            eng = SGLangEngine(path, profile, log_level=log_level)
         eng.model_name = name
         return eng
     from .transformers_engine import TransformersEngine
