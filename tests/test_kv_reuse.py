@@ -101,3 +101,21 @@ def test_prefill_progress_per_layer_changes_nothing(model_dir):
     assert seen == [(i + 1, LAYERS) for i in range(LAYERS)]  # once per layer of the prefill, none in decode
     assert (shown.text, shown.stats.density_per_layer) == (quiet.text, quiet.stats.density_per_layer)
     assert shown.stats.density < 1.0
+
+
+def test_sparse_prefill_after_a_reused_prefix(model_dir):
+    """A long new suffix after the cached documents takes the FlashPrefill path with P > 0: every
+    layer sparse, its queries the suffix only, its keys the cached prefix plus the suffix."""
+    prof = dataclasses.replace(profile("bf16", block_size=64, sink_tokens=64, window_tokens=64, dense_tail_tokens=64,
+                                       alpha=1.0, min_sparse_len=0), dense_layers=0)
+    with TransformersEngine(model_dir, prof) as eng:
+        a = eng.encode_chat(None, doc(700, 8) + " w1")
+        b = eng.encode_chat(None, doc(700, 8) + " " + doc(400, 9))
+        eng.generate(a, max_new_tokens=3)
+        r = eng.generate(b, max_new_tokens=3)
+        p = common_prefix_len(a, b)
+        assert r.cached_tokens == p > 600
+        rows = [eng.runtime.layers[i] for i in range(LAYERS)]
+    assert all(row.sparse and row.q_len == len(b) - p and row.kv_len == len(b) for row in rows)
+    assert r.stats.sparse_layers == list(range(LAYERS)) and 0.0 < r.stats.density <= 1.0
+    assert r.output_tokens >= 1

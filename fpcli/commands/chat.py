@@ -115,11 +115,11 @@ def _chat(files, model, profile, engine, history, max_new_tokens, temperature, p
             f"{EXIT_COMMANDS[0]} or end of input to quit[/]",
             highlight=False,
         )
-        session = _Session(eng, prof, docs, fitted, ctx, max_new_tokens, temperature, history, json_out, err)
-        session.run(sys.stdin)
+        loop = _ChatLoop(eng, prof, docs, fitted, ctx, max_new_tokens, temperature, history, json_out, err)
+        loop.run(sys.stdin)
 
 
-class _Session:
+class _ChatLoop:
     """The question loop of one ``fp chat``."""
 
     def __init__(self, eng, prof, docs, fitted, ctx, max_new_tokens, temperature, history, json_out, err) -> None:
