@@ -10,8 +10,9 @@ from typing import Annotated
 
 import typer
 
+from fpcli import clock  # noqa: F401 - first: anchors the wall clock where /proc is missing
 from fpcli import __version__
-from fpcli.commands import FpGroup, ask, bench, evaluate, model, profile, serve, start, stop
+from fpcli.commands import FpGroup, ask, bench, chat, evaluate, model, profile, serve, start, stop
 
 app = typer.Typer(
     name="fp",
@@ -24,6 +25,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.add_typer(ask.app)
+app.add_typer(chat.app)
 app.add_typer(bench.app)
 app.add_typer(evaluate.app)
 app.add_typer(profile.app)

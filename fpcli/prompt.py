@@ -33,6 +33,10 @@ SYSTEM_PROMPT = (
 MARKER = "[... {dropped} tokens of {name} omitted here by fp to fit the model's context ...]"
 MARKER_TOKENS = 40  # first allowance per document for the marker line (corrected by measurement)
 FILL_SLACK_TOKENS = 32  # a fitted prompt may leave at most this many budget tokens unused (if it can)
+# Cuts leave room for a question of this many tokens (at most 1/32 of the budget) whatever the
+# question is, so every question up to that length gets the same cut documents: the same token
+# prefix, whose KV cache an engine reuses from one question to the next (fp chat, a resident engine).
+QUESTION_ALLOWANCE = 256
 CUT_MODES = ("middle", "end")
 
 
@@ -113,6 +117,8 @@ class Prompt:
         context_length, max_new_tokens: the budget's inputs; ``budget`` = their difference.
         doc_tokens: ``{name: tokens}`` of every document before any cut.
         cuts: one record per cut document (empty when everything fit).
+        documents: the ``(name, text)`` pairs in the prompt, after cuts (reused by ``fp chat``
+            for every question, so that the documents stay a shared token prefix).
     """
 
     system: str
@@ -122,6 +128,7 @@ class Prompt:
     max_new_tokens: int
     doc_tokens: dict[str, int] = field(default_factory=dict)
     cuts: list[Cut] = field(default_factory=list)
+    documents: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -156,9 +163,12 @@ class Prompt:
         }
 
 
-def format_user(docs: Sequence[tuple[str, str]], question: str) -> str:
-    """The user message: each ``(name, text)`` delimited by its name, then the question."""
+def format_user(docs: Sequence[tuple[str, str]], question: str, history: Sequence[tuple[str, str]] = ()) -> str:
+    """The user message: each ``(name, text)`` delimited by its name, then the earlier
+    ``(question, answer)`` turns of a chat, then the question. Nothing before the documents
+    depends on the question, so prompts about the same documents share their token prefix."""
     parts = [f'<document name="{_attr(name)}">\n{text.strip()}\n</document>' for name, text in docs]
+    parts += [f"Earlier question: {q.strip()}\nYour answer: {a.strip()}" for q, a in history]
     parts.append(f"Question: {question.strip()}")
     return "\n\n".join(parts)
 
@@ -185,7 +195,9 @@ def build_prompt(
 
     The documents are cut on token boundaries (``engine.token_starts``) to their water-filling
     targets, and the targets are corrected by the measured prompt length until the prompt fills
-    the budget to within ``FILL_SLACK_TOKENS`` (whatever the documents' token density).
+    the budget to within ``FILL_SLACK_TOKENS`` (whatever the documents' token density), less the
+    room a question of ``question_allowance(budget)`` tokens would need (so that the cut documents,
+    the prompt's reusable prefix, are the same for every question up to that length).
 
     Raises:
         PromptError: when even the question without any document does not fit.
@@ -206,13 +218,18 @@ def build_prompt(
 
     def make(pairs_: Sequence[tuple[str, str]], cuts_: list[Cut]) -> Prompt:
         user = format_user(pairs_, question)
-        return Prompt(system or "", user, engine.encode_chat(system, user), ctx, max_new_tokens, doc_tokens, cuts_)
+        return Prompt(system or "", user, engine.encode_chat(system, user), ctx, max_new_tokens, doc_tokens, cuts_,
+                      list(pairs_))
 
     prompt = make(pairs, [])
     if prompt.tokens <= budget:
         return prompt
 
     overhead = len(engine.encode_chat(system, format_user([(n, "") for n, _ in pairs], question)))
+    # the documents fill ``target``: the budget less what a question of ``question_allowance``
+    # tokens would take beyond this one, so the cut does not depend on the question's length
+    allowance = max(0, question_allowance(budget) - engine.count_tokens(question))
+    target = budget - allowance if overhead + allowance <= budget else budget
     if overhead > budget:
         raise NoRoomError(
             f"the question and chat template alone need {overhead} tokens, more than the {budget} available "
@@ -226,7 +243,7 @@ def build_prompt(
     reserve = MARKER_TOKENS * len(docs)
     best: Prompt | None = None
     for _ in range(6):
-        targets = water_fill(sizes, max(0, budget - overhead - reserve))
+        targets = water_fill(sizes, max(0, target - overhead - reserve))
         if not any(targets) and best is not None:
             break
         if not any(targets):
@@ -244,7 +261,7 @@ def build_prompt(
             new_pairs.append((d.name, text))
             cuts.append(record)
         prompt = make(new_pairs, cuts)
-        slack = budget - prompt.tokens
+        slack = target - prompt.tokens
         if slack >= 0 and (best is None or prompt.tokens > best.tokens):
             best = prompt
         if 0 <= slack <= FILL_SLACK_TOKENS:
@@ -253,6 +270,11 @@ def build_prompt(
     if best is None:  # pragma: no cover - the correction converges within the attempts
         raise PromptError(f"could not fit the documents into {budget} tokens")
     return best
+
+
+def question_allowance(budget: int) -> int:
+    """Tokens a cut leaves for the question whatever it is: ``min(QUESTION_ALLOWANCE, budget // 32)``."""
+    return min(QUESTION_ALLOWANCE, max(0, budget) // 32)
 
 
 def water_fill(sizes: Sequence[int], available: int) -> list[int]:

@@ -10,6 +10,11 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
       "question": "...", "answer": "...",
       "summary": {
         "prompt_tokens", "output_tokens", "ttft_s", "prefill_s", "total_s", "decode_tokens_per_s",
+        "cached_tokens",         # prompt tokens served from the KV cache of an earlier request
+        "wall_s",                # the whole command, from the start of the fp process to its end
+                                 # (fp chat: from reading the question to the end of its answer);
+                                 # null when not measured
+        "engine_start_s",        # part of wall_s spent loading/starting the engine (0: it was running)
         "finish_reason", "engine", "model", "profile",
         "precision",             # attention precision that RAN (bf16/fp16/fp32), not the request
         "precision_requested",   # the profile's precision (fp8 is not implemented yet)
@@ -131,7 +136,8 @@ def layer_ranges(layers: Sequence[int]) -> str:
 
 
 def ask_report(result, question: str, docs: Sequence, prompt, profile, context: dict | None = None,
-               start_phases: dict | None = None) -> dict:
+               start_phases: dict | None = None, *, wall_s: float | None = None,
+               engine_start_s: float | None = None) -> dict:
     """The ``fp.ask/1`` report of one answer.
 
     Args:
@@ -143,6 +149,8 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
         context: the engine's context (``ContextPlan.to_dict``: ``native_context``, ``context``,
             ``rope_scaling``), in tokens; ``None`` when the engine does not say.
         start_phases: the engine's start-up seconds per phase (``engine.start_phases``).
+        wall_s: seconds the whole command took (``fpcli.clock.process_age_s``), or ``None``.
+        engine_start_s: seconds of ``wall_s`` spent starting the engine (0.0 when it was running).
     """
     from fpcli import __version__
 
@@ -156,6 +164,9 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
         "prefill_s": result.prefill_s,
         "total_s": result.total_s,
         "decode_tokens_per_s": result.decode_tokens_per_s,
+        "cached_tokens": int(result.cached_tokens),
+        "wall_s": wall_s,
+        "engine_start_s": engine_start_s,
         "finish_reason": result.finish_reason,
         "engine": result.engine,
         "model": result.model,
@@ -223,10 +234,10 @@ def render_summary(console: Console, report: dict) -> None:
     s = report["summary"]
     d = s["density"]
     t = _SummaryRows()
-    t.add_row("prompt tokens", f"{s['prompt_tokens']:,}")
+    t.add_row("prompt tokens", prompt_tokens_text(s))
     t.add_row("answer tokens", f"{s['output_tokens']:,} ({s['finish_reason']})")
     t.add_row("TTFT", f"{s['ttft_s']:.3f} s (prefill {s['prefill_s']:.3f} s)")
-    t.add_row("total time", f"{s['total_s']:.3f} s")
+    t.add_row(*time_row(s))
     t.add_row("decode", f"{s['decode_tokens_per_s']:.1f} tokens/s")
     t.add_row("attention density", density_line(d, s.get("attention"), s.get("prompt_tokens"),
                                                 s.get("min_sparse_len")))
@@ -255,6 +266,37 @@ def render_summary(console: Console, report: dict) -> None:
         precision = f"{precision}; {requested} requested, {why}"
     t.add_row("profile", f"{s['profile']} ({s['attention']}, {precision})")
     t.print(console, title="fp ask")
+
+
+def prompt_tokens_text(s: dict) -> str:
+    """'813' or '813 (780 cached)' from a report summary."""
+    cached = s.get("cached_tokens") or 0
+    return f"{s['prompt_tokens']:,}" + (f" ({cached:,} cached)" if cached else "")
+
+
+def time_row(s: dict) -> tuple[str, str]:
+    """The summary's time row: ``total time`` is the whole command (``wall_s``) with its parts
+    (engine start, TTFT, decode, and the rest: reading, prompt building, output); without a
+    measured ``wall_s`` the row is the generation's own time, labelled as such, never a total."""
+    gen = s["total_s"]
+    decode = max(0.0, gen - s["ttft_s"])
+    if s.get("wall_s") is None:
+        return "generation time", f"{gen:.3f} s (TTFT {s['ttft_s']:.3f} s + decode {decode:.3f} s)"
+    wall, start = s["wall_s"], s.get("engine_start_s") or 0.0
+    other = max(0.0, wall - start - gen)
+    return "total time", (f"{wall:.3f} s (engine start {start:.3f} s, TTFT {s['ttft_s']:.3f} s, "
+                          f"decode {decode:.3f} s, other {other:.3f} s)")
+
+
+def summary_line(report: dict) -> str:
+    """One line per answer (``fp chat``): 'prompt tokens 813 (780 cached), TTFT 0.412 s, decode
+    12.3 tokens/s, answer 30 tokens (stop), density 100.0%, 2.950 s'."""
+    s = report["summary"]
+    d = s["density"]["overall"]
+    density = "n/a" if d is None else f"{d:.1%}" + ("" if s["density"].get("sparse_layers") else " (dense)")
+    wall = "" if s.get("wall_s") is None else f", {s['wall_s']:.3f} s"
+    return (f"prompt tokens {prompt_tokens_text(s)}, TTFT {s['ttft_s']:.3f} s, decode {s['decode_tokens_per_s']:.1f} "
+            f"tokens/s, answer {s['output_tokens']:,} tokens ({s['finish_reason']}), density {density}{wall}")
 
 
 class _SummaryRows:

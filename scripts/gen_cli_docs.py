@@ -10,7 +10,8 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-COMMANDS = [[], ["ask"], ["bench"], ["profile"], ["serve"], ["start"], ["status"], ["stop"], ["model"], ["model", "list"],
+COMMANDS = [[], ["ask"], ["chat"], ["bench"], ["eval"], ["profile"], ["serve"], ["start"], ["status"], ["stop"], ["model"],
+            ["model", "list"],
             ["model", "pull"], ["model", "path"]]
 DOC = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 

@@ -36,6 +36,7 @@ class FakeEngine:
 
     name = "fake"
     precision = "bf16"  # like the real engines: FP8 is not implemented, whatever the profile asks
+    start_s = 0.01  # started in this process (a resident engine reports 0.0)
 
     def __init__(
         self,
@@ -74,6 +75,7 @@ class FakeEngine:
         max_new_tokens: int = 256,
         temperature: float = 0.0,
         on_text: Callable[[str], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> GenerationResult:
         if len(prompt_ids) + max_new_tokens > self.context_length:
             raise ValueError(
@@ -82,6 +84,8 @@ class FakeEngine:
             )
         self.generated.append({"prompt_len": len(prompt_ids), "max_new_tokens": max_new_tokens, "temperature": temperature})
         t0 = time.perf_counter()
+        for layer in range(self.num_layers) if on_progress else ():
+            on_progress(layer + 1, self.num_layers)
         text = self.answer
         if "{fact}" in text:
             user = self.prompts[-1][1] if self.prompts else ""
@@ -183,8 +187,11 @@ LAST_FAKE: list[FakeEngine] = []  # engines made by fake_load_engine, newest las
 
 def fake_load_engine(engine: str = "auto", model: str | None = None, profile=None, progress=None, **kwargs) -> FakeEngine:
     """Drop-in for ``fpcli.engine.load_engine``; also the ``FP_ENGINE_FACTORY`` hook for subprocess
-    tests. ``$FP_FAKE_ANSWER`` and ``$FP_FAKE_CONTEXT`` set the answer and the context length."""
+    tests. ``$FP_FAKE_ANSWER`` and ``$FP_FAKE_CONTEXT`` set the answer and the context length,
+    ``$FP_FAKE_LOAD_S`` a slow load (seconds)."""
     import os
+
+    time.sleep(float(os.environ.get("FP_FAKE_LOAD_S", "0")))
 
     fake = FakeEngine(
         answer=os.environ.get("FP_FAKE_ANSWER", "The answer is 42."),
@@ -367,3 +374,16 @@ def garble_pdf(data: bytes) -> bytes:
     buf = io.BytesIO()
     writer.write(buf)
     return buf.getvalue()
+
+
+def noisy_load_engine(*args, **kwargs) -> FakeEngine:
+    """``fake_load_engine`` that first writes what real libraries write while a model loads: a
+    transformers logger warning, an SGLang logger warning and a Python ``UserWarning`` (the
+    ``FP_ENGINE_FACTORY`` hook of the quiet-terminal tests)."""
+    import logging
+    import warnings
+
+    logging.getLogger("transformers.modeling_utils").warning("THIRD-PARTY transformers warning")
+    logging.getLogger("sglang.srt.model_executor").warning("THIRD-PARTY sglang warning")
+    warnings.warn("THIRD-PARTY python warning", UserWarning, stacklevel=1)
+    return fake_load_engine(*args, **kwargs)

@@ -274,7 +274,8 @@ def parse_duration_or_exit(option: str, text: str | None) -> float | None:
     return value
 
 
-def obtain_engine(engine: str, model: str | None, profile, progress, no_server: bool, console: Console):
+def obtain_engine(engine: str, model: str | None, profile, progress, no_server: bool, console: Console,
+                  verbose: bool = False):
     """The engine for a command: the resident engine when one runs with the same model, profile
     and engine (``fpcli.server.client.connect``; warnings on ``console`` when it is stale or does
     not answer), else an in-process engine from ``engine_loader()``. ``no_server`` skips the
@@ -289,7 +290,7 @@ def obtain_engine(engine: str, model: str | None, profile, progress, no_server: 
         )
         if remote is not None:
             return remote
-    return engine_loader()(engine, model, profile, progress=progress)
+    return engine_loader()(engine, model, profile, progress=progress, verbose=verbose)
 
 
 def server_of(engine) -> dict | None:

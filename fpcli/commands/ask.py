@@ -79,6 +79,7 @@ def ask(
     page_timeout: Annotated[float, typer.Option("--page-timeout", min=0.1, help="Seconds allowed to extract one PDF page.")] = 20.0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary or progress on stderr (warnings and errors still shown).")] = False,
     no_server: Annotated[bool, typer.Option("--no-server", help="Load the model in this process even when a resident engine (fp start) runs.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also show other libraries' log lines, warnings and progress bars.")] = False,
 ) -> None:
     """Answer QUESTION about the documents FILE... with a local model.
 
@@ -88,7 +89,20 @@ def ask(
 
     If the documents exceed the model's context, the longest ones are cut and fp says what was cut and where.
     """
+    from fpcli.logs import third_party_output
+
+    with third_party_output(verbose):
+        _ask(files, question, model, profile, max_new_tokens, engine, temperature, password, json_out, report, cut,
+             page_timeout, quiet, verbose)
+
+
+def _ask(files, question, model, profile, max_new_tokens, engine, temperature, password, json_out, report, cut,
+         page_timeout, quiet, verbose) -> None:
+    import time
+
+    from fpcli.clock import process_age_s
     from fpcli.ingest import check_paths, ingest
+    from fpcli.prefill_progress import PrefillDisplay
     from fpcli.prompt import NoRoomError, PromptError, build_prompt
     from fpcli.report import ask_report, dumps, render_cuts, render_ingestion, render_summary, save_report
 
@@ -137,14 +151,17 @@ def ask(
 
     from fpcli.engine.context import ContextError
 
+    t_load = time.perf_counter()
     try:
-        eng = obtain_engine(engine.value, model, prof, False if quiet else err, no_server, err)
+        eng = obtain_engine(engine.value, model, prof, False if quiet else err, no_server, err, verbose=verbose)
     except typer.Exit:
         raise
     except ContextError as exc:
         fail(f"{context_source(prof, context)}: {exc}", code=2)
     except Exception as exc:  # noqa: BLE001 - one line for any load failure
         fail(f"cannot load the model: {_one_line(exc)}")
+    # the loader's wall time (model fetch/conversion included); 0 when a running engine answered
+    engine_start_s = time.perf_counter() - t_load if eng.start_s > 0 else 0.0
 
     context_info = say_context(None if quiet else err, eng)
     warn_precision(err, prof, eng)
@@ -176,9 +193,11 @@ def ask(
                 last[0] = piece
 
         try:
-            result = eng.generate(
-                prompt.ids, max_new_tokens=max_new_tokens, temperature=temperature, on_text=None if json_out else stream
-            )
+            with PrefillDisplay(err, prompt.tokens, enabled=not quiet) as display:
+                result = eng.generate(
+                    prompt.ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                    on_text=None if json_out else display.wrap(stream), on_progress=display.on_progress,
+                )
         except KeyboardInterrupt:
             sys.stdout.write("\n")
             fail("interrupted", code=130)
@@ -187,9 +206,9 @@ def ask(
             fail(f"generation failed: {_one_line(exc)}")
 
     data = ask_report(result, question, docs, prompt, prof, context=context_info,
-                      start_phases=getattr(eng, "start_phases", None))
+                      start_phases=getattr(eng, "start_phases", None), wall_s=process_age_s(),
+                      engine_start_s=engine_start_s)
     data["summary"]["server"] = server_of(eng)  # None: answered in-process
-    data["summary"].setdefault("cached_tokens", result.cached_tokens)  # prompt tokens served from the KV cache
     if json_out:
         sys.stdout.write(dumps(data) + "\n")
     elif not last[0].endswith("\n"):

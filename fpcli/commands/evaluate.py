@@ -13,7 +13,7 @@ from fpcli.commands import (
     FpCommand,
     check_model_or_exit,
     check_output_path_or_exit,
-    engine_loader,
+    obtain_engine,
     fail,
     load_profile_or_exit,
     model_context,
@@ -49,6 +49,7 @@ def evaluate(
     engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: SGLang when CUDA and sglang are present, else transformers.")] = EngineChoice.auto,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (schema fp.eval/1) on stdout.")] = False,
     report: Annotated[Optional[Path], typer.Option("--report", help="Also save the JSON object to this file.", dir_okay=False)] = None,
+    no_server: Annotated[bool, typer.Option("--no-server", help="Load the models in this process even when a resident engine (fp start) runs with one of the profiles.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or table on stderr (warnings and errors still shown).")] = False,
 ) -> None:
     """Score profiles side by side on RULER-style long-context tasks generated on the spot.
@@ -104,7 +105,6 @@ def evaluate(
     from fpcli.ruler.runner import eval_report, run_profiles
     from fpcli.ruler.tasks import TaskError, make_samples
 
-    load = engine_loader()
     bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TimeElapsedColumn(), console=err, transient=True, disable=quiet or not err.is_terminal)
     n_samples = len(task_list) * len(lengths) * samples
@@ -118,7 +118,7 @@ def evaluate(
     def open_engine(prof):
         bar.stop()  # the loader shows its own status and download bars
         try:
-            return load(engine.value, model, prof, progress=False if quiet else err)
+            return obtain_engine(engine.value, model, prof, False if quiet else err, no_server, err)
         except Exception as exc:  # noqa: BLE001 - one line for any load failure
             raise _LoadFailed(f"cannot load the model for profile {prof.name}: {_one_line(exc)}") from exc
         finally:

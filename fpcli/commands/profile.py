@@ -32,11 +32,19 @@ def profile_cmd(
     password: Annotated[Optional[str], typer.Option("--password", help="Password of an encrypted PDF.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the statistics as JSON on stdout.")] = False,
     no_server: Annotated[bool, typer.Option("--no-server", help="Load the model in this process even when a resident engine (fp start) runs.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also show other libraries' log lines, warnings and progress bars.")] = False,
 ) -> None:
     """Show the attention density per layer and KV head of one prefill of FILE.
 
     Prints a heatmap in the terminal, writes it as a PNG, shows index vs attention time, and with --fp8 the FP8-vs-BF16 output error per layer.
     """
+    from fpcli.logs import third_party_output
+
+    with third_party_output(verbose):
+        _profile(file, question, fp8, png, model, profile, engine, password, json_out, verbose)
+
+
+def _profile(file, question, fp8, png, model, profile, engine, password, json_out, verbose) -> None:
     from rich.console import Console
 
     from fpcli.ingest import check_paths, ingest
@@ -63,7 +71,7 @@ def profile_cmd(
     from fpcli.engine.context import ContextError
 
     try:
-        eng = obtain_engine(engine.value, model, prof, err, no_server, err)
+        eng = obtain_engine(engine.value, model, prof, err, no_server, err, verbose=verbose)
     except typer.Exit:
         raise
     except ContextError as exc:

@@ -92,7 +92,7 @@ def resolve_request(engine: str = "auto", model: str | None = None, profile=None
 
 
 def load_engine(engine: str = "auto", model: str | None = None, profile=None, progress=None,
-                engine_args: Sequence[str] = ()) -> Engine:
+                engine_args: Sequence[str] = (), verbose: bool = False) -> Engine:
     """Resolve ``model`` and load it with ``engine``.
 
     Args:
@@ -107,6 +107,7 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
             ``rich.console.Console``.
         engine_args: SGLang command-line settings for the SGLang engine (``["--tp", "2"]``);
             the transformers engine takes none.
+        verbose: SGLang's own processes log at ``info`` (else ``error``: ``fp -v``).
 
     Raises:
         EngineUnavailable: ``engine="sglang"`` where SGLang or CUDA is missing (names what to
@@ -126,11 +127,17 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
     ctx = known_context_length(path)
     if ctx is not None:  # the sparse threshold fits the model: min(min_sparse_len, context / 2)
         profile = profile.fit_to_context(min(ctx, profile.engine.context_length or ctx))
+    ui = _console(progress)
     if engine == "sglang":
         from .sglang_engine import SGLangEngine, server_overrides_from_argv
 
         overrides = server_overrides_from_argv(engine_args) if engine_args else None
-        eng = SGLangEngine(path, profile, server_overrides=overrides)
+        log_level = "info" if verbose else None
+        if ui is not None:
+            with ui.status(f"starting SGLang with {name} (weights, CUDA graphs, kernel compilation, warm-up)"):
+                eng = SGLangEngine(path, profile, server_overrides=overrides, log_level=log_level)
+        else:
+            eng = SGLangEngine(path, profile, server_overrides=overrides, log_level=log_level)
         eng.model_name = name
         return eng
     if engine_args:
@@ -138,7 +145,6 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
                          "they are SGLang options, for --engine sglang")
     from .transformers_engine import TransformersEngine
 
-    ui = _console(progress)
     if ui is not None:
         with ui.status(f"loading {name} (transformers engine)"):
             return TransformersEngine(path, profile, model_name=name)

@@ -65,6 +65,10 @@ class GenerationResult:
     ``precision`` is the attention precision that actually ran (``bf16``, ``fp16``, ``fp32``;
     ``fp8`` only once an engine really runs FP8 attention), which may differ from the profile's
     request: FP8 is not implemented yet, and engines run it at the model's dtype instead.
+
+    ``cached_tokens``: prompt tokens served from the KV cache of an earlier request (a shared
+    token prefix, e.g. the same documents with another question); only the other
+    ``prompt_tokens - cached_tokens`` were prefilled.
     """
 
     text: str
@@ -117,6 +121,7 @@ class Engine(Protocol):
     model_name: str
     precision: str  # attention precision that runs (see GenerationResult.precision)
     context_length: int  # max positions the model accepts (prompt + answer)
+    start_s: float  # seconds this process spent starting the engine; 0.0 for an already running (resident) one
 
     def encode_chat(self, system: str | None, user: str) -> list[int]:
         """Token ids of a chat prompt built with the model's own chat template (generation prompt added)."""
@@ -134,8 +139,12 @@ class Engine(Protocol):
         max_new_tokens: int = 256,
         temperature: float = 0.0,
         on_text: Callable[[str], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> GenerationResult:
-        """Greedy when ``temperature == 0``; streams decoded text pieces to ``on_text``."""
+        """Greedy when ``temperature == 0``; streams decoded text pieces to ``on_text``.
+
+        ``on_progress(done, total)`` is called during the prefill where the engine can observe it
+        (``done`` of ``total`` units, e.g. decoder layers; engines that cannot may never call it)."""
 
     def close(self) -> None: ...
 

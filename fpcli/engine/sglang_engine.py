@@ -414,6 +414,7 @@ class SGLangEngine:
             except BaseException:
                 self.close()
                 raise
+        self.start_s = self.startup_s + self.warmup_s
 
     def warmup_lengths(self) -> list[int]:
         """Prompt lengths of the start-up warm-up (``warmup_plan`` for this engine's context,
@@ -473,6 +474,7 @@ class SGLangEngine:
         max_new_tokens: int = 256,
         temperature: float = 0.0,
         on_text: Callable[[str], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
         *,
         top_p: float = 1.0,
         top_k: int = -1,
@@ -481,7 +483,9 @@ class SGLangEngine:
         """Greedy when ``temperature == 0``; streams text deltas to ``on_text``. ``prompt_ids`` may
         be a string (tokenized here, no template). TTFT = submission to the first answer token.
         An exception raised by ``on_text`` (e.g. a cancelled client) aborts the request in SGLang
-        and propagates."""
+        and propagates. ``on_progress`` is accepted for the contract and not called (SGLang's
+        scheduler runs the prefill in another process). ``cached_tokens``: prompt tokens SGLang's
+        radix cache served (``meta_info["cached_tokens"]``; on unless ``disable_radix_cache``)."""
         if self._closed:
             raise RuntimeError("SGLangEngine is closed")
         if isinstance(prompt_ids, str):

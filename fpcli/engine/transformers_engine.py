@@ -92,6 +92,8 @@ class FlashPrefillRuntime:
         min_prefill_len: query lengths below this use SDPA (decode and tiny chunks).
         timing: measure index / attention time per layer (synchronises CUDA per layer).
         layers: ``layer_idx -> LayerStat`` of the current prefill (reset by ``reset``).
+        on_layer: called with ``layer_idx`` after each layer's prefill attention (progress of a
+            long prefill; set by the engine for one prefill, ``None`` otherwise).
     """
 
     config: object | None = None
@@ -100,6 +102,7 @@ class FlashPrefillRuntime:
     min_prefill_len: int = 2
     timing: bool = True
     layers: dict[int, LayerStat] = field(default_factory=dict)
+    on_layer: Callable[[int], None] | None = None
     _plans: dict = field(default_factory=dict)
 
     def reset(self) -> None:
@@ -237,6 +240,8 @@ def flashprefill_attention_forward(
         out = _sdpa(query, key, value, scaling, groups)
         ms = (_now(sync) - t0) * 1e3 if rt.timing else None
         rt.layers[layer] = LayerStat(layer, False, lq, lk, 1.0, [1.0] * key.shape[1], flops, None, ms)
+        if rt.on_layer is not None:
+            rt.on_layer(layer)
         return out, None
 
     from flashprefill import api as flashprefill  # the public API module (validation + dispatch)
@@ -270,6 +275,8 @@ def flashprefill_attention_forward(
     att_ms = (_now(sync) - t0) * 1e3 if rt.timing else None
     per_head = [float(x) for x in st.density_per_kv_head.tolist()]
     rt.layers[layer] = LayerStat(layer, True, lq, lk, float(st.density), per_head, flops, index_ms, att_ms)
+    if rt.on_layer is not None:
+        rt.on_layer(layer)
     return out.unsqueeze(0), None
 
 
@@ -332,6 +339,17 @@ class TransformersEngine:
         model_name: name for reports (default: the folder name).
         device: ``"cpu"``, ``"cuda"`` or ``None`` (CUDA when available).
         timing: measure per-layer index/attention time (one CUDA sync per layer).
+        reuse_cache: keep the last request's KV cache (``DynamicCache``) and token ids, and prefill
+            only what follows the longest common token prefix with the next prompt (the same
+            documents with another question). ``False`` prefills every prompt whole (benchmarks).
+
+    KV reuse: the kept cache holds the last prompt and the answer tokens fed back during its
+    decode; the next ``generate`` crops it to the common prefix with the new prompt ids (at most
+    ``len(prompt) - 1`` tokens, so at least one token is prefilled for the first logits) and
+    prefills the rest after that prefix (``P > 0``: the attention sees ``Lk = P + Lq`` keys).
+    Dense layers (and prompts below ``min_sparse_len``) give the same tokens as a whole prefill;
+    in sparse layers the reused keys/values are those of the earlier prefill, as with SGLang's
+    radix cache, and the new tokens' block selection covers only the new query blocks.
 
     Raises:
         fpcli.engine.context.ContextError: ``profile.engine.context_length`` beyond what the model
@@ -341,7 +359,7 @@ class TransformersEngine:
     name = "transformers"
 
     def __init__(self, model_path, profile=None, model_name: str | None = None, device: str | None = None,
-                 timing: bool = True) -> None:
+                 timing: bool = True, reuse_cache: bool = True) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -384,6 +402,10 @@ class TransformersEngine:
         self.eos_ids = self._eos_ids()
         self.load_s = time.perf_counter() - t0
         self.start_phases["weights"] = self.load_s - self.start_phases["tokenizer"]
+        self.start_s = self.load_s
+        self.reuse_cache = reuse_cache
+        self._cache = None  # DynamicCache of the last request (reuse_cache), holding _cache_ids
+        self._cache_ids: list[int] = []
         forward_params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in forward_params else "past_key_values"
 
@@ -414,35 +436,41 @@ class TransformersEngine:
         max_new_tokens: int = 256,
         temperature: float = 0.0,
         on_text: Callable[[str], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> GenerationResult:
-        """Greedy when ``temperature == 0``; streams decoded text pieces to ``on_text``. An
-        exception raised by ``on_text`` (e.g. a cancelled client) stops the generation before the
-        next decode step and propagates.
+        """See ``Engine.generate``; ``on_progress(layers_done, n_layers)`` after each decoder
+        layer's prefill attention. An exception raised by ``on_text`` (e.g. a cancelled client)
+        stops the generation before the next decode step and propagates.
 
         Raises:
-            ValueError: empty ``prompt_ids``, or a prompt that fills the context.
+            ValueError: empty ``prompt_ids``, or a prompt that leaves no room in the context.
         """
-        from transformers import DynamicCache
-
         t_submit = time.perf_counter()
         if not prompt_ids:
             raise ValueError("generate: prompt_ids is empty")
+        prompt_ids = [int(i) for i in prompt_ids]
         n_prompt = len(prompt_ids)
         budget = self.context_length - n_prompt
         if budget <= 0:
             raise ValueError(f"generate: the prompt ({n_prompt} tokens) fills the context ({self.context_length})")
         max_new = min(max_new_tokens, budget)
         self.runtime.reset()
-        cache = DynamicCache()
-        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        cache, cached = self._take_cache(prompt_ids)  # the kept cache is ours until this call succeeds
+        ids = torch.tensor([prompt_ids[cached:]], dtype=torch.long, device=self.device)
+        if on_progress is not None:
+            self.runtime.on_layer = lambda layer: on_progress(layer + 1, self.n_layers)
         t0 = _now(self.device)
-        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+        try:
+            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+        finally:
+            self.runtime.on_layer = None
         logits = out.logits[0, -1].float()
         token = self._pick(logits, temperature)
         t_first = _now(self.device)
         prefill_s = t_first - t0
         stats = self.runtime.stats(self.n_layers)
 
+        fed: list[int] = []  # answer tokens whose keys/values are in the cache
         generated: list[int] = []
         emitted = ""
         finish = "length"
@@ -460,7 +488,10 @@ class TransformersEngine:
                 break
             step = torch.tensor([[token]], dtype=torch.long, device=self.device)
             out = self.model(input_ids=step, use_cache=True, **{self._cache_kw: cache})
+            fed.append(token)
             token = self._pick(out.logits[0, -1].float(), temperature)
+        if self.reuse_cache:
+            self._cache, self._cache_ids = cache, prompt_ids + fed
         text = self.tokenizer.decode(generated, skip_special_tokens=True)
         if on_text is not None and len(text) > len(emitted) and text.startswith(emitted):
             on_text(text[len(emitted):])
@@ -478,11 +509,31 @@ class TransformersEngine:
             stats=stats,
             finish_reason=finish,
             precision=self.precision,
+            cached_tokens=cached,
         )
+
+    def _take_cache(self, prompt_ids: list[int]):
+        """``(cache, P)``: the kept ``DynamicCache`` cropped to ``P`` tokens, the longest common
+        prefix of its ids and ``prompt_ids`` (at most ``len(prompt_ids) - 1``), or a new empty
+        cache and ``P = 0``. The kept cache is released either way (it is mutated in place)."""
+        from transformers import DynamicCache
+
+        cache, kept = self._cache, self._cache_ids
+        self._cache, self._cache_ids = None, []
+        if cache is None or not self.reuse_cache:
+            return DynamicCache(), 0
+        n = common_prefix_len(kept, prompt_ids, limit=len(prompt_ids) - 1)
+        if n == 0:
+            return DynamicCache(), 0
+        extra = cache.get_seq_length() - n
+        if extra > 0:
+            cache.crop(-extra)  # a negative count removes that many tokens (transformers 4.56 and 5)
+        return cache, n
 
     def close(self) -> None:
         self.model = None
         self.tokenizer = None
+        self._cache, self._cache_ids = None, []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -515,6 +566,19 @@ class TransformersEngine:
         return int(torch.multinomial(probs, 1))
 
 
+def common_prefix_len(a: list[int], b: list[int], limit: int | None = None) -> int:
+    """Length of the longest common prefix of token id lists ``a`` and ``b``, at most ``limit``.
+
+    >>> common_prefix_len([1, 2, 3, 4], [1, 2, 5], limit=10)
+    2
+    """
+    n = min(len(a), len(b), len(a) + len(b) if limit is None else max(0, limit))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 def flops_summary(stats: PrefillStats) -> str:
     """``"4.8 GFLOP dense-equivalent, 37% skipped"`` for logs."""
     if stats.attention_flops_dense <= 0:
@@ -529,6 +593,7 @@ __all__ = [
     "LayerStat",
     "TransformersEngine",
     "causal_attention_flops",
+    "common_prefix_len",
     "flashprefill_attention_forward",
     "install_flashprefill",
     "register_attention",

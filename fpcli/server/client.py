@@ -97,6 +97,7 @@ class RemoteEngine:
         self.context_length = int(health["context_length"])
         self.profile_name = str(health["profile"])
         self.server = {"address": state.address, "pid": state.pid, "engine_start_s": 0.0}
+        self.start_s = 0.0  # no engine was started by this process
         self._http = _client(state, _token(state))
 
     def _post(self, path: str, body: dict) -> dict:
@@ -123,8 +124,10 @@ class RemoteEngine:
         max_new_tokens: int = 256,
         temperature: float = 0.0,
         on_text: Callable[[str], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> GenerationResult:
-        """As ``Engine.generate``; waits in the server's queue while it is busy. Interrupting
+        """As ``Engine.generate`` (``on_progress`` is not called: the prefill runs in the server's
+        process); waits in the server's queue while it is busy. Interrupting
         (KeyboardInterrupt) closes the connection, which cancels this request on the server.
 
         Raises:

@@ -1,0 +1,223 @@
+"""``fp chat FILE...``: read and fit the documents once, then answer questions in a loop.
+
+Every prompt is the same system message, the same (fitted) documents, then the earlier turns
+(``--history``) and the question, so each question after the first reuses the documents' KV
+cache (the engines keep it: ``GenerationResult.cached_tokens``). Questions come from stdin, one
+per line (a ``> `` prompt on stderr when stdin is a terminal); answers stream to stdout, one
+summary line per answer goes to stderr; EOF or ``/exit`` ends the session.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Annotated, Optional
+
+import typer
+from rich.markup import escape
+
+from fpcli.commands import (
+    FpCommand,
+    check_max_new_tokens_or_exit,
+    check_model_or_exit,
+    obtain_engine,
+    fail,
+    load_profile_or_exit,
+    stderr_console,
+    warn_precision,
+)
+from fpcli.commands.ask import CutChoice, EngineChoice, _one_line
+
+app = typer.Typer()
+
+EXIT_COMMANDS = ("/exit", "/quit")
+HISTORY_RESERVE = 1024  # tokens kept free for the earlier turns with --history when the documents
+# must be cut (never over a quarter of the budget); the question's room is fpcli.prompt.QUESTION_ALLOWANCE
+
+
+class ChatCommand(FpCommand):
+    required_args = ("files",)
+
+
+@app.command("chat", cls=ChatCommand, no_args_is_help=True)
+def chat(
+    files: Annotated[
+        Optional[list[str]],
+        typer.Argument(metavar="FILE", help="PDF, .txt or .md files (read once). Required.", show_default=False),
+    ] = None,
+    model: Annotated[
+        Optional[str],
+        typer.Option("--model", "-m", help="Hugging Face folder or cached id, or a .gguf file. Default: the embedded SmolLM2-135M-Instruct."),
+    ] = None,
+    profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, fp8, dense, or a path to a profile .yaml.")] = "bf16",
+    engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: SGLang when CUDA and sglang are present, else transformers.")] = EngineChoice.auto,
+    history: Annotated[bool, typer.Option("--history/--no-history", help="Put earlier questions and answers after the documents (the oldest are dropped when they no longer fit).")] = True,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Longest answer, in tokens.")] = 256,
+    temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 = greedy.")] = 0.0,
+    password: Annotated[Optional[str], typer.Option("--password", help="Password of encrypted PDFs.")] = None,
+    cut: Annotated[CutChoice, typer.Option("--cut", help="When the documents exceed the context: cut the middle (keep start and end) or the end.")] = CutChoice.middle,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object per answer, one per line (fp.ask/1), instead of streaming.")] = False,
+    no_server: Annotated[bool, typer.Option("--no-server", help="Load the model in this process even when a resident engine (fp start) runs.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also show other libraries' log lines, warnings and progress bars.")] = False,
+) -> None:
+    """Answer questions about the documents FILE... in a loop, reusing their KV cache.
+
+    Questions are read from standard input, one per line, until end of input or /exit. Each answer streams to stdout; a summary line (prompt and cached tokens, TTFT, decode speed, density) goes to stderr.
+    """
+    from fpcli.logs import third_party_output
+
+    with third_party_output(verbose):
+        _chat(list(files or []), model, profile, engine, history, max_new_tokens, temperature, password, cut, json_out,
+              verbose, no_server)
+
+
+def _chat(files, model, profile, engine, history, max_new_tokens, temperature, password, cut, json_out, verbose,
+          no_server) -> None:
+    from fpcli.ingest import check_paths, ingest
+    from fpcli.prompt import PromptError, build_prompt
+    from fpcli.report import render_cuts, render_ingestion
+
+    err = stderr_console()
+    if not files:
+        fail("missing FILE (usage: fp chat FILE...)", code=2)
+    problems = check_paths(files)
+    if problems:
+        for p in problems:
+            err.print(f"[bold red]fp: error:[/] {escape(p)}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+    prof = load_profile_or_exit(profile)
+    check_model_or_exit(model)
+    check_max_new_tokens_or_exit(max_new_tokens, model, prof)
+
+    with err.status("reading documents") as status:
+        docs = ingest(files, password=password, on_file=lambda n: status.update(f"reading {n}"))
+    render_ingestion(err, docs)
+    usable = [d for d in docs if d.ok and d.text.strip()]
+    if not usable:
+        fail("no readable document remains (see the reasons above)" if len(docs) > 1 else "no readable document (see the reason above)")
+
+    try:
+        eng = obtain_engine(engine.value, model, prof, err, no_server, err, verbose=verbose)
+    except typer.Exit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - one line for any load failure
+        fail(f"cannot load the model: {_one_line(exc)}")
+    warn_precision(err, prof, eng)
+    with eng:
+        check_max_new_tokens_or_exit(max_new_tokens, None, prof, context_length=eng.context_length)
+        ctx = min(eng.context_length, prof.engine.context_length or eng.context_length)
+        reserve = min(HISTORY_RESERVE, max(0, (ctx - max_new_tokens) // 4)) if history else 0
+        try:  # fit the documents once, leaving room for the question (and the turns)
+            fitted = build_prompt(usable, "", eng, max_new_tokens + reserve, context_length=ctx, cut=cut.value)
+        except PromptError as exc:
+            fail(str(exc))
+        render_cuts(err, fitted)
+        err.print(
+            f"[dim]{eng.name} engine, model {eng.model_name}, profile {prof.name}: {len(fitted.documents)} "
+            f"document(s), {fitted.tokens:,} prompt tokens before the question; ask one question per line, "
+            f"{EXIT_COMMANDS[0]} or end of input to quit[/]",
+            highlight=False,
+        )
+        loop = _ChatLoop(eng, prof, docs, fitted, ctx, max_new_tokens, temperature, history, json_out, err)
+        loop.run(sys.stdin)
+
+
+class _ChatLoop:
+    """The question loop of one ``fp chat``."""
+
+    def __init__(self, eng, prof, docs, fitted, ctx, max_new_tokens, temperature, history, json_out, err) -> None:
+        self.eng, self.prof, self.docs, self.fitted = eng, prof, docs, fitted
+        self.ctx, self.max_new_tokens, self.temperature = ctx, max_new_tokens, temperature
+        self.history, self.json_out, self.err = history, json_out, err
+        self.turns: list[tuple[str, str]] = []
+
+    def run(self, stdin) -> None:
+        interactive = stdin.isatty()
+        while True:
+            if interactive:
+                sys.stderr.write("> ")
+                sys.stderr.flush()
+            try:
+                line = stdin.readline()
+            except KeyboardInterrupt:
+                sys.stderr.write("\n")
+                return
+            if not line:  # end of input
+                return
+            question = line.strip()
+            if not question:
+                continue
+            if question.lower() in EXIT_COMMANDS:
+                return
+            self.answer(question)
+
+    def prompt_for(self, question: str):
+        """The ``Prompt`` of ``question`` (documents, the turns that fit, the question), or ``None``
+        after saying why it cannot fit."""
+        from fpcli.prompt import SYSTEM_PROMPT, Prompt, format_user
+
+        budget = self.ctx - self.max_new_tokens
+        turns = list(self.turns) if self.history else []
+        while True:
+            user = format_user(self.fitted.documents, question, turns)
+            ids = self.eng.encode_chat(SYSTEM_PROMPT, user)
+            if len(ids) <= budget or not turns:
+                break
+            turns.pop(0)
+        dropped = len(self.turns) - len(turns) if self.history else 0
+        if dropped:
+            self.err.print(f"[yellow]note: the {dropped} oldest earlier turn(s) no longer fit the context; "
+                           f"left out of this prompt[/]", highlight=False, soft_wrap=True)
+        if len(ids) > budget:
+            self.err.print(
+                f"[bold red]fp: error:[/] this question needs {len(ids) - budget:,} tokens more than the prompt budget "
+                f"of {budget:,} (context {self.ctx:,} - {self.max_new_tokens:,} for the answer); ask a shorter one",
+                highlight=False, soft_wrap=True,
+            )
+            return None
+        return Prompt(SYSTEM_PROMPT, user, ids, self.ctx, self.max_new_tokens, dict(self.fitted.doc_tokens),
+                      list(self.fitted.cuts), list(self.fitted.documents))
+
+    def answer(self, question: str) -> None:
+        from fpcli.prefill_progress import PrefillDisplay
+        from fpcli.report import ask_report, summary_line
+
+        t0 = time.perf_counter()
+        prompt = self.prompt_for(question)
+        if prompt is None:
+            return
+        last = [""]
+
+        def stream(piece: str) -> None:
+            if piece:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+                last[0] = piece
+
+        try:
+            with PrefillDisplay(self.err, prompt.tokens) as display:
+                result = self.eng.generate(
+                    prompt.ids, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                    on_text=None if self.json_out else display.wrap(stream), on_progress=display.on_progress,
+                )
+        except KeyboardInterrupt:  # cancels this answer only; the session goes on
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            self.err.print("[yellow]interrupted; ask the next question, or /exit[/]", highlight=False)
+            return
+        except Exception as exc:  # noqa: BLE001
+            if not self.json_out:
+                sys.stdout.write("\n")
+            fail(f"generation failed: {_one_line(exc)}")
+        data = ask_report(result, question, self.docs, prompt, self.prof, wall_s=time.perf_counter() - t0,
+                          engine_start_s=0.0)
+        if self.json_out:
+            import json
+
+            sys.stdout.write(json.dumps(data, ensure_ascii=False) + "\n")
+        elif not last[0].endswith("\n"):
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+        self.err.print(summary_line(data), highlight=False, soft_wrap=True, markup=False)
+        if self.history:
+            self.turns.append((question, result.text))
+
