@@ -93,11 +93,11 @@ def ask(
 
     with third_party_output(verbose):
         _ask(files, question, model, profile, max_new_tokens, engine, temperature, password, json_out, report, cut,
-             page_timeout, quiet, verbose)
+             page_timeout, quiet, verbose, context, no_server)
 
 
 def _ask(files, question, model, profile, max_new_tokens, engine, temperature, password, json_out, report, cut,
-         page_timeout, quiet, verbose) -> None:
+         page_timeout, quiet, verbose, context, no_server) -> None:
     import time
 
     from fpcli.clock import process_age_s

@@ -41,10 +41,10 @@ def profile_cmd(
     from fpcli.logs import third_party_output
 
     with third_party_output(verbose):
-        _profile(file, question, fp8, png, model, profile, engine, password, json_out, verbose)
+        _profile(file, question, fp8, png, model, profile, engine, password, json_out, verbose, context, no_server)
 
 
-def _profile(file, question, fp8, png, model, profile, engine, password, json_out, verbose) -> None:
+def _profile(file, question, fp8, png, model, profile, engine, password, json_out, verbose, context, no_server) -> None:
     from rich.console import Console
 
     from fpcli.ingest import check_paths, ingest
