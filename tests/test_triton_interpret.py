@@ -1,9 +1,10 @@
 """Triton kernels under ``TRITON_INTERPRET=1`` (CPU) vs the PyTorch reference, on tiny shapes.
 
 The interpreter must be switched on before Triton compiles anything, and other test files may
-import Triton normally, so the kernels run in ONE subprocess (this file with ``--worker``) that
-sets ``TRITON_INTERPRET=1`` first, runs every case and prints one JSON line per case; the tests
-below only read those results. Total runtime ~1 minute on 2 cores.
+import Triton normally, so the kernels run in subprocesses (this file with ``--worker K N``, one
+per CPU core up to ``WORKERS``, each taking every N-th case) that set ``TRITON_INTERPRET=1``
+first, run their cases and print one JSON line per case; the tests below only read those
+results. A few minutes on 2 shared cores.
 
 Interpreter limits (Triton 3.6): bf16 values are held as raw uint16 and ``tl.dot`` on them is
 wrong, so the dot paths run in fp16 here (the same kernel code; bf16 runs on the GPU tests); the
@@ -190,11 +191,14 @@ def _run_case_body(name, q_lens, prefixes, hkv, g, d, ps, B, over, structured, n
     return res
 
 
-def worker() -> None:
+WORKERS = 2
+
+
+def worker(k: int, n: int) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT / "kernels"))
     _patch_interpreter()
-    for name in CASES:
+    for name in list(CASES)[k::n]:
         try:
             res = _run_case(name)
         except Exception as e:  # report, the test names the case
@@ -207,15 +211,20 @@ def worker() -> None:
 def results():
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "kernels"), str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True, text=True,
-                          timeout=900)
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            out[r["case"]] = r
+    n = max(1, min(WORKERS, os.cpu_count() or 1))
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(k), str(n)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in range(n)]
+    out, errors = {}, []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=900)
+        for line in stdout.splitlines():
+            if line.startswith("{"):
+                r = json.loads(line)
+                out[r["case"]] = r
+        if proc.returncode:
+            errors.append(f"rc {proc.returncode}: {stderr[-4000:]}")
     if not out:
-        pytest.fail(f"interpreter worker produced no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+        pytest.fail("interpreter workers produced no results:\n" + "\n".join(errors))
     return out
 
 
@@ -254,7 +263,8 @@ def test_selection_is_sparse_and_rules_hold(results):
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
-    worker()
+    i = sys.argv.index("--worker")
+    worker(int(sys.argv[i + 1]), int(sys.argv[i + 2]))
 
 
 def test_correction_without_bitmask_refuses_32bit_overflowing_offsets():

@@ -79,11 +79,9 @@ def _pick_backend(backend: str, q: torch.Tensor) -> str:
 
 
 def _load(name: str):
-    """Import a backend module lazily; a missing one is an error, never a silent fallback."""
-    try:
-        return importlib.import_module(_MODULES[name])
-    except ImportError as exc:  # pragma: no cover - depends on the installation
-        raise RuntimeError(f"flashprefill backend {name!r} is unavailable: {exc}") from exc
+    """Import a backend module lazily. A missing dependency (triton) raises its ``ImportError``:
+    never a silent fallback to another backend."""
+    return importlib.import_module(_MODULES[name])
 
 
 # --------------------------------------------------------------------------------------------
