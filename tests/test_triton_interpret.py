@@ -60,6 +60,9 @@ CASES = {
 }
 # cases that also run ``host.attention``, the one call behind ``flashprefill_attention``
 ONE_CALL_CASES = ("batch_g3_ps64", "b128_d128")
+# cases that also run the Triton attention on the reference's index (no selection bitmask; the
+# "nobits_" cases run that path on the Triton index)
+REF_INDEX_CASES = ("batch_g3_ps64", "long_prefix_d128", "b128_d128_batch")
 
 # Shared sparse knobs for tiny shapes (B = 64 gives enough blocks at a few hundred tokens).
 BASE_CONFIG = dict(sink_tokens=64, window_tokens=64, dense_tail_tokens=32, alpha=0.3)
@@ -172,11 +175,12 @@ def _run_case_body(name, q_lens, prefixes, hkv, g, d, ps, B, over, structured, n
     res["out_max"] = float((out.float() - ro.float()).abs().max())
     res["lse_max"] = float((l - rl.float()).abs().max())
     res["nan"] = bool(torch.isnan(out).any() or torch.isnan(l).any())
-    # the reference's index has no bitmask: the kernel folds every candidate in and subtracts
-    assert ridx.sel_bits is None
-    o2, l2 = tb.sparse_attention(q, k, v, pt, sl, cu, cfg, None, plan, ridx)
-    ro2, _ = ref.sparse_attention(q, k, v, pt, sl, cu, cfg, None, plan, ridx)
-    res["ref_index_out_rel"] = float((o2.float() - ro2.float()).norm() / ro2.float().norm())
+    if name in REF_INDEX_CASES:
+        # the reference's index has no bitmask: the kernel folds every candidate in and subtracts
+        assert ridx.sel_bits is None
+        o2, l2 = tb.sparse_attention(q, k, v, pt, sl, cu, cfg, None, plan, ridx)
+        ro2, _ = ref.sparse_attention(q, k, v, pt, sl, cu, cfg, None, plan, ridx)
+        res["ref_index_out_rel"] = float((o2.float() - ro2.float()).norm() / ro2.float().norm())
     do, dl = tb.dense_attention(q, k, v, pt, sl, cu, None, plan)
     rdo, rdl = ref.dense_attention(q, k, v, pt, sl, cu, None, plan)
     res["dense_rel"] = float((do.float() - rdo.float()).norm() / rdo.float().norm())
@@ -216,7 +220,12 @@ def results():
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in range(n)]
     out, errors = {}, []
     for proc in procs:
-        stdout, stderr = proc.communicate(timeout=900)
+        try:
+            stdout, stderr = proc.communicate(timeout=1800)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail("interpreter workers still running after 1800 s")
         for line in stdout.splitlines():
             if line.startswith("{"):
                 r = json.loads(line)
@@ -250,7 +259,8 @@ def test_kernels_match_reference(results, name):
         assert r["bf16_mean_err"] < 1e-5, r
     if name in ONE_CALL_CASES:
         assert r["one_call_same"], r
-    assert r["ref_index_out_rel"] < 3e-3, r
+    if name in REF_INDEX_CASES:
+        assert r["ref_index_out_rel"] < 3e-3, r
 
 
 def test_selection_is_sparse_and_rules_hold(results):
