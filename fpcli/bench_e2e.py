@@ -283,9 +283,8 @@ def format_variants(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# Engine options a variant may set: ``collect_stats`` (SGLangEngine argument) and ``kernel`` (an
-# attention-kernel experiment by name, ``FP_ATTN_VARIANT`` in SGLang's processes).
-ENGINE_VARIANT_KEYS = ("collect_stats", "kernel")
+# Engine options a variant may set: ``collect_stats`` (SGLangEngine argument).
+ENGINE_VARIANT_KEYS = ("collect_stats",)
 
 
 def _parse_value(raw: str, strings: bool = False) -> Any:
@@ -313,9 +312,7 @@ def parse_variant(text: str, base: Any) -> tuple[str, Any, dict]:
     Keys: ``dense_layers``, ``attention`` (``flashprefill`` | ``dense``), any
     ``flashprefill.SparseConfig`` field (``alpha``, ``window_tokens``, ``sink_tokens``,
     ``dense_tail_tokens``, ``block_size``, ...), an engine option of ``ENGINE_VARIANT_KEYS``
-    (``collect_stats=false``: the backend keeps no statistics, to measure what they cost;
-    ``kernel=m64``: an attention-kernel variant of
-    ``flashprefill.impl.triton_attention.ATTN_VARIANTS`` in the engine's processes), or
+    (``collect_stats=false``: the backend keeps no statistics, to measure what they cost), or
     ``sgl.<ServerArgs field>`` passed to SGLang as is (``sgl.decode_attention_backend=fa3``).
     Values are parsed as int, float or bool (``sgl.*`` and ``attention`` also take strings).
     Raises ``ValueError`` naming a bad key or value.
@@ -345,13 +342,6 @@ def parse_variant(text: str, base: Any) -> tuple[str, Any, dict]:
             if not name.isidentifier():
                 raise ValueError(f"variant {label}: {key!r} does not name a ServerArgs field")
             engine.setdefault("server_overrides", {})[name] = _parse_value(raw, strings=True)
-            continue
-        if key == "kernel":
-            from flashprefill.config import ATTN_VARIANTS
-
-            if low not in ATTN_VARIANTS:
-                raise ValueError(f"variant {label}: kernel={raw!r}: expected one of {sorted(ATTN_VARIANTS)}")
-            engine["extra_env"] = {"FP_ATTN_VARIANT": low}
             continue
         try:
             value = _parse_value(raw)

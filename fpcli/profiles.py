@@ -42,7 +42,7 @@ class EngineSettings:
 
     Attributes:
         chunked_prefill_size: tokens per prefill chunk, >= 8192 (shorter chunks cost accuracy:
-            the dense tail applies to every chunk, design doc section 7).
+            the dense tail applies to every chunk, ``docs/method.md`` section 3.5).
         page_size: KV cache page size in tokens, >= 1.
         mem_fraction_static: share of GPU memory for weights and KV cache, in (0, 1).
         cuda_graph_decode: capture decode steps in CUDA graphs.

@@ -5,7 +5,7 @@
 #   source .fpdev/bin/env.sh && bash scripts/gpu_kernels.sh     # with flash-attn-4 for the FA4 baseline
 #   FP_SKIP_TESTS=1 bash scripts/gpu_kernels.sh        # bench only
 #   FP_BENCH_LENS=8k,128k FP_SKIP_TESTS=1 bash scripts/gpu_kernels.sh
-#   FP_BENCH_ARGS="--variants --profile" FP_SKIP_TESTS=1 bash scripts/gpu_kernels.sh   # where the time goes
+#   PYTHONPATH=kernels python scripts/lab/bench_lab.py --lens 32k,128k --profile --sweep   # where the time goes
 #
 # Writes under $OUT (default ./out-gpu-kernels): env.txt, gpu_tests.log, bench.log, bench.json.
 set -u

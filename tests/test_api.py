@@ -119,8 +119,8 @@ def inp64d():
 
 @pytest.fixture
 def fake_triton(monkeypatch):
-    fake = _FakeBackend("flashprefill.impl.triton_backend")
-    monkeypatch.setitem(sys.modules, "flashprefill.impl.triton_backend", fake)
+    fake = _FakeBackend("flashprefill.impl.triton.host")
+    monkeypatch.setitem(sys.modules, "flashprefill.impl.triton.host", fake)
     return fake
 
 
@@ -336,23 +336,66 @@ def test_sparse_config_errors():
         SparseConfig(alpha=1.5)
 
 
-def test_attention_variant_from_env(monkeypatch):
-    """``FP_ATTN_VARIANT`` selects named kernel-config overrides (used inside SGLang's
-    scheduler processes); an unknown name is a ValueError naming the choices."""
-    pytest.importorskip("triton")
-    from flashprefill.impl import triton_attention as ta
+def test_return_index_is_the_index_the_attention_used(inp):
+    """``return_index=True`` appends the ``BlockIndex`` last, ``(out[, lse][, stats][, index])``:
+    the one built inside the call equals ``build_index``'s; a given index comes back as is."""
+    plan = make_plan(inp[4], inp[5], 3, CFG.block_size)
+    want = flashprefill.build_index(*inp, CFG, plan=plan)
+    out, index = flashprefill.flashprefill_attention(*inp, CFG, plan=plan, return_index=True)
+    assert isinstance(index, flashprefill.BlockIndex)
+    for f in ("row_ptr", "col_idx", "k_mean", "v_mean", "block_ptr", "tile_ptr", "n_visible"):
+        torch.testing.assert_close(getattr(index, f), getattr(want, f), atol=0, rtol=0, msg=f)
+    assert 0 < index.nnz < int(index.n_visible.sum())              # it pruned: the comparison can fail
+    o, lse, stats, idx = flashprefill.flashprefill_attention(*inp, CFG, plan=plan, return_lse=True,
+                                                             return_stats=True, return_index=True)
+    torch.testing.assert_close(o, out, atol=0, rtol=0)
+    assert lse.shape == inp[0].shape[:2] and isinstance(stats, SparseStats)
+    assert stats.index is idx and stats.selected_blocks == idx.nnz
+    o2, given = flashprefill.flashprefill_attention(*inp, CFG, plan=plan, index=want, return_index=True)
+    assert given is want
+    torch.testing.assert_close(o2, out, atol=0, rtol=0)
 
-    monkeypatch.setenv("FP_ATTN_VARIANT", "m64")
-    assert ta._variant_from_env() == ta.ATTN_VARIANTS["m64"]
-    monkeypatch.setenv("FP_ATTN_VARIANT", "")
-    assert ta._variant_from_env() == {}
-    monkeypatch.setenv("FP_ATTN_VARIANT", "fast")
-    with pytest.raises(ValueError, match="m64"):
-        ta._variant_from_env()
-    import torch
-    monkeypatch.setattr(ta, "CONFIG_OVERRIDES", ta.ATTN_VARIANTS["m64"])
-    cfg = ta.get_config(128, torch.bfloat16, 128)
-    assert cfg.block_m == 64 and cfg.flat_steps and cfg.merge_loops and cfg.num_warps == 4
-    monkeypatch.setattr(ta, "CONFIG_OVERRIDES", {"block_n": 96})
-    with pytest.raises(ValueError, match="block_n 96"):
-        ta.get_config(128, torch.bfloat16, 128)
+
+def test_return_index_does_not_sync(inp64d, fake_triton, monkeypatch):
+    """The index built inside the call comes back without a host read at the API layer (unlike
+    ``return_stats``): the backend's own index, the one its attention used."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    plan = make_plan(inp64d[4], inp64d[5], 3, CFG.block_size)
+    built = R.build_index(*inp64d, CFG, None, plan)
+
+    def build_index(*args):
+        fake_triton.calls.append(("build_index",))
+        return built
+    monkeypatch.setattr(fake_triton, "build_index", build_index)
+
+    def boom(*_a, **_k):
+        raise AssertionError("host sync in the API layer")
+    for meth in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, meth, boom)
+    out, index = flashprefill.flashprefill_attention(*inp64d, CFG, plan=plan, backend="triton", return_index=True)
+    monkeypatch.undo()
+    assert [c[0] for c in fake_triton.calls] == ["build_index", "sparse_attention"]
+    assert index is built and fake_triton.calls[1][4] is built
+
+
+def test_kernel_configs_are_frozen_and_explicit():
+    """``tiles.get_config`` returns frozen dataclasses; nothing in the environment changes them;
+    bad arguments are ValueErrors naming the argument."""
+    from flashprefill.impl.triton import tiles
+
+    cfg = tiles.get_config(128, torch.bfloat16, 128)
+    assert isinstance(cfg.attn, tiles.AttnConfig) and isinstance(cfg.index, tiles.IndexConfig)
+    for obj, field in ((cfg, "attn"), (cfg.attn, "block_m"), (cfg.index, "select_block_j")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, field, getattr(obj, field))
+    assert tiles.get_config(128, torch.bfloat16, 64).attn.block_n <= 64
+    assert tiles.get_config(64, torch.float16, 64).attn.block_n == 64        # clamped to the key block
+    assert tiles.get_config(64, torch.float16, 128).attn.block_n == 128
+    with pytest.raises(ValueError, match="head_dim"):
+        tiles.get_config(96, torch.bfloat16, 128)
+    with pytest.raises(ValueError, match="dtype"):
+        tiles.get_config(128, torch.float32, 128)
+    with pytest.raises(ValueError, match="variant"):
+        tiles.get_config(128, torch.bfloat16, 128, variant="no-such-preset")
+    assert not any(isinstance(v, (dict, list, set)) for k, v in vars(tiles).items()
+                   if k.isupper() and k != "VARIANTS"), "a mutable module-level setting"

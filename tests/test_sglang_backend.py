@@ -660,10 +660,9 @@ def test_e2e_bench_variants_and_depths(monkeypatch):
     label, prof, eng = bench_e2e.parse_variant("dl4:dense_layers=4,alpha=0.05", base)
     assert label == "dl4" and prof.dense_layers == 4 and prof.operator.alpha == 0.05 and eng == {}
     assert bench_e2e.parse_variant("ns:collect_stats=false", base)[2] == {"collect_stats": False}
-    assert bench_e2e.parse_variant("k:kernel=m64", base)[2] == {"extra_env": {"FP_ATTN_VARIANT": "m64"}}
     assert prof.operator.window_tokens == base.operator.window_tokens and base.dense_layers == 2
     for bad, what in (("x", "LABEL"), ("v:nope=1", "nope"), ("v:alpha=abc", "alpha"), ("v:alpha=-1", "alpha"),
-                      ("dense:alpha=0.2", "LABEL"), ("all_x:alpha=0.2", "LABEL"), ("k:kernel=fast", "m64")):
+                      ("dense:alpha=0.2", "LABEL"), ("all_x:alpha=0.2", "LABEL"), ("k:kernel=m64", "kernel")):
         with pytest.raises(ValueError, match=what):
             bench_e2e.parse_variant(bad, base)
 

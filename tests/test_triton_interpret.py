@@ -1,10 +1,10 @@
 """Triton kernels under ``TRITON_INTERPRET=1`` (CPU) vs the PyTorch reference, on tiny shapes.
 
 The interpreter must be switched on before Triton compiles anything, and other test files may
-import Triton normally, so the kernels run in ONE subprocess (this file with ``--worker``) that
-sets ``TRITON_INTERPRET=1`` first, runs every case and prints one JSON line per case; the tests
-below only read those results. Total runtime ~4 minutes on 2 cores (measured: 241 s in the
-worker's set-up, the module-scoped ``results`` fixture), most of the whole CPU suite's ~6.
+import Triton normally, so the kernels run in subprocesses (this file with ``--worker K N``, one
+per CPU core up to ``WORKERS``, each taking every N-th case) that set ``TRITON_INTERPRET=1``
+first, run their cases and print one JSON line per case; the tests below only read those
+results. A few minutes on 2 shared cores.
 
 Interpreter limits (Triton 3.6): bf16 values are held as raw uint16 and ``tl.dot`` on them is
 wrong, so the dot paths run in fp16 here (the same kernel code; bf16 runs on the GPU tests); the
@@ -41,46 +41,28 @@ CASES = {
     # several BLOCK_J chunks of the selection (the d=128 config, BLOCK_U = 128)
     "long_prefix_d64": ([100], [9000], 1, 2, 64, 16, 64, {"window_tokens": 5000}, True),
     "long_prefix_d128": ([100], [9000], 1, 2, 128, 64, 64, {}, True),
-    # the mean correction's "mask" mode (a membership walk over col_idx; the other cases run the
-    # default, "bits", unless named "subtract_")
-    "mask_batch_g3_ps64": ([300, 1, 129], [700, 63, 0], 2, 3, 64, 64, 64, {"_mc_mode": "mask"}, True),
-    "mask_long_prefix_d128": ([100], [9000], 1, 2, 128, 64, 64, {"_mc_mode": "mask"}, True),
-    # the "subtract" mode (fold every candidate in, take the selected ones out again; the default
-    # "bits" reads the index's selection bitmask, and falls back to "subtract" when given the
-    # reference's index, which has none: checked in every "bits" case)
-    "subtract_batch_g3_ps64": ([300, 1, 129], [700, 63, 0], 2, 3, 64, 64, 64, {"_mc_mode": "subtract"}, True),
-    "subtract_long_prefix_d128": ([100], [9000], 1, 2, 128, 64, 64, {"_mc_mode": "subtract"}, True),
-    "subtract_b128_g7_ps16": ([200], [2900], 1, 7, 64, 16, 128,
-                              {"sink_tokens": 128, "window_tokens": 128, "alpha": 0.5, "_mc_mode": "subtract"},
-                              True),
-    # the selection's scoring loop pipelined by Triton (config.INDEX_VARIANTS "select_pipe*")
-    "select_pipe2_batch": ([300, 1, 129], [700, 63, 0], 2, 3, 64, 64, 64, {"_index": "select_pipe2"}, True),
-    "select_pipe3_long_prefix_d128": ([100], [9000], 1, 2, 128, 64, 64, {"_index": "select_pipe3"}, True),
+    # the correction of an index without its selection bitmask (fold every candidate in, take the
+    # selected ones out again): the Triton index with ``sel_bits=None``; every other case also runs
+    # it with the reference's index, which has no bitmask
+    "nobits_batch_g3_ps64": ([300, 1, 129], [700, 63, 0], 2, 3, 64, 64, 64, {"_no_bits": True}, True),
+    "nobits_long_prefix_d128": ([100], [9000], 1, 2, 128, 64, 64, {"_no_bits": True}, True),
+    "nobits_b128_g7_ps16": ([200], [2900], 1, 7, 64, 16, 128,
+                            {"sink_tokens": 128, "window_tokens": 128, "alpha": 0.5, "_no_bits": True}, True),
     # the last token alone with a partial last block and a prefix: its tile's first row sees every
     # block (the correction's candidates run to the end of the segment)
     "last_token_partial_block_g7": ([1], [1000], 1, 7, 64, 16, 128, {"sink_tokens": 128, "window_tokens": 128,
                                                                      "dense_tail_tokens": 0, "alpha": 0.5}, True),
-    # key block 128 with 64-key steps (the d=128 GPU config): two sub-tiles per block, unrolled
-    # (default), as flat loop steps, and flat + one merged exact loop + 64-row programs
-    "b128_d128_default": ([100], [3000], 1, 2, 128, 64, 128, {"_mc_mode": "mask"}, True),
-    # the d=128 default does one softmax update per 128-key block (pair_softmax); per sub-tile here
-    "b128_d128_nopair": ([100], [3000], 1, 2, 128, 64, 128, {"_attn": {"pair_softmax": False}}, True),
-    "b128_d128_pair_batch": ([300, 1, 129], [2700, 63, 0], 2, 3, 128, 16, 128,
-                             {"sink_tokens": 128, "window_tokens": 128, "alpha": 0.5}, True),
-    "b128_d128_flat_merged_m64": ([100], [3000], 1, 2, 128, 64, 128,
-                                  {"_attn": {"flat_steps": True, "merge_loops": True, "block_m": 64,
-                                             "num_warps": 4}}, True),
-    "b128_g7_ps16_flat": ([200], [2900], 1, 7, 64, 16, 128,
-                          {"sink_tokens": 128, "window_tokens": 128, "alpha": 0.5,
-                           "_attn": {"block_n": 64, "flat_steps": True}},
-                          True),
-    "b128_batch_merged": ([300, 1, 129], [2700, 63, 0], 2, 3, 64, 64, 128,
-                          {"sink_tokens": 128, "window_tokens": 128, "alpha": 0.5,
-                           "_attn": {"block_n": 64, "flat_steps": True, "merge_loops": True}}, True),
+    # key block 128 with 64-key steps (the d=128 GPU config): two sub-tiles per block, one softmax
+    # update per block (pair_softmax)
+    "b128_d128": ([100], [3000], 1, 2, 128, 64, 128, {}, True),
+    "b128_d128_batch": ([300, 1, 129], [2700, 63, 0], 2, 3, 128, 16, 128,
+                        {"sink_tokens": 128, "window_tokens": 128, "alpha": 0.5}, True),
 }
-DEFAULT_MC_MODE = "bits"   # set from triton_attention.MC_MODE in the worker
-# cases that also run the fused ``triton_backend.attention`` with its dense-tail split
-TAIL_SPLIT_CASES = ("batch_g3_ps64", "long_prefix_d128", "subtract_b128_g7_ps16")
+# cases that also run ``host.attention``, the one call behind ``flashprefill_attention``
+ONE_CALL_CASES = ("batch_g3_ps64", "b128_d128")
+# cases that also run the Triton attention on the reference's index (no selection bitmask; the
+# "nobits_" cases run that path on the Triton index)
+REF_INDEX_CASES = ("batch_g3_ps64", "long_prefix_d128", "b128_d128_batch")
 
 # Shared sparse knobs for tiny shapes (B = 64 gives enough blocks at a few hundred tokens).
 BASE_CONFIG = dict(sink_tokens=64, window_tokens=64, dense_tail_tokens=32, alpha=0.3)
@@ -133,26 +115,19 @@ def make_inputs(q_lens, prefixes, hkv, g, d, page_size, dtype, structured, seed=
 
 
 def _run_case(name):
-    from flashprefill.impl import triton_attention as ta
-    from flashprefill.impl import triton_backend as tb
-
     q_lens, prefixes, hkv, g, d, ps, B, over, structured = CASES[name]
     over = dict(over)
-    ta.MC_MODE = over.pop("_mc_mode", DEFAULT_MC_MODE)
-    ta.CONFIG_OVERRIDES = over.pop("_attn", {})
-    index_variant = over.pop("_index", None)
-    if index_variant is not None:
-        with tb.index_variant(index_variant):
-            return _run_case_body(name, q_lens, prefixes, hkv, g, d, ps, B, over, structured)
-    return _run_case_body(name, q_lens, prefixes, hkv, g, d, ps, B, over, structured)
+    no_bits = over.pop("_no_bits", False)
+    return _run_case_body(name, q_lens, prefixes, hkv, g, d, ps, B, over, structured, no_bits)
 
 
-def _run_case_body(name, q_lens, prefixes, hkv, g, d, ps, B, over, structured):
+def _run_case_body(name, q_lens, prefixes, hkv, g, d, ps, B, over, structured, no_bits):
+    import dataclasses
+
     import torch
     from flashprefill import SparseConfig, make_plan
     from flashprefill.impl import reference as ref
-    from flashprefill.impl import triton_attention as ta
-    from flashprefill.impl import triton_backend as tb
+    from flashprefill.impl.triton import host as tb
 
     cfg = SparseConfig(block_size=B, **{**BASE_CONFIG, **over})
     q, k, v, pt, sl, cu = make_inputs(q_lens, prefixes, hkv, g, d, ps, torch.float16, structured)
@@ -183,7 +158,15 @@ def _run_case_body(name, q_lens, prefixes, hkv, g, d, ps, B, over, structured):
         "density": idx.nnz / max(1, int(idx.n_visible.sum())),
         "sel_bits_match_csr": bool(torch.equal(decoded.reshape(mine.shape), mine.bool())),
     }
+    if name in ONE_CALL_CASES:
+        # ``attention`` (index, then attention, one KernelConfig): the same index and output
+        fo, fl, fidx = tb.attention(q, k, v, pt, sl, cu, cfg, None, plan)
+        o1, l1 = tb.sparse_attention(q, k, v, pt, sl, cu, cfg, None, plan, idx)
+        res["one_call_same"] = bool(torch.equal(fidx.col_idx, idx.col_idx) and torch.equal(fo, o1)
+                                    and torch.equal(fl, l1))
     # Attention with the Triton selection in both implementations.
+    if no_bits:
+        idx = dataclasses.replace(idx, sel_bits=None)
     out = torch.full_like(q, float("nan"))
     o, l = tb.sparse_attention(q, k, v, pt, sl, cu, cfg, None, plan, idx)
     out.copy_(o)
@@ -192,21 +175,8 @@ def _run_case_body(name, q_lens, prefixes, hkv, g, d, ps, B, over, structured):
     res["out_max"] = float((out.float() - ro.float()).abs().max())
     res["lse_max"] = float((l - rl.float()).abs().max())
     res["nan"] = bool(torch.isnan(out).any() or torch.isnan(l).any())
-    if name in TAIL_SPLIT_CASES:
-        # the fused call with the dense-tail tiles as a separate dense-mode launch
-        from flashprefill.plan import dense_tail_start
-        saved = tb.TAIL_SPLIT_MIN_KV
-        tb.TAIL_SPLIT_MIN_KV = 0
-        try:
-            res["tail_start"] = dense_tail_start(plan, cfg.dense_tail_tokens, cfg.min_sparse_len)
-            res["n_tiles"] = plan.n_tiles
-            fo, fl, _ = tb.attention(q, k, v, pt, sl, cu, cfg, None, plan)
-        finally:
-            tb.TAIL_SPLIT_MIN_KV = saved
-        res["tail_split_out_max"] = float((fo.float() - out.float()).abs().max())
-        res["tail_split_lse_max"] = float((fl - l).abs().max())
-    if ta.MC_MODE == "bits":
-        # the reference's index has no bitmask: the kernel falls back to "subtract"
+    if name in REF_INDEX_CASES:
+        # the reference's index has no bitmask: the kernel folds every candidate in and subtracts
         assert ridx.sel_bits is None
         o2, l2 = tb.sparse_attention(q, k, v, pt, sl, cu, cfg, None, plan, ridx)
         ro2, _ = ref.sparse_attention(q, k, v, pt, sl, cu, cfg, None, plan, ridx)
@@ -225,14 +195,14 @@ def _run_case_body(name, q_lens, prefixes, hkv, g, d, ps, B, over, structured):
     return res
 
 
-def worker() -> None:
-    global DEFAULT_MC_MODE
+WORKERS = 2
+
+
+def worker(k: int, n: int) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT / "kernels"))
     _patch_interpreter()
-    from flashprefill.impl import triton_attention as ta
-    DEFAULT_MC_MODE = ta.MC_MODE
-    for name in CASES:
+    for name in list(CASES)[k::n]:
         try:
             res = _run_case(name)
         except Exception as e:  # report, the test names the case
@@ -243,19 +213,27 @@ def worker() -> None:
 
 @pytest.fixture(scope="module")
 def results():
-    pytest.importorskip("triton")
-    pytest.importorskip("flashprefill.impl.reference")
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "kernels"), str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True, text=True,
-                          timeout=900)
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            out[r["case"]] = r
+    n = max(1, min(WORKERS, os.cpu_count() or 1))
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(k), str(n)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in range(n)]
+    out, errors = {}, []
+    for proc in procs:
+        try:
+            stdout, stderr = proc.communicate(timeout=1800)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail("interpreter workers still running after 1800 s")
+        for line in stdout.splitlines():
+            if line.startswith("{"):
+                r = json.loads(line)
+                out[r["case"]] = r
+        if proc.returncode:
+            errors.append(f"rc {proc.returncode}: {stderr[-4000:]}")
     if not out:
-        pytest.fail(f"interpreter worker produced no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+        pytest.fail("interpreter workers produced no results:\n" + "\n".join(errors))
     return out
 
 
@@ -279,10 +257,9 @@ def test_kernels_match_reference(results, name):
     assert r["dense_lse_max"] < 2e-3, r
     if "bf16_mean_err" in r:
         assert r["bf16_mean_err"] < 1e-5, r
-    if name in TAIL_SPLIT_CASES:
-        assert 0 < r["tail_start"] < r["n_tiles"], r          # the split happened
-        assert r["tail_split_out_max"] <= 1e-3 and r["tail_split_lse_max"] <= 1e-4, r
-    if "ref_index_out_rel" in r:
+    if name in ONE_CALL_CASES:
+        assert r["one_call_same"], r
+    if name in REF_INDEX_CASES:
         assert r["ref_index_out_rel"] < 3e-3, r
 
 
@@ -295,43 +272,21 @@ def test_selection_is_sparse_and_rules_hold(results):
     assert all(r.get("lowp_made") for r in results.values()), results
 
 
-def test_index_variant_sets_and_restores_the_backend_constants():
-    """``triton_backend.index_variant`` (the bench and the GPU tests run the index variants
-    through it) sets a variant's constants inside the block and restores them, also on errors."""
-    pytest.importorskip("triton")
-    sys.path.insert(0, str(ROOT / "kernels"))
-    from flashprefill.config import INDEX_VARIANTS
-    from flashprefill.impl import triton_backend as tb
-
-    for name, over in INDEX_VARIANTS.items():
-        before = {k: getattr(tb, k) for k in over}
-        assert before != over, name                           # a variant changes something
-        with pytest.raises(RuntimeError):
-            with tb.index_variant(name):
-                assert {k: getattr(tb, k) for k in over} == over
-                raise RuntimeError("a failing run")
-        assert {k: getattr(tb, k) for k in over} == before
-    with pytest.raises(KeyError):
-        with tb.index_variant("no-such-variant"):
-            pass
-
-
 if __name__ == "__main__" and "--worker" in sys.argv:
-    worker()
+    i = sys.argv.index("--worker")
+    worker(int(sys.argv[i + 1]), int(sys.argv[i + 2]))
 
 
-def test_subtract_mode_refuses_32bit_overflowing_offsets(monkeypatch):
-    """The "subtract" correction addresses a selected block's means as a 32-bit block id times
-    the means' row stride: a batch where that overflows is refused before any launch."""
-    pytest.importorskip("triton")
-    sys.path.insert(0, str(ROOT / "kernels"))
+def test_correction_without_bitmask_refuses_32bit_overflowing_offsets():
+    """Without a selection bitmask the correction addresses a selected block's means as a 32-bit
+    block id times the means' row stride: a batch where that overflows is refused before any
+    launch."""
     import dataclasses
 
     import torch
     from flashprefill import make_plan
-    from flashprefill.impl import triton_attention as ta
-
-    monkeypatch.setattr(ta, "MC_MODE", "subtract")
+    from flashprefill.impl.triton import host
+    from flashprefill.impl.triton.tiles import get_config
     hkv, g, d = 2, 2, 64
     q = torch.randn(8, hkv * g, d, dtype=torch.float16)
     cache = torch.randn(1, 64, hkv, d, dtype=torch.float16)
@@ -340,10 +295,12 @@ def test_subtract_mode_refuses_32bit_overflowing_offsets(monkeypatch):
     means = torch.randn(1, hkv, d, dtype=torch.float16)            # row stride hkv * d = 128
     plan = make_plan(sl, cu, g, 64)
     huge = dataclasses.replace(plan, kv_lens=(64 * (2**31 // 128 + 1),))   # fake length: never launched
+    tiles = get_config(d, torch.float16, 64).attn
     with pytest.raises(ValueError, match="overflows 32-bit offsets"):
-        ta.launch_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32), sl, cu, 0.125, huge,
-                            sparse=True, mean_correction=True, row_ptr=plan.tile_ptr, col_idx=plan.tile_ptr,
-                            k_mean=means, v_mean=means)
+        host.launch_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32), sl, cu, 0.125, huge, tiles,
+                              sparse=True, mean_correction=True, block_size=64, row_ptr=plan.tile_ptr,
+                              col_idx=plan.tile_ptr, k_mean=means, v_mean=means)
     with pytest.raises(ValueError, match="timing must be a contiguous int64"):
-        ta.launch_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32), sl, cu, 0.125, plan,
-                            sparse=False, mean_correction=False, timing=torch.zeros(2, 3, dtype=torch.int64))
+        host.launch_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32), sl, cu, 0.125, plan, tiles,
+                              sparse=False, mean_correction=False, block_size=64,
+                              timing=torch.zeros(2, 3, dtype=torch.int64))

@@ -331,8 +331,7 @@ class SGLangEngine:
         collect_stats: per-layer density and prefill time from the backend.
         layer_timing: also time index and attention stages per layer.
         server_overrides: extra ``ServerArgs`` fields, win over the profile.
-        extra_env: environment entries for SGLang's processes, e.g. ``{"FP_ATTN_VARIANT": "m64"}``
-            (an attention-kernel experiment, ``flashprefill.impl.triton_attention.ATTN_VARIANTS``).
+        extra_env: environment entries for SGLang's processes (none are read by the operator).
         shutdown_timeout_s: how long ``close`` waits for SGLang before killing its children.
     """
 

@@ -4,7 +4,8 @@ Public API (``api.py``; layouts in ``docs/layout.md``)::
 
     flashprefill_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config=None,
                            softmax_scale=None, return_lse=False, return_stats=False, *,
-                           plan=None, index=None, backend="auto")
+                           plan=None, index=None, backend="auto", return_index=False)
+        -> out, or (out[, lse][, stats][, index])
     build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config=None,
                 softmax_scale=None, *, plan=None, backend="auto") -> BlockIndex
     dense_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, softmax_scale=None,

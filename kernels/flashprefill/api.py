@@ -1,12 +1,12 @@
 """Public API of ``flashprefill``: input validation once, then lazy dispatch to a backend.
 
-Backends (``impl/reference.py``, ``impl/triton_backend.py``) expose the same three functions with
+Backends (``impl/reference.py``, ``impl/triton/host.py``) expose the same three functions with
 the signatures of ``docs/layout.md`` ("Implementations") and never import each other.
 ``backend="auto"`` sends CUDA tensors that the Triton kernels take (``TRITON_DTYPES``: bf16/fp16,
 ``TRITON_HEAD_DIMS``: d in 64/128/256) to Triton and everything else to the reference; an
 explicitly requested backend never falls back silently (attention-gym ``api.py`` pattern).
 
-Tensor arguments (``docs/layout.md`` defines every layout; design doc sections in brackets)::
+Tensor arguments (``docs/layout.md`` defines every layout; ``docs/method.md`` the method)::
 
     q             [total_q, Hq, d]                   bf16/fp16 (fp32/fp64 on the reference), last dim contiguous
     k_cache       [num_pages, page_size, Hkv, d]     same dtype as q, paged KV pool, new tokens written
@@ -40,7 +40,7 @@ from .index import BlockIndex, SparseStats
 from .plan import BatchPlan, make_plan
 
 BACKENDS = ("auto", "reference", "triton")
-_MODULES = {"reference": "flashprefill.impl.reference", "triton": "flashprefill.impl.triton_backend"}
+_MODULES = {"reference": "flashprefill.impl.reference", "triton": "flashprefill.impl.triton.host"}
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
@@ -79,11 +79,9 @@ def _pick_backend(backend: str, q: torch.Tensor) -> str:
 
 
 def _load(name: str):
-    """Import a backend module lazily; a missing one is an error, never a silent fallback."""
-    try:
-        return importlib.import_module(_MODULES[name])
-    except ImportError as exc:  # pragma: no cover - depends on the installation
-        raise RuntimeError(f"flashprefill backend {name!r} is unavailable: {exc}") from exc
+    """Import a backend module lazily. A missing dependency (triton) raises its ``ImportError``:
+    never a silent fallback to another backend."""
+    return importlib.import_module(_MODULES[name])
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,7 +290,8 @@ def build_index(
     plan: BatchPlan | None = None,
     backend: str = "auto",
 ) -> BlockIndex:
-    """Block index of a batch: K/V block means and the CSR of selected blocks (sections 3.1-3.6).
+    """Block index of a batch: K/V block means and the CSR of selected blocks (``docs/method.md``
+    sections 3.1-3.6).
 
     Args:
         q: ``[total_q, Hq, d]`` new queries, varlen-packed (see module docstring for all tensors).
@@ -333,8 +332,10 @@ def flashprefill_attention(
     plan: BatchPlan | None = None,
     index: BlockIndex | None = None,
     backend: str = "auto",
+    return_index: bool = False,
 ):
-    """Block-sparse causal prefill attention with mean correction (FlashPrefill V2, sections 3-4).
+    """Block-sparse causal prefill attention with mean correction (FlashPrefill V2, ``docs/method.md``
+    sections 3-4).
 
     Query token ``t`` of a request sees KV positions ``p <= P + t`` (``P = Lk - Lq``, bottom-right
     causal). Selected blocks are computed exactly; pruned blocks fully seen by the whole tile are
@@ -345,34 +346,38 @@ def flashprefill_attention(
             backend: as ``build_index``.
         return_lse: also return ``lse``.
         return_stats: also return ``SparseStats`` (density overall and per KV head, the index).
+            It reads the index on the host: one more sync.
         index: a ``BlockIndex`` of this batch and config (built when None).
+        return_index: also return the ``BlockIndex`` the attention used (the one given, or the
+            one built here), without a host sync: a caller derives its statistics from the exact
+            index that ran (e.g. ``SparseStats.from_index`` later, or ``row_ptr`` / ``n_visible``
+            on the device).
 
     Returns:
-        ``out`` ``[total_q, Hq, d]`` in q's dtype; with ``return_lse`` / ``return_stats`` a tuple
-        ``(out, lse)``, ``(out, stats)`` or ``(out, lse, stats)``. ``lse`` ``[total_q, Hq]``
-        float32 (float64 for float64 inputs on the reference): natural log of the corrected softmax
-        denominator. ``stats`` = ``SparseStats.from_index(index)`` (it syncs; ask only when needed).
+        ``out`` ``[total_q, Hq, d]`` in q's dtype, or, when any ``return_*`` flag is set, the
+        tuple ``(out[, lse][, stats][, index])`` in that order. ``lse`` ``[total_q, Hq]`` float32
+        (float64 for float64 inputs on the reference): natural log of the corrected softmax
+        denominator. ``stats`` = ``SparseStats.from_index(index)`` (it syncs; ask only when
+        needed). ``index``: ``BlockIndex`` (device tensors, see ``docs/layout.md``).
 
     Raises:
         ValueError / TypeError: naming the argument, the expected shape/dtype/device and what was found.
     """
     config, scale, plan, mod = _prepare(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q,
                                         config, softmax_scale, plan, backend)
-    if index is None and hasattr(mod, "attention"):
-        # one call: the Triton backend overlaps the dense-tail tiles with its nnz sync
-        out, lse, index = mod.attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale, plan)
-    else:
-        if index is None:
-            index = mod.build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale, plan)
-        elif not torch.compiler.is_compiling():
-            _check_index(index, plan, config, k_cache.shape[2])
-        out, lse = mod.sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale,
-                                        plan, index)
+    if index is None:
+        index = mod.build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale, plan)
+    elif not torch.compiler.is_compiling():
+        _check_index(index, plan, config, k_cache.shape[2])
+    out, lse = mod.sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale,
+                                    plan, index)
     result = (out,)
     if return_lse:
         result += (lse,)
     if return_stats:
         result += (SparseStats.from_index(index),)
+    if return_index:
+        result += (index,)
     return result[0] if len(result) == 1 else result
 
 

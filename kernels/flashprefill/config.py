@@ -1,8 +1,8 @@
-"""Method knobs of FlashPrefill V2 (design doc ``flashprefill-v2.md`` sections 3 and 4).
+"""Method knobs of FlashPrefill V2 (``docs/method.md`` sections 3 and 4).
 
 One frozen dataclass, validated at construction; loaded from ``profiles/*.yaml`` by the CLI; plus
 the Triton kernels' capability constants (dtypes, head dims). Kernel tile choices live elsewhere
-(``impl/triton_attention.py::get_config``), never here.
+(``impl/triton/tiles.py::get_config``), never here.
 """
 from __future__ import annotations
 
@@ -13,32 +13,10 @@ import torch
 
 SUPPORTED_BLOCK_SIZES = (64, 128)
 
-# What the Triton kernels take (``impl/triton_attention.py``). Kept here, in a module that does not
+# What the Triton kernels take (``impl/triton/``). Kept here, in a module that does not
 # import triton, so ``api.py`` (``backend="auto"``) and callers can test it without the kernels.
 TRITON_DTYPES = (torch.bfloat16, torch.float16)
 TRITON_HEAD_DIMS = (64, 128, 256)
-# Named sets of overrides of the Triton attention kernel's tile config
-# (``flashprefill.impl.triton_attention.AttnConfig``) for experiments, selectable by name with
-# ``FP_ATTN_VARIANT`` (kept here, importable without Triton, so a caller can check a name early).
-# "m64": flat 64-key steps, one merged exact loop, 64-row programs with 4 warps -- small enough in
-# shared memory and registers for two resident programs per SM (scripts/compile_sm90.py).
-ATTN_VARIANTS: dict[str, dict] = {
-    "flat": {"flat_steps": True},
-    "m64": {"flat_steps": True, "merge_loops": True, "block_m": 64, "num_warps": 4, "mc_stages": 2},
-    "nopair": {"pair_softmax": False},
-}
-
-# Index-stage tile variants (module constants of ``impl.triton_backend``) that ``flashprefill.bench
-# --variants`` times and ``tests/gpu/test_kernels.py`` runs, so a faster one can become the default
-# with its GPU tests already run.
-# (means with 32 tokens per step and the selection launched with 1 / 3 stages were within the
-# run-to-run spread on 2026-11-30 and left; "select_pipe*": the selection's scoring loop as a
-# Triton-pipelined loop, its mean keys streamed by cp.async into a 2- or 3-deep ring.)
-INDEX_VARIANTS: dict[str, dict] = {
-    "means_t128w8": {"MEANS_TOKENS": 128, "MEANS_WARPS": 8},
-    "select_pipe2": {"SELECT_PIPE_STAGES": 2},
-    "select_pipe3": {"SELECT_PIPE_STAGES": 3},
-}
 
 
 @dataclass(frozen=True)
@@ -46,7 +24,7 @@ class SparseConfig:
     """Block-sparse prefill settings. All lengths are in tokens.
 
     Attributes:
-        block_size: key block size ``B`` (section 3.1). 128 by default; 64 also supported.
+        block_size: key block size ``B`` (``docs/method.md`` section 3.1). 128 by default; 64 also supported.
         sink_tokens: the key blocks covering KV positions ``[0, sink_tokens)`` are always kept
             (section 3.5).
         window_tokens: every query row keeps the blocks covering its last ``window_tokens``

@@ -2,7 +2,7 @@
 
 Layout and worked examples: ``docs/layout.md``. Built by ``flashprefill.build_index``; consumed by
 the sparse attention of the same backend. Tensors are fresh allocations owned by this object
-(never views of a workspace that the next call overwrites; design doc section 7).
+(never views of a workspace that the next call overwrites; ``docs/method.md`` section 3.6).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 @dataclass(frozen=True)
 class BlockIndex:
-    """CSR block index of one batch (design doc section 3.6).
+    """CSR block index of one batch (``docs/method.md`` section 3.6).
 
     Segments are ordered KV-head major, then request, then tile:
     ``seg = h * n_tiles + tile_ptr[b] + i`` for KV head ``h``, request ``b``, tile ``i``.
@@ -40,9 +40,9 @@ class BlockIndex:
             bitmask: for ``j < n_visible[s]``, bit ``j % 32`` of word ``j // 32`` of segment
             ``s`` is set iff block ``j`` is in ``s``'s CSR row (bits past ``n_visible[s]`` are
             not written: read them as garbage). Kept by the Triton index so the mean correction
-            can test membership with two word loads per candidate chunk (``mc_mode="bits"``).
-            ``None`` from the reference backend (the correction then runs in ``"subtract"``
-            mode). It must describe the same selection as ``row_ptr`` / ``col_idx``: a
+            can test membership with two word loads per candidate chunk. ``None`` from the
+            reference backend (the correction then folds every candidate in and takes the
+            selected ones out again). It must describe the same selection as ``row_ptr`` / ``col_idx``: a
             ``BlockIndex`` built with another CSR (``dataclasses.replace``) must set it to
             ``None``.
     """

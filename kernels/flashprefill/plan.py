@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-TILE_ROWS = 128  # GQA-packed query rows per tile (design doc section 3.2)
+TILE_ROWS = 128  # GQA-packed query rows per tile (``docs/method.md`` section 3.2)
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ def visible_blocks(plan: BatchPlan) -> list[int]:
     """Causally visible key blocks of each request, summed over its tiles (one KV head).
 
     Tile ``i`` of a request (packed rows ``[i*R, min((i+1)*R, Lq*g))``, last token ``t_last =
-    (row_end - 1) // g``) sees blocks ``0 .. (P + t_last) // B`` (design doc section 3.2), so this
+    (row_end - 1) // g``) sees blocks ``0 .. (P + t_last) // B`` (``docs/method.md`` section 3.2), so this
     is the sum of ``BlockIndex.n_visible`` over the request's segments of one KV head: the
     denominator of density, computed on the host from the lengths alone (no device read).
     """
@@ -179,31 +179,3 @@ def visible_blocks(plan: BatchPlan) -> list[int]:
         row_end = torch.clamp(torch.arange(1, n_tiles + 1, dtype=torch.int64) * R, max=rows)
         out.append(int(((p + (row_end - 1) // g) // B + 1).sum()))
     return out
-
-
-def dense_tail_start(plan: BatchPlan, dense_tail_tokens: int, min_sparse_len: int = 0) -> int:
-    """First tile id of the last request's dense tiles: tiles ``[start, plan.n_tiles)`` attend
-    densely, so they need no index (``plan.n_tiles`` when there are none).
-
-    A tile is dense when it holds one of the request's last ``dense_tail_tokens`` query tokens
-    (its last token ``t_last >= Lq - dense_tail_tokens``), or when ``Lq < min_sparse_len``
-    (design doc section 3.5; the selection kernel's rule). ``t_last`` grows with the tile number,
-    so a request's dense tiles are a suffix of its tiles: tile ``i`` is dense iff
-    ``min((i+1) R, Lq g) >= (Lq - T) g + 1``, i.e. ``i >= ceil(((Lq - T) g + 1) / R) - 1``.
-    """
-    if not plan.q_lens:
-        return plan.n_tiles
-    lq, g, R = plan.q_lens[-1], plan.group_size, plan.tile_rows
-    n = -(-lq * g // R)
-    first = plan.n_tiles - n
-    if n == 0:
-        return plan.n_tiles
-    if lq < min_sparse_len:
-        return first
-    if dense_tail_tokens <= 0:
-        return plan.n_tiles
-    thr = lq - dense_tail_tokens
-    if thr < 0:
-        return first
-    i0 = -(-(thr * g + 1) // R) - 1
-    return first + max(0, min(i0, n - 1))

@@ -13,10 +13,13 @@ Run on the device: ``PYTHONPATH=kernels:. pytest tests/gpu/test_kernels.py -q -x
   ``docs/layout.md`` "Attention with mean correction" restricted to those rows.
 - Mean correction lowers the error vs dense attention on structured inputs.
 - ``dense_attention`` vs torch SDPA (fp32).
-- The fused ``attention`` (dense-tail tiles on a side stream) vs the two-call path and the reference.
+- The correction of an index without its selection bitmask (the reference's, or ``sel_bits=None``).
+- ``flashprefill_attention(..., return_index=True)``: the index the attention used, equal to
+  ``build_index``'s, and the same output as the two calls.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -25,37 +28,14 @@ import torch
 
 import flashprefill
 from flashprefill import SparseConfig, make_plan
-from flashprefill.plan import dense_tail_start
 from flashprefill.impl import reference as ref
-from flashprefill.impl import triton_attention as ta
-from flashprefill.impl import triton_backend as tb
+from flashprefill.impl.triton import host as tb
 
 K_LOWP = 4.0       # x the error of rounding the fp32 reference to 16 bits
 ATOL = 4e-3
 REL_TOL = 1.5e-2
 TIE_FRACTION = 0.01
 DEV = os.environ.get("FP_TEST_DEVICE", "cuda")  # "cpu" only for an interpreter smoke run
-
-# Kernel variants every sparse case runs with: the mean-correction modes "bits" (default) and
-# "subtract" (triton_attention.MC_MODE), and the d=128 config with one softmax update per 64-key
-# sub-tile instead of per 128-key block ("nopair"), so whichever wins the bench has passed these
-# tests. The "mask" mode and the "m64" config (slower at every length since 2026-11-30) run on
-# the batch shapes only (test_mask_mode_and_m64_batch).
-KERNEL_VARIANTS = {
-    "bits": ("bits", {}),
-    "subtract": ("subtract", {}),
-    "nopair": ("bits", ta.ATTN_VARIANTS["nopair"]),
-}
-
-
-@pytest.fixture(params=list(KERNEL_VARIANTS))
-def mc_mode(request):
-    """Run the test once per kernel variant (``KERNEL_VARIANTS``)."""
-    saved = ta.MC_MODE, ta.CONFIG_OVERRIDES
-    ta.MC_MODE, ta.CONFIG_OVERRIDES = KERNEL_VARIANTS[request.param]
-    yield request.param
-    ta.MC_MODE, ta.CONFIG_OVERRIDES = saved
-
 
 # Sparse knobs small enough that lengths of a few thousand tokens actually prune.
 SMALL = SparseConfig(sink_tokens=128, window_tokens=256, dense_tail_tokens=128, alpha=0.1)
@@ -165,10 +145,8 @@ def run_case(name, q_lens, prefixes, hkv, g, d, ps, dtype, config=SMALL):
     vm_err = (idx.v_mean - ridx.v_mean).abs().max().item()
     assert km_err < 1e-4 and vm_err < 1e-4, f"{name}: k_mean err {km_err}, v_mean err {vm_err}"
     for mean, lowp in ((idx.k_mean, idx.k_mean_lowp), (idx.v_mean, idx.v_mean_lowp)):
-        if tb.EXACT_SCORES:
-            assert lowp is None, f"{name}: 16-bit means made with EXACT_SCORES"
-        else:   # the default: the means kernel writes the copies the correction reads
-            assert lowp is not None and torch.equal(lowp, mean.to(lowp.dtype)), f"{name}: 16-bit means"
+        # the means kernel writes the 16-bit copies the scores and the correction read
+        assert lowp is not None and torch.equal(lowp, mean.to(lowp.dtype)), f"{name}: 16-bit means"
     poison(q.numel() * q.element_size() * 2)
     out, lse = tb.sparse_attention(q, k, v, pt, sl, cu, config, None, plan, idx)
     r_out, r_lse, l_out = truth_and_lowp(ref.sparse_attention, q, k, v, pt, sl, cu, config, None, plan, idx)
@@ -188,40 +166,36 @@ for i, L in enumerate((1, 127, 128, 129, 1000, 4097)):
 
 
 @pytest.mark.parametrize("L,g,d,ps,dtype", CASES, ids=[f"L{c[0]}-g{c[1]}-d{c[2]}-ps{c[3]}-{str(c[4])[6:]}" for c in CASES])
-def test_single_request(L, g, d, ps, dtype, mc_mode):
+def test_single_request(L, g, d, ps, dtype):
     run_case(f"L{L}", [L], [0], 2, g, d, ps, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("g,d,ps", [(3, 128, 16), (8, 64, 64), (7, 256, 1)])
-def test_batch_with_prefixes(g, d, ps, dtype, mc_mode):
+def test_batch_with_prefixes(g, d, ps, dtype):
     run_case("batch", [100, 8192, 1], [0, 4096, 63], 2, g, d, ps, dtype)
 
 
-@pytest.mark.parametrize("variant", ["mask", "m64"])
-@pytest.mark.parametrize("g,d,ps", [(3, 128, 16), (8, 64, 64), (7, 256, 1)])
-def test_mask_mode_and_m64_batch(g, d, ps, variant, monkeypatch):
-    if variant == "mask":
-        monkeypatch.setattr(ta, "MC_MODE", "mask")
-    else:
-        monkeypatch.setattr(ta, "MC_MODE", "subtract")
-        monkeypatch.setattr(ta, "CONFIG_OVERRIDES", ta.ATTN_VARIANTS["m64"])
-    run_case(f"batch-{variant}", [100, 8192, 1], [0, 4096, 63], 2, g, d, ps, torch.bfloat16)
-    run_case(f"default-config-{variant}", [3000], [5000], 2, 4, 128, 64, torch.bfloat16, SparseConfig())
-
-
-def test_prefix_default_config(mc_mode):
+def test_prefix_default_config():
     run_case("default-config", [3000], [5000], 2, 4, 128, 64, torch.bfloat16, SparseConfig())
 
 
-@pytest.mark.parametrize("variant", list(tb.INDEX_VARIANTS))
-def test_index_variants(variant):
-    """Each index-stage tile variant (``config.INDEX_VARIANTS``: block-means steps, selection
-    pipelines) against the reference, so the bench's fastest can become the default."""
-    with tb.index_variant(variant):
-        run_case(f"{variant}/batch", [100, 8192, 1], [0, 4096, 63], 2, 3, 128, 16, torch.bfloat16)
-        run_case(f"{variant}/4097", [4097], [0], 1, 8, 64, 1, torch.float16)
-        run_case(f"{variant}/d256", [1000], [300], 2, 4, 256, 64, torch.bfloat16)
+@pytest.mark.parametrize("g,d,ps", [(3, 128, 16), (8, 64, 64), (7, 256, 1)])
+def test_correction_without_bitmask(g, d, ps):
+    """An index without ``sel_bits`` (the reference's, or one with another CSR): the correction
+    folds every candidate in and takes the selected ones out again."""
+    for name, q_lens, prefixes, cfg in (("batch", [100, 8192, 1], [0, 4096, 63], SMALL),
+                                        ("default-config", [3000], [5000], SparseConfig())):
+        q, k, v, pt, sl, cu = make_inputs(q_lens, prefixes, 2, g, d, ps, torch.bfloat16)
+        plan = make_plan(sl, cu, g, cfg.block_size)
+        for label, idx in (("triton index, sel_bits=None",
+                            dataclasses.replace(tb.build_index(q, k, v, pt, sl, cu, cfg, None, plan), sel_bits=None)),
+                           ("reference index", ref.build_index(q, k, v, pt, sl, cu, cfg, None, plan))):
+            assert idx.sel_bits is None
+            poison(q.numel() * q.element_size() * 2)
+            out, lse = tb.sparse_attention(q, k, v, pt, sl, cu, cfg, None, plan, idx)
+            r_out, r_lse, l_out = truth_and_lowp(ref.sparse_attention, q, k, v, pt, sl, cu, cfg, None, plan, idx)
+            check_outputs(f"{name}/{label}", out, lse, r_out, r_lse, torch.bfloat16, l_out)
 
 
 @pytest.mark.parametrize("ps", [1, 16, 64, 128])
@@ -255,7 +229,7 @@ def test_dense_vs_sdpa(L):
                   torch.zeros(out.shape[:2], device=DEV), torch.bfloat16)
 
 
-def test_mean_correction_reduces_error(mc_mode):
+def test_mean_correction_reduces_error():
     cfg = SparseConfig(sink_tokens=128, window_tokens=256, dense_tail_tokens=128, alpha=0.2)
     q, k, v, pt, sl, cu = make_inputs([4097], [0], 2, 4, 128, 64, torch.bfloat16)
     plan = make_plan(sl, cu, 4, 128)
@@ -303,7 +277,7 @@ def _rows_reference(q, k_full, v_full, index, plan, cfg, scale, h, rows):
     return torch.stack(outs), torch.stack(lses)
 
 
-def test_130k_tokens(mc_mode):
+def test_130k_tokens():
     """130000 tokens: CSR vs reference, sampled rows vs the fp32 formula, no NaN anywhere."""
     L, hkv, g, d, ps = 130000, 1, 4, 128, 64
     cfg = SparseConfig()
@@ -332,40 +306,28 @@ def test_130k_tokens(mc_mode):
 
 
 @pytest.mark.parametrize("q_lens,prefixes,g,d,ps", [
-    ([12000], [0], 4, 128, 64),                 # one long request: 8 dense-tail tiles per KV head
-    ([100, 8192, 300], [0, 4096, 63], 3, 64, 16),   # the last request: 1 sparse tile, 7 dense
-    ([100, 8192, 200], [0, 4096, 63], 3, 64, 16),   # the last request entirely dense (Lq <= tail)
-    ([200], [20000], 4, 128, 64),               # every tile dense: the sparse launch covers none
-    ([3000], [9000], 7, 128, 1),                # a prefix (P > 0), GQA 7, page size 1
+    ([12000], [0], 4, 128, 64),
+    ([100, 8192, 300], [0, 4096, 63], 3, 64, 16),
+    ([3000], [9000], 7, 128, 1),
 ])
-def test_fused_attention_tail_split(q_lens, prefixes, g, d, ps, monkeypatch, mc_mode):
-    """``triton_backend.attention`` (what ``flashprefill_attention`` calls): the last request's
-    dense-tail tiles on a side stream, overlapping the nnz sync, the rest sparse. Every row must
-    be written (NaN-poisoned memory) and visible on the CURRENT stream when the call returns (the
-    side stream is held back by a sleep queued on it first, and nothing synchronises the device
-    before the outputs are copied), equal to the two-call path, and match the reference."""
-    monkeypatch.setattr(tb, "TAIL_SPLIT_MIN_KV", 0)
+def test_return_index_is_the_index_the_attention_used(q_lens, prefixes, g, d, ps):
+    """``flashprefill_attention(..., return_index=True)`` (no index given): the index it built
+    equals ``build_index``'s, and its output equals the two calls' and matches the reference."""
     cfg = SparseConfig(sink_tokens=128, window_tokens=256, dense_tail_tokens=256, alpha=0.1)
     q, k, v, pt, sl, cu = make_inputs(q_lens, prefixes, 2, g, d, ps, torch.bfloat16)
     plan = make_plan(sl, cu, g, 128)
-    lo = dense_tail_start(plan, cfg.dense_tail_tokens, cfg.min_sparse_len)
-    assert lo < plan.n_tiles, f"no split to test: tail starts at tile {lo} of {plan.n_tiles}"
     poison(q.numel() * q.element_size() * 4)
-    if DEV != "cpu":
-        torch.cuda.synchronize()
-        with torch.cuda.stream(tb._side_stream(q.device)):
-            torch.cuda._sleep(100_000_000)       # ~50 ms: the tail would land after a missing wait
-    out, lse, idx = tb.attention(q, k, v, pt, sl, cu, cfg, None, plan)
-    out, lse = out.clone(), lse.clone()          # on the current stream, ordered by the call only
-    assert torch.isfinite(out).all() and not torch.isnan(lse).any(), "fused: unwritten or NaN rows"
-    two_out, two_lse = tb.sparse_attention(q, k, v, pt, sl, cu, cfg, None, plan, idx)
-    diff = (out.float() - two_out.float()).abs().max().item()
-    assert diff <= 1e-2 and (lse - two_lse).abs().max().item() < 1e-3, f"fused vs two calls: {diff}"
+    out, lse, idx = flashprefill.flashprefill_attention(q, k, v, pt, sl, cu, cfg, return_lse=True, plan=plan,
+                                                        return_index=True)
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any(), "unwritten or NaN rows"
+    want = tb.build_index(q, k, v, pt, sl, cu, cfg, None, plan)
+    for f in ("row_ptr", "col_idx", "n_visible", "k_mean", "v_mean", "k_mean_lowp", "v_mean_lowp"):
+        assert torch.equal(getattr(idx, f), getattr(want, f)), f
+    assert 0 < idx.nnz < int(idx.n_visible.sum())
+    two_out, two_lse = tb.sparse_attention(q, k, v, pt, sl, cu, cfg, None, plan, want)
+    assert torch.equal(out, two_out) and torch.equal(lse, two_lse)
     r_out, r_lse, l_out = truth_and_lowp(ref.sparse_attention, q, k, v, pt, sl, cu, cfg, None, plan, idx)
-    check_outputs("fused", out, lse, r_out, r_lse, torch.bfloat16, l_out)
-    # and through the public entry point (which takes this path when no index is given)
-    api_out = flashprefill.flashprefill_attention(q, k, v, pt, sl, cu, config=cfg, plan=plan)
-    assert (api_out.float() - out.float()).abs().max().item() <= 1e-2
+    check_outputs("return_index", out, lse, r_out, r_lse, torch.bfloat16, l_out)
 
 
 def test_bad_head_dim_and_dtype():

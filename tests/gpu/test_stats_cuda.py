@@ -1,13 +1,15 @@
 """The SGLang backend's per-batch statistics on CUDA (``fpcli.sglang_backend.stats``), without
 SGLang: the one-gather-per-layer counts, the pinned copy, the events and the writer's polling,
-on a side stream the way the scheduler may run a forward. Compared with the index itself."""
+on a side stream the way the scheduler may run a forward. The statistics come from the index the
+attention used (``flashprefill_attention(..., return_index=True)``, no host sync) and are
+compared with that index itself."""
 from __future__ import annotations
 
 import itertools
 
 import torch
 
-from flashprefill import SparseConfig, build_index, make_plan
+from flashprefill import SparseConfig, flashprefill_attention, make_plan
 from fpcli.sglang_backend.metadata import plan_to_device
 from fpcli.sglang_backend.stats import BatchStats
 
@@ -49,7 +51,8 @@ def test_batch_stats_on_a_side_stream_match_the_index():
         indexes = {}
         for layer in (3, 4, 5):
             ev0 = st.stage_event()
-            indexes[layer] = build_index(q, k, v, pt, seq, cu, config=cfg, plan=plan, backend="triton")
+            _, indexes[layer] = flashprefill_attention(q, k, v, pt, seq, cu, config=cfg, plan=plan, backend="triton",
+                                                       return_index=True)
             st.add_index(layer, indexes[layer], (ev0, st.stage_event(), st.stage_event()))
         st.finish()
     st.wait()

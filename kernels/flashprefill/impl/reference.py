@@ -3,7 +3,7 @@
 Plain PyTorch, any device, no optional dependency. Inputs are trusted (``flashprefill.api``
 validates them once). Math runs in float32, or float64 when the inputs are float64.
 
-Section numbers refer to ``shared/design/flashprefill-v2.md``:
+Section numbers refer to ``docs/method.md``:
 
 - block means over valid tokens, read through the page table (3.1),
 - GQA-packed query tiles of 128 rows (3.2),

@@ -1,4 +1,6 @@
-"""Triton kernels of the index stage (design doc sections 3.1-3.6, ``docs/layout.md``).
+"""Triton kernels of the index stage (``docs/method.md`` sections 3.1-3.6, ``docs/layout.md``).
+
+Tiles come from ``tiles.IndexConfig``, passed by the launchers in ``host.py``.
 
 Four launches (means of K and of V, selection, expand), no dense ``tiles x blocks`` float workspace:
 
@@ -11,7 +13,7 @@ Four launches (means of K and of V, selection, expand), no dense ``tiles x block
      - setup: load the GQA-packed Q tile once (packed row ``ρ`` = token ``ρ // g``, head
        ``h*g + ρ % g``);
      - pass A sweeps the scored blocks in chunks of ``BLOCK_J``: ``ℓ = τ q·k̄`` (in log2 units,
-       k̄ split hi/lo into two 16-bit dots so ``ℓ`` has ~fp32 accuracy) and writes the chunk's
+       one tensor-core dot on k̄ rounded to q's 16-bit dtype) and writes the chunk's
        absolute log-energy ``log2 E_j = M_c + log2 Σ_ρ 2^(ℓ - M_c)`` (``M_c`` the running max)
        to a per-program scratch row ``[max_blocks]`` (L2-resident, ``n_programs x max_blocks``
        floats: 2 MiB at 128K) and keeps ``max_j log2 E_j``. ``E_j / max E`` does not depend on
@@ -134,44 +136,34 @@ def _n_fully_seen(x, lk, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _load_mean_keys(k_mean, k_lowp, j0, n_scored, blk0, h, stride_mb, stride_mh,
-                    HEAD_DIM: tl.constexpr, BLOCK_J: tl.constexpr, EXACT: tl.constexpr):
-    """Mean keys of blocks ``j0 .. j0+BLOCK_J-1`` (rows past ``n_scored`` are 0): float32 ``k̄``
-    when ``EXACT``, else the 16-bit copy. Issued one chunk ahead of its use (register prefetch:
-    the global-load latency overlaps the previous chunk's dot and exponentials)."""
+def _load_mean_keys(k_lowp, j0, n_scored, blk0, h, stride_mb, stride_mh,
+                    HEAD_DIM: tl.constexpr, BLOCK_J: tl.constexpr):
+    """16-bit mean keys of blocks ``j0 .. j0+BLOCK_J-1`` (rows past ``n_scored`` are 0). Issued
+    one chunk ahead of its use (register prefetch: the global-load latency overlaps the previous
+    chunk's dot and exponentials)."""
     js = j0 + tl.arange(0, BLOCK_J)
     j_ok = js < n_scored
     dims = tl.arange(0, HEAD_DIM)
     offs = (blk0 + js).to(tl.int64)[:, None] * stride_mb + h * stride_mh + dims[None, :]
-    if EXACT:
-        return tl.load(k_mean + offs, mask=j_ok[:, None], other=0.0)
-    else:
-        return tl.load(k_lowp + offs, mask=j_ok[:, None], other=0.0)
+    return tl.load(k_lowp + offs, mask=j_ok[:, None], other=0.0)
 
 
 @triton.jit
 def _score_chunk(kc, qT, j0, n_scored, rows_tok, row_ok, P, lk, scale_log2, need_mask,
-                 BLOCK_J: tl.constexpr, BLOCK_SIZE: tl.constexpr, EXACT: tl.constexpr):
+                 BLOCK_J: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """Log2-energy of blocks ``j0 .. j0+BLOCK_J-1``: ``log2 Σ_{valid ρ} 2^(ℓ2(ρ, j))``.
 
     ``kc``: their mean keys (``_load_mean_keys``). Transposed product ``ℓᵀ = k̄ qᵀ``
     ``[BLOCK_J, TILE_ROWS]``: the per-block reductions over the tile's rows run along the
     accumulator's rows (inside a warp: shuffles, no shared-memory round trip).
-    ``ℓ2 = τ q·k̄ · log2(e)``; ``EXACT`` splits the fp32 k̄ into hi + lo in q's 16-bit type (two
-    tensor-core dots, ~fp32 accuracy of ``ℓ``), else one dot on the 16-bit copy. ``need_mask``
+    ``ℓ2 = τ q·k̄ · log2(e)``, one tensor-core dot on the 16-bit copy of k̄. ``need_mask``
     (runtime): some (row, block) pair of the chunk is not valid (a block not fully seen by the
     tile's first row, or a partial tile); otherwise the mask is skipped. Each block's own max is
     subtracted (exact log-sum-exp per block). Blocks past ``n_scored`` get ``-inf``.
     """
     js = j0 + tl.arange(0, BLOCK_J)
     j_ok = js < n_scored
-    if EXACT:
-        hi = kc.to(qT.dtype)
-        lo = (kc - hi.to(tl.float32)).to(qT.dtype)
-        dotT = tl.dot(hi, qT)
-        dotT = tl.dot(lo, qT, dotT)
-    else:
-        dotT = tl.dot(kc, qT)                                      # q·k̄ [BLOCK_J, TILE_ROWS], unscaled
+    dotT = tl.dot(kc, qT)                                          # q·k̄ [BLOCK_J, TILE_ROWS], unscaled
     if need_mask:
         e_j = tl.minimum((js + 1) * BLOCK_SIZE, lk)
         valid = row_ok[None, :] & j_ok[:, None] & (e_j[:, None] <= P + rows_tok[None, :] + 1)
@@ -197,9 +189,10 @@ def _select_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_J: tl.constexpr,
     KEEP_ALL_SCORED: tl.constexpr,   # alpha == 0
-    EXACT: tl.constexpr,
-    PIPE_STAGES: tl.constexpr = 0,   # > 0: pass A as a Triton-pipelined loop this deep; 0: register prefetch
 ):
+    """Selection of every segment (pass A: block energies, pass B: rules + threshold), see the
+    module docstring. ``k_mean`` (float32 means) is not read: the scores use ``k_lowp``; it stays
+    in the parameter list so the compiled kernel is the one measured (``docs/lab/variants.md``)."""
     tl.static_assert(BLOCK_J % 32 == 0)
     tl.static_assert(TILE_ROWS >= 16)
     WORDS: tl.constexpr = BLOCK_J // 32
@@ -233,27 +226,15 @@ def _select_kernel(
         win_lo = tl.maximum(P + t_first - window_tokens + 1, 0) // BLOCK_SIZE
         # --- pass A: log2-energies of scored blocks -> scratch, and their max
         e_max_v = tl.full([BLOCK_J], float("-inf"), dtype=tl.float32)
-        if PIPE_STAGES > 0:
-            # Triton's software pipeline: the chunks' loads go to a shared-memory ring by cp.async,
-            # PIPE_STAGES deep (no register round trip, no store to shared memory per chunk)
-            for j0 in tl.range(0, n_score_loop, BLOCK_J, num_stages=PIPE_STAGES):
-                kc = _load_mean_keys(k_mean, k_lowp, j0, n_score_loop, blk0, h, stride_mb, stride_mh,
-                                     HEAD_DIM, BLOCK_J, EXACT)
-                log_e = _score_chunk(kc, qT, j0, n_score_loop, tok, row_ok, P, lk, scale_log2,
-                                     j0 + BLOCK_J > n_first, BLOCK_J, BLOCK_SIZE, EXACT)
-                tl.store(scratch_row + j0 + tl.arange(0, BLOCK_J), log_e)
-                e_max_v = tl.maximum(e_max_v, log_e)
-        else:
-            kc = _load_mean_keys(k_mean, k_lowp, 0, n_score_loop, blk0, h, stride_mb, stride_mh,
-                                 HEAD_DIM, BLOCK_J, EXACT)
-            for j0 in range(0, n_score_loop, BLOCK_J):
-                k_cur = kc
-                kc = _load_mean_keys(k_mean, k_lowp, j0 + BLOCK_J, n_score_loop, blk0, h, stride_mb, stride_mh,
-                                     HEAD_DIM, BLOCK_J, EXACT)
-                log_e = _score_chunk(k_cur, qT, j0, n_score_loop, tok, row_ok, P, lk, scale_log2,
-                                     j0 + BLOCK_J > n_first, BLOCK_J, BLOCK_SIZE, EXACT)
-                tl.store(scratch_row + j0 + tl.arange(0, BLOCK_J), log_e)
-                e_max_v = tl.maximum(e_max_v, log_e)
+        kc = _load_mean_keys(k_lowp, 0, n_score_loop, blk0, h, stride_mb, stride_mh, HEAD_DIM, BLOCK_J)
+        for j0 in range(0, n_score_loop, BLOCK_J):
+            k_cur = kc
+            kc = _load_mean_keys(k_lowp, j0 + BLOCK_J, n_score_loop, blk0, h, stride_mb, stride_mh,
+                                 HEAD_DIM, BLOCK_J)
+            log_e = _score_chunk(k_cur, qT, j0, n_score_loop, tok, row_ok, P, lk, scale_log2,
+                                 j0 + BLOCK_J > n_first, BLOCK_J, BLOCK_SIZE)
+            tl.store(scratch_row + j0 + tl.arange(0, BLOCK_J), log_e)
+            e_max_v = tl.maximum(e_max_v, log_e)
         e_max = tl.max(e_max_v, axis=0)
         tl.debug_barrier()  # scratch written by other threads of this program
         threshold = e_max + log2_alpha - TIE_LOG2_SLACK * tl.abs(e_max)
@@ -286,6 +267,8 @@ def _select_kernel(
 @triton.jit
 def _expand_kernel(bits, row_ptr, n_visible, col_idx, n_words,
                    WORDS: tl.constexpr):
+    """One segment's bitmask -> its ascending ``col_idx`` entries (from ``row_ptr[seg]``),
+    ``WORDS`` int32 words (``32 * WORDS`` key blocks) per step."""
     seg = tl.program_id(0)
     start = tl.load(row_ptr + seg)
     n_vis = tl.load(n_visible + seg)

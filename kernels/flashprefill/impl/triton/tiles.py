@@ -1,0 +1,129 @@
+"""Kernel tiles of the Triton backend: frozen ``AttnConfig`` / ``IndexConfig`` from one ``get_config``.
+
+Tiles were measured on an NVIDIA H200 (sm_90, 132 SMs, 227 KiB shared memory per SM) with
+Triton 3.6; what each rejected alternative measured is in ``docs/lab/variants.md``. The launchers
+in ``host.py`` take these configs as arguments; nothing here is read from a module global or the
+environment. ``scripts/lab/compile_sm90.py`` compiles every shipped configuration for sm_90 on a
+machine without a GPU (registers, shared memory, spills, SASS).
+
+Importing this module does not import triton.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ...config import TRITON_DTYPES, TRITON_HEAD_DIMS
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Tiles of the attention kernel ``attention_kernels._attn_fwd``.
+
+    Attributes:
+        block_m: packed query rows per program (divides the 128-row tile).
+        block_n: keys per inner step (divides the key block ``B``).
+        block_u: mean-key candidates per step of the mean-correction loop (64: one selection
+            bitmask chunk of two int32 words).
+        num_warps, num_stages: Triton launch parameters; ``num_stages`` is also the software
+            pipeline depth of the exact-key loops (``tl.range(..., num_stages=)``).
+        mc_stages: pipeline depth of the mean-correction loop (0: ``num_stages``). Capped at 2
+            by the launcher when the means are float32 (twice the bytes per stage).
+        pair_softmax: with two sub-tiles per key block (``block_n = B / 2``), one online-softmax
+            update per key block instead of one per sub-tile.
+    """
+
+    block_m: int
+    block_n: int
+    block_u: int
+    num_warps: int
+    num_stages: int
+    mc_stages: int = 0
+    pair_softmax: bool = False
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    """Tiles of the index kernels (``index_kernels``).
+
+    Attributes:
+        select_block_j: mean keys scored per dot of the selection (the M side of the transposed
+            product ``k̄ qᵀ``: 64 = one warpgroup's wgmma M). A multiple of 32.
+        select_programs_per_sm: resident selection programs per SM assumed before the first
+            launch (its compiled occupancy is used afterwards: 4 warps, 195 registers, 48 KiB
+            shared memory -> 2 on the H200).
+        select_num_warps, select_num_stages: Triton launch parameters of the selection.
+        means_tokens: tokens summed per step of the block-means kernel (divides ``B``; capped at
+            ``B``).
+        means_warps: warps of the block-means kernel.
+        expand_words: int32 bitmask words turned into CSR entries per step of the expand kernel
+            (8 = 256 key blocks).
+    """
+
+    select_block_j: int = 64
+    select_programs_per_sm: int = 2
+    select_num_warps: int = 4
+    select_num_stages: int = 2
+    means_tokens: int = 64
+    means_warps: int = 4
+    expand_words: int = 8
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """The tiles of one launch family: ``attn`` for ``_attn_fwd``, ``index`` for the index kernels."""
+
+    attn: AttnConfig
+    index: IndexConfig
+
+
+# Named presets of the same dataclasses, chosen by ``get_config(..., variant=name)``: a function of
+# the default ``KernelConfig`` returning another. None are shipped: every measured alternative lost
+# (``docs/lab/variants.md``). The lab passes its own ``KernelConfig`` to the launchers instead.
+VARIANTS: dict[str, object] = {}
+
+
+def _attn_tiles(head_dim: int, block_size: int) -> AttnConfig:
+    if head_dim == 256:
+        # 128 rows x 64 keys, 8 warps, 1 stage (96 KiB smem; ~470 B of spills: the float32
+        # accumulator is 128 x 256)
+        cfg = AttnConfig(block_m=128, block_n=64, block_u=64, num_warps=8, num_stages=1)
+    elif head_dim == 128:
+        # 128 rows x 64 keys, 3 stages (with page 64 a 64-key step is one page; 3 stages keep a
+        # load in flight), correction loop 4 deep, one softmax update per 128-key block
+        # (161 KiB smem, 0 spills)
+        cfg = AttnConfig(block_m=128, block_n=64, block_u=64, num_warps=8, num_stages=3, mc_stages=4,
+                         pair_softmax=True)
+    else:
+        # d = 64: 128 rows x 128 keys, two warpgroups of wgmma, 3 stages (81 KiB smem)
+        cfg = AttnConfig(block_m=128, block_n=128, block_u=64, num_warps=8, num_stages=3)
+    if cfg.block_n > block_size:
+        cfg = dataclasses.replace(cfg, block_n=block_size)
+    return cfg
+
+
+def get_config(head_dim: int, dtype: torch.dtype, block_size: int, variant: str | None = None) -> KernelConfig:
+    """Kernel tiles for ``head_dim`` / ``dtype`` / key block size ``block_size`` (tokens).
+
+    Never keyed on sequence lengths. ``variant``: the name of a preset in ``VARIANTS`` (None: the
+    measured defaults).
+
+    Raises:
+        ValueError: ``head_dim`` not in ``TRITON_HEAD_DIMS``, ``dtype`` not in ``TRITON_DTYPES``,
+            ``block_size`` not a multiple of the chosen ``block_n``, or an unknown ``variant``.
+    """
+    if head_dim not in TRITON_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {TRITON_HEAD_DIMS}, got {head_dim}")
+    if dtype not in TRITON_DTYPES:
+        raise ValueError(f"dtype must be one of {TRITON_DTYPES}, got {dtype}")
+    cfg = KernelConfig(attn=_attn_tiles(head_dim, block_size), index=IndexConfig())
+    if variant is not None:
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be None or one of {sorted(VARIANTS)}, got {variant!r}")
+        cfg = VARIANTS[variant](cfg)
+    if block_size % cfg.attn.block_n:
+        raise ValueError(f"block_size {block_size} must be a multiple of the attention tile's block_n "
+                         f"{cfg.attn.block_n}")
+    return cfg

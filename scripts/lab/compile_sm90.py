@@ -1,0 +1,161 @@
+"""Compile the flashprefill Triton kernels for sm_90 (H200) on a machine without a GPU and print
+each shipped configuration's registers, shared memory, spills and SASS hash (Triton's bundled
+ptxas and cuobjdump). No device needed.
+
+    PYTHONPATH=kernels python scripts/lab/compile_sm90.py [attn|index] [--sass DIR] [--shard K/N]
+
+``--sass DIR`` also writes each configuration's SASS to ``DIR/<label>.sass``: compare two trees
+(``diff -r``) to check that a change left the compiled kernels byte-identical. ``--shard K/N``:
+only every N-th configuration from the K-th (run N processes on a machine with N cores). The
+configurations are those the launchers in ``flashprefill.impl.triton.host`` produce with
+``tiles.get_config``: every head dim, both 16-bit dtypes at d=128, key blocks 128 and 64, page
+sizes 64 / 16 / 1, every attention mode (correction from the selection bitmask, the fallback
+that subtracts, no correction, dense) with float32 or 16-bit means where the launcher uses both.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from flashprefill.impl.triton import attention_kernels as ak
+from flashprefill.impl.triton import index_kernels as ik
+from flashprefill.impl.triton.tiles import IndexConfig, get_config
+
+TARGET = GPUTarget("cuda", 90, 32)
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}
+MODES = ("bits", "subtract", "nomc", "dense")
+
+
+def _sig(fn, ptrs: dict, consts: dict, floats=()):
+    # every constexpr parameter must be in ``consts``: one left out would compile as a runtime
+    # int32 (both sides of its branches, loops no longer pipelined)
+    missing = [n for n, p in zip(fn.arg_names, fn.params) if p.is_constexpr and n not in consts]
+    if missing:
+        raise ValueError(f"{fn.__name__}: constexpr parameters without a value: {missing}")
+    return {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names}
+
+
+def compile_one(label, fn, ptrs, consts, floats=(), num_warps=4, num_stages=2, sass_dir=None):
+    sig = _sig(fn, ptrs, consts, floats)
+    # what a real launch specializes: pointers 16-byte aligned, strides divisible by 16 get
+    # tt.divisibility 16 -- without it every load compiles to 2-byte scalars
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n].startswith("*") or (sig[n] == "i32" and n.startswith("stride"))}
+    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET,
+                       options={"num_warps": num_warps, "num_stages": num_stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    try:
+        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    # the instructions only (the header names the temporary file)
+    sass = "\n".join(line for line in sass.splitlines()
+                     if "Fatbin" not in line and not line.startswith("code for") and "arch = " not in line)
+    if sass_dir:
+        os.makedirs(sass_dir, exist_ok=True)
+        with open(os.path.join(sass_dir, label.replace(" ", "_") + ".sass"), "w") as out:
+            out.write(sass)
+    regs = re.search(r"REG:(\d+)", res)
+    local = re.search(r"LOCAL:(\d+)", res)
+    ptx = k.asm.get("ptx", "")
+    print(f"{label:60s} smem {k.metadata.shared / 1024:6.1f} KiB  regs {regs.group(1) if regs else '?':>3s}  "
+          f"local {local.group(1) if local else '?':>4s} B  wgmma {ptx.count('wgmma.mma_async'):3d}  "
+          f"sass {hashlib.sha256(sass.encode()).hexdigest()[:16]}", flush=True)
+    return k
+
+
+def attn_cases():
+    """(d, dtype, B, page size, g, mode, means) of the shipped attention configurations."""
+    for d in (64, 128, 256):
+        for mode in MODES:
+            for means in (("fp32", "lowp") if mode in ("bits", "subtract") else ("lowp",)):
+                yield d, torch.bfloat16, 128, 64, 4, mode, means
+    for ps in (1, 16):
+        for mode in ("bits", "subtract"):
+            for means in ("fp32", "lowp"):
+                yield 128, torch.bfloat16, 128, ps, 4, mode, means
+    for mode in MODES:
+        yield 128, torch.float16, 128, 64, 4, mode, "lowp"
+        yield 128, torch.bfloat16, 64, 64, 4, mode, "lowp"
+        yield 64, torch.bfloat16, 64, 16, 7, mode, "lowp"
+
+
+def compile_attention(sass_dir=None, shard=(0, 1)):
+    """``_attn_fwd`` as ``host.launch_attention`` launches it: float32 means cap the correction at
+    2 stages; without the correction the means pointer is a 16-bit placeholder."""
+    for i, (d, dtype, B, ps, g, mode, means) in enumerate(attn_cases()):
+        if i % shard[1] != shard[0]:
+            continue
+        t = get_config(d, dtype, B).attn
+        p16 = PTR[dtype]
+        sparse, mc, bits = mode != "dense", mode in ("bits", "subtract"), mode == "bits"
+        mc_stages = t.mc_stages or t.num_stages
+        if means == "fp32":
+            mc_stages = min(mc_stages, 2)
+        mptr = "*fp32" if means == "fp32" else p16
+        ptrs = {n: "*i32" for n in ("page_table", "seq_lens", "cu_seqlens_q", "tile_request", "tile_local",
+                                    "block_ptr", "row_ptr", "col_idx", "sel_bits")}
+        ptrs.update(q_ptr=p16, k_cache=p16, v_cache=p16, k_mean=mptr, v_mean=mptr, out_ptr=p16, lse_ptr="*fp32",
+                    t_ptr="*fp32")
+        consts = dict(GROUP=g, HEAD_DIM=d, TILE_ROWS=128, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_SIZE=B,
+                      BLOCK_U=t.block_u, PAGE_SIZE=ps, SPARSE=sparse, MEAN_CORR=mc, MC_BITS=bits,
+                      MAIN_STAGES=t.num_stages, MC_STAGES=mc_stages, PAIR_SOFTMAX=t.pair_softmax, TIMING=False)
+        compile_one(f"attn d{d} {str(dtype)[6:]} B{B} ps{ps} g{g} {mode} means-{means}", ak._attn_fwd, ptrs,
+                    consts, floats=("scale_log2",), num_warps=t.num_warps, num_stages=t.num_stages, sass_dir=sass_dir)
+
+
+def compile_index(sass_dir=None, shard=(0, 1)):
+    """The selection, block-means and expand kernels as ``host.build_index`` launches them."""
+    t = IndexConfig()
+    if shard[0] != 0:      # few and quick: all in the first shard
+        return
+    for d, dtype, keep in ((64, torch.bfloat16, False), (128, torch.bfloat16, False), (256, torch.bfloat16, False),
+                           (128, torch.float16, False), (128, torch.bfloat16, True)):
+        for B in ((128, 64) if d == 128 and dtype == torch.bfloat16 and not keep else (128,)):
+            p16 = PTR[dtype]
+            ptrs = {n: "*i32" for n in ("tile_request", "tile_local", "cu_seqlens_q", "seq_lens", "block_ptr",
+                                        "counts", "row_ptr", "n_visible", "bits")}
+            ptrs.update(q_ptr=p16, k_mean="*fp32", k_lowp=p16, scratch="*fp32")
+            consts = dict(GROUP=4, HEAD_DIM=d, TILE_ROWS=128, BLOCK_SIZE=B, BLOCK_J=t.select_block_j,
+                          KEEP_ALL_SCORED=keep)
+            compile_one(f"select d{d} {str(dtype)[6:]} B{B} keepall{int(keep)}", ik._select_kernel, ptrs, consts,
+                        floats=("scale_log2", "log2_alpha"), num_warps=t.select_num_warps,
+                        num_stages=t.select_num_stages, sass_dir=sass_dir)
+    for d, dtype, B, ps in ((128, torch.bfloat16, 128, 64), (128, torch.bfloat16, 128, 1), (64, torch.float16, 64, 16),
+                            (256, torch.bfloat16, 128, 64)):
+        p16 = PTR[dtype]
+        ptrs = dict(x_ptr=p16, page_table="*i32", seq_lens="*i32", block_ptr="*i32", x_mean="*fp32", x_lowp=p16)
+        compile_one(f"means d{d} {str(dtype)[6:]} B{B} ps{ps}", ik._block_means_kernel, ptrs,
+                    dict(HEAD_DIM=d, BLOCK_SIZE=B, TOKENS=min(t.means_tokens, B), PAGE_SIZE=ps, WRITE_LOWP=True),
+                    num_warps=t.means_warps, sass_dir=sass_dir)
+    compile_one("expand", ik._expand_kernel, dict(bits="*i32", row_ptr="*i32", n_visible="*i32", col_idx="*i32"),
+                dict(WORDS=t.expand_words), sass_dir=sass_dir)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("only", nargs="?", default="", choices=["", "attn", "index"])
+    ap.add_argument("--sass", default=None, help="write each configuration's SASS into this directory")
+    ap.add_argument("--shard", default="0/1", help="K/N: this process compiles configurations K, K+N, ...")
+    a = ap.parse_args(argv)
+    k, n = (int(x) for x in a.shard.split("/"))
+    if a.only in ("", "attn"):
+        compile_attention(a.sass, (k, n))
+    if a.only in ("", "index"):
+        compile_index(a.sass, (k, n))
+
+
+if __name__ == "__main__":
+    main()
