@@ -518,12 +518,12 @@ def test_warmup_plan_covers_every_kv_range_up_to_the_context():
 
 
 def test_kernel_thresholds_come_from_the_triton_backend():
-    from flashprefill.impl.triton_backend import MEANS_DIRECT_MAX_KV, TAIL_SPLIT_MIN_KV
+    from flashprefill.impl.triton.host import MEANS_DIRECT_MAX_KV
 
     from fpcli.engine.sglang_engine import kernel_kv_thresholds, warmup_plan
 
     thresholds = kernel_kv_thresholds()
-    assert thresholds == tuple(sorted({TAIL_SPLIT_MIN_KV, MEANS_DIRECT_MAX_KV + 1}))
+    assert thresholds == (MEANS_DIRECT_MAX_KV + 1,)
     for ctx, chunk in ((131072, 16384), (65536, 8192), (32768, 32768)):  # every side of every threshold
         plan = warmup_plan(ctx, chunk, 8192, thresholds)
         kvs = [kv for n in plan if n >= 8192 for kv in _chunk_kv_lengths(n, chunk)]

@@ -250,12 +250,11 @@ WARMUP_MARGIN = 64  # tokens left free below the context (the answer's 2 tokens,
 
 def kernel_kv_thresholds() -> tuple[int, ...]:
     """KV lengths at which the Triton operator switches code paths (each side compiles its own
-    kernel variants): ``TAIL_SPLIT_MIN_KV`` (dense tail on a side stream from there) and
-    ``MEANS_DIRECT_MAX_KV`` (float32 block means up to there, 16-bit above: another ``MC_STAGES``).
-    Imports the Triton backend (needs the ``triton`` package)."""
-    from flashprefill.impl.triton_backend import MEANS_DIRECT_MAX_KV, TAIL_SPLIT_MIN_KV
+    kernel variants): ``flashprefill.impl.triton.host.kv_length_thresholds``. Imports the Triton
+    backend (needs the ``triton`` package)."""
+    from flashprefill.impl.triton.host import kv_length_thresholds
 
-    return tuple(sorted({int(TAIL_SPLIT_MIN_KV), int(MEANS_DIRECT_MAX_KV) + 1}))
+    return kv_length_thresholds()
 
 
 def _unaligned(n: int) -> int:

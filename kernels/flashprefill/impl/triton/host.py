@@ -31,6 +31,13 @@ from .tiles import AttnConfig, IndexConfig, KernelConfig, get_config
 # without 16-bit copies (the reference's): the Triton index always writes them.
 MEANS_DIRECT_MAX_KV = 32768
 
+
+def kv_length_thresholds() -> tuple[int, ...]:
+    """KV lengths (tokens) at which the launchers switch code paths, so that a warm-up must run on
+    each side of every entry to compile every kernel variant a request can hit: the mean
+    correction's means dtype changes above ``MEANS_DIRECT_MAX_KV`` (another ``MC_STAGES``)."""
+    return (MEANS_DIRECT_MAX_KV + 1,)
+
 # Memoised device facts (pure functions of the device and of a compiled kernel, never settings):
 # SM counts, and the resident programs per SM of each compiled selection kernel, measured from the
 # kernel after its first launch (the persistent grid must not exceed one wave).
