@@ -231,3 +231,50 @@ def csr_segments(index, plan):
                 s = h * n_tiles + tile_ptr[b] + i
                 segs[(h, b, i)] = col[row_ptr[s]:row_ptr[s + 1]]
     return segs
+
+
+def expected_prepass(k_cache, v_cache, page_table, kv_lens, block_size, k_mean=None, v_mean=None):
+    """What the FP8 pre-pass (``impl/triton/quant_kernels.py``) must write, bit for bit, built per
+    request with ``flashprefill.quant`` (docs/fp8.md section 7): ``dict`` of ``k8 [Hkv, total_k, d]``,
+    ``v8t [Hkv, d, total_k]`` (unpadded), ``k_scale``, ``v_scale`` ``[batch, Hkv]``, and with the
+    means ``k_mean8``, ``v_mean8t [Hkv, d, n_blocks]``."""
+    from flashprefill import quant
+
+    ps = k_cache.shape[1]
+    ks, vs, k8, v8, kinv, vinv, blocks = [], [], [], [], [], [], []
+    for b, lk in enumerate(kv_lens):
+        pages = page_table[b, :-(-lk // ps)].long()
+        for cache, codes, scales, invs in ((k_cache, k8, ks, kinv), (v_cache, v8, vs, vinv)):
+            x = cache[pages].flatten(0, 1)[:lk]
+            s, inv = quant.kv_scales(x)
+            codes.append(quant.quantize(x, inv[:, None]))
+            scales.append(s)
+            invs.append(inv)
+        blocks.append(-(-lk // block_size))
+    out = {
+        "k8": torch.cat(k8).permute(1, 0, 2),
+        "v8t": torch.cat(v8).permute(1, 2, 0),
+        "k_scale": torch.stack(ks),
+        "v_scale": torch.stack(vs),
+    }
+    if k_mean is not None:
+        req = torch.repeat_interleave(torch.arange(len(kv_lens)), torch.tensor(blocks)).to(k_mean.device)
+        out["k_mean8"] = quant.quantize(k_mean, torch.stack(kinv).to(k_mean.device)[req][:, :, None])
+        out["v_mean8t"] = quant.quantize(v_mean, torch.stack(vinv).to(k_mean.device)[req][:, :, None]).permute(1, 2, 0)
+    return out
+
+
+def edge_cache(page_size, hkv, d, n_pages, seed=0):
+    """A float32 K/V pool whose largest magnitude is exactly 448 (scale 1, so ``x * inv_scale = x``)
+    and whose values hit every e4m3 rounding tie, both signs, -0, values rounding to -0, subnormals
+    and the saturation edge: the cast's rounding is visible in the codes."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = codes[~codes.isnan()].unique()
+    ties = (grid[1:] + grid[:-1]) / 2
+    special = torch.tensor([448.0, -448.0, -0.0, -2.0 ** -11, 2.0 ** -10, -2.0 ** -10, 447.9, 2.0 ** -9 * 1.5])
+    n = n_pages * page_size * hkv * d
+    pool = torch.cat([special, ties, -ties, torch.randn(n, generator=gen) * 30])[:n]
+    pool = pool[torch.randperm(n, generator=gen)]
+    pool[0] = 448.0
+    return pool.view(n_pages, page_size, hkv, d)
