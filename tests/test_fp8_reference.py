@@ -18,7 +18,7 @@ from flashprefill.impl import reference as R
 E4M3 = torch.float8_e4m3fn
 SPARSE64 = SparseConfig(block_size=64, sink_tokens=64, window_tokens=64, dense_tail_tokens=32, alpha=0.3)
 # FP8 may err by at most this multiple of the error of rounding Q, K, V alone to e4m3 (one scale per
-# head), plus a floor of bf16 rounding: measured ratios were 0.96-1.13 (dense and sparse, d 64/128).
+# head), plus a floor of bf16 rounding: measured ratios were 0.96-1.13 (dense cases, d 64/128).
 K_BUDGET = 1.5
 FLOOR = 2e-3
 
