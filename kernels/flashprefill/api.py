@@ -15,6 +15,11 @@ Tensor arguments (``docs/layout.md`` defines every layout; ``docs/method.md`` th
     seq_lens      [batch]                            int32 Lk per request (new tokens included)
     cu_seqlens_q  [batch + 1]                        int32 cumulative Lq
 
+Precision (``docs/fp8.md``): ``precision="fp8"`` runs e4m3 operands (block scoring, ``Q K^T``,
+``P V``, the mean correction); ``k_cache`` / ``v_cache`` may then, or with ``"bf16"``, be
+``float8_e4m3fn`` caches with their ``k_descale`` / ``v_descale`` (float32 0-dim or ``[batch, Hkv]``).
+The reference runs both; the Triton FP8 kernels are not built yet (``backend="triton"`` raises).
+
 Host syncs: ``make_plan`` reads the lengths (``.tolist()``). Build the plan once per batch and pass
 ``plan=`` to every layer's call: then the Triton backend syncs exactly once per index build (the
 ``nnz`` read, ``row_ptr[-1]``, that sizes ``col_idx``; ``flashprefill_attention`` without
@@ -35,9 +40,10 @@ import os
 
 import torch
 
-from .config import TRITON_DTYPES, TRITON_HEAD_DIMS, SparseConfig
+from .config import FP8_HEAD_DIMS, FP8_MIN_CAPABILITY, PRECISIONS, TRITON_DTYPES, TRITON_HEAD_DIMS, SparseConfig
 from .index import BlockIndex, SparseStats
 from .plan import BatchPlan, make_plan
+from .quant import E4M3
 
 BACKENDS = ("auto", "reference", "triton")
 _MODULES = {"reference": "flashprefill.impl.reference", "triton": "flashprefill.impl.triton.host"}
@@ -52,17 +58,21 @@ def _triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _choose_backend(backend: str, device_type: str, dtype: torch.dtype, head_dim: int) -> str:
+def _choose_backend(backend: str, device_type: str, dtype: torch.dtype, head_dim: int, precision: str = "bf16") -> str:
     """The backend that runs ``q`` (device type, dtype, head dim): a pure function of its arguments
     (and ``TRITON_INTERPRET``).
 
     ``"auto"``: ``"triton"`` for CUDA tensors the kernels take (``TRITON_DTYPES``,
     ``TRITON_HEAD_DIMS``), else ``"reference"`` (CPU, float32 models, other head dims). An explicit
     backend is returned as is; ``"triton"`` off CUDA raises unless ``TRITON_INTERPRET`` is set (an
-    unsupported dtype / head dim raises in ``_validate``).
+    unsupported dtype / head dim raises in ``_validate``). ``precision="fp8"`` with ``"auto"``: every
+    CUDA tensor goes to ``"triton"`` (FP8 on a GPU is the kernels' job; what they refuse raises
+    there), CPU tensors to the reference.
     """
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto" and precision == "fp8":
+        return "triton" if device_type == "cuda" else "reference"
     if backend == "auto":
         takes = device_type == "cuda" and dtype in TRITON_DTYPES and head_dim in TRITON_HEAD_DIMS
         return "triton" if takes else "reference"
@@ -74,8 +84,8 @@ def _choose_backend(backend: str, device_type: str, dtype: torch.dtype, head_dim
     return backend
 
 
-def _pick_backend(backend: str, q: torch.Tensor) -> str:
-    return _choose_backend(backend, q.device.type, q.dtype, q.shape[-1] if q.dim() else 0)
+def _pick_backend(backend: str, q: torch.Tensor, precision: str = "bf16") -> str:
+    return _choose_backend(backend, q.device.type, q.dtype, q.shape[-1] if q.dim() else 0, precision)
 
 
 def _load(name: str):
@@ -136,8 +146,11 @@ def _validate(
     if q.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"q must be one of {_FLOAT_DTYPES}, got {q.dtype}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.dtype != q.dtype and not (t.dtype == E4M3 and k_cache.dtype == v_cache.dtype):
+            raise TypeError(
+                f"{name} must have q's dtype {q.dtype} (or float8_e4m3fn, both caches), "
+                f"got k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
+            )
     _check_int32("page_table", page_table, "[batch, max_pages]")
     _check_int32("seq_lens", seq_lens, "[batch]")
     _check_int32("cu_seqlens_q", cu_seqlens_q, "[batch + 1]")
@@ -184,6 +197,84 @@ def _validate(
             )
 
 
+def _check_precision(precision) -> None:
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+
+
+def _check_fp8_gpu(device) -> None:
+    """FP8 needs e4m3 tensor cores: compute capability >= ``FP8_MIN_CAPABILITY`` (8.9)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < FP8_MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        need = ".".join(str(x) for x in FP8_MIN_CAPABILITY)
+        raise ValueError(
+            f"precision='fp8' needs e4m3 tensor cores (compute capability >= {need}: Ada, Hopper, Blackwell), "
+            f"got {name!r} ({device}) with compute capability {major}.{minor}; precision='bf16' runs on this GPU"
+        )
+
+
+def _validate_precision(q, k_cache, seq_lens, k_descale, v_descale) -> None:
+    """The e4m3-cache arguments (docs/fp8.md section 5)."""
+    e4m3 = k_cache.dtype == E4M3
+    batch, hkv = seq_lens.shape[0], k_cache.shape[2]
+    expected = f"(a float32 0-dim tensor or [batch, Hkv] = [{batch}, {hkv}])"
+    for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if t is None:
+            if e4m3:
+                raise ValueError(
+                    f"{name} is required with float8_e4m3fn caches {expected}: the value of a cached code is "
+                    f"code * {name}; got {name}=None"
+                )
+            continue
+        if not e4m3:
+            raise ValueError(
+                f"{name} applies to float8_e4m3fn caches only, got k_cache {k_cache.dtype} with {name} given"
+            )
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor {expected}, got {type(t).__name__}")
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32 {expected}, got {t.dtype}")
+        if not (t.dim() == 0 or tuple(t.shape) == (batch, hkv)):
+            raise ValueError(f"{name} must be {expected}, got shape {_shape(t)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+
+
+def _validate_fp8_gpu(q) -> None:
+    """FP8 on the Triton path: the GPU and the head dim, checked before anything else."""
+    _check_tensor("q", q, 3, "[total_q, Hq, d]")
+    if q.device.type == "cuda":
+        _check_fp8_gpu(q.device)
+    d = q.shape[2]
+    if d not in FP8_HEAD_DIMS:
+        raise ValueError(
+            f"precision='fp8' on the GPU needs head_dim d in {FP8_HEAD_DIMS}, got q {_shape(q)} (d = {d}); "
+            "precision='bf16' runs with this shape"
+        )
+
+
+def _check_triton_precision(precision: str, k_cache) -> None:
+    """What the Triton kernels do not run yet: FP8 operands, e4m3 caches."""
+    if precision == "fp8":
+        raise ValueError(
+            "precision='fp8' with backend='triton': the Triton FP8 kernels are not built yet; "
+            "use precision='bf16', or backend='reference' to run the FP8 semantics in PyTorch"
+        )
+    if k_cache.dtype == E4M3:
+        raise ValueError(
+            "float8_e4m3fn caches with backend='triton': the Triton kernels do not read e4m3 caches yet; "
+            "use backend='reference'"
+        )
+
+
+def _precision_kwargs(precision: str, k_descale, v_descale) -> dict:
+    """Keyword arguments for a backend: none on the default path (bf16, no descales)."""
+    if precision == "bf16" and k_descale is None and v_descale is None:
+        return {}
+    return {"precision": precision, "k_descale": k_descale, "v_descale": v_descale}
+
+
 def _validate_plan(plan: BatchPlan, q, page_table, k_cache, config: SparseConfig | None) -> None:
     """Checks that need the host lengths (free: they live in the plan)."""
     total = sum(plan.q_lens)
@@ -222,10 +313,11 @@ def _check_page_ids(page_table: torch.Tensor, plan: BatchPlan, num_pages: int, p
 
 
 def _prepare(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale, plan, backend,
-             dense: bool = False):
+             dense: bool = False, precision: str = "bf16", k_descale=None, v_descale=None):
     """Validate, resolve defaults, build the plan when absent. Returns (config, scale, plan, module).
 
     ``dense``: for ``dense_attention``, where a given plan's block size does not matter.
+    ``precision``, ``k_descale``, ``v_descale``: checked here (``_validate_precision``).
     """
     if config is None:
         config = SparseConfig()
@@ -235,9 +327,16 @@ def _prepare(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, so
             raise TypeError(f"config must be a flashprefill.SparseConfig or None, got {type(config).__name__}")
         if not isinstance(q, torch.Tensor):
             raise TypeError(f"q must be a torch.Tensor [total_q, Hq, d], got {type(q).__name__}")
-    name = _pick_backend(backend, q)
     if not compiling:
+        _check_precision(precision)
+    name = _pick_backend(backend, q, precision)
+    if not compiling:
+        if precision == "fp8" and name == "triton":
+            _validate_fp8_gpu(q)
         _validate(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, softmax_scale, name, plan)
+        _validate_precision(q, k_cache, seq_lens, k_descale, v_descale)
+    if name == "triton":
+        _check_triton_precision(precision, k_cache)
     built = plan is None
     if built:
         plan = make_plan(seq_lens, cu_seqlens_q, q.shape[1] // k_cache.shape[2], config.block_size)
@@ -289,6 +388,9 @@ def build_index(
     *,
     plan: BatchPlan | None = None,
     backend: str = "auto",
+    precision: str = "bf16",
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> BlockIndex:
     """Block index of a batch: K/V block means and the CSR of selected blocks (``docs/method.md``
     sections 3.1-3.6).
@@ -304,17 +406,25 @@ def build_index(
         plan: from ``make_plan`` with ``group_size = Hq // Hkv`` and ``config.block_size``; built
             (one host sync) when None.
         backend: ``"auto"`` | ``"reference"`` | ``"triton"``.
+        precision: ``"bf16"`` | ``"fp8"`` (``PRECISIONS``): with ``"fp8"`` the block scoring
+            ``q·k̄`` takes e4m3 operands (``docs/fp8.md``); the means stay float32.
+        k_descale, v_descale: float32 0-dim or ``[batch, Hkv]``; required when ``k_cache`` /
+            ``v_cache`` are ``float8_e4m3fn`` (a code's value is ``code * descale``), else None.
 
     Returns:
         ``BlockIndex`` (``row_ptr`` int32 ``[Hkv * n_tiles + 1]``, ``col_idx`` int32 ``[nnz]``,
         ``k_mean``/``v_mean`` float32 ``[n_blocks, Hkv, d]``; see ``docs/layout.md``).
 
     Raises:
-        ValueError / TypeError: naming the argument, the expected shape/dtype/device and what was found.
+        ValueError / TypeError: naming the argument, the expected shape/dtype/device and what was found;
+            ``precision="fp8"`` on a GPU below compute capability 8.9 or with a head dim outside
+            ``FP8_HEAD_DIMS`` (naming the GPU / the shape); e4m3 caches without their descale.
     """
     config, scale, plan, mod = _prepare(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q,
-                                        config, softmax_scale, plan, backend)
-    return mod.build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale, plan)
+                                        config, softmax_scale, plan, backend, precision=precision,
+                                        k_descale=k_descale, v_descale=v_descale)
+    return mod.build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale, plan,
+                           **_precision_kwargs(precision, k_descale, v_descale))
 
 
 def flashprefill_attention(
@@ -333,6 +443,9 @@ def flashprefill_attention(
     index: BlockIndex | None = None,
     backend: str = "auto",
     return_index: bool = False,
+    precision: str = "bf16",
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     """Block-sparse causal prefill attention with mean correction (FlashPrefill V2, ``docs/method.md``
     sections 3-4).
@@ -343,7 +456,10 @@ def flashprefill_attention(
 
     Args:
         q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale, plan,
-            backend: as ``build_index``.
+            backend, k_descale, v_descale: as ``build_index``.
+        precision: ``"bf16"`` | ``"fp8"``: with ``"fp8"``, e4m3 operands in the block scoring, in
+            ``Q K^T`` and ``P V``, and in both mean-correction products; fp32 accumulation, output in
+            q's dtype (``docs/fp8.md``).
         return_lse: also return ``lse``.
         return_stats: also return ``SparseStats`` (density overall and per KV head, the index).
             It reads the index on the host: one more sync.
@@ -364,13 +480,15 @@ def flashprefill_attention(
         ValueError / TypeError: naming the argument, the expected shape/dtype/device and what was found.
     """
     config, scale, plan, mod = _prepare(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q,
-                                        config, softmax_scale, plan, backend)
+                                        config, softmax_scale, plan, backend, precision=precision,
+                                        k_descale=k_descale, v_descale=v_descale)
+    extra = _precision_kwargs(precision, k_descale, v_descale)
     if index is None:
-        index = mod.build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale, plan)
+        index = mod.build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale, plan, **extra)
     elif not torch.compiler.is_compiling():
         _check_index(index, plan, config, k_cache.shape[2])
     out, lse = mod.sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale,
-                                    plan, index)
+                                    plan, index, **extra)
     result = (out,)
     if return_lse:
         result += (lse,)
@@ -393,16 +511,22 @@ def dense_attention(
     *,
     plan: BatchPlan | None = None,
     backend: str = "auto",
+    precision: str = "bf16",
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     """Dense causal attention over the paged KV (bottom-right aligned), the comparison baseline.
 
-    Args: as ``flashprefill_attention`` (no config; ``plan`` may use any block size).
+    Args: as ``flashprefill_attention`` (no config; ``plan`` may use any block size;
+        ``precision="fp8"``: e4m3 ``Q K^T`` and ``P V``).
 
     Returns:
         ``out`` ``[total_q, Hq, d]`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
     """
     _, scale, plan, mod = _prepare(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q,
-                                   None, softmax_scale, plan, backend, dense=True)
-    out, lse = mod.dense_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, scale, plan)
+                                   None, softmax_scale, plan, backend, dense=True, precision=precision,
+                                   k_descale=k_descale, v_descale=v_descale)
+    out, lse = mod.dense_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, scale, plan,
+                                   **_precision_kwargs(precision, k_descale, v_descale))
     return (out, lse) if return_lse else out
 

@@ -23,6 +23,11 @@ tile, pad slots and ``p > P + t`` masked to -inf), plus one "mean key" column pe
 Measured on this 2-core CPU, one thread: SmolLM2-135M shapes (9 q / 3 kv heads, d 64), 4K tokens,
 ~0.57 s per layer at density 1 and ~0.36 s at density 0.6 (index ~0.015 s).
 
+``precision="fp8"`` simulates the e4m3 operands of ``docs/fp8.md`` exactly (``flashprefill.quant``:
+quantise -> dequantise round trips through ``torch.float8_e4m3fn``, the math around them as above);
+``float8_e4m3fn`` caches are read with their ``k_descale`` / ``v_descale``, one request at a time.
+The default ``precision="bf16"`` path runs the same operations as before FP8 existed.
+
 ``python -m flashprefill.impl.reference`` prints the block map of a tiny case.
 """
 from __future__ import annotations
@@ -31,7 +36,8 @@ import math
 
 import torch
 
-from ..config import SparseConfig
+from .. import quant
+from ..config import PRECISIONS, SparseConfig
 from ..index import BlockIndex
 from ..plan import BatchPlan, host_tile_ptr, make_plan
 
@@ -69,6 +75,57 @@ def _gather_kv(cache: torch.Tensor, page_table: torch.Tensor, b: int, lk: int) -
     pos = torch.arange(lk, device=cache.device)
     pages = page_table[b].to(torch.long)[pos // page_size]
     return cache[pages, pos % page_size]
+
+
+def _is_fp8(precision: str) -> bool:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    return precision == "fp8"
+
+
+def _operands(cache, descale, page_table, b: int, lk: int, dt: torch.dtype, fp8: bool):
+    """K (or V) of request ``b`` for the means and for the GEMMs (docs/fp8.md section 2).
+
+    Args:
+        cache: ``[num_pages, page_size, Hkv, d]``, a float dtype or ``float8_e4m3fn``.
+        descale: for an e4m3 cache, float32 0-dim or ``[batch, Hkv]``; else None.
+    Returns:
+        ``(raw [Lk, Hkv, d], gemm [Lk, Hkv, d], scale [Hkv] | None, inv_scale [Hkv] | None)`` in ``dt``:
+        ``raw`` feeds the block means (the unquantised values; an e4m3 cache's ``codes * descale``),
+        ``gemm`` is what the FP8 operand stands for (``raw`` itself without ``fp8``). Only this
+        request's pages are read and dequantised, never the whole cache.
+    """
+    x = _gather_kv(cache, page_table, b, lk)
+    hkv = cache.shape[2]
+    if cache.dtype == quant.E4M3:
+        s = (descale.expand(hkv) if descale.dim() == 0 else descale[b]).to(torch.float32)
+        raw = quant.dequantize(x, s[:, None], dt)
+        if not fp8:
+            return raw, raw, None, None
+        return raw, raw, s, 1.0 / s
+    if not fp8:
+        return x.to(dt), x.to(dt), None, None
+    s, inv = quant.kv_scales(x)
+    return x.to(dt), quant.round_trip(x, s[:, None], inv[:, None], dt), s, inv
+
+
+def _fp8_q_tiles(qb: torch.Tensor, hkv: int, g: int, tile_rows: int, dt: torch.dtype) -> torch.Tensor:
+    """GQA-packed query tiles as their FP8 operand stands for them (docs/fp8.md section 2).
+
+    Args:
+        qb: ``[Lq, Hq, d]`` queries of one request (unscaled by ``τ``).
+    Returns:
+        ``[Hkv, n_tiles, tile_rows, d]`` in ``dt``: each tile (rows past ``Lq * g`` zero) quantised
+        with its own ``amax / 448`` scale and dequantised.
+    """
+    lq, _, d = qb.shape
+    rows = lq * g
+    n_tiles = -(-rows // tile_rows)
+    qp = qb.new_zeros(hkv, n_tiles * tile_rows, d)
+    qp[:, :rows] = qb.view(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, rows, d)
+    qp = qp.view(hkv, n_tiles, tile_rows, d)
+    s, inv = quant.tile_scales(qp)
+    return quant.round_trip(qp, s[..., None, None], inv[..., None, None], dt)
 
 
 def _block_means(x: torch.Tensor, block_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,12 +171,15 @@ def _select_request(
     tile_rows: int,
     config: SparseConfig,
     scale: float,
+    fp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Selected blocks of every tile of one request (docs/layout.md "Selection").
 
     Args:
         qb: ``[Lq, Hq, d]`` queries of the request (any float dtype).
-        k_mean: ``[n_blocks, Hkv, d]`` block means (compute dtype).
+        k_mean: ``[n_blocks, Hkv, d]`` block means (compute dtype; with ``fp8`` already the
+            e4m3 round trip with K's scales).
+        fp8: score with e4m3 query tiles (docs/fp8.md).
     Returns:
         ``(S [Hkv, n_tiles, n_blocks] bool, n_visible [n_tiles] int64)``.
     """
@@ -138,7 +198,10 @@ def _select_request(
     scored = e[None, :] <= (P + t_last + 1)[:, None]                       # fully seen by the last row
 
     # Energies (3.3) in chunks of tiles: ℓ is [Hkv, rows_chunk, nb].
-    qp = qb.to(dt).view(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, rows, d) * scale
+    if fp8:
+        qp = _fp8_q_tiles(qb, hkv, g, tile_rows, dt).view(hkv, -1, d)[:, :rows] * scale
+    else:
+        qp = qb.to(dt).view(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, rows, d) * scale
     kT = k_mean.permute(1, 2, 0)                                           # [Hkv, d, nb]
     tiles_per_chunk = max(1, _chunk_elems(dev) // max(1, hkv * tile_rows * nb))
     energies = []
@@ -182,6 +245,9 @@ def build_index(
     config: SparseConfig | None = None,
     softmax_scale: float | None = None,
     plan: BatchPlan | None = None,
+    precision: str = "bf16",
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> BlockIndex:
     """Block index of a batch: block means + CSR of selected blocks (sections 3.1-3.6).
 
@@ -194,11 +260,17 @@ def build_index(
         config: method knobs (``SparseConfig()`` when None).
         softmax_scale: ``τ`` (``1/sqrt(d)`` when None).
         plan: the batch plan (built when None; must use ``config.block_size``).
+        precision: ``"bf16"`` or ``"fp8"`` (the block scoring ``q·k̄`` with e4m3 operands,
+            docs/fp8.md); the means themselves are never quantised in the index.
+        k_descale, v_descale: float32 0-dim or ``[batch, Hkv]``, required with ``float8_e4m3fn``
+            caches (the value of a code is ``code * descale``), else None.
 
     Returns:
         ``BlockIndex`` with ``k_mean``/``v_mean`` in float32 (float64 for float64 inputs).
     """
     config = config or SparseConfig()
+    fp8 = _is_fp8(precision)
+    e4m3 = k_cache.dtype == quant.E4M3
     plan, scale, hkv, g = _resolve(q, seq_lens, cu_seqlens_q, k_cache, config.block_size, softmax_scale, plan)
     B = config.block_size
     dt = _compute_dtype(q)
@@ -214,13 +286,20 @@ def build_index(
     for b, (lq, lk, qs) in enumerate(zip(plan.q_lens, plan.kv_lens, plan.q_starts)):
         if lk == 0:
             continue
-        km, _ = _block_means(_gather_kv(k_cache, page_table, b, lk), B, dt)
-        vm, _ = _block_means(_gather_kv(v_cache, page_table, b, lk), B, dt)
+        if fp8 or e4m3:
+            kraw, _, ks, kinv = _operands(k_cache, k_descale, page_table, b, lk, dt, fp8)
+            km, _ = _block_means(kraw, B, dt)
+            vm, _ = _block_means(_operands(v_cache, v_descale, page_table, b, lk, dt, False)[0], B, dt)
+            km_score = quant.round_trip(km, ks[:, None], kinv[:, None], dt) if fp8 else km
+        else:
+            km, _ = _block_means(_gather_kv(k_cache, page_table, b, lk), B, dt)
+            vm, _ = _block_means(_gather_kv(v_cache, page_table, b, lk), B, dt)
+            km_score = km
         k_means.append(km)
         v_means.append(vm)
         if lq == 0:
             continue
-        S, nv = _select_request(q[qs:qs + lq], km, lq, lk, g, plan.tile_rows, config, scale)
+        S, nv = _select_request(q[qs:qs + lq], km_score, lq, lk, g, plan.tile_rows, config, scale, fp8)
         sel[:, tile_ptr[b]:tile_ptr[b + 1], :S.shape[2]] = S
         n_visible[tile_ptr[b]:tile_ptr[b + 1]] = nv
 
@@ -268,6 +347,7 @@ def _attend_request(
     k_mean: torch.Tensor | None,
     v_mean: torch.Tensor | None,
     mean_correction: bool,
+    fp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one request (section 4), one KV head at a time, tiles in batched chunks.
 
@@ -278,6 +358,11 @@ def _attend_request(
 
     Each tile gathers the keys of its own selected blocks (padded to the chunk's largest ``|S_i|``),
     so the work scales with the number of selected blocks, as in the kernels.
+
+    With ``fp8`` (docs/fp8.md): ``kb``, ``vb``, ``k_mean``, ``v_mean`` are already the e4m3 round
+    trips; the query tiles are quantised here (one scale per tile); both products with V take the
+    probabilities as ``e4m3(p * P_SCALE)`` and divide the factor out of the fp32 sum, while the
+    denominator sums the unquantised ``p``.
 
     Args:
         qb: ``[Lq, Hq, d]``; kb, vb: ``[Lk, Hkv, d]``; sel: ``[Hkv, n_tiles, n_blocks]`` bool;
@@ -302,9 +387,12 @@ def _attend_request(
         U = (~sel) & (e[None, None, :] <= (P + t_first + 1)[None, :, None])   # [Hkv, T, nb]
         ln_n = torch.log((e - j * B).to(dt))
     # Packed rows, padded to whole tiles (pad rows are computed and dropped).
-    qp = torch.zeros(hkv, n_tiles * TR, d, dtype=dt, device=dev)
-    qp[:, :rows] = qb.to(dt).view(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, rows, d) * scale
-    qp = qp.view(hkv, n_tiles, TR, d)
+    if fp8:
+        qp = _fp8_q_tiles(qb, hkv, g, TR, dt) * scale
+    else:
+        qp = torch.zeros(hkv, n_tiles * TR, d, dtype=dt, device=dev)
+        qp[:, :rows] = qb.to(dt).view(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, rows, d) * scale
+        qp = qp.view(hkv, n_tiles, TR, d)
     tok = (torch.arange(n_tiles * TR, device=dev) // g).view(n_tiles, TR)       # token of each row
     out = torch.empty(hkv, n_tiles, TR, d, dtype=dt, device=dev)
     lse = torch.empty(hkv, n_tiles, TR, dtype=dt, device=dev)
@@ -350,11 +438,17 @@ def _attend_request(
             m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))   # row with no logit
             p = s.sub_(m_safe[..., None]).exp_()                           # exp(-inf) = 0
             denom = p.sum(-1)
-            o = torch.bmm(p, vals)
+            if fp8:
+                o = torch.bmm(quant.p_round_trip(p), vals) / quant.P_SCALE
+            else:
+                o = torch.bmm(p, vals)
             if use_means:
                 pm = sm.sub_(m_safe[..., None]).exp_()
                 denom = denom + pm.sum(-1)
-                o = o + pm @ v_mean[:, h]
+                if fp8:
+                    o = o + (quant.p_round_trip(pm) @ v_mean[:, h]) / quant.P_SCALE
+                else:
+                    o = o + pm @ v_mean[:, h]
             out[h, c0:c1] = o / torch.where(denom > 0, denom, torch.ones_like(denom))[..., None]
             lse[h, c0:c1] = m_safe + torch.log(denom)                      # -inf on an empty row: out 0
     out = out.view(hkv, n_tiles * TR, d)[:, :rows]
@@ -364,23 +458,32 @@ def _attend_request(
     return out, lse
 
 
-def _attention(q, k_cache, v_cache, page_table, plan, scale, block_size, sel_all, tile_ptr, index, mean_correction):
+def _attention(q, k_cache, v_cache, page_table, plan, scale, block_size, sel_all, tile_ptr, index, mean_correction,
+               fp8=False, k_descale=None, v_descale=None):
     dt = _compute_dtype(q)
+    e4m3 = k_cache.dtype == quant.E4M3
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:2], -math.inf, dtype=dt, device=q.device)
     for b, (lq, lk, qs) in enumerate(zip(plan.q_lens, plan.kv_lens, plan.q_starts)):
         if lq == 0:
             continue
-        kb = _gather_kv(k_cache, page_table, b, lk)
-        vb = _gather_kv(v_cache, page_table, b, lk)
+        if fp8 or e4m3:
+            _, kb, ks, kinv = _operands(k_cache, k_descale, page_table, b, lk, dt, fp8)
+            _, vb, vs, vinv = _operands(v_cache, v_descale, page_table, b, lk, dt, fp8)
+        else:
+            kb = _gather_kv(k_cache, page_table, b, lk)
+            vb = _gather_kv(v_cache, page_table, b, lk)
         sel = km = vm = None
         if sel_all is not None:
             nb = -(-lk // block_size)
             sel = sel_all[:, tile_ptr[b]:tile_ptr[b + 1], :nb]
             bp = sum(-(-x // block_size) for x in plan.kv_lens[:b])
             km, vm = index.k_mean[bp:bp + nb].to(dt), index.v_mean[bp:bp + nb].to(dt)
+            if fp8:                                                        # means take their K / V scale
+                km = quant.round_trip(km, ks[:, None], kinv[:, None], dt)
+                vm = quant.round_trip(vm, vs[:, None], vinv[:, None], dt)
         o, l = _attend_request(q[qs:qs + lq], kb, vb, lq, lk, plan.group_size, scale, dt, block_size,
-                               plan.tile_rows, sel, km, vm, mean_correction)
+                               plan.tile_rows, sel, km, vm, mean_correction, fp8)
         out[qs:qs + lq] = o.to(q.dtype)
         lse[qs:qs + lq] = l
     return out, lse
@@ -397,25 +500,32 @@ def sparse_attention(
     softmax_scale: float | None = None,
     plan: BatchPlan | None = None,
     index: BlockIndex | None = None,
+    precision: str = "bf16",
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse attention with mean correction (section 4, docs/layout.md).
 
-    Args: as ``build_index``, plus ``index`` (built when None).
+    Args: as ``build_index``, plus ``index`` (built when None, with the same ``precision``).
+        ``precision="fp8"``: e4m3 operands in ``Q K^T``, ``P V`` and both mean-correction
+        products (docs/fp8.md).
 
     Returns:
         ``(out [total_q, Hq, d] in q's dtype, lse [total_q, Hq] float32 (float64 for float64 q))``;
         ``lse`` is the natural-log corrected denominator.
     """
     config = config or SparseConfig()
+    fp8 = _is_fp8(precision)
     plan, scale, hkv, g = _resolve(q, seq_lens, cu_seqlens_q, k_cache, config.block_size, softmax_scale, plan)
     if index is None:
-        index = build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale, plan)
+        index = build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale, plan,
+                            precision, k_descale, v_descale)
     B = index.block_size
     tile_ptr = host_tile_ptr(plan)
     max_nb = plan.max_blocks(B)
     sel_all = _csr_to_mask(index, hkv, tile_ptr[-1], max_nb)
     return _attention(q, k_cache, v_cache, page_table, plan, scale, B, sel_all, tile_ptr, index,
-                      config.mean_correction)
+                      config.mean_correction, fp8, k_descale, v_descale)
 
 
 def dense_attention(
@@ -427,15 +537,23 @@ def dense_attention(
     cu_seqlens_q: torch.Tensor,
     softmax_scale: float | None = None,
     plan: BatchPlan | None = None,
+    precision: str = "bf16",
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense causal attention (bottom-right aligned) over the paged KV.
+
+    ``precision``, ``k_descale``, ``v_descale``: as ``sparse_attention`` (FP8: e4m3 ``Q K^T`` and
+    ``P V`` over the same 128-row query tiles).
 
     Returns:
         ``(out [total_q, Hq, d] in q's dtype, lse [total_q, Hq] float32 (float64 for float64 q))``.
     """
+    fp8 = _is_fp8(precision)
     block_size = plan.block_size if plan is not None else 128
     plan, scale, _, _ = _resolve(q, seq_lens, cu_seqlens_q, k_cache, block_size, softmax_scale, plan)
-    return _attention(q, k_cache, v_cache, page_table, plan, scale, plan.block_size, None, None, None, False)
+    return _attention(q, k_cache, v_cache, page_table, plan, scale, plan.block_size, None, None, None, False,
+                      fp8, k_descale, v_descale)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,182 @@
+"""FP8 quantisation pre-pass on the GPU (``docs/fp8.md`` section 7), the rules of ``flashprefill.quant``.
+
+Two launches per layer call, then torch ops on tiny tensors:
+
+1. ``_kv_amax_kernel``: ``max |x|`` per (request, KV head) of K and V, read through the page table
+   (chunks of ``BLOCK_T`` tokens, an int32 ``atomic_max`` on the float bits: non-negative floats
+   order like their bit patterns; NaN entries ignored).
+2. scales from the amax with ``quant.amax_scales`` (the same code as the reference);
+3. ``_kv_quant_kernel``: codes of K into ``k8 [Hkv, total_k, d]`` and of V, transposed, into
+   ``v8t [Hkv, d, total_k_padded]`` (requests back to back at ``cu_seqlens_k``);
+4. ``quantize_means``: the float32 block means with their request's scales (``quant.quantize``).
+
+The e4m3 rounding is done in fp32 arithmetic (``_e4m3_rne``) before the cast, so the cast only
+converts exactly representable values: bit-exact on the GPU and under ``TRITON_INTERPRET=1``,
+whose own float8 cast neither rounds to nearest nor saturates (Triton 3.6). Inputs: bf16 / fp16
+caches (e4m3 caches need no pre-pass for K: ``docs/fp8.md`` section 5).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import quant
+from ...plan import BatchPlan
+
+# Tokens of a V8^T row are padded to a multiple of this: TMA needs 16-byte row strides (e4m3: 1 byte).
+TMA_ALIGN = 16
+# Tokens per program of both kernels.
+BLOCK_T = 64
+
+
+@dataclass(frozen=True)
+class Fp8KV:
+    """Quantised K / V of one batch and one layer (``docs/fp8.md`` section 7)."""
+
+    k8: torch.Tensor           # e4m3 [Hkv, total_k, d]; request b's tokens at cu_seqlens_k[b]
+    v8t: torch.Tensor          # e4m3 [Hkv, d, total_k_padded]; V transposed (tokens contiguous), zero pad
+    k_scale: torch.Tensor      # float32 [batch, Hkv]; amax / 448 of the request's K (dequant factor)
+    v_scale: torch.Tensor      # float32 [batch, Hkv]; same for V
+    k_inv_scale: torch.Tensor  # float32 [batch, Hkv]; 448 / amax (the quantisation factor)
+    v_inv_scale: torch.Tensor  # float32 [batch, Hkv]
+    cu_seqlens_k: torch.Tensor  # int32 [batch + 1]; cumulative Lk
+
+
+@triton.jit
+def _e4m3_rne(y):
+    """``y`` (fp32, already clamped to [-448, 448]) rounded to the nearest e4m3fn value, ties to even,
+    as fp32 (sign kept, -0 included; NaN stays NaN)."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = bits & -2147483648                                   # 0x80000000
+    a = tl.abs(y)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 255) - 127      # floor(log2 a) for normals
+    e = tl.maximum(e, -6)                                       # e4m3 subnormals: step 2**-9
+    ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)    # 3 mantissa bits
+    inv_ulp = ((3 - e + 127) << 23).to(tl.float32, bitcast=True)
+    t = a * inv_ulp                                             # exact: a power of two, t < 16
+    r = ((t + 8388608.0) - 8388608.0) * ulp                     # + 2**23 rounds to an integer, ties to even
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_tokens(cache_ptr, page_table_ptr, b, h, t0, lk, stride_pt, stride_page, stride_slot, stride_head,
+                 PAGE_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Tokens ``[t0, t0 + BLOCK_T)`` of request ``b``, KV head ``h``: (fp32 [BLOCK_T, D], valid [BLOCK_T])."""
+    pos = t0 + tl.arange(0, BLOCK_T)
+    valid = pos < lk
+    page = tl.load(page_table_ptr + b * stride_pt + pos // PAGE_SIZE, mask=valid, other=0)
+    row = page.to(tl.int64) * stride_page + (pos % PAGE_SIZE) * stride_slot + h * stride_head
+    x = tl.load(cache_ptr + row[:, None] + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0)
+    return x.to(tl.float32), valid
+
+
+@triton.jit
+def _kv_amax_kernel(k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, amax_ptr,
+                    stride_pt, k_stride_page, k_stride_slot, k_stride_head,
+                    v_stride_page, v_stride_slot, v_stride_head, n_pairs,
+                    HKV: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    # setup: program (request b, KV head h, token chunk c); amax_ptr is int32 [2, batch, Hkv] (K, V)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    t0 = tl.program_id(2) * BLOCK_T
+    lk = tl.load(seq_lens_ptr + b)
+    if t0 < lk:
+        k, _ = _load_tokens(k_ptr, page_table_ptr, b, h, t0, lk, stride_pt, k_stride_page, k_stride_slot,
+                            k_stride_head, PAGE_SIZE, D, BLOCK_T)
+        v, _ = _load_tokens(v_ptr, page_table_ptr, b, h, t0, lk, stride_pt, v_stride_page, v_stride_slot,
+                            v_stride_head, PAGE_SIZE, D, BLOCK_T)
+        ak = tl.abs(k)
+        av = tl.abs(v)
+        ak = tl.where(ak == ak, ak, 0.0)                        # NaN ignored
+        av = tl.where(av == av, av, 0.0)
+        mk = tl.max(tl.max(ak, axis=1), axis=0)
+        mv = tl.max(tl.max(av, axis=1), axis=0)
+        # non-negative floats compare like their int32 bits
+        tl.atomic_max(amax_ptr + b * HKV + h, mk.to(tl.int32, bitcast=True))
+        tl.atomic_max(amax_ptr + n_pairs + b * HKV + h, mv.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _kv_quant_kernel(k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, cu_k_ptr, inv_ptr, k8_ptr, v8t_ptr,
+                     stride_pt, k_stride_page, k_stride_slot, k_stride_head,
+                     v_stride_page, v_stride_slot, v_stride_head, n_pairs, total_k, total_k_pad,
+                     HKV: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    # setup: program (request b, KV head h, token chunk c); inv_ptr is float32 [2, batch, Hkv] (K, V)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    t0 = tl.program_id(2) * BLOCK_T
+    lk = tl.load(seq_lens_ptr + b)
+    if t0 < lk:
+        start = tl.load(cu_k_ptr + b).to(tl.int64)
+        dst = start + t0 + tl.arange(0, BLOCK_T).to(tl.int64)  # token slot in the batch
+        dims = tl.arange(0, D)
+        k, valid = _load_tokens(k_ptr, page_table_ptr, b, h, t0, lk, stride_pt, k_stride_page, k_stride_slot,
+                                k_stride_head, PAGE_SIZE, D, BLOCK_T)
+        y = k * tl.load(inv_ptr + b * HKV + h)
+        y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))          # saturate, NaN kept
+        k8_row = k8_ptr + h.to(tl.int64) * total_k * D + dst[:, None] * D + dims[None, :]
+        tl.store(k8_row, _e4m3_rne(y).to(tl.float8e4nv), mask=valid[:, None])
+        v, _ = _load_tokens(v_ptr, page_table_ptr, b, h, t0, lk, stride_pt, v_stride_page, v_stride_slot,
+                            v_stride_head, PAGE_SIZE, D, BLOCK_T)
+        y = v * tl.load(inv_ptr + n_pairs + b * HKV + h)
+        y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))
+        # V transposed: element (token, dim) goes to v8t[h, dim, token]
+        v8_col = v8t_ptr + h.to(tl.int64) * D * total_k_pad + dims[None, :].to(tl.int64) * total_k_pad + dst[:, None]
+        tl.store(v8_col, _e4m3_rne(y).to(tl.float8e4nv), mask=valid[:, None])
+
+
+def quantize_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
+                plan: BatchPlan) -> Fp8KV:
+    """Quantise a batch's K and V for the FP8 attention (``docs/fp8.md`` sections 2, 3, 7).
+
+    Args:
+        k_cache, v_cache: ``[num_pages, page_size, Hkv, d]`` bf16 / fp16, ``d`` a power of two.
+        page_table: int32 ``[batch, max_pages]``; seq_lens: int32 ``[batch]`` (``Lk``).
+        plan: the batch plan (its host ``kv_lens``: no sync here).
+    Returns:
+        ``Fp8KV`` (fresh tensors).
+    """
+    _, page_size, hkv, d = k_cache.shape
+    batch = plan.batch
+    dev = k_cache.device
+    total_k = sum(plan.kv_lens)
+    total_pad = -(-total_k // TMA_ALIGN) * TMA_ALIGN
+    cu = [0]
+    for lk in plan.kv_lens:
+        cu.append(cu[-1] + lk)
+    cu_k = torch.tensor(cu, dtype=torch.int32, device=dev)
+    k8 = torch.empty(hkv, total_k, d, dtype=quant.E4M3, device=dev)
+    v8t = torch.zeros(hkv, d, total_pad, dtype=quant.E4M3, device=dev)
+    amax = torch.zeros(2, batch, hkv, dtype=torch.int32, device=dev)
+    grid = (batch, hkv, max(1, -(-plan.max_kv_len // BLOCK_T)))
+    strides = (page_table.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], batch * hkv)
+    if total_k:
+        _kv_amax_kernel[grid](k_cache, v_cache, page_table, seq_lens, amax, *strides,
+                              HKV=hkv, PAGE_SIZE=page_size, D=d, BLOCK_T=BLOCK_T)
+    scale, inv = quant.amax_scales(amax.view(torch.float32))
+    if total_k:
+        _kv_quant_kernel[grid](k_cache, v_cache, page_table, seq_lens, cu_k, inv.contiguous(), k8, v8t, *strides,
+                               total_k, total_pad, HKV=hkv, PAGE_SIZE=page_size, D=d, BLOCK_T=BLOCK_T)
+    return Fp8KV(k8=k8, v8t=v8t, k_scale=scale[0], v_scale=scale[1], k_inv_scale=inv[0], v_inv_scale=inv[1],
+                 cu_seqlens_k=cu_k)
+
+
+def quantize_means(k_mean: torch.Tensor, v_mean: torch.Tensor, kv: Fp8KV, plan: BatchPlan):
+    """The block means' codes with their request's K / V scales (``docs/fp8.md`` section 3).
+
+    Args:
+        k_mean, v_mean: float32 ``[n_blocks, Hkv, d]`` (``BlockIndex.k_mean`` / ``v_mean``).
+    Returns:
+        ``(k_mean8 e4m3 [n_blocks, Hkv, d], v_mean8t e4m3 [Hkv, d, n_blocks_padded])``, the second
+        transposed for the ``P_m v̄`` product and zero-padded to a multiple of ``TMA_ALIGN``.
+    """
+    counts = torch.tensor([-(-lk // plan.block_size) for lk in plan.kv_lens], device=k_mean.device)
+    req = torch.repeat_interleave(torch.arange(plan.batch, device=k_mean.device), counts)
+    k8 = quant.quantize(k_mean, kv.k_inv_scale[req][:, :, None])
+    n_blocks, hkv, d = v_mean.shape
+    v8t = torch.zeros(hkv, d, -(-n_blocks // TMA_ALIGN) * TMA_ALIGN, dtype=quant.E4M3, device=v_mean.device)
+    v8t[:, :, :n_blocks] = quant.quantize(v_mean, kv.v_inv_scale[req][:, :, None]).permute(1, 2, 0)
+    return k8, v8t

@@ -1,0 +1,100 @@
+"""The FP8 pre-pass kernels (``impl/triton/quant_kernels.py``) under ``TRITON_INTERPRET=1`` vs
+``flashprefill.quant``, bit for bit (codes and scales), through the page table.
+
+As in ``test_triton_interpret.py`` the kernels run in one subprocess (this file with ``--worker``)
+that switches the interpreter on before Triton compiles anything. Triton 3.6's interpreter casts to
+float8 without rounding to nearest or saturating; the kernel rounds in fp32 first (``_e4m3_rne``),
+so only exactly representable values reach the cast, and this test checks the rounding itself
+(``edge`` cases: every tie, -0, the saturation edge). fp16 caches (the interpreter holds bf16 as raw
+bits); NaN inputs are not run here (the interpreter's cast maps NaN to a finite code)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CASES = {  # name: (q_lens, kv_lens, Hkv, d, page_size, edge values)
+    "two_requests_ps16": ([50, 7], [200, 70], 2, 64, 16, False),
+    "ps1_d128_len129": ([3], [129], 1, 128, 1, False),
+    "ps64_len4097": ([1], [4097], 1, 64, 64, False),
+    "edge_ties_ps16": ([10], [160], 2, 64, 16, True),
+}
+
+
+def _run_case(name):
+    import torch
+
+    from fp_brute import edge_cache, expected_prepass, make_inputs
+    from flashprefill import make_plan
+    from flashprefill.impl import reference as R
+    from flashprefill.impl.triton import quant_kernels as QK
+
+    q_lens, kv_lens, hkv, d, ps, edge = CASES[name]
+    q, k, v, pt, sl, cu = make_inputs(q_lens, kv_lens, 2 * hkv, hkv, d, ps, dtype=torch.float16, seed=1)
+    if edge:
+        k = edge_cache(ps, hkv, d, k.shape[0], seed=2)
+        v = edge_cache(ps, hkv, d, k.shape[0], seed=3)
+        q = q.float()
+    plan = make_plan(sl, cu, 2, 128)
+    index = R.build_index(q, k, v, pt, sl, cu, None, None, plan)
+    kv = QK.quantize_kv(k, v, pt, sl, plan)
+    k8m, v8mt = QK.quantize_means(index.k_mean, index.v_mean, kv, plan)
+    want = expected_prepass(k, v, pt, plan.kv_lens, 128, index.k_mean, index.v_mean)
+    total = sum(plan.kv_lens)
+    nb = index.k_mean.shape[0]
+    bits = lambda t: t.contiguous().view(torch.uint8)
+    return {
+        "case": name,
+        "k8": torch.equal(bits(kv.k8), bits(want["k8"])),
+        "v8t": torch.equal(bits(kv.v8t[:, :, :total]), bits(want["v8t"])),
+        "v8t_pad_zero": bool((bits(kv.v8t[:, :, total:]) == 0).all()) and kv.v8t.shape[2] % QK.TMA_ALIGN == 0,
+        "scales": torch.equal(kv.k_scale, want["k_scale"]) and torch.equal(kv.v_scale, want["v_scale"]),
+        "means": torch.equal(bits(k8m), bits(want["k_mean8"])) and torch.equal(bits(v8mt[:, :, :nb]), bits(want["v_mean8t"])),
+        "cu": kv.cu_seqlens_k.tolist() == [0] + [sum(plan.kv_lens[:i + 1]) for i in range(plan.batch)],
+        "saturated": bool((kv.k8.float().abs() == 448).any()),
+    }
+
+
+def worker() -> None:
+    for name in CASES:
+        try:
+            res = _run_case(name)
+        except Exception as e:  # report, the test names the case
+            import traceback
+            res = {"case": name, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+        print(json.dumps(res), flush=True)
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "kernels"), str(ROOT), str(ROOT / "tests"),
+                                         env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            out[r["case"]] = r
+    if not out:
+        pytest.fail(f"interpreter worker produced no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return out
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    worker()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_prepass_matches_quant_bit_for_bit(results, name):
+    r = results[name]
+    assert "error" not in r, r.get("trace")
+    for key in ("k8", "v8t", "v8t_pad_zero", "scales", "means", "cu", "saturated"):
+        assert r[key], f"{name}: {key}"
