@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One device call of a GPU round (lab tooling, never imported by the product).
+#   source .fpdev/bin/env.sh && bash scripts/lab/gpu_round.sh PART [PART...]
+# PARTs: kernels (operator GPU tests), fp8 (FP8 kernel tests), engines1 / engines2 (engine and CLI GPU
+# tests), user (fp start / fp ask x2 / fp status / fp stop / fp profile on real TeX manuals, as a user
+# runs them), bench (fp bench). Logs and JSON land in $OUT; a short table is printed last.
+set -u
+OUT=${OUT:-$PWD/out-gpu}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD/kernels:$PWD:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1 FP_CACHE_DIR=/tmp/fpcache FP_GPU_LOG_DIR=$OUT
+SUM=$OUT/summary.txt
+say() { echo "$*" | tee -a "$SUM"; }
+if ! command -v fp >/dev/null; then
+  pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || say "pip install -e . failed (pip.log)"
+fi
+# the staged models as fp's cached models (no network on the device): fp model list finds them
+for m in qwen2.5-coder-0.5b-instruct smollm2-135m-instruct; do
+  src=$FPDEV_MODELS/$m; dst=$FP_CACHE_DIR/models/$m
+  if [ -d "$src" ] && [ ! -e "$dst" ]; then
+    mkdir -p "$(dirname "$dst")"; ln -s "$src" "$dst"
+    [ -f "$src/fp-model.json" ] || echo '{"source": "staged by the device loader"}' > "$src/fp-model.json"
+  fi
+done
+t() { local s=$(date +%s.%N); "$@"; local rc=$?; printf '%s rc=%d wall=%.1fs\n' "$*" $rc "$(echo "$(date +%s.%N) - $s" | bc)" | tee -a "$SUM"; return $rc; }
+pyt() { local name=$1 lim=$2; shift 2
+  timeout -k 5 "$lim" python -m pytest -q -p no:cacheprovider -rfE "$@" > "$OUT/$name.log" 2>&1
+  say "$name: rc=$? $(grep -E '(passed|failed|error)' "$OUT/$name.log" | tail -1)"
+  grep -E '^(FAILED|ERROR)' "$OUT/$name.log" | head -12 | tee -a "$SUM"; }
+for part in "$@"; do
+  case $part in
+    kernels)  pyt kernels 330 tests/gpu/test_kernels.py tests/gpu/test_stats_cuda.py tests/gpu/test_fp8_quant.py ;;
+    fp8)      pyt fp8 300 tests/gpu/test_fp8.py tests/gpu/test_fp8_quant.py ;;
+    engines1) pyt engines1 ${LIM:-420} tests/gpu/test_profile_cli.py tests/gpu/test_resident_engine.py ;;
+    engines2) pyt engines2 ${LIM:-540} tests/gpu/test_sglang_engine.py tests/gpu/test_sessions_gpu.py ;;
+    engines3) pyt engines3 ${LIM:-540} tests/gpu/test_cold_start.py tests/gpu/test_eval_gpu.py -s ;;
+    user)
+      DOC=.fpdocs/beameruserguide.pdf
+      t fp start ${START_ARGS:-} > "$OUT/start.log" 2>&1; tail -3 "$OUT/start.log"
+      t fp status >> "$OUT/status.log" 2>&1
+      t fp ask $DOC "How do I make an item appear only on the second slide of a frame?" --json ${ASK_ARGS:-} > "$OUT/ask1.json" 2> "$OUT/ask1.err"
+      t fp ask $DOC "Which command creates a frame title?" --json ${ASK_ARGS:-} > "$OUT/ask2.json" 2> "$OUT/ask2.err"
+      t fp status --json > "$OUT/status.json" 2>&1
+      t fp profile .fpdocs/xcolor.pdf --json --png "$OUT/xcolor.density.png" ${PROFILE_ARGS:-} > "$OUT/profile.json" 2> "$OUT/profile.err"
+      t fp stop > "$OUT/stop.log" 2>&1
+      sleep 2; say "left after stop: $(pgrep -fa 'fpcli|sglang' | grep -v pgrep | wc -l) processes"
+      python - "$OUT" <<'PY' | tee -a "$SUM"
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+for n in ("ask1", "ask2"):
+    try:
+        s = json.loads((out / f"{n}.json").read_text())["summary"]
+        print(n, {k: s.get(k) for k in ("prompt_tokens", "cached_tokens", "ttft_s", "prefill_s", "wall_s",
+              "engine_start_s", "density", "precision", "engine", "model", "context")})
+        print("  answer:", json.loads((out / f"{n}.json").read_text())["answer"][:160].replace("\n", " "))
+    except Exception as e:
+        print(n, "no JSON:", e, (out / f"{n}.err").read_text()[-600:] if (out / f"{n}.err").exists() else "")
+try:
+    p = json.loads((out / "profile.json").read_text())
+    print("profile keys", sorted(p)[:12], "density", p.get("density"))
+except Exception as e:
+    print("profile: no JSON:", e, (out / "profile.err").read_text()[-600:])
+PY
+      ;;
+    bench) t fp bench --len ${BENCH_LENS:-8k,32k,128k} ${BENCH_ARGS:-} --json > "$OUT/bench.json" 2> "$OUT/bench.err"; tail -30 "$OUT/bench.err" ;;
+  esac
+done
+say "done: $*"
