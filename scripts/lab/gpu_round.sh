@@ -10,9 +10,10 @@ export PYTHONPATH=$PWD/kernels:$PWD:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1 FP_CACHE_DIR=/tmp/fpcache FP_GPU_LOG_DIR=$OUT
 SUM=$OUT/summary.txt
 say() { echo "$*" | tee -a "$SUM"; }
-if ! command -v fp >/dev/null; then
-  pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || say "pip install -e . failed (pip.log)"
+if ! python3 -c "import importlib.metadata as m; m.distribution('fp')" 2>/dev/null; then
+  python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || say "pip install -e . failed (pip.log)"
 fi
+export PATH="$(python3 -c 'import sys, os; print(os.path.dirname(sys.executable))'):$PATH"; hash -r
 # the staged models as fp's cached models (no network on the device): fp model list finds them
 for m in qwen2.5-coder-0.5b-instruct smollm2-135m-instruct; do
   src=$FPDEV_MODELS/$m; dst=$FP_CACHE_DIR/models/$m
@@ -21,7 +22,7 @@ for m in qwen2.5-coder-0.5b-instruct smollm2-135m-instruct; do
     [ -f "$src/fp-model.json" ] || echo '{"source": "staged by the device loader"}' > "$src/fp-model.json"
   fi
 done
-t() { local s=$(date +%s.%N); "$@"; local rc=$?; printf '%s rc=%d wall=%.1fs\n' "$*" $rc "$(echo "$(date +%s.%N) - $s" | bc)" | tee -a "$SUM"; return $rc; }
+t() { local s=$(date +%s%N); "$@"; local rc=$?; local e=$(date +%s%N); echo "$* rc=$rc wall=$(( (e - s) / 1000000 ))ms" | tee -a "$SUM"; return $rc; }
 pyt() { local name=$1 lim=$2; shift 2
   timeout -k 5 "$lim" python -m pytest -q -p no:cacheprovider -rfE "$@" > "$OUT/$name.log" 2>&1
   say "$name: rc=$? $(grep -E '(passed|failed|error)' "$OUT/$name.log" | tail -1)"
