@@ -326,15 +326,13 @@ def test_unknown_precision(inp):
             fn(*inp, precision="fp16")
 
 
-def test_triton_fp8_not_built_yet(inp, monkeypatch):
+def test_triton_fp8_refusals(inp, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ValueError, match="Triton FP8 kernels are not built yet"):
-        flashprefill.flashprefill_attention(*inp, precision="fp8", backend="triton")
     odd = make_inputs([10], [10], 2, 1, 48, 16, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"head_dim d in \(64, 128, 256\), got q \[10, 2, 48\].*precision='bf16'"):
         flashprefill.build_index(*odd, precision="fp8", backend="triton")
     k8, v8, ks, vs = e4m3_pool(inp, per_request=False)
-    with pytest.raises(ValueError, match="do not read e4m3 caches yet"):
+    with pytest.raises(ValueError, match="16-bit kernels do not read e4m3 caches; use precision='fp8'"):
         flashprefill.dense_attention(inp[0], k8, v8, *inp[3:], k_descale=ks, v_descale=vs, backend="triton")
 
 

@@ -18,7 +18,7 @@ Tensor arguments (``docs/layout.md`` defines every layout; ``docs/method.md`` th
 Precision (``docs/fp8.md``): ``precision="fp8"`` runs e4m3 operands (block scoring, ``Q K^T``,
 ``P V``, the mean correction); ``k_cache`` / ``v_cache`` may then, or with ``"bf16"``, be
 ``float8_e4m3fn`` caches with their ``k_descale`` / ``v_descale`` (float32 0-dim or ``[batch, Hkv]``).
-The reference runs both; the Triton FP8 kernels are not built yet (``backend="triton"`` raises).
+The reference runs both; the Triton FP8 kernels (SM89+) run both input kinds with ``precision="fp8"``.
 
 Host syncs: ``make_plan`` reads the lengths (``.tolist()``). Build the plan once per batch and pass
 ``plan=`` to every layer's call: then the Triton backend syncs exactly once per index build (the
@@ -255,16 +255,11 @@ def _validate_fp8_gpu(q) -> None:
 
 
 def _check_triton_precision(precision: str, k_cache) -> None:
-    """What the Triton kernels do not run yet: FP8 operands, e4m3 caches."""
-    if precision == "fp8":
+    """What the Triton kernels do not run: e4m3 caches on the 16-bit path."""
+    if k_cache.dtype == E4M3 and precision != "fp8":
         raise ValueError(
-            "precision='fp8' with backend='triton': the Triton FP8 kernels are not built yet; "
-            "use precision='bf16', or backend='reference' to run the FP8 semantics in PyTorch"
-        )
-    if k_cache.dtype == E4M3:
-        raise ValueError(
-            "float8_e4m3fn caches with backend='triton': the Triton kernels do not read e4m3 caches yet; "
-            "use backend='reference'"
+            "float8_e4m3fn caches with backend='triton' and precision='bf16': the 16-bit kernels do not read "
+            "e4m3 caches; use precision='fp8' (reads them as they are) or backend='reference'"
         )
 
 

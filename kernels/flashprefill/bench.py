@@ -35,7 +35,7 @@ from .flops import dense_causal_flops
 from .lengths import parse_length, parse_lengths
 from .plan import make_plan
 
-FP8_NOTE = "FP8 e4m3 path not implemented in the Triton kernels yet (bf16/fp16 only)"
+FP8_DENSE_NOTE = "FP8 dense baseline: none installed (FlashInfer not importable)"
 WARMUP_MS = 50
 REP_MS = 300
 
@@ -128,7 +128,45 @@ CPU_REPEATS = 3           # timed calls per measurement (after one warm-up call)
 CPU_COLS = [("L", "L", "{:d}"), ("density", "density", "{:.4f}"), ("index_ms", "index ms", "{:.1f}"),
             ("attn_ms", "attn ms", "{:.1f}"), ("total_ms", "total ms", "{:.1f}"),
             ("dense_ref_ms", "dense ref ms", "{:.1f}"), ("sdpa_ms", "SDPA ms", "{:.1f}"),
-            ("speedup_vs_dense_ref", "x dense ref", "{:.2f}"), ("speedup_vs_sdpa", "x SDPA", "{:.2f}")]
+            ("speedup_vs_dense_ref", "x dense ref", "{:.2f}"), ("speedup_vs_sdpa", "x SDPA", "{:.2f}"),
+            ("fp8_density", "fp8 density", "{:.4f}"), ("fp8_total_ms", "fp8 total ms", "{:.1f}"),
+            ("fp8_rel_l2", "fp8 relL2", "{:.4f}")]
+
+
+def _fp8_columns(row: dict, index_fn, total_fn, timer) -> None:
+    """The FP8 sparse path next to the BF16 one of the same row: ``fp8_index_ms``, ``fp8_total_ms``,
+    ``fp8_density``, ``fp8_rel_l2`` (relative L2 of the FP8 output against the BF16 sparse output
+    on the same inputs) and ``fp8_speedup`` (BF16 sparse total / FP8 sparse total)."""
+    index8 = index_fn(precision="fp8")
+    row["fp8_density"] = index8.nnz / max(1, int(index8.n_visible.sum()))
+    row["fp8_index_ms"] = timer(lambda: index_fn(precision="fp8"))
+    row["fp8_total_ms"] = timer(lambda: total_fn(precision="fp8"))
+    out16, out8 = total_fn().double(), total_fn(precision="fp8").double()
+    row["fp8_rel_l2"] = float((out8 - out16).norm() / out16.norm())
+    row["fp8_speedup"] = row["total_ms"] / row["fp8_total_ms"]
+
+
+def _fp8_dense_baseline(row, q, k_lin, v_lin, L, batch, hq, hkv, d, scale) -> dict:
+    """FlashInfer's FP8 prefill (e4m3 K / V, per-tensor scales) as the FP8 dense baseline when it
+    is installed (``fp8_flashinfer_ms``); else a note saying none is."""
+    try:
+        import flashinfer
+    except ImportError:
+        return {"fp8_dense": FP8_DENSE_NOTE}
+    try:
+        k = k_lin.view(batch, -1, hkv, d)[:, :L].reshape(-1, hkv, d)
+        v = v_lin.view(batch, -1, hkv, d)[:, :L].reshape(-1, hkv, d)
+        ks = float(k.abs().amax()) / 448.0
+        vs = float(v.abs().amax()) / 448.0
+        k8 = (k.float() / ks).to(torch.float8_e4m3fn)
+        v8 = (v.float() / vs).to(torch.float8_e4m3fn)
+        fn = lambda: flashinfer.single_prefill_with_kv_cache(q[:L], k8[:L], v8[:L], causal=True, sm_scale=scale,
+                                                             scale_k=ks, scale_v=vs)
+        fn()
+        row["fp8_flashinfer_ms"] = time_ms(fn)
+        return {}
+    except Exception as exc:  # an installed FlashInfer without this entry point: say so in the row
+        return {"fp8_dense": f"FlashInfer FP8 prefill failed: {type(exc).__name__}: {exc}"[:200]}
 
 
 def cpu_time_ms(fn: Callable[[], object], repeats: int = CPU_REPEATS) -> float:
@@ -159,8 +197,6 @@ def _run_cpu_bench(lens, heads_q, heads_kv, head_dim, dtype, fp8, batch, say, pa
                "dtype": str(dtype).replace("torch.", ""), "page_size": page_size,
                "inputs": "synthetic sink/local/needle", "repeats": repeats,
                "config": {f: getattr(config, f) for f in config.field_names()}, "notes": {"cpu": CPU_LABEL}}
-        if fp8:
-            row["notes"]["fp8"] = FP8_NOTE
         q, kc, vc, pt, sl, cu, k_lin, v_lin = synthetic_inputs(L, heads_q, heads_kv, head_dim, dtype, page_size,
                                                                batch, device="cpu")
         scale = 1.0 / math.sqrt(head_dim)
@@ -174,6 +210,10 @@ def _run_cpu_bench(lens, heads_q, heads_kv, head_dim, dtype, fp8, batch, say, pa
         row["total_ms"] = cpu_time_ms(lambda: api.flashprefill_attention(q, kc, vc, pt, sl, cu, **kw), repeats)
         row["dense_ref_ms"] = cpu_time_ms(lambda: api.dense_attention(q, kc, vc, pt, sl, cu, scale, plan=plan,
                                                                       backend="reference"), repeats)
+        if fp8:
+            _fp8_columns(row, lambda **p: api.build_index(q, kc, vc, pt, sl, cu, **kw, **p),
+                         lambda **p: api.flashprefill_attention(q, kc, vc, pt, sl, cu, **kw, **p),
+                         lambda fn: cpu_time_ms(fn, repeats))
         row["speedup_vs_dense_ref"] = row["dense_ref_ms"] / row["total_ms"]
         row["dense_flops"] = dense_causal_flops(L, L, head_dim, heads_q, batch)
         if baselines:
@@ -223,8 +263,6 @@ def run_operator_bench(lens, heads_q: int, heads_kv: int, head_dim: int, dtype, 
         row = {"gpu": gpu, "L": L, "batch": batch, "heads_q": heads_q, "heads_kv": heads_kv, "head_dim": head_dim,
                "dtype": str(dtype).replace("torch.", ""), "page_size": page_size, "inputs": "synthetic sink/local/needle",
                "config": {f: getattr(config, f) for f in config.field_names()}, "notes": {}}
-        if fp8:
-            row["notes"]["fp8"] = FP8_NOTE
         q, kc, vc, pt, sl, cu, k_lin, v_lin = synthetic_inputs(L, heads_q, heads_kv, head_dim, dtype, page_size, batch)
         scale = 1.0 / math.sqrt(head_dim)
         plan = make_plan(sl, cu, heads_q // heads_kv, config.block_size)
@@ -240,6 +278,13 @@ def run_operator_bench(lens, heads_q: int, heads_kv: int, head_dim: int, dtype, 
         row["attn_ms"] = time_ms(lambda: host.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, index))
         row["total_ms"] = time_ms(lambda: host.attention(q, kc, vc, pt, sl, cu, config, scale, plan))
         row["dense_mode_ms"] = time_ms(lambda: host.dense_attention(q, kc, vc, pt, sl, cu, scale, plan))
+        if fp8:
+            _fp8_columns(row, lambda **p: host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan, **p),
+                         lambda **p: host.attention(q, kc, vc, pt, sl, cu, config, scale, plan, **p)[0], time_ms)
+            row["fp8_dense_mode_ms"] = time_ms(lambda: host.dense_attention(q, kc, vc, pt, sl, cu, scale, plan,
+                                                                            precision="fp8"))
+            row["notes"].update(_fp8_dense_baseline(row, q, k_lin, v_lin, L, batch, heads_q, heads_kv, head_dim,
+                                                    scale))
         flops = dense_causal_flops(L, L, head_dim, heads_q, batch)
         row["dense_flops"] = flops
         row["total_tflops"] = flops / row["total_ms"] / 1e9          # effective: dense-equivalent FLOPs
@@ -265,7 +310,11 @@ TABLE_COLS = [("L", "L", "{:d}"), ("density", "density", "{:.4f}"), ("index_ms",
               ("dense_mode_ms", "our dense ms", "{:.3f}"), ("fa4_ms", "FA4 ms", "{:.3f}"),
               ("fa4_tflops", "FA4 TFLOP/s", "{:.0f}"),
               ("cudnn_ms", "cuDNN ms", "{:.3f}"), ("fa2_ms", "FA2 ms", "{:.3f}"),
-              ("speedup_vs_fa4", "x FA4", "{:.2f}"), ("speedup_vs_cudnn", "x cuDNN", "{:.2f}")]
+              ("speedup_vs_fa4", "x FA4", "{:.2f}"), ("speedup_vs_cudnn", "x cuDNN", "{:.2f}"),
+              ("fp8_density", "fp8 density", "{:.4f}"), ("fp8_index_ms", "fp8 index ms", "{:.3f}"),
+              ("fp8_total_ms", "fp8 total ms", "{:.3f}"), ("fp8_speedup", "x bf16", "{:.2f}"),
+              ("fp8_rel_l2", "fp8 relL2", "{:.4f}"), ("fp8_dense_mode_ms", "fp8 our dense ms", "{:.3f}"),
+              ("fp8_flashinfer_ms", "FI fp8 ms", "{:.3f}")]
 
 
 def _plain(rows: list[dict], cols) -> list[str]:
@@ -306,7 +355,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--fp8", action="store_true", help="FP8 e4m3 path (not implemented: reported as such)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also run the FP8 e4m3 sparse path (and FP8 dense baselines) next to BF16")
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],

@@ -4,6 +4,7 @@ ptxas and cuobjdump). No device needed.
 
     PYTHONPATH=kernels python scripts/lab/compile_sm90.py [attn|index] [--sass DIR] [--shard K/N]
 
+``fp8`` compiles the FP8 attention kernel only (its SASS line counts ``QGMMA``: e4m3 wgmma).
 ``--sass DIR`` also writes each configuration's SASS to ``DIR/<label>.sass``: compare two trees
 (``diff -r``) to check that a change left the compiled kernels byte-identical. ``--shard K/N``:
 only every N-th configuration from the K-th (run N processes on a machine with N cores). The
@@ -26,6 +27,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from flashprefill.impl.triton import attention_fp8_kernels as fk
 from flashprefill.impl.triton import attention_kernels as ak
 from flashprefill.impl.triton import index_kernels as ik
 from flashprefill.impl.triton.tiles import IndexConfig, get_config
@@ -72,6 +74,7 @@ def compile_one(label, fn, ptrs, consts, floats=(), num_warps=4, num_stages=2, s
     ptx = k.asm.get("ptx", "")
     print(f"{label:60s} smem {k.metadata.shared / 1024:6.1f} KiB  regs {regs.group(1) if regs else '?':>3s}  "
           f"local {local.group(1) if local else '?':>4s} B  wgmma {ptx.count('wgmma.mma_async'):3d}  "
+          f"e4m3 {ptx.count('e4m3.e4m3'):3d}  "
           f"sass {hashlib.sha256(sass.encode()).hexdigest()[:16]}", flush=True)
     return k
 
@@ -116,6 +119,25 @@ def compile_attention(sass_dir=None, shard=(0, 1)):
                     consts, floats=("scale_log2",), num_warps=t.num_warps, num_stages=t.num_stages, sass_dir=sass_dir)
 
 
+def compile_attention_fp8(sass_dir=None, shard=(0, 1)):
+    """``_attn_fwd_fp8`` as ``host_fp8.launch_attention_fp8`` launches it (e4m3 pre-pass buffers)."""
+    cases = [(d, B, g, mode) for d in (64, 128, 256) for mode in ("bits", "nomc", "dense") for B, g in ((128, 4),)]
+    cases += [(128, 64, 7, "bits")]
+    for i, (d, B, g, mode) in enumerate(cases):
+        if i % shard[1] != shard[0]:
+            continue
+        t = get_config(d, torch.bfloat16, B, precision="fp8").attn
+        ptrs = {n: "*i32" for n in ("cu_seqlens_k", "seq_lens", "cu_seqlens_q", "tile_request", "tile_local",
+                                    "block_ptr", "row_ptr", "col_idx", "sel_bits")}
+        ptrs.update(q_ptr="*bf16", k8="*fp8e4nv", v8t="*fp8e4nv", k_mean8="*fp8e4nv", v_mean8t="*fp8e4nv",
+                    k_scale="*fp32", v_scale="*fp32", out_ptr="*bf16", lse_ptr="*fp32")
+        consts = dict(GROUP=g, HEAD_DIM=d, TILE_ROWS=128, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_SIZE=B,
+                      BLOCK_U=t.block_u, SPARSE=mode != "dense", MEAN_CORR=mode == "bits",
+                      MAIN_STAGES=t.num_stages, MC_STAGES=t.mc_stages or t.num_stages)
+        compile_one(f"attn fp8 d{d} B{B} g{g} {mode}", fk._attn_fwd_fp8, ptrs, consts, floats=("scale_log2",),
+                    num_warps=t.num_warps, num_stages=t.num_stages, sass_dir=sass_dir)
+
+
 def compile_index(sass_dir=None, shard=(0, 1)):
     """The selection, block-means and expand kernels as ``host.build_index`` launches them."""
     t = IndexConfig()
@@ -127,12 +149,21 @@ def compile_index(sass_dir=None, shard=(0, 1)):
             p16 = PTR[dtype]
             ptrs = {n: "*i32" for n in ("tile_request", "tile_local", "cu_seqlens_q", "seq_lens", "block_ptr",
                                         "counts", "row_ptr", "n_visible", "bits")}
-            ptrs.update(q_ptr=p16, k_mean="*fp32", k_lowp=p16, scratch="*fp32")
+            ptrs.update(q_ptr=p16, k_mean="*fp32", k_lowp=p16, scratch="*fp32", k_scale="*fp32")
             consts = dict(GROUP=4, HEAD_DIM=d, TILE_ROWS=128, BLOCK_SIZE=B, BLOCK_J=t.select_block_j,
-                          KEEP_ALL_SCORED=keep)
+                          KEEP_ALL_SCORED=keep, FP8=False)
             compile_one(f"select d{d} {str(dtype)[6:]} B{B} keepall{int(keep)}", ik._select_kernel, ptrs, consts,
                         floats=("scale_log2", "log2_alpha"), num_warps=t.select_num_warps,
                         num_stages=t.select_num_stages, sass_dir=sass_dir)
+    for d in (64, 128, 256):          # the FP8 selection: e4m3 Q tile and k_mean8
+        ptrs = {n: "*i32" for n in ("tile_request", "tile_local", "cu_seqlens_q", "seq_lens", "block_ptr",
+                                    "counts", "row_ptr", "n_visible", "bits")}
+        ptrs.update(q_ptr="*bf16", k_mean="*fp32", k_lowp="*fp8e4nv", scratch="*fp32", k_scale="*fp32")
+        consts = dict(GROUP=4, HEAD_DIM=d, TILE_ROWS=128, BLOCK_SIZE=128, BLOCK_J=t.select_block_j,
+                      KEEP_ALL_SCORED=False, FP8=True)
+        compile_one(f"select fp8 d{d} bfloat16 B128", ik._select_kernel, ptrs, consts,
+                    floats=("scale_log2", "log2_alpha"), num_warps=t.select_num_warps,
+                    num_stages=t.select_num_stages, sass_dir=sass_dir)
     for d, dtype, B, ps in ((128, torch.bfloat16, 128, 64), (128, torch.bfloat16, 128, 1), (64, torch.float16, 64, 16),
                             (256, torch.bfloat16, 128, 64)):
         p16 = PTR[dtype]
@@ -146,7 +177,7 @@ def compile_index(sass_dir=None, shard=(0, 1)):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("only", nargs="?", default="", choices=["", "attn", "index"])
+    ap.add_argument("only", nargs="?", default="", choices=["", "attn", "index", "fp8"])
     ap.add_argument("--sass", default=None, help="write each configuration's SASS into this directory")
     ap.add_argument("--shard", default="0/1", help="K/N: this process compiles configurations K, K+N, ...")
     a = ap.parse_args(argv)
@@ -155,6 +186,8 @@ def main(argv=None) -> None:
         compile_attention(a.sass, (k, n))
     if a.only in ("", "index"):
         compile_index(a.sass, (k, n))
+    if a.only in ("", "fp8"):
+        compile_attention_fp8(a.sass, (k, n))
 
 
 if __name__ == "__main__":

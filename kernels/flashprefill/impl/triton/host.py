@@ -19,11 +19,14 @@ import math
 import torch
 import triton
 
-from ...config import TRITON_DTYPES, TRITON_HEAD_DIMS, SparseConfig
+from ... import quant
+from ...config import PRECISIONS, TRITON_DTYPES, TRITON_HEAD_DIMS, SparseConfig
 from ...index import BlockIndex
 from ...plan import BatchPlan
 from . import attention_kernels as ak
+from . import host_fp8
 from . import index_kernels as ik
+from . import quant_kernels as qk
 from .tiles import AttnConfig, IndexConfig, KernelConfig, get_config
 
 # The correction reads the float32 means directly up to this KV length (no conversion launches);
@@ -54,9 +57,22 @@ def _check(q: torch.Tensor) -> None:
         raise ValueError(f"triton backend: q must be bfloat16 or float16 [total_q, Hq, d], got {q.dtype}")
 
 
-def _kernels(q: torch.Tensor, block_size: int, kernels: KernelConfig | None) -> KernelConfig:
+def _kernels(q: torch.Tensor, block_size: int, kernels: KernelConfig | None, precision: str = "bf16") -> KernelConfig:
     _check(q)
-    return kernels if kernels is not None else get_config(q.shape[-1], q.dtype, block_size)
+    return kernels if kernels is not None else get_config(q.shape[-1], q.dtype, block_size, precision=precision)
+
+
+def _is_fp8(precision: str) -> bool:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    return precision == "fp8"
+
+
+def _descale_means(mean: torch.Tensor, descale, plan: BatchPlan) -> torch.Tensor:
+    """Means of an e4m3 cache's codes -> means of ``code * descale`` (float32 ``[n_blocks, Hkv, d]``,
+    in place)."""
+    grid = qk.descale_grid(descale, plan.batch, mean.shape[1])
+    return mean.mul_(grid[qk.block_requests(plan, mean.device)][:, :, None])
 
 
 def _n_programs(device: torch.device, n_segments: int, per_sm: int) -> int:
@@ -151,7 +167,8 @@ def _queue_nnz_copy(row_ptr: torch.Tensor):
 
 
 def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config: SparseConfig,
-                softmax_scale, plan: BatchPlan, *, kernels: KernelConfig | None = None) -> BlockIndex:
+                softmax_scale, plan: BatchPlan, *, kernels: KernelConfig | None = None,
+                precision: str = "bf16", k_descale=None, v_descale=None) -> BlockIndex:
     """Block means, selection and CSR of a batch (``docs/method.md`` sections 3.1-3.6) on the GPU.
 
     Memory: the index tensors (``k_mean``/``v_mean`` ``2 x n_blocks x Hkv x d x 4`` bytes, their
@@ -163,11 +180,18 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
     One host sync: ``row_ptr[-1]`` (``nnz``) to size ``col_idx``; it waits for the selection
     only, while the GPU computes the value means.
 
+    ``precision="fp8"`` (``docs/fp8.md``): the selection scores e4m3 Q tiles against the e4m3 key
+    means (K's per (request, KV head) scale: one ``quant_kernels.kv_amax_scales`` launch, or the
+    descales of e4m3 caches ``k_cache`` / ``v_cache`` with ``k_descale`` / ``v_descale``); the
+    index holds float32 means only (no 16-bit copies).
+
     Raises:
         ValueError: ``plan.block_size != config.block_size``, or a head dim / dtype the kernels
             do not take.
     """
-    tiles = _kernels(q, config.block_size, kernels).index
+    fp8 = _is_fp8(precision)
+    e4m3 = k_cache.dtype == quant.E4M3
+    tiles = _kernels(q, config.block_size, kernels, precision).index
     B = config.block_size
     if plan.block_size != B:
         raise ValueError(f"plan.block_size {plan.block_size} != config.block_size {B}")
@@ -185,8 +209,8 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
     n_seg = hkv * n_tiles
     max_nb = plan.max_blocks(B)
     n_words = max(1, -(-max_nb // ik.BITS_PER_WORD))
-    k_out = _alloc_means(k_cache, plan, q.dtype)
-    v_out = _alloc_means(v_cache, plan, q.dtype)
+    k_out = _alloc_means(k_cache, plan, None if fp8 else q.dtype)
+    v_out = _alloc_means(v_cache, plan, None if fp8 else q.dtype)
     # the select kernel writes row_ptr[0] = 0 and the segment counts; row_ptr[1:] = cumsum(counts)
     row_ptr = torch.empty(n_seg + 1, dtype=torch.int32, device=dev)
     counts = torch.empty(n_seg, dtype=torch.int32, device=dev)
@@ -194,12 +218,23 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
     if n_seg:
         bits = torch.empty(n_seg, n_words, dtype=torch.int32, device=dev)
         alpha = float(config.alpha)
-        occ_key = (dev, d, q.dtype, g, B, plan.tile_rows, tiles, alpha == 0.0)
+        occ_key = (dev, d, q.dtype, g, B, plan.tile_rows, tiles, alpha == 0.0, fp8)
         n_prog = _n_programs(dev, n_seg, _SELECT_OCC.get(occ_key, tiles.select_programs_per_sm))
         scratch_cols = max(block_j, triton.cdiv(max_nb, block_j) * block_j)
         scratch = torch.empty(n_prog, scratch_cols, dtype=torch.float32, device=dev)
         log2_alpha = math.log2(alpha) if alpha > 0 else 0.0
     k_mean, k_lowp = launch_means(k_cache, page_table, seq_lens, plan, B, tiles, k_out)
+    k_scale = k_mean                    # not read by the 16-bit selection
+    if e4m3:
+        _descale_means(k_mean, k_descale, plan)
+    if fp8:
+        if e4m3:
+            k_scale = qk.descale_grid(k_descale, plan.batch, hkv)
+            k_inv = 1.0 / k_scale
+        else:
+            scale2, inv2 = qk.kv_amax_scales(k_cache, v_cache, page_table, seq_lens, plan)
+            k_scale, k_inv = scale2[0].contiguous(), inv2[0]
+        k_lowp = quant.quantize(k_mean, k_inv[qk.block_requests(plan, dev)][:, :, None])   # k_mean8
     if n_seg:
         compiled = ik._select_kernel[(n_prog,)](
             q, k_mean, k_lowp, plan.tile_request, plan.tile_local,
@@ -207,9 +242,9 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
             scratch, counts, row_ptr, n_visible, bits,
             q.stride(0), q.stride(1), k_mean.stride(0), k_mean.stride(1), scratch.stride(0), n_words,
             n_tiles, n_seg, n_prog, scale * ik.LOG2E, log2_alpha,
-            config.sink_tokens, config.window_tokens, config.dense_tail_tokens, config.min_sparse_len,
+            config.sink_tokens, config.window_tokens, config.dense_tail_tokens, config.min_sparse_len, k_scale,
             GROUP=g, HEAD_DIM=d, TILE_ROWS=plan.tile_rows, BLOCK_SIZE=B, BLOCK_J=block_j,
-            KEEP_ALL_SCORED=alpha == 0.0,
+            KEEP_ALL_SCORED=alpha == 0.0, FP8=fp8,
             num_warps=tiles.select_num_warps, num_stages=tiles.select_num_stages,
         )
         if dev.type == "cuda" and occ_key not in _SELECT_OCC:
@@ -223,6 +258,10 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
     # by the selection), so the GPU computes them while the host waits and launches the expand.
     nnz_ready = _queue_nnz_copy(row_ptr) if n_seg else None
     v_mean, v_lowp = launch_means(v_cache, page_table, seq_lens, plan, B, tiles, v_out)
+    if e4m3:
+        _descale_means(v_mean, v_descale, plan)
+    if fp8:
+        k_lowp = None                   # the e4m3 means are the attention's to make (with V's scale)
     # owned copies of the plan's pointers, made before the sync so they overlap the GPU work
     block_ptr, tile_ptr = plan.block_ptr.clone(), plan.tile_ptr.clone()
     nnz = nnz_ready() if nnz_ready is not None else 0
@@ -344,16 +383,22 @@ def _correction_means(q, plan: BatchPlan, index: BlockIndex):
 
 def sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config: SparseConfig,
                      softmax_scale, plan: BatchPlan, index: BlockIndex, *, kernels: KernelConfig | None = None,
-                     timing: torch.Tensor | None = None):
+                     timing: torch.Tensor | None = None, precision: str = "bf16", k_descale=None, v_descale=None):
     """Block-sparse attention with mean correction (``docs/method.md`` section 4). No host sync.
 
-    ``timing``: see ``launch_attention`` (lab only).
+    ``timing``: see ``launch_attention`` (lab only). ``precision="fp8"``: the e4m3 kernel
+    (``host_fp8``, ``docs/fp8.md``) after the quantisation pre-pass (or on e4m3 caches with
+    ``k_descale`` / ``v_descale``); no ``timing``.
 
     Returns ``(out [total_q, Hq, d] q.dtype, lse [total_q, Hq] float32, natural log)``.
     """
-    tiles = _kernels(q, index.block_size, kernels).attn
+    tiles = _kernels(q, index.block_size, kernels, precision).attn
     scale = _scale(softmax_scale, q.shape[2])
     mc = bool(config.mean_correction)
+    if _is_fp8(precision):
+        kv = host_fp8.kv_operands(k_cache, v_cache, page_table, seq_lens, plan, k_descale, v_descale)
+        return host_fp8.launch_attention_fp8(q, kv, seq_lens, cu_seqlens_q, scale, plan, tiles, sparse=True,
+                                             mean_correction=mc, block_size=index.block_size, index=index)
     km, vm = _correction_means(q, plan, index) if mc else (None, None)
     return launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, scale, plan, tiles,
                             sparse=True, mean_correction=mc, block_size=index.block_size,
@@ -362,28 +407,34 @@ def sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, co
 
 
 def attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config: SparseConfig,
-              softmax_scale, plan: BatchPlan, *, kernels: KernelConfig | None = None):
+              softmax_scale, plan: BatchPlan, *, kernels: KernelConfig | None = None,
+              precision: str = "bf16", k_descale=None, v_descale=None):
     """``build_index`` + ``sparse_attention`` with one ``KernelConfig``; one host sync (``nnz``).
 
     Returns ``(out [total_q, Hq, d] q.dtype, lse [total_q, Hq] float32, BlockIndex)``.
     """
-    kernels = _kernels(q, config.block_size, kernels)
+    kernels = _kernels(q, config.block_size, kernels, precision)
+    extra = dict(precision=precision, k_descale=k_descale, v_descale=v_descale)
     index = build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale, plan,
-                        kernels=kernels)
+                        kernels=kernels, **extra)
     out, lse = sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale,
-                                plan, index, kernels=kernels)
+                                plan, index, kernels=kernels, **extra)
     return out, lse, index
 
 
 def dense_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, softmax_scale, plan: BatchPlan,
-                    *, kernels: KernelConfig | None = None):
+                    *, kernels: KernelConfig | None = None, precision: str = "bf16", k_descale=None, v_descale=None):
     """Dense causal attention (bottom-right aligned) over the paged KV: the same kernel, all
     causally visible blocks, no correction. No host sync.
 
     Returns ``(out [total_q, Hq, d] q.dtype, lse [total_q, Hq] float32, natural log)``.
     """
-    tiles = _kernels(q, plan.block_size, kernels).attn
+    tiles = _kernels(q, plan.block_size, kernels, precision).attn
     scale = _scale(softmax_scale, q.shape[2])
+    if _is_fp8(precision):
+        kv = host_fp8.kv_operands(k_cache, v_cache, page_table, seq_lens, plan, k_descale, v_descale)
+        return host_fp8.launch_attention_fp8(q, kv, seq_lens, cu_seqlens_q, scale, plan, tiles, sparse=False,
+                                             mean_correction=False, block_size=plan.block_size)
     return launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, scale, plan, tiles,
                             sparse=False, mean_correction=False, block_size=plan.block_size)
 

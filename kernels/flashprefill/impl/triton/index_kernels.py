@@ -33,6 +33,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .quant_kernels import _quantize_tile
+
 LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) = exp2(x * LOG2E)
 # Relative slack of the threshold test in the log2 domain: keeps a block whose energy equals the
 # max up to float rounding (alpha = 1 must keep the arg-max block). ~1e-6 relative in E.
@@ -182,17 +184,23 @@ def _select_kernel(
     scratch, counts, row_ptr, n_visible, bits,
     stride_qt, stride_qh, stride_mb, stride_mh, stride_scratch, n_words,
     n_tiles, n_segments, n_prog, scale_log2, log2_alpha,
-    sink_tokens, window_tokens, dense_tail_tokens, min_sparse_len,
+    sink_tokens, window_tokens, dense_tail_tokens, min_sparse_len, k_scale,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     TILE_ROWS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_J: tl.constexpr,
     KEEP_ALL_SCORED: tl.constexpr,   # alpha == 0
+    FP8: tl.constexpr = False,       # e4m3 scores (docs/fp8.md): k_lowp holds k_mean8, k_scale the K scales
 ):
     """Selection of every segment (pass A: block energies, pass B: rules + threshold), see the
     module docstring. ``k_mean`` (float32 means) is not read: the scores use ``k_lowp``; it stays
-    in the parameter list so the compiled kernel is the one measured (``docs/lab/variants.md``)."""
+    in the parameter list so the compiled kernel is the one measured (``docs/lab/variants.md``).
+
+    ``FP8``: the Q tile is quantised where it is loaded (``quant_kernels._quantize_tile``, scale
+    ``s_q``), ``k_lowp`` holds the e4m3 means ``k_mean8`` (K's scale, float32 ``k_scale
+    [batch, Hkv]``), and the segment's logit factor is ``scale_log2 * s_q * s_k``. Without it
+    ``k_scale`` is not read."""
     tl.static_assert(BLOCK_J % 32 == 0)
     tl.static_assert(TILE_ROWS >= 16)
     WORDS: tl.constexpr = BLOCK_J // 32
@@ -214,6 +222,11 @@ def _select_kernel(
         head = h * GROUP + rows % GROUP
         q_off = (q_start + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
         q = tl.load(q_ptr + q_off[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
+        if FP8:
+            q, s_q = _quantize_tile(q.to(tl.float32))
+            seg_scale = scale_log2 * s_q * tl.load(k_scale + b * (n_segments // n_tiles) + h)
+        else:
+            seg_scale = scale_log2
         qT = tl.trans(q)                                                           # [d, TILE_ROWS]
         dense = (t_last >= lq - dense_tail_tokens) | (lq < min_sparse_len)
         n_scored = _n_fully_seen(P + t_last + 1, lk, BLOCK_SIZE)
@@ -231,7 +244,7 @@ def _select_kernel(
             k_cur = kc
             kc = _load_mean_keys(k_lowp, j0 + BLOCK_J, n_score_loop, blk0, h, stride_mb, stride_mh,
                                  HEAD_DIM, BLOCK_J)
-            log_e = _score_chunk(k_cur, qT, j0, n_score_loop, tok, row_ok, P, lk, scale_log2,
+            log_e = _score_chunk(k_cur, qT, j0, n_score_loop, tok, row_ok, P, lk, seg_scale,
                                  j0 + BLOCK_J > n_first, BLOCK_J, BLOCK_SIZE)
             tl.store(scratch_row + j0 + tl.arange(0, BLOCK_J), log_e)
             e_max_v = tl.maximum(e_max_v, log_e)

@@ -61,6 +61,29 @@ def _e4m3_rne(y):
     return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
+AMAX_FLOOR = tl.constexpr(quant.AMAX_FLOOR)
+E4M3_MAX = tl.constexpr(quant.E4M3_MAX)
+
+
+@triton.jit
+def _quantize_tile(x):
+    """One quantisation group in registers (a Q tile: ``docs/fp8.md`` section 3): ``(codes, scale)``.
+
+    ``x``: fp32 ``[M, d]`` (masked rows zero). ``codes``: e4m3 ``[M, d]`` with ``inv_scale =
+    448 / amax`` (``div_rn``, NaN ignored in ``amax``, ``amax < AMAX_FLOOR`` -> 1); ``scale``: fp32
+    scalar ``amax / 448``. The codes equal ``quant.quantize`` bit for bit (``_e4m3_rne``)."""
+    a = tl.abs(x)
+    a = tl.where(a == a, a, 0.0)
+    amax = tl.max(tl.max(a, axis=1), axis=0)
+    tiny = amax < AMAX_FLOOR
+    safe = tl.where(tiny, 1.0, amax)
+    scale = tl.where(tiny, 1.0, tl.math.div_rn(safe, E4M3_MAX))
+    inv = tl.where(tiny, 1.0, tl.math.div_rn(E4M3_MAX, safe))
+    y = x * inv
+    y = tl.where(y > E4M3_MAX, E4M3_MAX, tl.where(y < -E4M3_MAX, -E4M3_MAX, y))     # saturate, NaN kept
+    return _e4m3_rne(y).to(tl.float8e4nv), scale
+
+
 @triton.jit
 def _load_tokens(cache_ptr, page_table_ptr, b, h, t0, lk, stride_pt, stride_page, stride_slot, stride_head,
                  PAGE_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -128,6 +151,39 @@ def _kv_quant_kernel(k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, cu_k_ptr, inv_p
         tl.store(v8_col, _e4m3_rne(y).to(tl.float8e4nv), mask=valid[:, None])
 
 
+def _cu_seqlens_k(plan: BatchPlan, device) -> tuple[torch.Tensor, int, int]:
+    """``(cu_seqlens_k int32 [batch + 1], total_k, total_k_padded)`` from the plan's host lengths."""
+    cu = [0]
+    for lk in plan.kv_lens:
+        cu.append(cu[-1] + lk)
+    total_k = cu[-1]
+    return torch.tensor(cu, dtype=torch.int32, device=device), total_k, -(-total_k // TMA_ALIGN) * TMA_ALIGN
+
+
+def _launch_shape(k_cache, v_cache, page_table, plan: BatchPlan):
+    hkv = k_cache.shape[2]
+    grid = (plan.batch, hkv, max(1, -(-plan.max_kv_len // BLOCK_T)))
+    strides = (page_table.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], plan.batch * hkv)
+    return grid, strides
+
+
+def kv_amax_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
+                   plan: BatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (request, KV head) scales of K and V (one launch, ``_kv_amax_kernel``).
+
+    Args: as ``quantize_kv``.
+    Returns:
+        ``(scale, inv_scale)`` float32 ``[2, batch, Hkv]`` (index 0: K, 1: V), ``quant.amax_scales``.
+    """
+    _, page_size, hkv, d = k_cache.shape
+    amax = torch.zeros(2, plan.batch, hkv, dtype=torch.int32, device=k_cache.device)
+    grid, strides = _launch_shape(k_cache, v_cache, page_table, plan)
+    if sum(plan.kv_lens):
+        _kv_amax_kernel[grid](k_cache, v_cache, page_table, seq_lens, amax, *strides,
+                              HKV=hkv, PAGE_SIZE=page_size, D=d, BLOCK_T=BLOCK_T)
+    return quant.amax_scales(amax.view(torch.float32))
+
+
 def quantize_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
                 plan: BatchPlan) -> Fp8KV:
     """Quantise a batch's K and V for the FP8 attention (``docs/fp8.md`` sections 2, 3, 7).
@@ -140,28 +196,61 @@ def quantize_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.
         ``Fp8KV`` (fresh tensors).
     """
     _, page_size, hkv, d = k_cache.shape
-    batch = plan.batch
     dev = k_cache.device
-    total_k = sum(plan.kv_lens)
-    total_pad = -(-total_k // TMA_ALIGN) * TMA_ALIGN
-    cu = [0]
-    for lk in plan.kv_lens:
-        cu.append(cu[-1] + lk)
-    cu_k = torch.tensor(cu, dtype=torch.int32, device=dev)
+    cu_k, total_k, total_pad = _cu_seqlens_k(plan, dev)
     k8 = torch.empty(hkv, total_k, d, dtype=quant.E4M3, device=dev)
     v8t = torch.zeros(hkv, d, total_pad, dtype=quant.E4M3, device=dev)
-    amax = torch.zeros(2, batch, hkv, dtype=torch.int32, device=dev)
-    grid = (batch, hkv, max(1, -(-plan.max_kv_len // BLOCK_T)))
-    strides = (page_table.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], batch * hkv)
-    if total_k:
-        _kv_amax_kernel[grid](k_cache, v_cache, page_table, seq_lens, amax, *strides,
-                              HKV=hkv, PAGE_SIZE=page_size, D=d, BLOCK_T=BLOCK_T)
-    scale, inv = quant.amax_scales(amax.view(torch.float32))
+    scale, inv = kv_amax_scales(k_cache, v_cache, page_table, seq_lens, plan)
+    grid, strides = _launch_shape(k_cache, v_cache, page_table, plan)
     if total_k:
         _kv_quant_kernel[grid](k_cache, v_cache, page_table, seq_lens, cu_k, inv.contiguous(), k8, v8t, *strides,
                                total_k, total_pad, HKV=hkv, PAGE_SIZE=page_size, D=d, BLOCK_T=BLOCK_T)
     return Fp8KV(k8=k8, v8t=v8t, k_scale=scale[0], v_scale=scale[1], k_inv_scale=inv[0], v_inv_scale=inv[1],
                  cu_seqlens_k=cu_k)
+
+
+def descale_grid(descale: torch.Tensor, batch: int, hkv: int) -> torch.Tensor:
+    """An e4m3 cache's descale (float32 0-dim or ``[batch, Hkv]``) as float32 ``[batch, Hkv]``."""
+    return descale.to(torch.float32).expand(batch, hkv).contiguous()
+
+
+def gather_e4m3_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, plan: BatchPlan,
+                   k_descale: torch.Tensor, v_descale: torch.Tensor) -> Fp8KV:
+    """The pre-pass buffers of e4m3 caches (``docs/fp8.md`` section 5): the codes as they are,
+    gathered through the page table (byte copies; V transposed), ``scale = descale``,
+    ``inv_scale = 1 / descale``. Only the pages the batch reads are touched.
+
+    Args:
+        k_cache, v_cache: ``float8_e4m3fn [num_pages, page_size, Hkv, d]``.
+        k_descale, v_descale: float32 0-dim or ``[batch, Hkv]``.
+    Returns:
+        ``Fp8KV``.
+    """
+    _, page_size, hkv, d = k_cache.shape
+    dev = k_cache.device
+    cu_k, total_k, total_pad = _cu_seqlens_k(plan, dev)
+    k8 = torch.empty(hkv, total_k, d, dtype=quant.E4M3, device=dev)
+    v8t = torch.zeros(hkv, d, total_pad, dtype=quant.E4M3, device=dev)
+    start = 0
+    for b, lk in enumerate(plan.kv_lens):
+        if lk:
+            pos = torch.arange(lk, device=dev)
+            pages = page_table[b, pos // page_size].long()
+            slots = pos % page_size
+            # byte views: index_select on float8 is not implemented everywhere
+            k8.view(torch.uint8)[:, start:start + lk] = k_cache.view(torch.uint8)[pages, slots].permute(1, 0, 2)
+            v8t.view(torch.uint8)[:, :, start:start + lk] = v_cache.view(torch.uint8)[pages, slots].permute(1, 2, 0)
+        start += lk
+    ks = descale_grid(k_descale, plan.batch, hkv)
+    vs = descale_grid(v_descale, plan.batch, hkv)
+    return Fp8KV(k8=k8, v8t=v8t, k_scale=ks, v_scale=vs, k_inv_scale=1.0 / ks, v_inv_scale=1.0 / vs,
+                 cu_seqlens_k=cu_k)
+
+
+def block_requests(plan: BatchPlan, device) -> torch.Tensor:
+    """int64 ``[n_blocks]``: the request of each pooled key block (``BlockIndex.k_mean`` rows)."""
+    counts = torch.tensor([-(-lk // plan.block_size) for lk in plan.kv_lens], device=device)
+    return torch.repeat_interleave(torch.arange(plan.batch, device=device), counts)
 
 
 def quantize_means(k_mean: torch.Tensor, v_mean: torch.Tensor, kv: Fp8KV, plan: BatchPlan):
@@ -173,8 +262,7 @@ def quantize_means(k_mean: torch.Tensor, v_mean: torch.Tensor, kv: Fp8KV, plan: 
         ``(k_mean8 e4m3 [n_blocks, Hkv, d], v_mean8t e4m3 [Hkv, d, n_blocks_padded])``, the second
         transposed for the ``P_m v̄`` product and zero-padded to a multiple of ``TMA_ALIGN``.
     """
-    counts = torch.tensor([-(-lk // plan.block_size) for lk in plan.kv_lens], device=k_mean.device)
-    req = torch.repeat_interleave(torch.arange(plan.batch, device=k_mean.device), counts)
+    req = block_requests(plan, k_mean.device)
     k8 = quant.quantize(k_mean, kv.k_inv_scale[req][:, :, None])
     n_blocks, hkv, d = v_mean.shape
     v8t = torch.zeros(hkv, d, -(-n_blocks // TMA_ALIGN) * TMA_ALIGN, dtype=quant.E4M3, device=v_mean.device)

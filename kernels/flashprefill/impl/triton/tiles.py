@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...config import TRITON_DTYPES, TRITON_HEAD_DIMS
+from ...config import PRECISIONS, TRITON_DTYPES, TRITON_HEAD_DIMS
 
 
 @dataclass(frozen=True)
@@ -104,21 +104,42 @@ def _attn_tiles(head_dim: int, block_size: int) -> AttnConfig:
     return cfg
 
 
-def get_config(head_dim: int, dtype: torch.dtype, block_size: int, variant: str | None = None) -> KernelConfig:
+def _attn_tiles_fp8(head_dim: int, block_size: int) -> AttnConfig:
+    # UNTUNED (written without a GPU; checked only to compile for sm_90 with scripts/lab/compile_sm90.py):
+    # the FP8 kernel (attention_fp8_kernels._attn_fwd_fp8) needs block_m = the 128-row tile (one Q
+    # scale per tile). e4m3 K / V tiles are half the bytes of bf16 ones, so 128 keys per step fit
+    # 2 stages at d <= 128 (K 16 KiB + V^T 16 KiB per stage at d 128); d 256 keeps 64 keys (the
+    # 128 x 256 float32 accumulator already takes 128 registers per thread).
+    if head_dim == 256:
+        cfg = AttnConfig(block_m=128, block_n=64, block_u=64, num_warps=8, num_stages=2, mc_stages=2)
+    else:
+        cfg = AttnConfig(block_m=128, block_n=128, block_u=64, num_warps=8, num_stages=2, mc_stages=2)
+    if cfg.block_n > block_size:
+        cfg = dataclasses.replace(cfg, block_n=block_size)
+    return cfg
+
+
+def get_config(head_dim: int, dtype: torch.dtype, block_size: int, variant: str | None = None,
+               precision: str = "bf16") -> KernelConfig:
     """Kernel tiles for ``head_dim`` / ``dtype`` / key block size ``block_size`` (tokens).
 
     Never keyed on sequence lengths. ``variant``: the name of a preset in ``VARIANTS`` (None: the
-    measured defaults).
+    measured defaults). ``precision``: ``"bf16"`` (the 16-bit kernels, measured) or ``"fp8"``
+    (the e4m3 attention kernel's tiles, untuned; the index tiles are the same).
 
     Raises:
         ValueError: ``head_dim`` not in ``TRITON_HEAD_DIMS``, ``dtype`` not in ``TRITON_DTYPES``,
-            ``block_size`` not a multiple of the chosen ``block_n``, or an unknown ``variant``.
+            ``block_size`` not a multiple of the chosen ``block_n``, an unknown ``variant`` or
+            ``precision``.
     """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if head_dim not in TRITON_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {TRITON_HEAD_DIMS}, got {head_dim}")
     if dtype not in TRITON_DTYPES:
         raise ValueError(f"dtype must be one of {TRITON_DTYPES}, got {dtype}")
-    cfg = KernelConfig(attn=_attn_tiles(head_dim, block_size), index=IndexConfig())
+    attn = _attn_tiles_fp8(head_dim, block_size) if precision == "fp8" else _attn_tiles(head_dim, block_size)
+    cfg = KernelConfig(attn=attn, index=IndexConfig())
     if variant is not None:
         if variant not in VARIANTS:
             raise ValueError(f"variant must be None or one of {sorted(VARIANTS)}, got {variant!r}")

@@ -1,0 +1,190 @@
+"""Triton FP8 (e4m3) block-sparse prefill attention with fused mean correction (``docs/fp8.md``).
+
+``_attn_fwd_fp8`` is a separate kernel from ``attention_kernels._attn_fwd`` (the BF16 kernel's
+compiled code is untouched by it); same grid, program order, tile geometry, loops and epilogue
+(see that module's docstring), with the products of ``docs/fp8.md`` section 1:
+
+- the Q tile (``BLOCK_M == TILE_ROWS`` packed rows: its scale is the whole tile's) is quantised
+  once where it is loaded (``quant_kernels._quantize_tile``: the reference's codes, bit for bit);
+- exact keys: ``Q8 K8ᵀ`` with K8 from the pre-pass buffer ``k8 [Hkv, total_k, d]`` (requests back
+  to back at ``cu_seqlens_k``, no page table), logits ``(τ log2e s_q s_k) Σ q8 k8`` in fp32;
+- ``P8 = e4m3(p · 256)``, the factor folded into the exponent (``exp2(ℓ - m + 8)``); ``l`` sums the
+  same unquantised ``p · 256`` in fp32, so ``out = s_v acc / l`` and ``lse = m + log2 l - 8``
+  (log2 units) carry no factor;
+- ``P8 V8`` with V8 from the transposed buffer ``v8t [Hkv, d, total_k_padded]``: the ``[d, BLOCK_N]``
+  tile is loaded and ``tl.trans`` of it is the B operand, K-major in shared memory as Hopper's
+  8-bit ``wgmma`` requires;
+- mean correction from the selection bitmask only: ``k_mean8 [n_blocks, Hkv, d]`` and
+  ``v_mean8t [Hkv, d, n_blocks_padded]`` (both with their request's K / V scale), logit
+  ``τ q·k̄ + ln n_j``.
+
+Keys past ``Lk`` are masked (never read: the last request's block may end past ``total_k``).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ... import quant
+from .attention_kernels import LN2, _count_logs
+from .index_kernels import _n_fully_seen, _tile_geometry
+from .quant_kernels import _quantize_tile
+
+P_SCALE_LOG2 = tl.constexpr(float(quant.P_SCALE_LOG2))
+
+
+@triton.jit
+def _fp8_step(acc, m_i, l_i, s, vt):
+    """One online-softmax step on log2-unit logits ``s`` ``[M, N]`` (``-inf`` = masked) and the
+    transposed e4m3 values ``vt`` ``[d, N]``: ``p·256`` in fp32 into ``l``, its e4m3 cast into the
+    ``P V`` product."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - (m_safe - P_SCALE_LOG2)[:, None])          # p * 256, in (0, 256]
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), acc)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _fp8_inner(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, lo, hi, P, lk, kv0, tok, scale2, total_k_pad,
+               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+               SPARSE: tl.constexpr, MASK: tl.constexpr, STAGES: tl.constexpr):
+    """Exact keys of blocks ``col_idx[lo:hi]`` (``SPARSE``) or ``lo..hi-1``; ``MASK`` as in
+    ``attention_kernels._attn_inner``. ``k8_h`` / ``v8t_h``: the KV head's slice of the pre-pass
+    buffers; ``kv0``: the request's first token slot (int64)."""
+    SUBS: tl.constexpr = BLOCK_SIZE // BLOCK_N
+    dims = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    for e in tl.range(lo, hi, num_stages=STAGES):
+        if SPARSE:
+            j = tl.load(col_idx + e)
+        else:
+            j = e
+        for sub in tl.static_range(SUBS):
+            pos = j * BLOCK_SIZE + sub * BLOCK_N + offs_n
+            slot = kv0 + pos
+            k_ptrs = k8_h + slot[:, None] * HEAD_DIM + dims[None, :]
+            v_ptrs = v8t_h + dims[:, None].to(tl.int64) * total_k_pad + slot[None, :]
+            if MASK == 0:
+                k = tl.load(k_ptrs)
+                vt = tl.load(v_ptrs)
+            else:
+                p_ok = pos < lk
+                k = tl.load(k_ptrs, mask=p_ok[:, None], other=0.0)
+                vt = tl.load(v_ptrs, mask=p_ok[None, :], other=0.0)
+            s = tl.dot(q8, tl.trans(k)) * scale2
+            if MASK == 1:
+                allowed = (pos[None, :] <= P + tok[:, None]) & (pos < lk)[None, :]
+                s = tl.where(allowed, s, float("-inf"))
+            acc, m_i, l_i = _fp8_step(acc, m_i, l_i, s, vt)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _fp8_means(acc, m_i, l_i, q8, k_mean8, v_mean8t_h, bits_row, n_words, n_u, blk0, h, lk, scale2,
+               stride_mb, stride_mh, n_blocks_pad,
+               HEAD_DIM: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_SIZE: tl.constexpr, STAGES: tl.constexpr):
+    """The pruned candidates ``j < n_u``, ``j ∉ S`` (selection bitmask, as
+    ``attention_kernels._mean_bits``) as ``n_j`` e4m3 mean tokens."""
+    tl.static_assert(BLOCK_U == 64)
+    j_part, log2_part, log2_full = _count_logs(lk, BLOCK_SIZE)
+    dims = tl.arange(0, HEAD_DIM)
+    for u0 in tl.range(0, n_u, BLOCK_U, num_stages=STAGES):
+        rel_j = tl.arange(0, BLOCK_U)
+        cand = rel_j < n_u - u0
+        blk = (blk0 + u0).to(tl.int64) + rel_j
+        km = tl.load(k_mean8 + blk[:, None] * stride_mb + h * stride_mh + dims[None, :], mask=cand[:, None],
+                     other=0.0)
+        vmt = tl.load(v_mean8t_h + dims[:, None].to(tl.int64) * n_blocks_pad + blk[None, :], mask=cand[None, :],
+                      other=0.0)
+        log2_n = tl.where(rel_j == j_part - u0, log2_part, log2_full)
+        w0 = tl.load(bits_row + u0 // 32)
+        w1 = tl.load(bits_row + u0 // 32 + 1, mask=u0 // 32 + 1 < n_words, other=0)
+        word = tl.where(rel_j < 32, w0, w1)
+        use = cand & (((word >> (rel_j % 32)) & 1) == 0)
+        bias = tl.where(use, log2_n, float("-inf"))
+        s = tl.fma(tl.dot(q8, tl.trans(km)), scale2, bias[None, :])
+        acc, m_i, l_i = _fp8_step(acc, m_i, l_i, s, vmt)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attn_fwd_fp8(
+    q_ptr, k8, v8t, k_mean8, v_mean8t, k_scale, v_scale, cu_seqlens_k,
+    seq_lens, cu_seqlens_q, tile_request, tile_local, block_ptr,
+    row_ptr, col_idx, sel_bits, out_ptr, lse_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+    stride_mb, stride_mh, n_words, total_k, total_k_pad, n_blocks_pad,
+    n_tiles, n_programs, n_kv_heads, scale_log2,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+    SPARSE: tl.constexpr,
+    MEAN_CORR: tl.constexpr,
+    MAIN_STAGES: tl.constexpr,
+    MC_STAGES: tl.constexpr,
+):
+    tl.static_assert(BLOCK_M == TILE_ROWS)       # the Q scale is the whole tile's
+    tl.static_assert(BLOCK_SIZE % BLOCK_N == 0)
+    # ---------------------------------------------------------------- setup
+    pid = tl.program_id(0)
+    h = pid % n_kv_heads
+    tile = n_programs - 1 - pid // n_kv_heads    # heaviest (last) tiles first, all heads together
+    b, i, q_start, lq, lk, P, t_first, t_last, n_vis, blk0 = _tile_geometry(
+        tile, h, n_tiles, tile_request, tile_local, cu_seqlens_q, seq_lens, block_ptr,
+        GROUP, TILE_ROWS, BLOCK_SIZE)
+    n_rows = lq * GROUP
+    n_full = (P + t_first + 1) // BLOCK_SIZE
+    rows = i * TILE_ROWS + tl.arange(0, BLOCK_M)
+    row_ok = rows < n_rows
+    tok = rows // GROUP
+    head = h * GROUP + rows % GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q_off = (q_start + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+    q = tl.load(q_ptr + q_off[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
+    q8, s_q = _quantize_tile(q.to(tl.float32))
+    s_k = tl.load(k_scale + b * n_kv_heads + h)
+    s_v = tl.load(v_scale + b * n_kv_heads + h)
+    scale2 = scale_log2 * s_q * s_k                  # log2-unit logit per unit of Σ q8 k8
+    kv0 = tl.load(cu_seqlens_k + b).to(tl.int64)
+    k8_h = k8 + h.to(tl.int64) * total_k * HEAD_DIM
+    v8t_h = v8t + h.to(tl.int64) * HEAD_DIM * total_k_pad
+    seg = h * n_tiles + tile
+    if SPARSE:
+        start = tl.load(row_ptr + seg)
+        end = tl.load(row_ptr + seg + 1)
+    else:
+        start = 0
+        end = n_vis
+    split = tl.maximum(end - (n_vis - n_full), start)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # ---------------------------------------------------------------- exact keys
+    acc, m_i, l_i = _fp8_inner(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, start, split, P, lk, kv0, tok, scale2,
+                               total_k_pad, HEAD_DIM, BLOCK_N, BLOCK_SIZE, SPARSE, 0, MAIN_STAGES)
+    acc, m_i, l_i = _fp8_inner(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, split, end, P, lk, kv0, tok, scale2,
+                               total_k_pad, HEAD_DIM, BLOCK_N, BLOCK_SIZE, SPARSE, 1, MAIN_STAGES)
+    # ---------------------------------------------------------------- mean correction
+    if SPARSE and MEAN_CORR:
+        n_u = _n_fully_seen(P + t_first + 1, lk, BLOCK_SIZE)
+        n_u = tl.where(end - start >= n_vis, 0, n_u)
+        acc, m_i, l_i = _fp8_means(acc, m_i, l_i, q8, k_mean8, v_mean8t + h.to(tl.int64) * HEAD_DIM * n_blocks_pad,
+                                   sel_bits + seg.to(tl.int64) * n_words, n_words, n_u, blk0, h, lk, scale2,
+                                   stride_mb, stride_mh, n_blocks_pad, HEAD_DIM, BLOCK_U, BLOCK_SIZE, MC_STAGES)
+    # ---------------------------------------------------------------- epilogue
+    has = l_i > 0.0
+    l_safe = tl.where(has, l_i, 1.0)
+    out = acc * (s_v / l_safe)[:, None]
+    lse = tl.where(has, (m_i + tl.log2(l_safe) - P_SCALE_LOG2) * LN2, float("-inf"))
+    o_off = (q_start + tok).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+    tl.store(out_ptr + o_off[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    l_off = (q_start + tok).to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh
+    tl.store(lse_ptr + l_off, lse, mask=row_ok)
