@@ -706,8 +706,11 @@ def server_overrides_from_argv(argv: Sequence[str]) -> dict:
 
     parser = Parser(add_help=False)
     ServerArgs.add_cli_args(parser)
-    ns = parser.parse_args(["--model-path", "unused", *_spell_out(argv)])
-    return {k: v for k, v in vars(ns).items() if k != "model_path" and v != parser.get_default(k)}
+    given = vars(parser.parse_args(["--model-path", "unused", *_spell_out(argv)]))
+    # against a parse without the options, not parser.get_default: options that share a dest
+    # (SGLang's dsa_*_backend) report another default than the one a plain parse gives
+    base = vars(parser.parse_args(["--model-path", "unused"]))
+    return {k: v for k, v in given.items() if k != "model_path" and base.get(k) != v}
 
 
 def serve_argv(argv: Sequence[str], profile: Any) -> list[str]:
