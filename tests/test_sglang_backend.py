@@ -238,7 +238,7 @@ def test_stats_layers_without_counts_report_none_not_garbage():
     st = BatchStats(num_layers=4, layer_offset=0, num_q_heads=4, num_kv_heads=2, head_dim=8, q_lens=[200, 10],
                     kv_lens=[200, 300], rids=["r0", "r1"], device="cpu", plan=plan)
     st.add_index(0, _fake_index([1, 1, 2, 1, 2, 1, 1, 1, 2, 3]))
-    st.mark_sparse_no_index(1)
+    st.add_index(1, None)
     st.add_index(2, None)
     st.add_index(3, _fake_index([1] * 7))              # 7 segments: not 2 heads x 5 tiles
     st.ends[1:].fill_(-12345)                           # what unwritten rows could hold
