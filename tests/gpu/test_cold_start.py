@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 sglang = pytest.importorskip("sglang")
 
-from fpcli.bench_e2e import answered, needle_document  # noqa: E402
+from fpcli.ttft import answered, needle_document  # noqa: E402
 from fpcli.engine.sglang_engine import SGLangEngine, kernel_kv_thresholds, warmup_plan  # noqa: E402
 from fpcli.models import QWEN_CODER, default_model, model_path  # noqa: E402
 from fpcli.profiles import load_profile, with_context_length  # noqa: E402
