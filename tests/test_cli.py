@@ -629,7 +629,6 @@ def test_model_list_and_path(runner, tmp_path, monkeypatch):
 
 
 def test_model_list_does_not_truncate_paths(runner, tmp_path):
-    import fpcli.models  # noqa: F401
     cache = tmp_path / ("deeply-nested-cache-folder-" * 3) / "fp"
     r = invoke(runner, ["model", "list"], env={"FP_CACHE_DIR": str(cache), "COLUMNS": "60"})
     assert r.exit_code == 0, r.output

@@ -85,10 +85,8 @@ def engine_loader():
             return getattr(importlib.import_module(module), func or "load_engine")
         except (ImportError, AttributeError) as exc:
             fail(f"${ENGINE_FACTORY_ENV}={spec}: cannot import it ({exc})")
-    try:
-        from fpcli.engine import load_engine
-    except ImportError as exc:
-        fail(f"the engine module is unavailable ({exc}); reinstall fp with `pip install -e .`")
+    from fpcli.engine import load_engine
+
     return load_engine
 
 
@@ -110,10 +108,8 @@ def load_profile_or_exit(name: str, fp8: bool = False):
 
 def check_model_or_exit(model: str | None) -> None:
     """Exit 2 when ``--model`` cannot name a model (checked before anything is loaded)."""
-    try:
-        from fpcli.models import ModelError, check_model
-    except ImportError:  # model management unavailable: the loader will say so
-        return
+    from fpcli.models import ModelError, check_model
+
     try:
         check_model(model)
     except ModelError as exc:
@@ -143,12 +139,9 @@ def context_or_exit(text: str | None, profile, model: str | None):
         fail(f"--context {text}: {exc}", code=2)
     native = None
     if model is not None:  # the default model depends on the engine: checked when it loads
-        try:
-            from fpcli.models import known_context_length
+        from fpcli.models import known_context_length
 
-            native = known_context_length(model)
-        except ImportError:
-            native = None
+        native = known_context_length(model)
     if native:
         try:
             plan_context({"max_position_embeddings": native}, values[0], model=model)

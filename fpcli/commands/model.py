@@ -14,10 +14,8 @@ app = typer.Typer(no_args_is_help=True, cls=FpGroup)
 
 
 def _models():
-    try:
-        import fpcli.models as models
-    except ImportError as exc:
-        fail(f"model management is unavailable ({exc})")
+    import fpcli.models as models
+
     return models
 
 

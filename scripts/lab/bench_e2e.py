@@ -24,7 +24,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from flashprefill.lengths import parse_lengths
-from fpcli.ttft import NEEDLE_QUESTION, answered, filler_sentences, needle_document, needle_prompt  # noqa: F401
+from fpcli.ttft import answered, needle_document, needle_prompt
 
 def parse_lens(text: str) -> list[int]:
     """``"4k,8k,32000"`` -> ``[4096, 8192, 32000]`` (``flashprefill.lengths.parse_lengths``)."""
