@@ -366,6 +366,7 @@ def fake_operator_bench(monkeypatch):
 
     import inspect
 
+    import flashprefill.bench as real_bench
     from flashprefill.bench import run_operator_bench as real
 
     def run_operator_bench(lens, heads_q, heads_kv, head_dim, dtype, fp8=False, batch=1, progress=None, **kw):
@@ -381,6 +382,7 @@ def fake_operator_bench(monkeypatch):
 
     mod = types.ModuleType("flashprefill.bench")
     mod.run_operator_bench = run_operator_bench
+    mod.CPU_MAX_LEN = real_bench.CPU_MAX_LEN  # the one owner of the CPU length limit
     monkeypatch.setitem(sys.modules, "flashprefill.bench", mod)
     return calls
 

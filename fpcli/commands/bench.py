@@ -134,7 +134,7 @@ def bench(
     if json_out:
         sys.stdout.write(json.dumps({"schema": "fp.bench/1", **meta, "rows": rows}, indent=2, default=str) + "\n")
     else:
-        from rich.console import Console
+        from fpcli.console import print_table
 
         title = f"fp bench ({meta['kind']}" + (", CPU reference, not representative)" if meta.get("device") == "cpu" else ")")
         if meta["kind"] == "operator" and rows and "inputs" in rows[0]:
@@ -144,8 +144,7 @@ def bench(
             sys.stdout.write(f"{title}\n{format_table(rows)}\n")
         else:
             table = rows_table(rows, title=title)
-            need = Console(width=10_000).measure(table).maximum  # as wide as it needs: no "…" cells
-            Console(width=max(Console().width, need)).print(table)  # the result: stdout
+            print_table(table)  # the result: stdout, as wide as it needs
         if not (meta["kind"] == "operator" and rows and "inputs" in rows[0]):  # format_table prints its notes
             notes = {k: v for r in rows for k, v in (r.get("notes") or {}).items()}
             for k, v in notes.items():
@@ -182,7 +181,7 @@ def _cell(v: Any) -> str:
 def _run_with_progress(err, label: str, total: int, fn):
     """Run ``fn(progress)`` under a rich progress bar. ``progress`` accepts ``()`` (one step done),
     ``(done, total)`` or ``(message,)``."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from fpcli.console import step_progress
 
     if not err.is_terminal:  # a log or a pipe: plain lines for messages, no redrawn bar
         def plain(*args, **kwargs) -> None:
@@ -195,7 +194,7 @@ def _run_with_progress(err, label: str, total: int, fn):
             lines = str(exc).strip().splitlines()
             fail(f"benchmark failed: {lines[0] if lines else type(exc).__name__}")
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=err, transient=True) as bar:
+    with step_progress(err) as bar:
         task = bar.add_task(label, total=total)
 
         def progress(*args, **kwargs) -> None:
