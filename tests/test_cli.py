@@ -754,3 +754,22 @@ def test_no_document_token_fits_exits_2(runner, fake_engine, tmp_path):
     r = invoke(runner, ["ask", str(big), "What?", "-n", "4050"], env={"FP_FAKE_CONTEXT": "4096"})
     assert r.exit_code == 2, r.output
     assert "--max-new-tokens" in r.stderr and r.stdout == ""
+
+
+def test_profile_asks_the_engine_for_timing_and_ask_does_not(runner, monkeypatch, doc, tmp_path):
+    """Per-layer index / attention timing costs CUDA events: only ``fp profile`` asks for it."""
+    seen = []
+
+    def loader(engine, model, profile, progress=None, **kw):
+        seen.append(kw["timing"])
+        return FakeEngine(model_name="m")
+
+    monkeypatch.setenv("FP_ENGINE_FACTORY", "fpcli_timing_loader:load")
+    mod = types.ModuleType("fpcli_timing_loader")
+    mod.load = loader
+    monkeypatch.setitem(sys.modules, "fpcli_timing_loader", mod)
+    r = invoke(runner, ["ask", str(doc), "What is the code?", "--no-server"])
+    assert r.exit_code == 0, r.output
+    r = invoke(runner, ["profile", str(doc), "--no-server", "--png", str(tmp_path / "h.png")])
+    assert r.exit_code == 0, r.output
+    assert seen == [False, True]

@@ -268,11 +268,12 @@ def parse_duration_or_exit(option: str, text: str | None) -> float | None:
 
 
 def obtain_engine(engine: str, model: str | None, profile, progress, no_server: bool, console: Console,
-                  verbose: bool = False):
+                  verbose: bool = False, timing: bool = False):
     """The engine for a command: the resident engine when one runs with the same model, profile
     and engine (``fpcli.server.client.connect``; warnings on ``console`` when it is stale or does
     not answer), else an in-process engine from ``engine_loader()``. ``no_server`` skips the
-    resident engine. The caller handles load errors (``fail``)."""
+    resident engine. ``timing``: an in-process engine measures index / attention time per layer
+    (the resident engine runs as it was started). The caller handles load errors (``fail``)."""
     if not no_server:
         from fpcli.server.client import connect
 
@@ -283,7 +284,7 @@ def obtain_engine(engine: str, model: str | None, profile, progress, no_server: 
         )
         if remote is not None:
             return remote
-    return engine_loader()(engine, model, profile, progress=progress, verbose=verbose)
+    return engine_loader()(engine, model, profile, progress=progress, verbose=verbose, timing=timing)
 
 
 def server_of(engine) -> dict | None:

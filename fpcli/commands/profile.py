@@ -71,7 +71,7 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
     from fpcli.engine.context import ContextError
 
     try:
-        eng = obtain_engine(engine.value, model, prof, err, no_server, err, verbose=verbose)
+        eng = obtain_engine(engine.value, model, prof, err, no_server, err, verbose=verbose, timing=True)
     except typer.Exit:
         raise
     except ContextError as exc:
