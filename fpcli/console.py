@@ -19,3 +19,21 @@ def stderr_console() -> Console:
     if console.is_terminal:
         return console
     return Console(stderr=True, highlight=False, soft_wrap=True, width=max(WIDE, console.width))
+
+
+def print_table(table, stderr: bool = False) -> None:
+    """Print a rich table (or any renderable) on stdout, or stderr, as wide as it needs: rich would
+    otherwise shrink columns and cut cells with "…" (a narrow terminal wraps the line instead,
+    which keeps every cell copyable)."""
+    need = Console(width=10_000).measure(table).maximum
+    base = stderr_console() if stderr else Console()
+    Console(stderr=stderr, width=max(base.width, need), highlight=False).print(table)
+
+
+def step_progress(console: Console, *, disable: bool = False):
+    """A transient ``rich.progress.Progress`` of counted steps (description, bar, done/total,
+    elapsed time) on ``console``: the bar of ``fp bench`` and ``fp eval``."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                    TimeElapsedColumn(), console=console, transient=True, disable=disable)

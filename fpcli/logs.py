@@ -14,7 +14,7 @@ import warnings
 from typing import Iterator
 
 # Libraries that set their own logger level (a root-level setting does not reach them).
-OWN_LEVEL_LOGGERS = ("transformers", "sglang", "flashprefill", "fpcli.sglang_backend", "torch",
+OWN_LEVEL_LOGGERS = ("transformers", "sglang", "flashprefill", "flashprefill.integrations", "torch",
                      "huggingface_hub", "accelerate", "urllib3", "filelock")
 # fp's own loggers outside the FlashPrefill integration: their warnings stay visible.
 FP_LOGGERS = ("fpcli.engine",)

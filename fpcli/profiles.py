@@ -1,34 +1,36 @@
-"""Run profiles: named YAML files that carry the operator knobs and the engine settings.
+"""Run profiles: named YAML files that carry the method configuration and the engine settings.
 
-A profile is ``profiles/<name>.yaml`` in the repository (``bf16``, ``fp8``, ``dense``) or any
-YAML path. The schema is documented in ``docs/profiles.md``; every key but ``name`` is optional
+A profile is a built-in ``fpcli/builtin_profiles/<name>.yaml`` (``bf16``, ``fp8``, ``dense``;
+package data, read with ``importlib.resources``) or any YAML path. The schema is documented in ``docs/profiles.md``; every key but ``name`` is optional
 and defaults to the values of ``DEFAULTS`` below. A wrong key or value raises ``ProfileError``
 naming the file, the key and what is allowed.
 
 Example::
 
     >>> p = load_profile("bf16")
-    >>> p.sparse_config().alpha
-    0.1
+    >>> p.sparse.alpha
+    0.05
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from flashprefill.config import SparseConfig
+from flashprefill.config import PRECISIONS, SparseConfig
 
-PRECISIONS = ("bf16", "fp8")
 ATTENTIONS = ("flashprefill", "dense")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 MIN_CHUNKED_PREFILL = 8192
 MIN_CONTEXT_LENGTH = 256
 MAX_CONTEXT_LENGTH = 1 << 20  # 1,048,576 tokens; a model's own limit (YaRN <= 8x native) comes later
-TOP_KEYS = ("name", "description", "attention", "precision", "dense_layers", "operator", "engine")
+TOP_KEYS = ("name", "description", "attention", "precision", "dense_layers", "sparse", "engine")
+RENAMED_KEYS = {"operator": "sparse"}  # old top-level key -> its name now
+BUILTIN_DIR = "builtin_profiles"  # package data of fpcli
 
 
 class ProfileError(ValueError):
@@ -73,7 +75,7 @@ class Profile:
         attention: ``flashprefill`` (block-sparse prefill) or ``dense``.
         precision: ``bf16`` or ``fp8`` attention operands in the sparse prefill.
         dense_layers: the first N decoder layers always attend densely.
-        operator: the FlashPrefill knobs (``flashprefill.SparseConfig``).
+        sparse: the method configuration (``flashprefill.SparseConfig``; YAML key ``sparse``).
         engine: serving settings.
         source: the YAML file it came from (``None`` when built in code).
     """
@@ -83,27 +85,27 @@ class Profile:
     attention: str = "flashprefill"
     precision: str = "bf16"
     dense_layers: int = 0
-    operator: SparseConfig = field(default_factory=SparseConfig)
+    sparse: SparseConfig = field(default_factory=SparseConfig)
     engine: EngineSettings = field(default_factory=EngineSettings)
     source: Path | None = None
 
     def sparse_config(self) -> SparseConfig:
-        """The operator config (``flashprefill.SparseConfig``); meaningful when ``attention`` is
-        ``flashprefill``, see ``is_dense``."""
-        return self.operator
+        """The method configuration (``flashprefill.SparseConfig``); meaningful when ``attention``
+        is ``flashprefill``, see ``is_dense``."""
+        return self.sparse
 
     @property
     def is_dense(self) -> bool:
         return self.attention == "dense"
 
     def fit_to_context(self, context_length: int) -> "Profile":
-        """This profile with ``operator.min_sparse_len`` lowered to ``sparse_threshold(...,
+        """This profile with ``sparse.min_sparse_len`` lowered to ``sparse_threshold(...,
         context_length)`` for a model of ``context_length`` tokens (the same profile when nothing
         changes; idempotent). The engines apply it when they load a model."""
-        msl = sparse_threshold(self.operator.min_sparse_len, context_length)
-        if msl == self.operator.min_sparse_len:
+        msl = sparse_threshold(self.sparse.min_sparse_len, context_length)
+        if msl == self.sparse.min_sparse_len:
             return self
-        return dataclasses.replace(self, operator=dataclasses.replace(self.operator, min_sparse_len=msl))
+        return dataclasses.replace(self, sparse=dataclasses.replace(self.sparse, min_sparse_len=msl))
 
     def replace(self, **changes: Any) -> "Profile":
         """A copy with top-level fields changed, e.g. ``p.replace(precision="fp8")``."""
@@ -135,25 +137,28 @@ def sparse_threshold(min_sparse_len: int, context_length: int) -> int:
 
 
 def profiles_dir() -> Path:
-    """The repository's ``profiles/`` folder (the package is installed editable)."""
-    import fpcli
+    """The built-in profiles: ``fpcli/builtin_profiles/*.yaml``, package data of the installed
+    ``fpcli`` (found with ``importlib.resources``, editable install or wheel alike).
 
-    path = Path(fpcli.__file__).resolve().parent.parent / "profiles"
+    Raises:
+        ProfileError: the folder is missing (a broken installation).
+    """
+    path = Path(str(importlib.resources.files("fpcli") / BUILTIN_DIR))
     if not path.is_dir():
         raise ProfileError(
-            f"built-in profiles not found: {path} is missing (fp must be installed from its "
-            "repository with `pip install -e .`); pass --profile PATH/TO/profile.yaml instead"
+            f"built-in profiles not found: {path} is missing (a broken installation of fp: reinstall it); "
+            "pass --profile PATH/TO/profile.yaml instead"
         )
     return path
 
 
 def builtin_profiles() -> list[str]:
-    """Names of the profiles in ``profiles/``, sorted."""
+    """Names of the built-in profiles, sorted."""
     return sorted(p.stem for p in profiles_dir().glob("*.yaml"))
 
 
 def resolve_profile_path(name_or_path: str | Path) -> Path:
-    """``bf16`` -> ``<repo>/profiles/bf16.yaml``; an existing path is returned as is."""
+    """``bf16`` -> ``<fpcli>/builtin_profiles/bf16.yaml``; an existing path is returned as is."""
     text = str(name_or_path)
     candidate = Path(text).expanduser()
     looks_like_path = text.endswith((".yaml", ".yml")) or "/" in text or "\\" in text
@@ -204,6 +209,10 @@ def profile_from_dict(data: Any, source: Path | None = None) -> Profile:
     where = str(source) if source else "<profile>"
     if not isinstance(data, dict):
         raise ProfileError(f"{where}: expected a mapping of keys ({', '.join(TOP_KEYS)}), got {type(data).__name__}")
+    for old, new in RENAMED_KEYS.items():
+        if old in data:
+            raise ProfileError(f"{where}: key '{old}' was renamed to '{new}' (the method configuration, "
+                               f"flashprefill.SparseConfig): rename it in the file")
     _check_keys(where, "", data, TOP_KEYS)
     if "name" not in data:
         raise ProfileError(f"{where}: missing key 'name'")
@@ -215,16 +224,16 @@ def profile_from_dict(data: Any, source: Path | None = None) -> Profile:
     if dense_layers < 0:
         raise ProfileError(f"{where}: dense_layers: must be >= 0, got {dense_layers}")
 
-    op = data.get("operator") or {}
+    op = data.get("sparse") or {}
     if not isinstance(op, dict):
-        raise ProfileError(f"{where}: operator: expected a mapping, got {type(op).__name__}")
-    _check_keys(where, "operator.", op, SparseConfig.field_names())
+        raise ProfileError(f"{where}: sparse: expected a mapping, got {type(op).__name__}")
+    _check_keys(where, "sparse.", op, SparseConfig.field_names())
     try:
-        operator = SparseConfig(**op)
+        sparse = SparseConfig(**op)
     except (TypeError, ValueError) as exc:
         msg = str(exc)
         key = next((k for k in op if f"SparseConfig.{k} " in msg), None)
-        label = f"operator.{key}" if key else "operator"
+        label = f"sparse.{key}" if key else "sparse"
         raise ProfileError(f"{where}: {label}: {msg.replace(f'SparseConfig.{key} ', '') if key else msg}") from None
 
     eng = data.get("engine") or {}
@@ -240,7 +249,7 @@ def profile_from_dict(data: Any, source: Path | None = None) -> Profile:
         attention=attention,
         precision=precision,
         dense_layers=dense_layers,
-        operator=operator,
+        sparse=sparse,
         engine=engine,
         source=source,
     )

@@ -178,7 +178,7 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
         "precision": getattr(result, "precision", None) or profile.precision,
         "precision_requested": profile.precision,
         "attention": profile.attention,
-        "min_sparse_len": None if profile.attention == "dense" else int(profile.operator.min_sparse_len),
+        "min_sparse_len": None if profile.attention == "dense" else int(profile.sparse.min_sparse_len),
         "density": density_summary(stats.density_per_layer, stats.density, getattr(stats, "sparse_layers", None)),
         "density_per_layer_head": density_grid(stats.density_per_layer_head, stats.density_per_layer,
                                                getattr(stats, "sparse_layers", None)),

@@ -36,7 +36,7 @@ class SlowFakeEngine(FakeEngine):
         self.pieces, self.step_s = pieces, step_s
         self.child = None
 
-    def generate(self, prompt_ids, max_new_tokens=256, temperature=0.0, on_text=None) -> GenerationResult:
+    def generate(self, prompt_ids, max_new_tokens=256, temperature=0.0, on_text=None, on_progress=None) -> GenerationResult:
         n = len(prompt_ids)
         _trace(f"start {n}")
         t0 = time.perf_counter()

@@ -167,9 +167,9 @@ def test_ask_bad_profile_exit_2(runner, fake_engine, doc, tmp_path):
     r = invoke(runner, ["ask", str(doc), "q?", "--profile", "turbo"])
     assert r.exit_code == 2 and "unknown profile 'turbo'" in r.stderr
     bad = tmp_path / "bad.yaml"
-    bad.write_text("name: bad\noperator:\n  alpha: 3\n")
+    bad.write_text("name: bad\nsparse:\n  alpha: 3\n")
     r = invoke(runner, ["ask", str(doc), "q?", "--profile", str(bad)])
-    assert r.exit_code == 2 and str(bad) in r.stderr and "operator.alpha" in r.stderr
+    assert r.exit_code == 2 and str(bad) in r.stderr and "sparse.alpha" in r.stderr
 
 
 def test_ask_engine_load_failure_is_one_line(runner, monkeypatch, doc):
@@ -366,6 +366,7 @@ def fake_operator_bench(monkeypatch):
 
     import inspect
 
+    import flashprefill.bench as real_bench
     from flashprefill.bench import run_operator_bench as real
 
     def run_operator_bench(lens, heads_q, heads_kv, head_dim, dtype, fp8=False, batch=1, progress=None, **kw):
@@ -381,6 +382,7 @@ def fake_operator_bench(monkeypatch):
 
     mod = types.ModuleType("flashprefill.bench")
     mod.run_operator_bench = run_operator_bench
+    mod.CPU_MAX_LEN = real_bench.CPU_MAX_LEN  # the one owner of the CPU length limit
     monkeypatch.setitem(sys.modules, "flashprefill.bench", mod)
     return calls
 
@@ -465,17 +467,16 @@ def test_bench_bad_arguments(runner):
 def test_bench_e2e(runner, monkeypatch, tmp_path):
     import torch
 
-    models = pytest.importorskip("fpcli.models")
+    from fpcli import models, ttft
+
     seen = {}
 
-    def run_e2e_bench(lens, model_path, profile_sparse, profile_dense, needle=True, yarn_above=32768, progress=None, **kw):
+    def run_ttft_bench(lens, model_path, profile_sparse, profile_dense, progress=None, **kw):
         seen.update(lens=lens, model_path=model_path, sparse=profile_sparse, dense=profile_dense)
-        progress("[bench] starting")
+        progress("starting")
         return [{"target_len": n, "ttft_sparse_s": 1.0, "ttft_dense_s": 2.0, "speedup": 2.0} for n in lens]
 
-    mod = types.ModuleType("fpcli.bench_e2e")
-    mod.run_e2e_bench = run_e2e_bench
-    monkeypatch.setitem(sys.modules, "fpcli.bench_e2e", mod)
+    monkeypatch.setattr(ttft, "run_ttft_bench", run_ttft_bench)
     monkeypatch.setattr(models, "resolve_model", lambda spec, progress=None: tmp_path / "model")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake H200")
@@ -609,7 +610,7 @@ def test_serve_passes_engine_settings_to_the_loader(runner, monkeypatch, tmp_pat
 
 
 def test_model_list_and_path(runner, tmp_path, monkeypatch):
-    models = pytest.importorskip("fpcli.models")
+    from fpcli import models
     monkeypatch.setenv("FP_CACHE_DIR", str(tmp_path / "cache"))
     r = invoke(runner, ["model", "path"], env={"FP_CACHE_DIR": str(tmp_path / "cache")})
     assert r.exit_code == 0, r.output
@@ -630,7 +631,6 @@ def test_model_list_and_path(runner, tmp_path, monkeypatch):
 
 
 def test_model_list_does_not_truncate_paths(runner, tmp_path):
-    pytest.importorskip("fpcli.models")
     cache = tmp_path / ("deeply-nested-cache-folder-" * 3) / "fp"
     r = invoke(runner, ["model", "list"], env={"FP_CACHE_DIR": str(cache), "COLUMNS": "60"})
     assert r.exit_code == 0, r.output
@@ -754,3 +754,22 @@ def test_no_document_token_fits_exits_2(runner, fake_engine, tmp_path):
     r = invoke(runner, ["ask", str(big), "What?", "-n", "4050"], env={"FP_FAKE_CONTEXT": "4096"})
     assert r.exit_code == 2, r.output
     assert "--max-new-tokens" in r.stderr and r.stdout == ""
+
+
+def test_profile_asks_the_engine_for_timing_and_ask_does_not(runner, monkeypatch, doc, tmp_path):
+    """Per-layer index / attention timing costs CUDA events: only ``fp profile`` asks for it."""
+    seen = []
+
+    def loader(engine, model, profile, progress=None, **kw):
+        seen.append(kw["timing"])
+        return FakeEngine(model_name="m")
+
+    monkeypatch.setenv("FP_ENGINE_FACTORY", "fpcli_timing_loader:load")
+    mod = types.ModuleType("fpcli_timing_loader")
+    mod.load = loader
+    monkeypatch.setitem(sys.modules, "fpcli_timing_loader", mod)
+    r = invoke(runner, ["ask", str(doc), "What is the code?", "--no-server"])
+    assert r.exit_code == 0, r.output
+    r = invoke(runner, ["profile", str(doc), "--no-server", "--png", str(tmp_path / "h.png")])
+    assert r.exit_code == 0, r.output
+    assert seen == [False, True]

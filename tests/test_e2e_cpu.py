@@ -94,7 +94,7 @@ class Doc:
     text: str
 
 path, text, question, profile = sys.argv[1:5]
-with TransformersEngine(path, load_profile(profile), model_name="smollm2-135m-instruct") as eng:
+with TransformersEngine(path, load_profile(profile), model_name="smollm2-135m-instruct", timing=True) as eng:
     prompt = build_prompt([Doc("notes.txt", text)], question, eng, 48)
     pieces = []
     r = eng.generate(prompt.ids, max_new_tokens=48, on_text=pieces.append)

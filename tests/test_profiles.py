@@ -36,9 +36,9 @@ def test_profile_is_frozen_and_replace_validates():
 
 def test_load_by_path(tmp_path):
     path = tmp_path / "mine.yaml"
-    path.write_text("name: mine\noperator:\n  alpha: 0.2\n")
+    path.write_text("name: mine\nsparse:\n  alpha: 0.2\n")
     p = load_profile(str(path))
-    assert p.name == "mine" and p.operator.alpha == 0.2 and p.operator.block_size == 128
+    assert p.name == "mine" and p.sparse.alpha == 0.2 and p.sparse.block_size == 128
     assert p.to_dict()["source"] == str(path)
 
 
@@ -52,13 +52,13 @@ def write(tmp_path, data) -> str:
     "data, key, allowed",
     [
         ({"name": "x", "colour": 1}, "unknown key 'colour'", "allowed: name, description"),
-        ({"name": "x", "operator": {"alfa": 0.1}}, "unknown key 'operator.alfa'", "alpha"),
+        ({"name": "x", "sparse": {"alfa": 0.1}}, "unknown key 'sparse.alfa'", "alpha"),
         ({"name": "x", "engine": {"pagesize": 1}}, "unknown key 'engine.pagesize'", "page_size"),
         ({"name": "x", "precision": "fp16"}, "precision: 'fp16'", "allowed: bf16, fp8"),
         ({"name": "x", "attention": "sparse"}, "attention: 'sparse'", "allowed: flashprefill, dense"),
-        ({"name": "x", "operator": {"alpha": 2.0}}, "operator.alpha", "[0, 1]"),
-        ({"name": "x", "operator": {"block_size": 96}}, "operator.block_size", "(64, 128)"),
-        ({"name": "x", "operator": {"mean_correction": "yes"}}, "operator.mean_correction", "bool"),
+        ({"name": "x", "sparse": {"alpha": 2.0}}, "sparse.alpha", "[0, 1]"),
+        ({"name": "x", "sparse": {"block_size": 96}}, "sparse.block_size", "(64, 128)"),
+        ({"name": "x", "sparse": {"mean_correction": "yes"}}, "sparse.mean_correction", "bool"),
         ({"name": "x", "engine": {"chunked_prefill_size": 4096}}, "engine.chunked_prefill_size", ">= 8192"),
         ({"name": "x", "engine": {"mem_fraction_static": 1.5}}, "engine.mem_fraction_static", "(0, 1)"),
         ({"name": "x", "engine": {"dtype": "int8"}}, "engine.dtype: 'int8'", "allowed: auto, bfloat16"),
@@ -92,12 +92,28 @@ def test_unknown_name_lists_builtins():
         load_profile("/nowhere/p.yaml")
 
 
-def test_missing_profiles_dir_is_clear(monkeypatch, tmp_path):
-    import fpcli
+def test_missing_profiles_dir_is_clear(monkeypatch):
+    import fpcli.profiles as profiles
 
-    monkeypatch.setattr(fpcli, "__file__", str(tmp_path / "site" / "fpcli" / "__init__.py"))
-    with pytest.raises(ProfileError, match="built-in profiles not found.*pip install -e"):
+    monkeypatch.setattr(profiles, "BUILTIN_DIR", "no_such_folder")
+    with pytest.raises(ProfileError, match="built-in profiles not found.*reinstall it.*--profile PATH"):
         load_profile("bf16")
+
+
+def test_builtin_profiles_are_package_data():
+    """Found through ``importlib.resources`` inside the ``fpcli`` package (a wheel carries them)."""
+    import importlib.resources
+
+    here = importlib.resources.files("fpcli") / "builtin_profiles"
+    assert sorted(p.name for p in here.iterdir() if p.name.endswith(".yaml")) == ["bf16.yaml", "dense.yaml", "fp8.yaml"]
+    assert load_profile("bf16").source == profiles_dir() / "bf16.yaml"
+
+
+def test_the_old_method_key_is_refused_with_its_new_name(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("name: old\noperator:\n  alpha: 0.2\n")
+    with pytest.raises(ProfileError, match=rf"{path}: key 'operator' was renamed to 'sparse'"):
+        load_profile(path)
 
 
 def test_profile_from_dict_defaults():
@@ -107,7 +123,7 @@ def test_profile_from_dict_defaults():
 
 
 def test_invalid_yaml_names_line_and_column(tmp_path):
-    path = write(tmp_path, "name: x\noperator:\n  alpha: 0.1\n  bad: key: here\n")
+    path = write(tmp_path, "name: x\nsparse:\n  alpha: 0.1\n  bad: key: here\n")
     with pytest.raises(ProfileError, match=r"not valid YAML: line 4, column 11: mapping values are not allowed"):
         load_profile(path)
 
@@ -116,10 +132,10 @@ def test_sparse_threshold_fits_the_model_context():
     from fpcli.profiles import sparse_threshold
 
     p = load_profile("bf16")
-    assert p.operator.min_sparse_len == 8192
+    assert p.sparse.min_sparse_len == 8192
     small = p.fit_to_context(8192)  # the embedded SmolLM2-135M: 8K context
-    assert small.operator.min_sparse_len == 4096 == sparse_threshold(8192, 8192)
-    assert small.operator.alpha == p.operator.alpha and small.name == p.name
-    assert p.fit_to_context(32768) is p and p.fit_to_context(131072).operator.min_sparse_len == 8192
+    assert small.sparse.min_sparse_len == 4096 == sparse_threshold(8192, 8192)
+    assert small.sparse.alpha == p.sparse.alpha and small.name == p.name
+    assert p.fit_to_context(32768) is p and p.fit_to_context(131072).sparse.min_sparse_len == 8192
     assert small.fit_to_context(8192) is small  # idempotent
-    assert load_profile("dense").fit_to_context(8192).operator.min_sparse_len == 0
+    assert load_profile("dense").fit_to_context(8192).sparse.min_sparse_len == 0

@@ -58,16 +58,17 @@ def test_density_line_says_why_nothing_ran_sparse():
 
 
 def sglang_like_stats(layers: int = 6, hkv: int = 4, dense_layers: int = 2):
-    """``PrefillStats`` made by the SGLang statistics code (``RequestPrefill.to_prefill_stats``)
-    for a prefill whose first ``dense_layers`` layers ran dense: their per-head rows are empty."""
-    from fpcli.sglang_backend.stats import RequestPrefill
+    """``PrefillStats`` made by the SGLang statistics code (``prefill_stats_of``) for a prefill
+    whose first ``dense_layers`` layers ran dense: their per-head rows are empty."""
+    from flashprefill.integrations.sglang.stats_reader import RequestPrefill
+    from fpcli.engine.sglang_engine import prefill_stats_of
 
     modes = ["dense:layer"] * dense_layers + ["sparse"] * (layers - dense_layers)
     selected = [None] * dense_layers + [[3 + h + i for h in range(hkv)] for i in range(layers - dense_layers)]
     visible = [None] * dense_layers + [[20] * hkv for _ in range(layers - dense_layers)]
     rec = RequestPrefill(rid="r", chunks=1, prompt_tokens=2048, layers=modes, selected=selected, visible=visible,
                          dense_flops=[1e9] * layers)
-    return rec.to_prefill_stats()
+    return prefill_stats_of(rec)
 
 
 def test_sglang_stats_are_ragged_and_the_grid_is_rectangular():

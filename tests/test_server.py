@@ -240,6 +240,7 @@ def test_files_are_private_and_ask_uses_the_server(servers):
     assert json.loads(a.stdout)["summary"]["server"]["pid"] == st["pid"]
     assert len(s.traced("load")) == 1  # answered by the server's engine, none loaded in-process
     b = _ask(s, "--no-server")
+    assert b.returncode == 0, b.stderr
     assert json.loads(b.stdout)["summary"]["server"] is None and len(s.traced("load")) == 2
 
 

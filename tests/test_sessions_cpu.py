@@ -15,7 +15,7 @@ import pytest
 from fpcli.engine.transformers_engine import TransformersEngine, common_prefix_len
 from fpcli.profiles import load_profile
 from fpcli.prompt import build_prompt
-from test_e2e_cpu import fp_executable, make_document, run_env, smollm2  # noqa: F401 - smollm2 is a fixture
+from test_e2e_cpu import fp_executable, make_document, run_env  # smollm2: a fixture of conftest.py
 
 pytestmark = pytest.mark.slow
 

@@ -18,11 +18,13 @@ import torch
 
 from flashprefill.config import SparseConfig
 from flashprefill.plan import make_plan
-from fpcli.sglang_backend.metadata import (
+from flashprefill.integrations.sglang.metadata import (
     build_metadata, build_page_table, check_page_table, last_attention_layer_id, operator_dense_reason,
 )
-from fpcli.sglang_backend.settings import ENV_VAR, BackendSettings, settings_from_profile
-from fpcli.sglang_backend.stats import BatchStats, StatsWriter, aggregate, iter_records, read_prefill_stats
+from flashprefill.integrations.sglang.settings import ENV_VAR, BackendSettings
+from flashprefill.integrations.sglang.stats_reader import aggregate, iter_records, read_prefill_stats
+from flashprefill.integrations.sglang.stats_writer import BatchStats, StatsWriter
+from fpcli.engine.sglang_engine import backend_settings, prefill_stats_of
 
 
 def fake_pool(kv_lens, page_size, max_ctx=512, seed=0):
@@ -96,7 +98,7 @@ def test_build_metadata_short_batch_is_dense():
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_page_table_feeds_operator_layout(page_size):
     """The pool view + page table give the operator exactly each request's K/V (dense reference)."""
-    ref = pytest.importorskip("flashprefill.impl.reference")
+    from flashprefill.impl import reference as ref
     torch.manual_seed(0)
     kv, q, hq, hkv, d = [70, 33], [70, 5], 4, 2, 16
     r2t, rpi, rows = fake_pool(kv, page_size)
@@ -133,8 +135,9 @@ def test_settings_env_round_trip(tmp_path):
     from fpcli.profiles import load_profile
 
     prof = load_profile("bf16")
-    s = settings_from_profile(prof, stats_dir=str(tmp_path), layer_timing=True)
+    s = backend_settings(prof, str(tmp_path), timing=True)
     assert s.sparse == prof.sparse_config() and s.dense_layers == prof.dense_layers and s.precision == prof.precision
+    assert s.layer_timing and not backend_settings(prof, None).layer_timing  # timing only when asked for
     env = s.to_env()
     assert set(env) == {ENV_VAR}
     assert BackendSettings.from_env(env) == s
@@ -218,7 +221,7 @@ def test_stats_end_to_end_on_cpu(tmp_path):
     assert recs[0]["selected"][2] == [6, 6] and recs[1]["selected"][2] == [3, 3]
     assert recs[0]["selected"][0] is None and recs[0]["visible"][0] is None
     agg = aggregate(recs, "r0")
-    ps = agg.to_prefill_stats()
+    ps = prefill_stats_of(agg)
     assert ps.density_per_layer[0] == 1.0 and ps.density_per_layer[2] == 1.0
     assert ps.density_per_layer[1] == pytest.approx(10 / 12)
     assert ps.density == pytest.approx((10 + 12) / (12 + 12))
@@ -238,7 +241,7 @@ def test_stats_layers_without_counts_report_none_not_garbage():
     st = BatchStats(num_layers=4, layer_offset=0, num_q_heads=4, num_kv_heads=2, head_dim=8, q_lens=[200, 10],
                     kv_lens=[200, 300], rids=["r0", "r1"], device="cpu", plan=plan)
     st.add_index(0, _fake_index([1, 1, 2, 1, 2, 1, 1, 1, 2, 3]))
-    st.mark_sparse_no_index(1)
+    st.add_index(1, None)
     st.add_index(2, None)
     st.add_index(3, _fake_index([1] * 7))              # 7 segments: not 2 heads x 5 tiles
     st.ends[1:].fill_(-12345)                           # what unwritten rows could hold
@@ -246,7 +249,7 @@ def test_stats_layers_without_counts_report_none_not_garbage():
     rec = st.records()
     assert rec[0]["layers"] == ["sparse"] * 4
     assert rec[0]["selected"] == [[5, 5], None, None, None] and rec[0]["visible"][1:] == [None] * 3
-    ps = aggregate(rec, "r0").to_prefill_stats()
+    ps = prefill_stats_of(aggregate(rec, "r0"))
     assert ps.sparse_layers == [0] and ps.density == pytest.approx(10 / 12)
 
 
@@ -261,7 +264,7 @@ def test_stats_of_a_dense_batch_touch_no_tensors(tmp_path):
     assert st.ends is None and st.host_ends is None and st.ready()
     rec = st.records()[0]
     assert rec["layers"] == ["dense:short", "dense:short"] and rec["selected"] is None
-    assert aggregate([rec], "d").to_prefill_stats().density == 1.0
+    assert prefill_stats_of(aggregate([rec], "d")).density == 1.0
 
 
 def test_stats_writer_polls_instead_of_blocking(tmp_path, monkeypatch):
@@ -274,7 +277,7 @@ def test_stats_writer_polls_instead_of_blocking(tmp_path, monkeypatch):
     answers = iter([False, False, True])
     monkeypatch.setattr(st, "ready", lambda: next(answers))
     sleeps = []
-    monkeypatch.setattr("fpcli.sglang_backend.stats.time.sleep", lambda s: sleeps.append(s))
+    monkeypatch.setattr("flashprefill.integrations.sglang.stats_writer.time.sleep", lambda s: sleeps.append(s))
     st.wait()
     assert len(sleeps) == 2 and all(0 < s <= 0.01 for s in sleeps)
 
@@ -341,7 +344,7 @@ def test_stats_reach_the_reader_after_the_last_layer(tmp_path):
     writer.close()
     assert submitted == [29]
     assert got is not None and got.chunks == 1
-    ps = got.to_prefill_stats()
+    ps = prefill_stats_of(got)
     assert len(ps.density_per_layer) == 30 and ps.density_per_layer[:2] == [1.0, 1.0]
     assert ps.density == pytest.approx(47 / 95)
     # the old rule (pool.end_layer as the last layer id) never finishes the batch
@@ -355,7 +358,7 @@ def test_stats_chunks_are_summed():
             dict(base, rid="y", q_len=8, kv_len=8, selected=[[4]], visible=[[4]])]
     agg = aggregate(recs, "x")
     assert agg.chunks == 2 and agg.prompt_tokens == 16 and agg.prefill_ms == pytest.approx(3.0)
-    assert agg.to_prefill_stats().density == pytest.approx(4 / 6)
+    assert prefill_stats_of(agg).density == pytest.approx(4 / 6)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -428,18 +431,17 @@ def test_engine_unavailable_names_the_fix():
 
 
 def test_needle_document_plants_the_secret():
-    from fpcli.bench_e2e import answered, needle_document, parse_lens
+    from fpcli.ttft import answered, needle_document
 
     count = lambda s: len(s.split())  # noqa: E731 - a whitespace "tokenizer"
     text, secret = needle_document(count, 600, depth=0.3, seed=1)
     assert secret in text and 550 <= count(text) <= 700
     assert answered(f"The secret number is {secret}.", secret) and not answered("12345x", "99999")
-    assert parse_lens("4k, 32000,120k") == [4096, 32000, 122880]
 
 
 def test_register_into_installed_sglang():
     pytest.importorskip("sglang")
-    from fpcli.sglang_backend import plugin
+    from flashprefill.integrations.sglang import plugin
     from sglang.srt import server_args
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
@@ -452,11 +454,10 @@ def test_register_into_installed_sglang():
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_backend_call_sequence_on_reference(page_size):
     """What ``FlashPrefillAttnBackend._sparse_extend`` does per layer, on the CPU reference: the
-    metadata's plan and page table, ``build_index`` then ``flashprefill_attention(index=...)``;
-    alpha 0 equals dense attention, and the stats counters equal ``SparseStats.from_index``."""
-    fp = pytest.importorskip("flashprefill")
-    if not hasattr(fp, "flashprefill_attention"):
-        pytest.skip("flashprefill API not there yet")
+    metadata's plan and page table, ``flashprefill_attention(..., return_index=True)``; alpha 0
+    equals dense attention, and the stats counters equal ``SparseStats.from_index`` of the index
+    the attention returned."""
+    import flashprefill as fp
     from flashprefill.index import SparseStats
 
     torch.manual_seed(1)
@@ -474,9 +475,8 @@ def test_backend_call_sequence_on_reference(page_size):
     args = (qt, k_cache, v_cache, meta.page_table, meta.seq_lens, meta.cu_seqlens_q)
     for alpha in (0.0, 1.0):
         cfg = SparseConfig(block_size=64, sink_tokens=64, window_tokens=64, dense_tail_tokens=32, alpha=alpha)
-        index = fp.build_index(*args, config=cfg, softmax_scale=d ** -0.5, plan=meta.plan, backend="reference")
-        out = fp.flashprefill_attention(*args, config=cfg, softmax_scale=d ** -0.5, plan=meta.plan, index=index,
-                                        backend="reference")
+        out, index = fp.flashprefill_attention(*args, config=cfg, softmax_scale=d ** -0.5, plan=meta.plan,
+                                               backend="reference", return_index=True)
         dense = fp.dense_attention(*args, softmax_scale=d ** -0.5, plan=meta.plan, backend="reference")
         st = BatchStats(num_layers=1, layer_offset=0, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, q_lens=q,
                         kv_lens=kv, rids=["a", "b"], device="cpu", plan=meta.plan)
@@ -577,196 +577,6 @@ def test_engine_warmup_lengths_use_the_plan(monkeypatch):
     assert eng.warmup_lengths() == se.warmup_plan(20064, 8192, None)
 
 
-class _FakeBenchEngine:
-    """Stands in for ``SGLangEngine`` in ``run_e2e_bench`` tests: a context manager whose prompt
-    ids carry the planted secret in their first id, and whose answer is that secret."""
-
-    warmup_s = 0.0
-    density = 0.4
-
-    def __init__(self, model_path, profile, rope_scaling_factor=None, **kw):
-        self.profile, self.factor, self.kw = profile, rope_scaling_factor, kw
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-    def count_tokens(self, text):
-        return len(text.split())
-
-    def encode_chat(self, system, text):   # the secret rides in the first id
-        secret = [w.rstrip(".") for w in text.split() if w.rstrip(".").isdigit()][0]
-        return [int(secret)] + list(range(len(text.split())))
-
-    def answer(self, ids) -> str:
-        return str(ids[0])
-
-    def ttft(self) -> float:
-        return 0.01
-
-    def generate(self, ids, max_new_tokens=16):
-        from fpcli.engine.base import GenerationResult, PrefillStats
-
-        t = self.ttft()
-        return GenerationResult(text=self.answer(ids), prompt_tokens=len(ids), output_tokens=1, ttft_s=t,
-                                prefill_s=t, total_s=t, engine="fake", model="m", profile="p",
-                                stats=PrefillStats(density=self.density, density_per_layer=[1.0, self.density]))
-
-
-def test_e2e_bench_one_invocation_native_and_yarn(monkeypatch, tmp_path):
-    """``run_e2e_bench`` with a fake engine: native lengths on one engine pair, YaRN lengths on a
-    second, prompts built once per length, one warm-up + one measurement each, rows reported
-    after every length."""
-    import fpcli.engine.sglang_engine as se
-    from fpcli import bench_e2e
-
-    started, calls = [], []
-
-    class FakeEngine(_FakeBenchEngine):
-        def __init__(self, model_path, profile, rope_scaling_factor=None, **kw):
-            super().__init__(model_path, profile, rope_scaling_factor, **kw)
-            started.append((profile, rope_scaling_factor, kw.get("disable_radix_cache")))
-
-        def generate(self, ids, max_new_tokens=16):
-            calls.append(len(ids))
-            return super().generate(ids, max_new_tokens)
-
-    monkeypatch.setattr(se, "SGLangEngine", FakeEngine)
-    monkeypatch.setattr(se, "native_context_length", lambda path: 32768)
-    seen = []
-    rows = bench_e2e.run_e2e_bench([4096, 131072 // 2, 8192], "m", "sparse", "dense", repeats=1,
-                                   progress=lambda m: None, on_rows=lambda r: seen.append(len(r)))
-    assert [(p, f) for p, f, _ in started] == [("dense", None), ("sparse", None), ("dense", 4.0), ("sparse", 4.0)]
-    assert all(radix_off for _, _, radix_off in started)
-    assert [r["target_len"] for r in rows] == [4096, 8192, 65536]
-    assert [r["yarn"] for r in rows] == [None, None, 4.0]
-    assert all(r["needle_sparse"] and r["needle_dense"] and r["density"] == 0.4 for r in rows)
-    assert len(calls) == 3 * 2 * 2  # per length and engine: one warm-up, one measurement
-    assert seen == [1, 2, 2, 2, 3, 3]  # dense 4k, 8k; sparse 4k, 8k; dense 64k; sparse 64k
-    assert "65536" in bench_e2e.format_table(rows)
-
-
-def test_e2e_bench_variants_and_depths(monkeypatch):
-    """Extra sparse engines (``--variant``) run like ``sparse`` with their own profile; extra
-    needle depths are answered once per engine and length; a variant whose engine misses the
-    needle shows it."""
-    import fpcli.engine.sglang_engine as se
-    from fpcli import bench_e2e
-    from fpcli.profiles import load_profile
-
-    base = load_profile("bf16")
-    label, prof, eng = bench_e2e.parse_variant("dl4:dense_layers=4,alpha=0.05", base)
-    assert label == "dl4" and prof.dense_layers == 4 and prof.operator.alpha == 0.05 and eng == {}
-    assert bench_e2e.parse_variant("ns:collect_stats=false", base)[2] == {"collect_stats": False}
-    assert prof.operator.window_tokens == base.operator.window_tokens and base.dense_layers == 2
-    for bad, what in (("x", "LABEL"), ("v:nope=1", "nope"), ("v:alpha=abc", "alpha"), ("v:alpha=-1", "alpha"),
-                      ("dense:alpha=0.2", "LABEL"), ("all_x:alpha=0.2", "LABEL"), ("k:kernel=m64", "kernel")):
-        with pytest.raises(ValueError, match=what):
-            bench_e2e.parse_variant(bad, base)
-
-    started, engine_kwargs = [], []
-
-    class FakeEngine(_FakeBenchEngine):
-        density = 0.2
-
-        def __init__(self, model_path, profile, rope_scaling_factor=None, **kw):
-            super().__init__(model_path, profile, rope_scaling_factor, **kw)
-            started.append(getattr(profile, "name", profile))
-            engine_kwargs.append(kw.get("collect_stats"))
-
-        def answer(self, ids):
-            return "0" if getattr(self.profile, "name", "").endswith("+bad") else str(ids[0])
-
-        def ttft(self):
-            return {"dense": 0.4}.get(getattr(self.profile, "name", ""), 0.1)
-
-    monkeypatch.setattr(se, "SGLangEngine", FakeEngine)
-    monkeypatch.setattr(se, "native_context_length", lambda path: 32768)
-    variants = [bench_e2e.parse_variant("good:alpha=0.05,collect_stats=false", base),
-                bench_e2e.parse_variant("bad:alpha=0.2", base)]
-    rows = bench_e2e.run_e2e_bench([8192], "m", base, base.replace(name="dense", attention="dense"), repeats=1,
-                                   progress=lambda m: None, variants=variants, depths=[0.1, 0.9])
-    assert started == ["dense", "bf16", "bf16+good", "bf16+bad"]
-    assert engine_kwargs == [None, None, False, None]   # collect_stats reaches only its engine
-    r = rows[0]
-    assert r["needles_good"] == [True, True, True] and r["needles_bad"] == [False, False, False]
-    assert r["speedup_good"] == pytest.approx(4.0)
-    assert r["density_good"] is None          # collect_stats=false: density unknown, not 1.0
-    assert r["density_bad"] == 0.2
-    text = bench_e2e.format_variants(rows)
-    assert "good" in text and "3/3" in text and "0/3" in text
-
-
-def test_e2e_bench_server_override_variant_and_a_failing_engine(monkeypatch):
-    """``sgl.<field>`` reaches SGLang's arguments of that engine only (merged over the run's
-    overrides), ``attention=dense`` makes a dense variant, and a variant whose engine fails
-    records the error instead of losing the run."""
-    import fpcli.engine.sglang_engine as se
-    from fpcli import bench_e2e
-    from fpcli.profiles import load_profile
-
-    base = load_profile("bf16")
-    label, prof, eng = bench_e2e.parse_variant("hyb:attention=dense,sgl.decode_attention_backend=fa3", base)
-    assert label == "hyb" and prof.is_dense and eng == {"server_overrides": {"decode_attention_backend": "fa3"}}
-    assert bench_e2e.parse_variant("c:sgl.chunked_prefill_size=4096", base)[2] == {
-        "server_overrides": {"chunked_prefill_size": 4096}}
-    for bad, what in (("v:attention=sparse", "attention"), ("v:sgl.a-b=1", "ServerArgs")):
-        with pytest.raises(ValueError, match=what):
-            bench_e2e.parse_variant(bad, base)
-
-    seen = []
-
-    class FakeEngine(_FakeBenchEngine):
-        def __init__(self, model_path, profile, rope_scaling_factor=None, **kw):
-            super().__init__(model_path, profile, rope_scaling_factor, **kw)
-            seen.append((getattr(profile, "name", profile), kw.get("server_overrides")))
-            if getattr(profile, "name", "").endswith("+broken"):
-                raise RuntimeError("backend fa9 is not installed")
-
-    monkeypatch.setattr(se, "SGLangEngine", FakeEngine)
-    monkeypatch.setattr(se, "native_context_length", lambda path: 32768)
-    variants = [bench_e2e.parse_variant("broken:sgl.decode_attention_backend=fa9", base),
-                bench_e2e.parse_variant("hyb:attention=dense,sgl.decode_attention_backend=fa3", base)]
-    rows = bench_e2e.run_e2e_bench([4096], "m", base, base.replace(name="dense", attention="dense"), repeats=1,
-                                   progress=lambda m: None, variants=variants, server_overrides={"page_size": 16})
-    assert seen == [("dense", {"page_size": 16}), ("bf16", {"page_size": 16}),
-                    ("bf16+broken", {"page_size": 16, "decode_attention_backend": "fa9"}),
-                    ("bf16+hyb", {"page_size": 16, "decode_attention_backend": "fa3"})]
-    r = rows[0]
-    assert "fa9 is not installed" in r["error_broken"] and "ttft_broken_s" not in r
-    assert r["needle_hyb"] and r["speedup_hyb"] == pytest.approx(1.0)
-
-
-def test_e2e_bench_variant_failing_partway_keeps_its_measured_lengths(monkeypatch):
-    """A variant engine that fails at its second length keeps the first length's result and
-    gets the error only where it measured nothing; ``sgl.x=none`` passes ``None``."""
-    import fpcli.engine.sglang_engine as se
-    from fpcli import bench_e2e
-    from fpcli.profiles import load_profile
-
-    base = load_profile("bf16")
-    assert bench_e2e.parse_variant("n:sgl.tp_size=null", base)[2] == {"server_overrides": {"tp_size": None}}
-
-    class FakeEngine(_FakeBenchEngine):
-        def generate(self, ids, max_new_tokens=16):
-            if getattr(self.profile, "name", "").endswith("+late") and len(ids) > 6000:
-                raise RuntimeError("out of memory")
-            return super().generate(ids, max_new_tokens)
-
-    monkeypatch.setattr(se, "SGLangEngine", FakeEngine)
-    monkeypatch.setattr(se, "native_context_length", lambda path: 32768)
-    rows = bench_e2e.run_e2e_bench([4096, 8192], "m", base, base.replace(name="dense", attention="dense"),
-                                   repeats=1, progress=lambda m: None,
-                                   variants=[bench_e2e.parse_variant("late:alpha=0.2", base)])
-    r4, r8 = rows
-    assert "ttft_late_s" in r4 and "error_late" not in r4
-    assert "ttft_late_s" not in r8 and "out of memory" in r8["error_late"]
-    text = bench_e2e.format_variants(rows)
-    assert text.count("FAILED") == 1
-
-
 def test_gpu_worker_script_with_a_fake_engine(monkeypatch, tmp_path):
     """``tests/gpu/sglang_worker.py`` (one engine per process on the device) end to end on CPU."""
     import importlib.util
@@ -825,7 +635,7 @@ def test_gpu_worker_script_with_a_fake_engine(monkeypatch, tmp_path):
     assert out["results"]["lp"]["top"] == [[-0.1, 7]]
     profile, kw = made[0]
     assert kw["server_overrides"] == {"page_size": 16}
-    assert kw["settings_overrides"]["sparse"].min_sparse_len == 4096
+    assert profile.sparse.min_sparse_len == 4096
     assert made[1:] == ["flush", "closed"]
 
 

@@ -15,13 +15,9 @@ import pytest
 import torch
 
 from flashprefill import SparseConfig
-from fpcli.engine.transformers_engine import (
-    ATTN_NAME,
-    FlashPrefillRuntime,
-    TransformersEngine,
-    causal_attention_flops,
-    install_flashprefill,
-)
+from flashprefill.flops import dense_causal_flops as causal_attention_flops
+from flashprefill.integrations.transformers import ATTN_NAME, FlashPrefillRuntime, install_flashprefill
+from fpcli.engine.transformers_engine import TransformersEngine, prefill_stats
 from fpcli.profiles import load_profile
 
 HQ, HKV, D, LAYERS = 6, 2, 32, 2  # g = 3: GQA packing with an odd group
@@ -80,7 +76,7 @@ def test_keep_all_matches_sdpa(ref_model, n):
     got = model(x).logits
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
     if n > 1:
-        assert sorted(rt.layers) == [0, 1] and all(s.sparse and s.density == 1.0 for s in rt.layers.values())
+        assert sorted(rt.layers) == [0, 1] and all(s.sparse and s.density == 1.0 for s in rt.summary(LAYERS))
 
 
 @torch.inference_mode()
@@ -107,7 +103,7 @@ def test_sparse_config_is_sparse_and_finite(ref_model):
     x = ids(1100)
     logits = model(x).logits
     assert torch.isfinite(logits).all()
-    stats = rt.stats(LAYERS)
+    stats = prefill_stats(rt.summary(LAYERS))
     assert stats.density_per_layer[0] == 1.0  # the dense layer
     assert 0.0 < stats.density_per_layer[1] < 1.0
     assert stats.density == pytest.approx(stats.density_per_layer[1])
@@ -116,7 +112,7 @@ def test_sparse_config_is_sparse_and_finite(ref_model):
     dense_flops = causal_attention_flops(1100, 1100, D, HQ)
     assert stats.attention_flops_dense == pytest.approx(LAYERS * dense_flops)
     assert stats.attention_flops_skipped == pytest.approx(dense_flops * (1 - stats.density_per_layer[1]))
-    assert stats.index_ms is not None and stats.attention_ms is not None and stats.attention_ms > 0
+    assert stats.index_ms is None and stats.attention_ms is None  # timing is off unless asked for
     # Sparse, yet close to the dense model: the window, sink, dense tail and mean correction.
     want = ref_model(x).logits
     assert (logits[0, -1].argmax() == want[0, -1].argmax()) or torch.allclose(logits[0, -1], want[0, -1], atol=0.5)
@@ -124,7 +120,7 @@ def test_sparse_config_is_sparse_and_finite(ref_model):
 
 def test_attention_function_mask_batch1_ignored_padded_batch_rejected():
     """A boolean causal mask (never all True) at batch 1 is ignored: the function masks itself."""
-    from fpcli.engine.transformers_engine import flashprefill_attention_forward
+    from flashprefill.integrations.transformers import flashprefill_attention_forward
 
     module = torch.nn.Module()
     module.layer_idx = 0
@@ -180,7 +176,7 @@ def model_dir(tmp_path_factory):
 def profile(name, **op):
     p = load_profile(name)
     if op:
-        p = dataclasses.replace(p, operator=p.operator.replace(**op))
+        p = dataclasses.replace(p, sparse=p.sparse.replace(**op))
     return p
 
 
@@ -259,17 +255,65 @@ def test_load_engine_choices(model_dir, monkeypatch):
 
 
 def test_runtime_stats_density_over_sparse_layers_flops_over_all():
-    from fpcli.engine.transformers_engine import LayerStat
+    from flashprefill.integrations.transformers import LayerSummary
 
-    rt = FlashPrefillRuntime(config=SPARSE, dense_layers=1)
     f = causal_attention_flops(256, 256, D, HQ)
-    rt.layers[0] = LayerStat(0, False, 256, 256, 1.0, [1.0, 1.0], f)
-    rt.layers[1] = LayerStat(1, True, 256, 256, 0.5, [0.4, 0.6], f)
-    rt.layers[2] = LayerStat(2, True, 256, 256, 0.7, [0.7, 0.7], f)
-    st = rt.stats(3)
+    rows = [LayerSummary(0, False, 256, 256, f, 1.0, (1.0, 1.0)),
+            LayerSummary(1, True, 256, 256, f, 0.5, (0.4, 0.6), 10, 20),
+            LayerSummary(2, True, 256, 256, f, 0.7, (0.7, 0.7), 21, 30)]
+    st = prefill_stats(rows)
     assert st.sparse_layers == [1, 2]
-    assert st.density == pytest.approx(0.6)  # over the sparse layers only
+    assert st.density == pytest.approx(31 / 50)  # selected / visible over the sparse layers only
     assert st.attention_flops_skipped / st.attention_flops_dense == pytest.approx((0.5 + 0.3) / 3)
+    assert st.index_ms is None and st.attention_ms is None
+
+
+@torch.inference_mode()
+def test_engine_stats_come_from_the_index_the_attention_used(monkeypatch):
+    """One path: each sparse layer calls ``flashprefill_attention(..., return_index=True)`` once, and
+    the layer's statistics equal ``SparseStats.from_index`` of the index it returned."""
+    import flashprefill.integrations.transformers as integ
+    from flashprefill import SparseStats
+
+    used, calls = [], []
+    real = integ.flashprefill_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("return_index"))
+        out, index = real(*args, **kwargs)
+        used.append(index)
+        return out, index
+
+    monkeypatch.setattr(integ, "flashprefill_attention", spy)
+    monkeypatch.setattr(integ, "build_index", lambda *a, **k: pytest.fail("build_index called with timing off"))
+    model, rt = fp_model(SPARSE, dense_layers=0)
+    model(ids(1100))
+    rows = rt.summary(LAYERS)
+    assert calls == [True] * LAYERS and len(used) == LAYERS
+    for row, index in zip(rows, used):
+        want = SparseStats.from_index(index)
+        assert row.sparse and 0.0 < row.density < 1.0
+        assert (row.selected_blocks, row.visible_blocks) == (want.selected_blocks, want.visible_blocks)
+        assert row.density == pytest.approx(want.density)
+        assert list(row.density_per_kv_head) == pytest.approx(want.density_per_kv_head.tolist())
+    stats = prefill_stats(rows)
+    sel = sum(SparseStats.from_index(i).selected_blocks for i in used)
+    vis = sum(SparseStats.from_index(i).visible_blocks for i in used)
+    assert stats.density == pytest.approx(sel / vis)
+
+
+@torch.inference_mode()
+def test_timing_is_measured_only_when_asked_for():
+    model, rt = fp_model(SPARSE, dense_layers=1)
+    rt.timing = True
+    model(ids(1100))
+    rows = rt.summary(LAYERS)
+    assert rows[0].index_ms is None and rows[0].attention_ms > 0  # a dense layer: no index stage
+    assert rows[1].index_ms > 0 and rows[1].attention_ms > 0
+    rt.reset()
+    rt.timing = False
+    model(ids(1100))
+    assert all(r.index_ms is None and r.attention_ms is None for r in rt.summary(LAYERS))
 
 
 def test_engine_reports_the_precision_that_ran(model_dir):
@@ -312,7 +356,7 @@ def test_dense_profile_reports_dense_equivalent_flops(model_dir):
 
     from rich.console import Console
 
-    from fpcli.engine.base import causal_attention_flops as formula
+    from flashprefill.flops import dense_causal_flops as formula
     from fpcli.report import ask_report, render_summary
 
     prof = load_profile("dense")
@@ -331,7 +375,7 @@ def test_dense_profile_reports_dense_equivalent_flops(model_dir):
 def test_sglang_dense_profile_stats_from_the_model_config(model_dir):
     """The SGLang engine records nothing per layer with the dense profile (stock attention); its
     stats come from the model's config with the same FLOP formula."""
-    from fpcli.engine.base import causal_attention_flops as formula
+    from flashprefill.flops import dense_causal_flops as formula
     from fpcli.engine.sglang_engine import SGLangEngine
 
     eng = SGLangEngine.__new__(SGLangEngine)  # no server: only the config-reading helper runs
@@ -346,7 +390,7 @@ def test_sglang_dense_profile_stats_from_the_model_config(model_dir):
 def test_grouped_decode_equals_expanded_kv(lk):
     """Decode attention without expanding K/V (a grouped matmul over views) equals SDPA on K/V
     expanded to Hq heads with repeat_interleave (the previous path)."""
-    from fpcli.engine.transformers_engine import _sdpa
+    from flashprefill.integrations.transformers import _sdpa
 
     g = torch.Generator().manual_seed(lk)
     q = torch.randn(1, HQ, 1, D, generator=g)
@@ -375,4 +419,4 @@ def test_load_engine_fits_the_sparse_threshold_to_the_model(model_dir):
 
     with engine_mod.load_engine("transformers", model=str(model_dir), profile="bf16", progress=False) as eng:
         assert eng.context_length == 4096
-        assert eng.profile.operator.min_sparse_len == 2048 and eng.runtime.config.min_sparse_len == 2048
+        assert eng.profile.sparse.min_sparse_len == 2048 and eng.runtime.config.min_sparse_len == 2048

@@ -85,10 +85,8 @@ def engine_loader():
             return getattr(importlib.import_module(module), func or "load_engine")
         except (ImportError, AttributeError) as exc:
             fail(f"${ENGINE_FACTORY_ENV}={spec}: cannot import it ({exc})")
-    try:
-        from fpcli.engine import load_engine
-    except ImportError as exc:
-        fail(f"the engine module is unavailable ({exc}); reinstall fp with `pip install -e .`")
+    from fpcli.engine import load_engine
+
     return load_engine
 
 
@@ -110,10 +108,8 @@ def load_profile_or_exit(name: str, fp8: bool = False):
 
 def check_model_or_exit(model: str | None) -> None:
     """Exit 2 when ``--model`` cannot name a model (checked before anything is loaded)."""
-    try:
-        from fpcli.models import ModelError, check_model
-    except ImportError:  # model management unavailable: the loader will say so
-        return
+    from fpcli.models import ModelError, check_model
+
     try:
         check_model(model)
     except ModelError as exc:
@@ -143,12 +139,9 @@ def context_or_exit(text: str | None, profile, model: str | None):
         fail(f"--context {text}: {exc}", code=2)
     native = None
     if model is not None:  # the default model depends on the engine: checked when it loads
-        try:
-            from fpcli.models import known_context_length
+        from fpcli.models import known_context_length
 
-            native = known_context_length(model)
-        except ImportError:
-            native = None
+        native = known_context_length(model)
     if native:
         try:
             plan_context({"max_position_embeddings": native}, values[0], model=model)
@@ -275,11 +268,12 @@ def parse_duration_or_exit(option: str, text: str | None) -> float | None:
 
 
 def obtain_engine(engine: str, model: str | None, profile, progress, no_server: bool, console: Console,
-                  verbose: bool = False):
+                  verbose: bool = False, timing: bool = False):
     """The engine for a command: the resident engine when one runs with the same model, profile
     and engine (``fpcli.server.client.connect``; warnings on ``console`` when it is stale or does
     not answer), else an in-process engine from ``engine_loader()``. ``no_server`` skips the
-    resident engine. The caller handles load errors (``fail``)."""
+    resident engine. ``timing``: an in-process engine measures index / attention time per layer
+    (the resident engine runs as it was started). The caller handles load errors (``fail``)."""
     if not no_server:
         from fpcli.server.client import connect
 
@@ -290,7 +284,7 @@ def obtain_engine(engine: str, model: str | None, profile, progress, no_server: 
         )
         if remote is not None:
             return remote
-    return engine_loader()(engine, model, profile, progress=progress, verbose=verbose)
+    return engine_loader()(engine, model, profile, progress=progress, verbose=verbose, timing=timing)
 
 
 def server_of(engine) -> dict | None:

@@ -12,28 +12,23 @@ from fpcli.commands import FpCommand, check_model_or_exit, fail, load_profile_or
 
 app = typer.Typer()
 
-CPU_MAX_LEN = 8192  # --cpu refuses longer lengths: the reference is O(L^2) on the CPU
 GPU_DEFAULT_LENS = "8k,32k,128k"
 CPU_DEFAULT_LENS = "2k,4k"
 
 
 def parse_lengths(text: str, option: str = "--len") -> list[int]:
-    """``"4k,32k,131072"`` -> ``[4096, 32768, 131072]``; ``k`` = 1024, ``m`` = 1024**2.
+    """``"4k,32k,131072"`` -> ``[4096, 32768, 131072]`` (``flashprefill.lengths.parse_lengths``,
+    the project's one length parser; ``k`` = 1024, ``m`` = 1024**2).
 
     Raises:
         ValueError: naming ``option`` and the bad item.
     """
-    out = []
-    for item in text.split(","):
-        item = item.strip().lower().replace("_", "")
-        m = re.fullmatch(r"(\d+(?:\.\d+)?)([km]?)", item)
-        if not m:
-            raise ValueError(f"{option}: {item!r} is not a length (examples: 4k, 131072, 128k, 4k,32k)")
-        value = float(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2)]
-        if value < 1 or value != int(value):
-            raise ValueError(f"{option}: {item!r} is not a whole number of tokens >= 1")
-        out.append(int(value))
-    return out
+    from flashprefill.lengths import parse_lengths as parse
+
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise ValueError(f"{option}: {exc}") from None
 
 
 def parse_heads(text: str) -> tuple[int, int]:
@@ -62,7 +57,7 @@ def bench(
     e2e: Annotated[bool, typer.Option("--e2e", help="Measure end-to-end TTFT through the engine, flashprefill vs dense.")] = False,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model for --e2e (default: the embedded one).")] = None,
     profile: Annotated[str, typer.Option("--profile", "-p", help="Profile for --e2e (bf16, fp8, dense, or a path).")] = "bf16",
-    cpu: Annotated[bool, typer.Option("--cpu", help=f"Tiny CPU reference run (<= {CPU_MAX_LEN // 1024}k tokens); NOT representative of GPU speed.")] = False,
+    cpu: Annotated[bool, typer.Option("--cpu", help="Tiny CPU reference run (short lengths only); NOT representative of GPU speed.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the rows as a JSON object on stdout.")] = False,
 ) -> None:
     """Benchmark the FlashPrefill operator, or with --e2e the TTFT through the engine.
@@ -86,18 +81,16 @@ def bench(
             fail("the end-to-end benchmark runs the SGLang engine and needs a CUDA GPU (none found"
                  + ("; --cpu applies to the operator benchmark only" if cpu else "")
                  + "); on a CPU, `fp ask FILE QUESTION` reports the TTFT of one real request")
-        try:
-            from fpcli.bench_e2e import run_e2e_bench
-            from fpcli.models import ModelError, resolve_model
-        except ImportError as exc:
-            fail(f"the end-to-end benchmark is unavailable ({exc}); install the GPU extras: pip install -e .[gpu]")
+        from fpcli.models import ModelError, resolve_model
+        from fpcli.ttft import run_ttft_bench
+
         check_model_or_exit(model)
         try:
             model_path = str(resolve_model(model, progress=err))
         except ModelError as exc:
             fail(str(exc))
         rows = _run_with_progress(
-            err, "TTFT", len(lengths), lambda progress: run_e2e_bench(lengths, model_path, prof, dense, progress=progress)
+            err, "TTFT", 2 * len(lengths), lambda progress: run_ttft_bench(lengths, model_path, prof, dense, progress=progress)
         )
         meta = {"kind": "e2e", "lens": lengths, "model": model_path, "profile": prof.name, "gpu": _gpu_name()}
     else:
@@ -108,15 +101,15 @@ def bench(
             )
         device = "cuda" if cuda and not cpu else "cpu"
         if device == "cpu":
+            from flashprefill.bench import CPU_MAX_LEN  # the reference is O(L^2) on the CPU
+
             too_long = [n for n in lengths if n > CPU_MAX_LEN]
             if too_long:
                 fail(f"--cpu runs lengths up to {CPU_MAX_LEN} tokens; got {too_long} (use --len 2k for example)", code=2)
             err.print("[yellow]CPU reference run: correctness plumbing only, NOT representative of GPU speed[/]")
-        try:
-            import torch
-            from flashprefill.bench import run_operator_bench
-        except ImportError as exc:
-            fail(f"the operator benchmark is unavailable ({exc})")
+        import torch
+
+        from flashprefill.bench import run_operator_bench
         kwargs: dict[str, Any] = {"fp8": fp8, "batch": batch}
         if device == "cpu":
             kwargs["device"] = "cpu"
@@ -141,7 +134,7 @@ def bench(
     if json_out:
         sys.stdout.write(json.dumps({"schema": "fp.bench/1", **meta, "rows": rows}, indent=2, default=str) + "\n")
     else:
-        from rich.console import Console
+        from fpcli.console import print_table
 
         title = f"fp bench ({meta['kind']}" + (", CPU reference, not representative)" if meta.get("device") == "cpu" else ")")
         if meta["kind"] == "operator" and rows and "inputs" in rows[0]:
@@ -151,8 +144,7 @@ def bench(
             sys.stdout.write(f"{title}\n{format_table(rows)}\n")
         else:
             table = rows_table(rows, title=title)
-            need = Console(width=10_000).measure(table).maximum  # as wide as it needs: no "…" cells
-            Console(width=max(Console().width, need)).print(table)  # the result: stdout
+            print_table(table)  # the result: stdout, as wide as it needs
         if not (meta["kind"] == "operator" and rows and "inputs" in rows[0]):  # format_table prints its notes
             notes = {k: v for r in rows for k, v in (r.get("notes") or {}).items()}
             for k, v in notes.items():
@@ -189,7 +181,7 @@ def _cell(v: Any) -> str:
 def _run_with_progress(err, label: str, total: int, fn):
     """Run ``fn(progress)`` under a rich progress bar. ``progress`` accepts ``()`` (one step done),
     ``(done, total)`` or ``(message,)``."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from fpcli.console import step_progress
 
     if not err.is_terminal:  # a log or a pipe: plain lines for messages, no redrawn bar
         def plain(*args, **kwargs) -> None:
@@ -202,7 +194,7 @@ def _run_with_progress(err, label: str, total: int, fn):
             lines = str(exc).strip().splitlines()
             fail(f"benchmark failed: {lines[0] if lines else type(exc).__name__}")
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=err, transient=True) as bar:
+    with step_progress(err) as bar:
         task = bar.add_task(label, total=total)
 
         def progress(*args, **kwargs) -> None:

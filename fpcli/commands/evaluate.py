@@ -100,13 +100,11 @@ def evaluate(
         err.print(f"[dim]{escape(note)}[/]", highlight=False)
 
     # -- the run -----------------------------------------------------------------------------------
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
+    from fpcli.console import step_progress
     from fpcli.ruler.runner import eval_report, run_profiles
     from fpcli.ruler.tasks import TaskError, make_samples
 
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                   TimeElapsedColumn(), console=err, transient=True, disable=quiet or not err.is_terminal)
+    bar = step_progress(err, disable=quiet or not err.is_terminal)
     n_samples = len(task_list) * len(lengths) * samples
     building = bar.add_task("building samples", total=n_samples, visible=False)
     answering = bar.add_task("answering", total=n_samples * len(profs), visible=False)
@@ -166,13 +164,11 @@ def evaluate(
         except OSError as exc:
             fail(f"cannot write the report {report}: {exc.strerror or exc}")
     if not quiet:
-        from rich.console import Console
-
+        from fpcli.console import print_table
         from fpcli.ruler.render import eval_table
 
         table = eval_table(data)
-        need = Console(width=10_000).measure(table).maximum
-        Console(stderr=True, width=max(err.width, need)).print(table)
+        print_table(table, stderr=True)
         if report is not None:
             err.print(f"[dim]report saved to {report}[/]", highlight=False)
 

@@ -14,10 +14,8 @@ app = typer.Typer(no_args_is_help=True, cls=FpGroup)
 
 
 def _models():
-    try:
-        import fpcli.models as models
-    except ImportError as exc:
-        fail(f"model management is unavailable ({exc})")
+    import fpcli.models as models
+
     return models
 
 
@@ -32,7 +30,6 @@ def list_cmd(json_out: Annotated[bool, typer.Option("--json", help="Print JSON o
         ]
         sys.stdout.write(json.dumps({"schema": "fp.models/1", "models": data}, indent=2) + "\n")
         return
-    from rich.console import Console
     from rich.table import Table
 
     t = Table(title="embedded models", title_justify="left")
@@ -44,9 +41,9 @@ def list_cmd(json_out: Annotated[bool, typer.Option("--json", help="Print JSON o
         t.add_row(r.name + "".join(f" ({a})" for a in r.aliases), "yes" if r.cached else "no", size, r.license, str(r.path))
     # As wide as the whole table needs: rich would otherwise shrink columns and cut the path
     # (a narrow terminal then wraps the line instead, which keeps the path copyable).
-    need = Console(width=10_000).measure(t).maximum
-    out = Console()
-    Console(width=max(out.width, need)).print(t)
+    from fpcli.console import print_table
+
+    print_table(t)
 
 
 @app.command("pull", cls=FpCommand)

@@ -71,7 +71,7 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
     from fpcli.engine.context import ContextError
 
     try:
-        eng = obtain_engine(engine.value, model, prof, err, no_server, err, verbose=verbose)
+        eng = obtain_engine(engine.value, model, prof, err, no_server, err, verbose=verbose, timing=True)
     except typer.Exit:
         raise
     except ContextError as exc:
@@ -149,7 +149,7 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
         out.print(f"no density statistics from the {result.engine} engine (profile {prof.name}, attention {prof.attention})")
     d = data["density"]
     if d["overall"] is not None:
-        msl = None if prof.attention == "dense" else int(prof.operator.min_sparse_len)
+        msl = None if prof.attention == "dense" else int(prof.sparse.min_sparse_len)
         out.print(f"density {density_line(d, prof.attention, result.prompt_tokens, msl)}", soft_wrap=True)
     out.print(_times_table(index_per_layer, attn_per_layer, stats.index_ms, stats.attention_ms))
     if fp8:

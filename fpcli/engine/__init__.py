@@ -92,7 +92,7 @@ def resolve_request(engine: str = "auto", model: str | None = None, profile=None
 
 
 def load_engine(engine: str = "auto", model: str | None = None, profile=None, progress=None,
-                engine_args: Sequence[str] = (), verbose: bool = False) -> Engine:
+                engine_args: Sequence[str] = (), verbose: bool = False, timing: bool = False) -> Engine:
     """Resolve ``model`` and load it with ``engine``.
 
     Args:
@@ -108,6 +108,8 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
         engine_args: SGLang command-line settings for the SGLang engine (``["--tp", "2"]``);
             the transformers engine takes none.
         verbose: SGLang's own processes log at ``info`` (else ``error``: ``fp -v``).
+        timing: measure index / attention time per layer (CUDA events; ``fp profile`` asks for
+            it, ``fp ask`` does not).
 
     Raises:
         EngineUnavailable: ``engine="sglang"`` where SGLang or CUDA is missing (names what to
@@ -135,9 +137,9 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
         log_level = "info" if verbose else None
         if ui is not None:
             with ui.status(f"starting SGLang with {name} (weights, CUDA graphs, kernel compilation, warm-up)"):
-                eng = SGLangEngine(path, profile, server_overrides=overrides, log_level=log_level)
+                eng = SGLangEngine(path, profile, server_overrides=overrides, log_level=log_level, timing=timing)
         else:
-            eng = SGLangEngine(path, profile, server_overrides=overrides, log_level=log_level)
+            eng = SGLangEngine(path, profile, server_overrides=overrides, log_level=log_level, timing=timing)
         eng.model_name = name
         return eng
     if engine_args:
@@ -147,8 +149,8 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
 
     if ui is not None:
         with ui.status(f"loading {name} (transformers engine)"):
-            return TransformersEngine(path, profile, model_name=name)
-    return TransformersEngine(path, profile, model_name=name)
+            return TransformersEngine(path, profile, model_name=name, timing=timing)
+    return TransformersEngine(path, profile, model_name=name, timing=timing)
 
 
 def _console(progress):

@@ -7,26 +7,18 @@ from __future__ import annotations
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Callable, Protocol, runtime_checkable
 
-
-def causal_attention_flops(q_len: int, kv_len: int, head_dim: int, q_heads: int) -> float:
-    """Dense causal attention FLOPs of one layer: ``4 d Hq sum_{t<Lq} (P + t + 1)``, ``P = Lk - Lq``
-    (QK^T and PV, 2 FLOPs per multiply-add each).
-
-    Example: ``Lq = Lk = 2048, d = 64, Hq = 9`` -> ``4 * 64 * 9 * 2048 * 1024.5 = 4.83e9``.
-    """
-    prefix = kv_len - q_len
-    return 4.0 * head_dim * q_heads * q_len * (prefix + (q_len + 1) / 2.0)
+from flashprefill.flops import dense_causal_flops
 
 
 def dense_prefill_stats(prompt_tokens: int, layers: int, q_heads: int, kv_heads: int, head_dim: int) -> "PrefillStats":
     """``PrefillStats`` of a prefill that ran dense in every layer (the ``dense`` profile on an
     engine that records nothing per layer): density 1.0 everywhere and the dense-equivalent FLOPs
-    ``layers * causal_attention_flops(n, n, head_dim, q_heads)``, none skipped."""
+    ``layers * flashprefill.flops.dense_causal_flops(n, n, head_dim, q_heads)``, none skipped."""
     return PrefillStats(
         density=1.0,
         density_per_layer=[1.0] * layers,
         density_per_layer_head=[[1.0] * kv_heads for _ in range(layers)],
-        attention_flops_dense=layers * causal_attention_flops(prompt_tokens, prompt_tokens, head_dim, q_heads),
+        attention_flops_dense=layers * dense_causal_flops(prompt_tokens, prompt_tokens, head_dim, q_heads),
     )
 
 

@@ -4,11 +4,14 @@
   are spawned children) with ``prefill_attention_backend="flashprefill"``,
   ``decode_attention_backend="triton"`` (decode keeps its CUDA graphs), ``sampling_backend=
   "pytorch"``, prefill CUDA graphs off, chunked prefill and page size from the profile.
-- The backend is registered in the children by ``FlashPrefillEngine`` (scheduler entry wrapper)
-  and by the ``sglang.srt.plugins`` entry point; see ``fpcli/sglang_backend/plugin.py``.
-- Profile knobs reach the scheduler through the ``FP_SGLANG_BACKEND`` environment variable
-  (``fpcli/sglang_backend/settings.py``), set only while the children are spawned.
-- Prefill statistics come back through a temp folder (``fpcli/sglang_backend/stats.py``).
+- The backend (``flashprefill.integrations.sglang``) is registered in the children by
+  ``FlashPrefillEngine`` (scheduler entry wrapper) and by the ``sglang.srt.plugins`` entry point;
+  see ``kernels/flashprefill/integrations/sglang/plugin.py``.
+- The profile becomes a frozen ``BackendSettings`` (``backend_settings``) that reaches the
+  scheduler through the ``FP_SGLANG_BACKEND`` environment variable (``settings.py`` there), set
+  only while the children are spawned.
+- Prefill statistics come back through a temp folder (``stats_reader.py`` there), turned into
+  ``PrefillStats`` here (``prefill_stats_of``).
 - ``close`` (also ``__exit__`` and ``atexit``) stops the engine within ``shutdown_timeout_s`` and
   then SIGKILLs whatever of its own child processes is still alive.
 
@@ -41,17 +44,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from flashprefill.integrations.sglang.settings import BackendSettings
+from flashprefill.integrations.sglang.stats_reader import RequestPrefill, read_prefill_stats
 from fpcli.engine import context as _context
 from fpcli.engine.base import GenerationResult, PrefillStats, dense_prefill_stats
 from fpcli.engine.tokens import token_starts
-from fpcli.sglang_backend.settings import BackendSettings, settings_from_profile
-from fpcli.sglang_backend.stats import read_prefill_stats
+from fpcli.profiles import MIN_CHUNKED_PREFILL
 
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "install the GPU extras with `pip install -e .[gpu]` on a CUDA machine, or use `--engine transformers`"
 DEFAULT_DENSE_BACKEND = "triton"
-MIN_CHUNKED_PREFILL = 8192
 _LIVE_ENGINES: "set[SGLangEngine]" = set()
 
 
@@ -134,13 +137,33 @@ def decode_graph_batch_sizes(max_bs: int) -> list[int]:
 # ----------------------------------------------------------------------------------------------
 
 
+def server_defaults(profile: Any) -> dict[str, Any]:
+    """The ``ServerArgs`` fields ``fp`` sets for ``profile``, in one place (``build_server_kwargs``
+    for the embedded engine, ``serve_argv`` for ``fp serve`` spell them): the flashprefill prefill
+    backend (the stock ``triton`` one for a dense profile), ``triton`` decode with its CUDA graphs,
+    the PyTorch sampler, page and chunk size (at least ``MIN_CHUNKED_PREFILL``), memory fraction,
+    prefill CUDA graphs off (flashprefill does not capture prefill; dense gets the same for
+    fairness), decode CUDA graphs as the profile says."""
+    eng = profile.engine
+    return dict(
+        attention_backend=DEFAULT_DENSE_BACKEND,
+        prefill_attention_backend=DEFAULT_DENSE_BACKEND if profile.is_dense else "flashprefill",
+        decode_attention_backend=DEFAULT_DENSE_BACKEND,
+        sampling_backend="pytorch",
+        page_size=int(eng.page_size),
+        chunked_prefill_size=max(int(eng.chunked_prefill_size), MIN_CHUNKED_PREFILL),
+        mem_fraction_static=float(eng.mem_fraction_static),
+        disable_prefill_cuda_graph=True,
+        disable_decode_cuda_graph=not bool(eng.cuda_graph_decode),
+    )
+
+
 def build_server_kwargs(
     model_path: str | os.PathLike,
     profile: Any,
     *,
     rope_scaling_factor: float | None = None,
     context_length: int | None = None,
-    disable_radix_cache: bool = False,
     log_level: str = "error",
     overrides: dict | None = None,
 ) -> dict:
@@ -148,30 +171,16 @@ def build_server_kwargs(
     single-user engine: decode CUDA graphs only for ``decode_graph_batch_sizes(
     engine.cuda_graph_max_bs)``; YaRN when the context exceeds the model's (``context_plan``).
 
-    ``overrides`` wins over everything (tests use it for ``chunked_prefill_size=2048``,
-    ``page_size`` and ``disable_cuda_graph``).
+    ``server_defaults(profile)`` first; ``overrides`` wins over everything (SGLang options the user
+    gave, e.g. ``tp_size``; tests use it for ``page_size`` and ``disable_cuda_graph``).
 
     Raises:
         fpcli.engine.context.ContextError: a context the model cannot be extended to.
     """
     eng = profile.engine
-    dense = bool(getattr(profile, "is_dense", False))
     plan = context_plan(model_path, profile, context_length, rope_scaling_factor)
-    kwargs: dict[str, Any] = dict(
-        model_path=str(model_path),
-        attention_backend=DEFAULT_DENSE_BACKEND,
-        prefill_attention_backend=DEFAULT_DENSE_BACKEND if dense else "flashprefill",
-        decode_attention_backend=DEFAULT_DENSE_BACKEND,
-        sampling_backend="pytorch",
-        page_size=int(eng.page_size),
-        chunked_prefill_size=max(int(eng.chunked_prefill_size), MIN_CHUNKED_PREFILL),
-        mem_fraction_static=float(eng.mem_fraction_static),
-        disable_prefill_cuda_graph=True,  # flashprefill does not capture prefill; dense gets the same for fairness
-        disable_decode_cuda_graph=not bool(eng.cuda_graph_decode),
-        disable_radix_cache=bool(disable_radix_cache),
-        log_level=log_level,
-        random_seed=0,
-    )
+    kwargs: dict[str, Any] = dict(model_path=str(model_path), **server_defaults(profile), log_level=log_level,
+                                  random_seed=0)
     if eng.cuda_graph_decode:
         sizes = decode_graph_batch_sizes(int(eng.cuda_graph_max_bs))
         kwargs.update(cuda_graph_bs_decode=sizes, cuda_graph_max_bs_decode=max(sizes))
@@ -317,6 +326,49 @@ def attention_precision(profile: Any) -> str:
     return {"float16": "fp16", "float32": "fp32"}.get(dtype, "bf16")
 
 
+def backend_settings(profile: Any, stats_dir: str | None, timing: bool = False) -> BackendSettings:
+    """The ``flashprefill`` backend's frozen settings for ``profile`` (an ``fpcli.profiles.Profile``):
+    its ``SparseConfig``, ``dense_layers`` and ``precision``; statistics written to ``stats_dir``;
+    per-layer index / attention timing only with ``timing``."""
+    return BackendSettings(sparse=profile.sparse_config(), dense_layers=int(profile.dense_layers),
+                           precision=str(profile.precision), stats_dir=stats_dir, layer_timing=timing)
+
+
+def prefill_stats_of(req: RequestPrefill) -> PrefillStats:
+    """``PrefillStats`` of one request from the scheduler's lines (``stats_reader.aggregate``): per
+    sparse layer selected / visible blocks summed over KV heads and chunks, density 1.0 elsewhere;
+    skipped FLOPs = dense FLOPs x (1 - density) per sparse layer."""
+    per_layer, per_head = [], []
+    sel_total = vis_total = 0
+    flops_skipped = 0.0
+    sparse_layers: list[int] = []
+    for i, mode in enumerate(req.layers):
+        s = req.selected[i] if i < len(req.selected) else None
+        v = req.visible[i] if i < len(req.visible) else None
+        if mode == "sparse" and s is not None and v is not None and sum(v) > 0:
+            per_head.append([si / vi if vi else 1.0 for si, vi in zip(s, v)])
+            d = sum(s) / sum(v)
+            per_layer.append(d)
+            sparse_layers.append(i)
+            sel_total += sum(s)
+            vis_total += sum(v)
+            if i < len(req.dense_flops):
+                flops_skipped += req.dense_flops[i] * (1.0 - d)
+        else:
+            per_layer.append(1.0)
+            per_head.append([1.0] * (len(s) if s else 0))
+    return PrefillStats(
+        density=(sel_total / vis_total) if vis_total else 1.0,
+        density_per_layer=per_layer,
+        density_per_layer_head=per_head,
+        sparse_layers=sparse_layers,
+        attention_flops_dense=float(sum(req.dense_flops)),
+        attention_flops_skipped=flops_skipped,
+        index_ms=req.index_ms,
+        attention_ms=req.attention_ms,
+    )
+
+
 class SGLangEngine:
     """The ``fp`` engine contract (``fpcli.engine.base.Engine``) on embedded SGLang.
 
@@ -326,12 +378,12 @@ class SGLangEngine:
         rope_scaling_factor: opt in to YaRN with this factor (> 1) for prompts beyond the model's
             native context.
         context_length: cap on the context (tokens); default the profile's or the model's.
-        disable_radix_cache: turn the prefix cache off (benchmarks).
-        collect_stats: per-layer density and prefill time from the backend.
-        layer_timing: also time index and attention stages per layer.
-        server_overrides: extra ``ServerArgs`` fields, win over the profile.
-        extra_env: environment entries for SGLang's processes (none are read by the operator).
+        timing: also time the index and attention stages per layer (CUDA events in the
+            scheduler; ``fp profile`` asks for it).
+        server_overrides: extra ``ServerArgs`` fields (SGLang's own options), win over the profile.
+        log_level: SGLang's log level (default ``error``).
         shutdown_timeout_s: how long ``close`` waits for SGLang before killing its children.
+        warmup: compile every kernel at start (``warmup``).
     """
 
     name = "sglang"
@@ -344,15 +396,11 @@ class SGLangEngine:
         *,
         rope_scaling_factor: float | None = None,
         context_length: int | None = None,
-        disable_radix_cache: bool = False,
-        collect_stats: bool = True,
-        layer_timing: bool = False,
+        timing: bool = False,
         server_overrides: dict | None = None,
         log_level: str | None = None,
         shutdown_timeout_s: float = 30.0,
-        settings_overrides: dict | None = None,
         warmup: bool = True,
-        extra_env: dict[str, str] | None = None,
     ):
         check_available()
         self.model_path = str(model_path)
@@ -365,14 +413,10 @@ class SGLangEngine:
         self._closed = False
         self._engine = None
         self._stats_dir = tempfile.mkdtemp(prefix="fp-sglang-stats-")
-        self.settings: BackendSettings = settings_from_profile(
-            profile, stats_dir=self._stats_dir, collect_stats=collect_stats, layer_timing=layer_timing,
-            **(settings_overrides or {}),
-        )
+        self.settings: BackendSettings = backend_settings(profile, self._stats_dir, timing=timing)
         self.context_plan = context_plan(model_path, profile, context_length, rope_scaling_factor)
         self.server_kwargs = build_server_kwargs(
             model_path, profile, rope_scaling_factor=rope_scaling_factor, context_length=context_length,
-            disable_radix_cache=disable_radix_cache,
             log_level=log_level or os.environ.get("FP_SGLANG_LOG_LEVEL", "error"), overrides=server_overrides,
         )
         from transformers import AutoTokenizer
@@ -381,13 +425,13 @@ class SGLangEngine:
         t0 = time.perf_counter()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.start_phases["tokenizer"] = time.perf_counter() - t0
-        from fpcli.sglang_backend.plugin import engine_class
+        from flashprefill.integrations.sglang.plugin import engine_class
 
         before = _children()
         t0 = time.perf_counter()
         logger.info("starting SGLang: %s", self.server_kwargs)
         try:
-            with _env({**self.settings.to_env(), **(extra_env or {})}):
+            with _env(self.settings.to_env()):
                 self._engine = engine_class()(**self.server_kwargs)
         except BaseException:
             self._child_pids = sorted(_children() - before)
@@ -558,14 +602,12 @@ class SGLangEngine:
         the backend wrote nothing (dense profile, or stats off)."""
         if not self.sparse:  # stock SGLang attention records nothing; the dense FLOPs are known
             return self._dense_stats(prompt_tokens), ttft
-        if not self.settings.collect_stats:
-            return PrefillStats(), ttft
         rec = read_prefill_stats(self._stats_dir, rid, timeout_s=self.stats_timeout_s, expect_tokens=prompt_tokens)
         if rec is None:
             logger.warning("flashprefill: no prefill statistics arrived for %s", rid)
             return PrefillStats(), ttft
         prefill_s = rec.prefill_ms / 1000.0 if rec.prefill_ms is not None else ttft
-        return rec.to_prefill_stats(), prefill_s
+        return prefill_stats_of(rec), prefill_s
 
     def _dense_stats(self, prompt_tokens: int) -> PrefillStats:
         """``dense_prefill_stats`` from the model's config (``PrefillStats()`` if it lacks a field).
@@ -719,23 +761,14 @@ def serve_argv(argv: Sequence[str], profile: Any) -> list[str]:
     out = _spell_out(argv)
     given = {a.partition("=")[0] for a in out if a.startswith("--")}
     eng = profile.engine
-    dense = bool(getattr(profile, "is_dense", False))
-    defaults = [
-        ("--attention-backend", DEFAULT_DENSE_BACKEND),
-        ("--prefill-attention-backend", DEFAULT_DENSE_BACKEND if dense else "flashprefill"),
-        ("--decode-attention-backend", DEFAULT_DENSE_BACKEND),
-        ("--sampling-backend", "pytorch"),
-        ("--page-size", str(eng.page_size)),
-        ("--chunked-prefill-size", str(max(int(eng.chunked_prefill_size), MIN_CHUNKED_PREFILL))),
-        ("--mem-fraction-static", str(eng.mem_fraction_static)),
-    ]
-    for flag, value in defaults:
-        if flag not in given:
-            out += [flag, value]
-    if "--disable-prefill-cuda-graph" not in given and "--cuda-graph-backend-prefill" not in given:
-        out.append("--disable-prefill-cuda-graph")
-    if not eng.cuda_graph_decode and "--disable-decode-cuda-graph" not in given:
-        out.append("--disable-decode-cuda-graph")
+    for name, value in server_defaults(profile).items():
+        flag = "--" + name.replace("_", "-")
+        if flag in given or (name == "disable_prefill_cuda_graph" and "--cuda-graph-backend-prefill" in given):
+            continue
+        if isinstance(value, bool):
+            out += [flag] if value else []
+        else:
+            out += [flag, str(value)]
     if eng.context_length and "--context-length" not in given:
         out += ["--context-length", str(eng.context_length)]
     return out

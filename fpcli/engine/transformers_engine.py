@@ -1,30 +1,19 @@
 """The transformers engine: any ``AutoModelForCausalLM`` on CPU or GPU, with FlashPrefill V2 prefill.
 
-FlashPrefill enters through transformers' attention-function interface: ``install_flashprefill``
-registers ``flashprefill_attention_forward`` as ``attn_implementation="fp_sparse_prefill"`` and hangs a
-``FlashPrefillRuntime`` (profile knobs + per-layer statistics) on every attention module. The
-decoder layers then call it with transformers' own tensors::
+FlashPrefill enters through transformers' attention-function interface
+(``flashprefill.integrations.transformers``): the model is loaded with
+``attn_implementation="fp_sparse_prefill"`` and a ``FlashPrefillRuntime`` (the profile's
+``SparseConfig``, ``dense_layers``, timing) is hung on every attention module. This module owns the
+engine's lifecycle and generation; the attention function and its per-layer records live there.
 
-    query [1, Hq, Lq, d]   key, value [1, Hkv, Lk, d]   (Lk = cached + new tokens, RoPE applied)
-
-Prefill (``Lq > 1``) in a sparse layer (``layer_idx >= profile.dense_layers``) is mapped onto the
-operator's layout (``docs/layout.md``): ``q -> [Lq, Hq, d]``; K/V -> a paged cache of
-``PAGE_SIZE``-token pages ``[ceil(Lk/64), 64, Hkv, d]`` (zero padded), page table ``arange``,
-``seq_lens = [Lk]``, ``cu_seqlens_q = [0, Lq]``; then
-``flashprefill.flashprefill_attention(..., config=profile.sparse_config(), return_stats=True)``
-(``backend="auto"``: the PyTorch reference on CPU, Triton on CUDA when it supports the dtype and
-head dim; the operator decides, ``flashprefill.api._choose_backend``). Dense layers, the ``dense``
-profile and decode steps (``Lq == 1``) run ``torch.nn.functional.scaled_dot_product_attention``
-with bottom-right causal alignment.
-
-Statistics (``PrefillStats``), per layer of the last prefill:
+Statistics (``PrefillStats``) of the last prefill, from ``FlashPrefillRuntime.summary`` (the
+index each sparse layer's attention used):
 
 - density: selected / causally visible key blocks (1.0 for dense layers);
-- dense-equivalent attention FLOPs, causal-aware:
-  ``4 * d * Hq * sum_t (P + t + 1) = 4 * d * Hq * Lq * (P + (Lq + 1) / 2)``
-  (QK^T and PV, 2 FLOPs per multiply-add each), i.e. ``4 Lq Lk_eff d Hq`` with ``Lk_eff`` the mean
-  visible keys per query; skipped = dense x (1 - density) per sparse layer;
-- index / attention time per layer (ms), synchronised on CUDA.
+- dense-equivalent attention FLOPs (``flashprefill.flops.dense_causal_flops``); skipped =
+  dense x (1 - density) per sparse layer;
+- index / attention time per layer (ms) only with ``timing=True`` (CUDA events, read once after
+  the forward; ``fp profile`` asks for it, ``fp ask`` does not).
 
 CPU dtype (``engine.dtype: auto``): float32. Measured with SmolLM2-135M, 2K-token prompt, dense
 profile, 2-core AMD EPYC with AVX512-BF16 (no AMX): bf16 weights cut prefill CPU time ~1.4x
@@ -46,92 +35,19 @@ from __future__ import annotations
 import inspect
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from .base import GenerationResult, PrefillStats, causal_attention_flops
+from flashprefill.integrations.transformers import (
+    ATTN_NAME, FlashPrefillRuntime, LayerSummary, install_flashprefill, register_attention,
+)
+
+from .base import GenerationResult, PrefillStats
 from .context import ContextPlan, plan_context
 from .tokens import token_starts
 
-# Not "flashprefill": transformers 5 treats any implementation name containing "flash" as a
-# FlashAttention kernel request (``is_flash_attention_requested``) and tries to import it.
-ATTN_NAME = "fp_sparse_prefill"
-PAGE_SIZE = 64  # tokens per page of the paged view handed to the operator
 DTYPE_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-
-
-# --------------------------------------------------------------------------------------------
-# attention function and its per-model runtime
-
-
-@dataclass
-class LayerStat:
-    """What one layer's prefill attention did."""
-
-    layer: int
-    sparse: bool
-    q_len: int
-    kv_len: int
-    density: float
-    density_per_kv_head: list[float]
-    flops_dense: float
-    index_ms: float | None = None
-    attention_ms: float | None = None
-
-
-@dataclass
-class FlashPrefillRuntime:
-    """Per-model state read by ``flashprefill_attention_forward``.
-
-    Attributes:
-        config: ``flashprefill.SparseConfig`` of the sparse layers; ``None`` = dense everywhere.
-        dense_layers: layers ``< dense_layers`` attend densely.
-        backend: the operator's ``backend=`` (``"auto"``: Triton on CUDA, reference otherwise).
-        min_prefill_len: query lengths below this use SDPA (decode and tiny chunks).
-        timing: measure index / attention time per layer (synchronises CUDA per layer).
-        layers: ``layer_idx -> LayerStat`` of the current prefill (reset by ``reset``).
-        on_layer: called with ``layer_idx`` after each layer's prefill attention (progress of a
-            long prefill; set by the engine for one prefill, ``None`` otherwise).
-    """
-
-    config: object | None = None
-    dense_layers: int = 0
-    backend: str = "auto"
-    min_prefill_len: int = 2
-    timing: bool = True
-    layers: dict[int, LayerStat] = field(default_factory=dict)
-    on_layer: Callable[[int], None] | None = None
-    _plans: dict = field(default_factory=dict)
-
-    def reset(self) -> None:
-        self.layers.clear()
-        self._plans.clear()
-
-    def stats(self, n_layers: int) -> PrefillStats:
-        """``PrefillStats`` of the current prefill over ``n_layers`` decoder layers."""
-        rows = [self.layers.get(i) for i in range(n_layers)]
-        dens = [r.density if r else 1.0 for r in rows]
-        heads = [r.density_per_kv_head if r else [] for r in rows]
-        flops = sum(r.flops_dense for r in rows if r)
-        skipped = sum(r.flops_dense * (1.0 - r.density) for r in rows if r and r.sparse)
-        sparse = [r for r in rows if r and r.sparse]
-        # Overall density: selected / visible over sparse layers (they share one geometry, so the
-        # mean of the per-layer ratios is the ratio of the sums).
-        overall = sum(r.density for r in sparse) / len(sparse) if sparse else 1.0
-        idx = [r.index_ms for r in rows if r and r.index_ms is not None]
-        att = [r.attention_ms for r in rows if r and r.attention_ms is not None]
-        return PrefillStats(
-            density=overall,
-            density_per_layer=dens,
-            density_per_layer_head=heads,
-            sparse_layers=[r.layer for r in sparse],
-            attention_flops_dense=flops,
-            attention_flops_skipped=skipped,
-            index_ms=sum(idx) if idx else None,
-            attention_ms=sum(att) if att else None,
-        )
 
 
 def _now(sync_device: torch.device | None) -> float:
@@ -140,170 +56,24 @@ def _now(sync_device: torch.device | None) -> float:
     return time.perf_counter()
 
 
-def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None, groups: int) -> torch.Tensor:
-    """Dense attention, bottom-right causal, GQA without copying K/V. ``query [B, Hq, Lq, d]``,
-    key/value ``[B, Hkv, Lk, d]`` with ``Hq = groups * Hkv`` (query head ``h`` reads KV head
-    ``h // groups``) -> ``[B, Lq, Hq, d]``.
-
-    A decode step (``Lq == 1``) runs ``_grouped_decode``; a prefill runs SDPA with
-    ``enable_gqa``. Neither expands K/V to ``Hq`` heads (``repeat_interleave`` copied the whole
-    cache on every decode step: ~25% of a CPU decode step at 7.8K tokens, docs/benchmarks.md).
-    """
-    lq, lk = query.shape[2], key.shape[2]
-    if lq == 1:
-        return _grouped_decode(query, key, value, scaling)
-    gqa = groups > 1
-    if lq == lk:
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
-                                                               enable_gqa=gqa)
-    else:  # chunk after a prefix: query t sees p <= (Lk - Lq) + t
-        pos = torch.arange(lk, device=query.device)
-        mask = pos[None, :] <= (lk - lq + torch.arange(lq, device=query.device))[:, None]
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
-                                                               enable_gqa=gqa)
-    return out.transpose(1, 2).contiguous()
-
-
-def _grouped_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
-    """One query token attending to every cached key, as a grouped matmul over views.
-
-    ``query [B, Hq, 1, d]`` is viewed as ``[B, Hkv, g, d]`` (the ``g`` query heads of a KV head
-    side by side), so ``q @ k^T`` is ``[B, Hkv, g, Lk]`` against the unexpanded
-    ``key [B, Hkv, Lk, d]``; softmax in float32; ``@ value`` -> ``[B, Hkv, g, d]`` ->
-    ``[B, 1, Hq, d]``. Example: SmolLM2-135M, ``Hq = 9``, ``Hkv = 3``: heads 0-2 read KV head 0.
-    """
-    b, hq, _, d = query.shape
-    hkv = key.shape[1]
-    scale = scaling if scaling is not None else d ** -0.5
-    q = query.reshape(b, hkv, hq // hkv, d)
-    scores = torch.matmul(q, key.transpose(-1, -2)) * scale  # [B, Hkv, g, Lk]
-    probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
-    out = torch.matmul(probs, value)  # [B, Hkv, g, d]
-    return out.reshape(b, 1, hq, d)
-
-
-def _paged(x: torch.Tensor) -> torch.Tensor:
-    """``[1, Hkv, Lk, d]`` -> pages ``[ceil(Lk / PAGE_SIZE), PAGE_SIZE, Hkv, d]`` (zero padded)."""
-    _, hkv, lk, d = x.shape
-    n_pages = -(-lk // PAGE_SIZE)
-    pages = x.new_zeros(n_pages * PAGE_SIZE, hkv, d)
-    pages[:lk] = x[0].transpose(0, 1)
-    return pages.view(n_pages, PAGE_SIZE, hkv, d)
-
-
-def flashprefill_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """transformers attention function ``attn_implementation="fp_sparse_prefill"`` (``ATTN_NAME``).
-
-    Args:
-        module: the model's attention module (``layer_idx``, ``num_key_value_groups``, and the
-            ``fp_runtime`` set by ``install_flashprefill``).
-        query: ``[B, Hq, Lq, d]``, RoPE applied. key, value: ``[B, Hkv, Lk, d]``, cache included.
-        attention_mask: ignored for batch size 1 (this function applies bottom-right causal
-            masking itself); with batch size > 1 a mask means a padded batch: ``ValueError``.
-        scaling: softmax scale ``τ``.
-
-    Returns:
-        ``(out [B, Lq, Hq, d], None)``.
-    """
-    rt: FlashPrefillRuntime | None = getattr(module, "fp_runtime", None)
-    if rt is None:
-        rt = _DEFAULT_RUNTIME
-    groups = query.shape[1] // key.shape[1]
-    layer = int(getattr(module, "layer_idx", 0) or 0)
-    bsz, hq, lq, d = query.shape
-    lk = key.shape[2]
-    if attention_mask is not None and bsz > 1:  # no .all(): a causal mask is never all True, and it syncs
-        raise ValueError(f"flashprefill attention: padded batches are not supported: batch size 1 only, got {bsz}")
-    if lq < rt.min_prefill_len:
-        return _sdpa(query, key, value, scaling, groups), None
-    sparse = (
-        rt.config is not None
-        and layer >= rt.dense_layers
-        and lq >= rt.config.min_sparse_len  # short prefills dense, as in the SGLang backend
-        and bsz == 1
-        and kwargs.get("sliding_window") is None
-        and kwargs.get("softcap") is None
+def prefill_stats(rows: list[LayerSummary | None]) -> PrefillStats:
+    """``PrefillStats`` of one prefill from ``FlashPrefillRuntime.summary`` (``None`` = a layer
+    whose attention was not called: density 1.0, no FLOPs). The overall density is selected /
+    visible blocks summed over the sparse layers."""
+    sparse = [r for r in rows if r is not None and r.sparse]
+    sel, vis = sum(r.selected_blocks for r in sparse), sum(r.visible_blocks for r in sparse)
+    idx = [r.index_ms for r in rows if r is not None and r.index_ms is not None]
+    att = [r.attention_ms for r in rows if r is not None and r.attention_ms is not None]
+    return PrefillStats(
+        density=(sel / vis) if vis else 1.0,
+        density_per_layer=[r.density if r else 1.0 for r in rows],
+        density_per_layer_head=[list(r.density_per_kv_head) if r else [] for r in rows],
+        sparse_layers=[r.layer for r in sparse],
+        attention_flops_dense=sum(r.flops_dense for r in rows if r),
+        attention_flops_skipped=sum(r.flops_dense * (1.0 - r.density) for r in sparse),
+        index_ms=sum(idx) if idx else None,
+        attention_ms=sum(att) if att else None,
     )
-    flops = causal_attention_flops(lq, lk, d, hq) * bsz
-    sync = query.device if rt.timing else None
-    if not sparse:
-        t0 = _now(sync)
-        out = _sdpa(query, key, value, scaling, groups)
-        ms = (_now(sync) - t0) * 1e3 if rt.timing else None
-        rt.layers[layer] = LayerStat(layer, False, lq, lk, 1.0, [1.0] * key.shape[1], flops, None, ms)
-        if rt.on_layer is not None:
-            rt.on_layer(layer)
-        return out, None
-
-    from flashprefill import api as flashprefill  # the public API module (validation + dispatch)
-
-    q = query[0].transpose(0, 1).contiguous()  # [Lq, Hq, d]
-    k_cache, v_cache = _paged(key), _paged(value)  # [pages, PAGE_SIZE, Hkv, d]
-    dev = query.device
-    key_geom = (lq, lk, groups, dev)
-    geom = rt._plans.get(key_geom)
-    if geom is None:  # plan once per prefill, reuse in every layer
-        page_table = torch.arange(k_cache.shape[0], dtype=torch.int32, device=dev)[None, :]
-        seq_lens = torch.tensor([lk], dtype=torch.int32, device=dev)
-        cu = torch.tensor([0, lq], dtype=torch.int32, device=dev)
-        plan = flashprefill.make_plan(seq_lens, cu, groups, rt.config.block_size)
-        geom = rt._plans[key_geom] = (page_table, seq_lens, cu, plan)
-    page_table, seq_lens, cu, plan = geom
-    backend = rt.backend  # "auto": the operator picks Triton only for CUDA tensors it takes
-    t0 = _now(sync)
-    index_ms = None
-    index = None
-    if rt.timing:  # build the index separately to time the two stages
-        index = flashprefill.build_index(q, k_cache, v_cache, page_table, seq_lens, cu, config=rt.config,
-                                         softmax_scale=scaling, plan=plan, backend=backend)
-        t1 = _now(sync)
-        index_ms = (t1 - t0) * 1e3
-        t0 = t1
-    out, st = flashprefill.flashprefill_attention(
-        q, k_cache, v_cache, page_table, seq_lens, cu, config=rt.config, softmax_scale=scaling,
-        return_stats=True, plan=plan, index=index, backend=backend,
-    )
-    att_ms = (_now(sync) - t0) * 1e3 if rt.timing else None
-    per_head = [float(x) for x in st.density_per_kv_head.tolist()]
-    rt.layers[layer] = LayerStat(layer, True, lq, lk, float(st.density), per_head, flops, index_ms, att_ms)
-    if rt.on_layer is not None:
-        rt.on_layer(layer)
-    return out.unsqueeze(0), None
-
-
-_DEFAULT_RUNTIME = FlashPrefillRuntime(config=None)  # used when a model was not installed
-
-
-def register_attention() -> None:
-    """Register ``attn_implementation=ATTN_NAME`` with transformers (idempotent)."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_NAME, flashprefill_attention_forward)
-
-
-def install_flashprefill(model: torch.nn.Module, runtime: FlashPrefillRuntime) -> FlashPrefillRuntime:
-    """Switch ``model`` to the flashprefill attention function and attach ``runtime`` to every
-    attention module (modules with a ``layer_idx`` and ``num_key_value_groups``)."""
-    register_attention()
-    if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
-        model.set_attn_implementation(ATTN_NAME)
-    n = 0
-    for mod in model.modules():
-        if hasattr(mod, "layer_idx") and hasattr(mod, "num_key_value_groups"):
-            mod.fp_runtime = runtime
-            n += 1
-    if n == 0:
-        raise ValueError(f"{type(model).__name__}: no attention module with layer_idx/num_key_value_groups found")
-    return runtime
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,7 +108,7 @@ class TransformersEngine:
         profile: ``fpcli.profiles.Profile`` (default: ``load_profile("bf16")``).
         model_name: name for reports (default: the folder name).
         device: ``"cpu"``, ``"cuda"`` or ``None`` (CUDA when available).
-        timing: measure per-layer index/attention time (one CUDA sync per layer).
+        timing: measure per-layer index / attention time (CUDA events, read after the forward).
         reuse_cache: keep the last request's KV cache (``DynamicCache``) and token ids, and prefill
             only what follows the longest common token prefix with the next prompt (the same
             documents with another question). ``False`` prefills every prompt whole (benchmarks).
@@ -359,7 +129,7 @@ class TransformersEngine:
     name = "transformers"
 
     def __init__(self, model_path, profile=None, model_name: str | None = None, device: str | None = None,
-                 timing: bool = True, reuse_cache: bool = True) -> None:
+                 timing: bool = False, reuse_cache: bool = True) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -468,7 +238,7 @@ class TransformersEngine:
         token = self._pick(logits, temperature)
         t_first = _now(self.device)
         prefill_s = t_first - t0
-        stats = self.runtime.stats(self.n_layers)
+        stats = prefill_stats(self.runtime.summary(self.n_layers))
 
         fed: list[int] = []  # answer tokens whose keys/values are in the cache
         generated: list[int] = []
@@ -590,11 +360,9 @@ def flops_summary(stats: PrefillStats) -> str:
 __all__ = [
     "ATTN_NAME",
     "FlashPrefillRuntime",
-    "LayerStat",
     "TransformersEngine",
-    "causal_attention_flops",
     "common_prefix_len",
-    "flashprefill_attention_forward",
     "install_flashprefill",
+    "prefill_stats",
     "register_attention",
 ]

@@ -78,6 +78,20 @@ class BlockIndex:
         lo, hi = int(self.row_ptr[seg]), int(self.row_ptr[seg + 1])
         return self.col_idx[lo:hi]
 
+    def head_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(selected, visible)``: int64 ``[Hkv]`` on the index's device, the selected and the
+        causally visible key blocks of each KV head summed over its segments. No host sync (a
+        caller may keep them on the device and read them once after a forward); the density of
+        head ``h`` is ``selected[h] / visible[h]``.
+        """
+        h = self.n_kv_heads
+        counts = (self.row_ptr[1:] - self.row_ptr[:-1]).to(torch.int64)
+        vis = self.n_visible.to(torch.int64)
+        if not counts.numel():
+            zeros = torch.zeros(h, dtype=torch.int64, device=self.row_ptr.device)
+            return zeros, zeros.clone()
+        return counts.view(h, -1).sum(1), vis.view(h, -1).sum(1)
+
     def nbytes(self) -> int:
         """Bytes held by the index tensors (CSR + block means)."""
         return sum(t.numel() * t.element_size() for t in (
@@ -105,11 +119,7 @@ class SparseStats:
 
     @staticmethod
     def from_index(index: BlockIndex) -> "SparseStats":
-        counts = (index.row_ptr[1:] - index.row_ptr[:-1]).to(torch.int64)
-        vis = index.n_visible.to(torch.int64)
-        h = index.n_kv_heads
-        sel_h = counts.view(h, -1).sum(1).cpu() if counts.numel() else torch.zeros(h, dtype=torch.int64)
-        vis_h = vis.view(h, -1).sum(1).cpu() if vis.numel() else torch.zeros(h, dtype=torch.int64)
+        sel_h, vis_h = (t.cpu() for t in index.head_counts())
         sel, tot = int(sel_h.sum()), int(vis_h.sum())
         return SparseStats(
             density=(sel / tot) if tot else 1.0,

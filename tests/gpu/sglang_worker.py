@@ -38,7 +38,7 @@ def run(spec: dict, result_path: str) -> int:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from fpcli.bench_e2e import answered, needle_prompt
+    from fpcli.ttft import answered, needle_prompt
     from fpcli.engine.sglang_engine import SGLangEngine
     from fpcli.profiles import load_profile
 
@@ -46,13 +46,12 @@ def run(spec: dict, result_path: str) -> int:
     prof = load_profile("bf16")
     if spec.get("profile") == "dense":
         prof = prof.replace(attention="dense")
-    settings = None
     if spec.get("min_sparse_len") is not None:
-        settings = {"sparse": prof.sparse_config().replace(min_sparse_len=int(spec["min_sparse_len"]))}
+        prof = prof.replace(sparse=prof.sparse.replace(min_sparse_len=int(spec["min_sparse_len"])))
     t0 = time.perf_counter()
     try:
         with SGLangEngine(spec["model"], prof, server_overrides=spec.get("overrides") or {},
-                          settings_overrides=settings, rope_scaling_factor=spec.get("rope_scaling_factor"),
+                          rope_scaling_factor=spec.get("rope_scaling_factor"),
                           log_level="info") as eng:
             out["startup_s"] = round(time.perf_counter() - t0, 2)
             out["warmup_s"] = round(eng.warmup_s, 2)

@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 sglang = pytest.importorskip("sglang")
 
-from fpcli.bench_e2e import answered, needle_document  # noqa: E402
+from fpcli.ttft import answered, needle_document  # noqa: E402
 from fpcli.engine.sglang_engine import SGLangEngine, kernel_kv_thresholds, warmup_plan  # noqa: E402
 from fpcli.models import QWEN_CODER, default_model, model_path  # noqa: E402
 from fpcli.profiles import load_profile, with_context_length  # noqa: E402
@@ -49,7 +49,7 @@ def test_default_gpu_engine_cold_start_and_first_long_request():
         assert json.loads(kw["json_model_override_args"])["rope_scaling"]["factor"] == 4.0
         assert eng.context_length == 131072 and eng.context_plan.native == 32768
         plan = eng.warmup_lengths()
-        assert plan == warmup_plan(131072, kw["chunked_prefill_size"], profile.operator.min_sparse_len,
+        assert plan == warmup_plan(131072, kw["chunked_prefill_size"], profile.sparse.min_sparse_len,
                                    kernel_kv_thresholds())
         assert list(eng.start_phases) == ["tokenizer", "engine"] + [f"warmup {n} tokens" for n in plan]
         assert all(v >= 0 for v in eng.start_phases.values())

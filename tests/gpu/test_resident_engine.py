@@ -44,7 +44,7 @@ def _alive(pid: int) -> bool:
 def test_resident_sglang_engine_reuses_the_document_kv_cache():
     from transformers import AutoTokenizer
 
-    from fpcli.bench_e2e import needle_document
+    from fpcli.ttft import needle_document
 
     root = Path(tempfile.mkdtemp(prefix="fpg-", dir="/tmp"))
     (root / "rt").mkdir(mode=0o700)

@@ -27,7 +27,7 @@ QWEN = MODELS / "qwen2.5-coder-0.5b-instruct"
 if not (QWEN / "config.json").is_file():
     pytest.skip(f"staged Qwen not found under FPDEV_MODELS={MODELS}", allow_module_level=True)
 
-from fpcli.bench_e2e import answered, needle_document  # noqa: E402
+from fpcli.ttft import answered, needle_document  # noqa: E402
 from fpcli.engine.sglang_engine import SGLangEngine  # noqa: E402
 from fpcli.profiles import load_profile  # noqa: E402
 from fpcli.prompt import build_prompt  # noqa: E402

@@ -39,11 +39,11 @@ if not (SMOL / "config.json").is_file():
     pytest.skip(f"staged models not found under FPDEV_MODELS={MODELS}", allow_module_level=True)
 
 from flashprefill.config import SparseConfig  # noqa: E402
-from fpcli.bench_e2e import answered, needle_document, needle_prompt  # noqa: E402
+from fpcli.ttft import answered, needle_document, needle_prompt  # noqa: E402
 from fpcli.engine.sglang_engine import SGLangEngine  # noqa: E402
 from fpcli.profiles import load_profile  # noqa: E402
-from fpcli.sglang_backend import plugin  # noqa: E402
-from fpcli.sglang_backend.settings import BackendSettings, set_settings_override  # noqa: E402
+from flashprefill.integrations.sglang import plugin  # noqa: E402
+from flashprefill.integrations.sglang.settings import ENV_VAR, BackendSettings  # noqa: E402
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 log = logging.getLogger("test_sglang_engine")
@@ -70,39 +70,39 @@ def _run_case(backend: str, page_size: int, prefix: tuple, extend: tuple, name: 
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("prefix,extend", [((0, 0), (517, 200)), ((300, 129), (200, 1)), ((640,), (300,))])
-def test_backend_alpha0_equals_dense_on_mock_runner(page_size, prefix, extend):
+def test_backend_alpha0_equals_dense_on_mock_runner(page_size, prefix, extend, monkeypatch):
     """Operator path (dense_layers 0, alpha 0 keeps every block) == torch_native == fp32 reference."""
     plugin.register(source="direct")
-    set_settings_override(BackendSettings(sparse=SparseConfig(alpha=0.0, block_size=64, min_sparse_len=0),
-                                          dense_layers=0, debug_checks=True, collect_stats=True))
-    try:
-        name = f"fp_p{page_size}_{'_'.join(map(str, prefix + extend))}"
-        fx, out, ref = _run_case("flashprefill", page_size, prefix, extend, name)
-        meta = fx.backend.forward_metadata
-        assert meta is not None and meta.sparse, f"batch went dense: {meta and meta.dense_reason}"
-        _, out_native, _ = _run_case("torch_native", page_size, prefix, extend, name)  # same name -> same seed
-        torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
-        torch.testing.assert_close(out, out_native, atol=3e-2, rtol=3e-2)
-    finally:
-        set_settings_override(None)
+    monkeypatch.setenv(ENV_VAR, BackendSettings(sparse=SparseConfig(alpha=0.0, block_size=64, min_sparse_len=0),
+                                                dense_layers=0, debug_checks=True, collect_stats=True).to_json())
+    name = f"fp_p{page_size}_{'_'.join(map(str, prefix + extend))}"
+    fx, out, ref = _run_case("flashprefill", page_size, prefix, extend, name)
+    meta = fx.backend.forward_metadata
+    assert meta is not None and meta.sparse, f"batch went dense: {meta and meta.dense_reason}"
+    _, out_native, _ = _run_case("torch_native", page_size, prefix, extend, name)  # same name -> same seed
+    torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out, out_native, atol=3e-2, rtol=3e-2)
 
 
-def test_backend_sparse_config_runs_and_records_stats(tmp_path):
+@pytest.mark.parametrize("timing", [False, True])
+def test_backend_sparse_config_runs_and_records_stats(tmp_path, monkeypatch, timing):
+    """One path: the stats line of a sparse batch counts the index the attention returned; the
+    stage times are there only with layer_timing."""
     plugin.register(source="direct")
-    set_settings_override(BackendSettings(sparse=SparseConfig(block_size=64, sink_tokens=64, window_tokens=128,
-                                                              dense_tail_tokens=64, alpha=0.3),
-                                          stats_dir=str(tmp_path), debug_checks=True))
-    try:
-        fx, out, ref = _run_case("flashprefill", 16, (256,), (700,), "fp_sparse_stats")
-        assert torch.isfinite(out).all()
-        err = (out.float() - ref.float()).abs().max().item()
-        log.info("sparse (alpha 0.3) vs dense on random data: max abs err %.4f", err)
-        fx.backend.writer.close()
-        lines = [json.loads(x) for p in tmp_path.glob("stats-*.jsonl") for x in p.read_text().splitlines()]
-        assert lines and lines[0]["layers"] == ["sparse"] and lines[0]["q_len"] == 700 and lines[0]["kv_len"] == 956
-        assert lines[0]["prefill_ms"] is not None and lines[0]["prefill_ms"] > 0
-    finally:
-        set_settings_override(None)
+    monkeypatch.setenv(ENV_VAR, BackendSettings(sparse=SparseConfig(block_size=64, sink_tokens=64, window_tokens=128,
+                                                                    dense_tail_tokens=64, alpha=0.3),
+                                                stats_dir=str(tmp_path), debug_checks=True,
+                                                layer_timing=timing).to_json())
+    fx, out, ref = _run_case("flashprefill", 16, (256,), (700,), "fp_sparse_stats")
+    assert torch.isfinite(out).all()
+    err = (out.float() - ref.float()).abs().max().item()
+    log.info("sparse (alpha 0.3) vs dense on random data: max abs err %.4f", err)
+    fx.backend.writer.close()
+    lines = [json.loads(x) for p in tmp_path.glob("stats-*.jsonl") for x in p.read_text().splitlines()]
+    assert lines and lines[0]["layers"] == ["sparse"] and lines[0]["q_len"] == 700 and lines[0]["kv_len"] == 956
+    assert lines[0]["prefill_ms"] is not None and lines[0]["prefill_ms"] > 0
+    assert lines[0]["selected"][0] and 0 < sum(lines[0]["selected"][0]) <= sum(lines[0]["visible"][0])
+    assert (lines[0]["index_ms"] is not None) == timing and (lines[0]["attention_ms"] is not None) == timing
 
 # ------------------------------------------------------------------------------------------------
 # 2. the embedded engine
@@ -236,8 +236,8 @@ class Workers:
 @pytest.fixture(scope="module")
 def smol():
     t0 = time.perf_counter()
-    eng = SGLangEngine(SMOL, BF16, server_overrides=SMOL_OVERRIDES, log_level="info",
-                       settings_overrides={"sparse": BF16.sparse_config().replace(min_sparse_len=SMOL_MIN_SPARSE)})
+    eng = SGLangEngine(SMOL, BF16.replace(sparse=BF16.sparse.replace(min_sparse_len=SMOL_MIN_SPARSE)),
+                       server_overrides=SMOL_OVERRIDES, log_level="info")
     log.info("engine smol-p64-c8192 started in %.1f s (warm-up %.1f s): %s", time.perf_counter() - t0,
              eng.warmup_s, eng.server_kwargs)
     yield eng

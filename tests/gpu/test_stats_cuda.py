@@ -1,4 +1,4 @@
-"""The SGLang backend's per-batch statistics on CUDA (``fpcli.sglang_backend.stats``), without
+"""The SGLang backend's per-batch statistics on CUDA (``flashprefill.integrations.sglang.stats_writer``), without
 SGLang: the one-gather-per-layer counts, the pinned copy, the events and the writer's polling,
 on a side stream the way the scheduler may run a forward. The statistics come from the index the
 attention used (``flashprefill_attention(..., return_index=True)``, no host sync) and are
@@ -10,8 +10,8 @@ import itertools
 import torch
 
 from flashprefill import SparseConfig, flashprefill_attention, make_plan
-from fpcli.sglang_backend.metadata import plan_to_device
-from fpcli.sglang_backend.stats import BatchStats
+from flashprefill.integrations.sglang.metadata import plan_to_device
+from flashprefill.integrations.sglang.stats_writer import BatchStats
 
 
 def _inputs(q_lens, kv_lens, hq, hkv, d=128, page_size=16, seed=0):

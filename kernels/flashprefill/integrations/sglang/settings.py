@@ -1,9 +1,13 @@
 """Backend settings: what the ``flashprefill`` SGLang backend reads in the scheduler process.
 
 SGLang starts its scheduler (one process per TP rank) with multiprocessing ``spawn``; nothing set
-in the parent's Python objects reaches it. The parent therefore serialises ``BackendSettings``
-to JSON in the environment variable ``FP_SGLANG_BACKEND`` before starting the engine; spawned
-children inherit the environment, and the backend's factory reads it once per backend instance.
+in the parent's Python objects reaches it, and SGLang's backend factory takes only the model
+runner. The parent therefore serialises the frozen ``BackendSettings`` to JSON in the environment
+variable ``FP_SGLANG_BACKEND`` before starting the engine (transport only: one variable carrying
+the whole frozen configuration); spawned children inherit the environment, and the backend's
+factory (``plugin.create_flashprefill_backend``) decodes it once per backend instance. Nothing
+else of the backend or the operator reads the environment. Unset, the defaults apply (an SGLang
+user who passes ``--prefill-attention-backend flashprefill`` alone).
 
 Example::
 
@@ -19,11 +23,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from flashprefill import BACKENDS as OPERATOR_BACKENDS
-from flashprefill.config import SparseConfig
+from ...api import BACKENDS as OPERATOR_BACKENDS
+from ...config import PRECISIONS, SparseConfig
 
 ENV_VAR = "FP_SGLANG_BACKEND"  # inline JSON, or "@/path/to/settings.json"
-PRECISIONS = ("bf16", "fp8")
 DENSE_BACKENDS = ("triton", "torch_native", "fa3", "flashinfer")
 
 
@@ -35,8 +38,8 @@ class BackendSettings:
         sparse: the operator's method knobs (block size, sink/window/tail tokens, alpha, mean
             correction, min_sparse_len); ``flashprefill.SparseConfig``.
         dense_layers: the first ``dense_layers`` decoder layers run dense attention.
-        precision: ``bf16`` or ``fp8`` attention operands in the sparse prefill (passed to the
-            operator when its API takes ``precision``).
+        precision: ``bf16`` or ``fp8`` attention operands in the sparse prefill
+            (``flashprefill_attention(precision=...)``).
         dense_backend: the stock SGLang backend that runs every dense case (dense layers,
             batches of short requests only, sliding-window layers, unsupported KV pools) and
             decode when this backend is used alone.
@@ -44,8 +47,9 @@ class BackendSettings:
             ``auto``, ``triton`` or ``reference``.
         collect_stats: record per-layer density and prefill time (device tensors and CUDA
             events; read by a writer thread after the forward).
-        layer_timing: also time the index and attention stages of every sparse layer (two
-            more CUDA events per layer).
+        layer_timing: also time the index and attention stages of every sparse layer (three
+            CUDA events per layer, the index built by ``build_index`` between the first two);
+            off unless asked for.
         stats_dir: folder where the scheduler writes ``stats-<pid>.jsonl``; ``None`` = keep
             no stats on disk (they are still logged at debug level).
         debug_checks: validate the page table against ``req_to_token`` every batch (host
@@ -132,30 +136,3 @@ class BackendSettings:
             return cls.from_json(raw)
         except (OSError, ValueError, TypeError) as exc:
             raise ValueError(f"{ENV_VAR}: cannot read backend settings: {exc}") from exc
-
-
-def settings_from_profile(profile: Any, *, stats_dir: str | None = None, **overrides: Any) -> BackendSettings:
-    """``BackendSettings`` from an ``fpcli.profiles.Profile`` (duck-typed: ``sparse_config()``,
-    ``dense_layers``, ``precision``), plus keyword overrides."""
-    base = BackendSettings(
-        sparse=profile.sparse_config(),
-        dense_layers=int(getattr(profile, "dense_layers", 0)),
-        precision=str(getattr(profile, "precision", "bf16")),
-        stats_dir=stats_dir,
-    )
-    return base.replace(**overrides) if overrides else base
-
-
-# Process-local override used by in-process tests (a mock model runner): wins over the env var.
-_OVERRIDE: BackendSettings | None = None
-
-
-def set_settings_override(settings: BackendSettings | None) -> None:
-    """Make ``current_settings()`` return ``settings`` in this process (``None`` clears it)."""
-    global _OVERRIDE
-    _OVERRIDE = settings
-
-
-def current_settings() -> BackendSettings:
-    """The override if set, else ``BackendSettings.from_env()``."""
-    return _OVERRIDE if _OVERRIDE is not None else BackendSettings.from_env()

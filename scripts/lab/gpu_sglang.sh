@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Device script for issue 3: the flashprefill SGLang backend, the embedded engine and the e2e bench.
 #
-#   bash scripts/gpu_sglang.sh                      # tests (~4 min) + e2e bench 4k..32k native, 64k/120k YaRN (~5 min)
-#   FP_SKIP_BENCH=1 bash scripts/gpu_sglang.sh      # tests only
-#   FP_SKIP_TESTS=1 bash scripts/gpu_sglang.sh      # bench only (python -m fpcli.bench_e2e --preset issue3)
-#   FP_BENCH_LENS=4k,32k FP_SKIP_TESTS=1 bash scripts/gpu_sglang.sh   # other lengths (3 repeats)
+#   bash scripts/lab/gpu_sglang.sh                      # tests (~4 min) + e2e bench 4k..32k native, 64k/120k YaRN (~5 min)
+#   FP_SKIP_BENCH=1 bash scripts/lab/gpu_sglang.sh      # tests only
+#   FP_SKIP_TESTS=1 bash scripts/lab/gpu_sglang.sh      # bench only (python scripts/lab/bench_e2e.py --preset issue3)
+#   FP_BENCH_LENS=4k,32k FP_SKIP_TESTS=1 bash scripts/lab/gpu_sglang.sh   # other lengths (3 repeats)
 #   FP_GPU_SLOW=1 ...                               # tests also run Qwen + YaRN 120K (a worker process)
 #   FP_SKIP_INSTALL=1 ...                           # no pip step (a second call on the same machine)
 #
@@ -57,7 +57,7 @@ try:
     import flashprefill, fpcli
     print("import flashprefill:", flashprefill.__file__, "| fpcli:", fpcli.__file__)
     print("flashprefill operator API:", [n for n in ("flashprefill_attention", "dense_attention", "build_index", "make_plan") if hasattr(flashprefill, n)])
-    from fpcli.sglang_backend import plugin
+    from flashprefill.integrations.sglang import plugin
     plugin.register(source="direct")
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     print("registered in this process:", "flashprefill" in ATTENTION_BACKENDS)
@@ -96,7 +96,7 @@ if [ -z "${FP_SKIP_BENCH:-}" ]; then
   if [ -f "$BENCH_MODEL/config.json" ]; then
     t0=$(date +%s)
     if [ -n "$LENS" ]; then BARGS="--lens $LENS --repeats ${FP_BENCH_REPEATS:-3}"; else BARGS="--preset issue3"; fi
-    timeout -k 10 "${FP_BENCH_TIMEOUT:-500}" "$PY" -m fpcli.bench_e2e --model "$BENCH_MODEL" $BARGS \
+    timeout -k 10 "${FP_BENCH_TIMEOUT:-500}" "$PY" scripts/lab/bench_e2e.py --model "$BENCH_MODEL" $BARGS \
         --json "$OUT/e2e.json" --mem-fraction "${FP_BENCH_MEM:-0.5}" > "$OUT/bench.log" 2>&1
     rc_bench=$?
     note "bench: rc=$rc_bench in $(( $(date +%s) - t0 )) s (model $BENCH_MODEL, $BARGS)"
@@ -112,7 +112,7 @@ echo "==== summary ($OUT) ===="
 cat "$summary"
 [ -f "$OUT/bench.log" ] && { echo "---- e2e TTFT ----"; grep -A20 -E "^ +len +tokens" "$OUT/bench.log"; }
 [ -f "$OUT/bench.log" ] && ! grep -qE "^ +len +tokens" "$OUT/bench.log" && [ -f "$OUT/e2e.json" ] && \
-  "$PY" -c "import json,sys; sys.path.insert(0,'.'); from fpcli.bench_e2e import format_table; print('(partial)'); print(format_table(json.load(open('$OUT/e2e.json'))['rows']))"
+  "$PY" -c "import json,sys; sys.path.insert(0,'.'); sys.path.insert(0,'scripts/lab'); from bench_e2e import format_table; print('(partial)'); print(format_table(json.load(open('$OUT/e2e.json'))['rows']))"
 [ "$rc_tests" = 0 ] || [ "$rc_tests" = skipped ] || exit 1
 [ "$rc_bench" = 0 ] || [ "$rc_bench" = skipped ] || exit 2
 exit 0

@@ -1,9 +1,9 @@
 """Device check for issue 3: ``fp serve --tp 2`` (tensor parallelism over two GPUs) with the
 flashprefill prefill backend, driven over SGLang's OpenAI-compatible HTTP API.
 
-    python scripts/gpu_tp2.py --model $FPDEV_MODELS/qwen2.5-coder-0.5b-instruct --out $OUT/tp2 [--dense]
+    python scripts/lab/gpu_tp2.py --model $FPDEV_MODELS/qwen2.5-coder-0.5b-instruct --out $OUT/tp2 [--dense]
 
-The HTTP server imports packages the device stage does not carry: run ``scripts/serve_wheels.sh``
+The HTTP server imports packages the device stage does not carry: run ``scripts/lab/serve_wheels.sh``
 here first and install ``.whl`` on the device (that script says how).
 
 Starts ``python -m fpcli.cli serve --model-path M --tp 2 ...`` (the ``fp serve`` command), waits for
@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from fpcli.bench_e2e import answered, needle_document  # noqa: E402
+from fpcli.ttft import answered, needle_document  # noqa: E402
 
 
 def _auth() -> dict:

@@ -5,7 +5,7 @@
 # referencing / rpds-py / jsonschema-specifications), soundfile (cffi, pycparser) and
 # python-multipart.
 #
-#   bash scripts/serve_wheels.sh
+#   bash scripts/lab/serve_wheels.sh
 #   device call, carry [".whl"]:
 #     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/whlsite .whl/*.whl &&
 #     export PYTHONPATH=$PWD/kernels:$PWD:$PYTHONPATH:/tmp/whlsite      # appended: never shadows

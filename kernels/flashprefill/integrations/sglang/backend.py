@@ -6,7 +6,10 @@ A thin ``AttentionBackend`` (style guide habit 11). It owns only the extend (pre
   ``req_to_token``, ``cu_seqlens_q``, the operator's ``BatchPlan`` from SGLang's host-side
   lengths, so no device-to-host copy) and a ``BatchStats`` (device counters, CUDA events).
 - ``forward_extend`` writes the new K/V into SGLang's pool, then calls
-  ``flashprefill.flashprefill_attention`` on the pool viewed as pages, with the batch plan.
+  ``flashprefill_attention(..., return_index=True)`` on the pool viewed as pages, with the batch
+  plan: the fused path the operator benchmark times. The statistics (``stats_writer.BatchStats``)
+  are read from the index it returned. With ``layer_timing`` (off unless asked for) the index is
+  built by ``build_index`` between two CUDA events and handed to the attention.
 - Everything the operator does not cover runs on a stock SGLang backend (``dense_backend``,
   ``triton`` by default) built from SGLang's own registry: the first ``dense_layers`` layers,
   batches whose requests are all shorter than ``min_sparse_len``, sliding-window, cross and
@@ -24,7 +27,6 @@ A thin ``AttentionBackend`` (style guide habit 11). It owns only the extend (pre
 """
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Any, Optional
 
@@ -34,11 +36,12 @@ from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 
+from ...api import build_index, flashprefill_attention
 from .metadata import (
     FlashPrefillMetadata, build_metadata, check_page_table, last_attention_layer_id, operator_dense_reason,
 )
 from .settings import BackendSettings
-from .stats import BatchStats, StatsWriter
+from .stats_writer import BatchStats, StatsWriter
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +61,6 @@ class FlashPrefillAttnBackend(AttentionBackend):
 
     def __init__(self, model_runner: Any, settings: BackendSettings):
         super().__init__()
-        import flashprefill  # the operator package (kernels/flashprefill)
-
         self.settings = settings
         self.model_runner = model_runner
         self.req_to_token_pool = model_runner.req_to_token_pool
@@ -89,22 +90,7 @@ class FlashPrefillAttnBackend(AttentionBackend):
             tp_rank = getattr(getattr(model_runner, "ps", None), "tp_rank", 0)
         self.tp_rank = int(tp_rank or 0)
 
-        self._attention = flashprefill.flashprefill_attention
-        self._build_index = getattr(flashprefill, "build_index", None) if settings.collect_stats else None
-        attn_params = inspect.signature(self._attention).parameters
-        self._attn_kwargs: dict[str, Any] = {}
-        if "backend" in attn_params:
-            self._attn_kwargs["backend"] = settings.operator_backend
-        if "precision" in attn_params:
-            self._attn_kwargs["precision"] = settings.precision
-        elif settings.precision != "bf16":
-            logger.warning("flashprefill: the operator API takes no `precision`; running %s as bf16", settings.precision)
-        self._index_kwargs: dict[str, Any] = {}
-        if self._build_index is not None:
-            params = inspect.signature(self._build_index).parameters
-            self._index_kwargs = {k: v for k, v in (
-                ("backend", settings.operator_backend), ("precision", settings.precision)) if k in params}
-            self._index_takes = set(params)
+        self._op_kwargs: dict[str, Any] = dict(backend=settings.operator_backend, precision=settings.precision)
 
         self.writer = StatsWriter(settings.stats_dir, self.device) if settings.collect_stats and self.tp_rank == 0 else None
         self.forward_metadata: Optional[FlashPrefillMetadata] = None
@@ -314,32 +300,22 @@ class FlashPrefillAttnBackend(AttentionBackend):
                         "layer %d, %d q / %d kv heads", self.tp_rank, meta.total_q, len(meta.q_lens),
                         layer.layer_id, hq, hkv)
         stats = self._batch_stats
-        ev0 = stats.stage_event() if stats is not None else None
+        timed = stats is not None and stats.layer_timing
+        ev0 = stats.stage_event() if timed else None
         index = None
-        if self._build_index is not None:
-            index = self._call_build_index(q3, k_cache, v_cache, meta, layer.scaling)
-        ev1 = stats.stage_event() if stats is not None else None
-        out = self._attention(
+        if timed:  # the index stage alone, between two events
+            index = build_index(q3, k_cache, v_cache, meta.page_table, meta.seq_lens, meta.cu_seqlens_q,
+                                config=self.settings.sparse, softmax_scale=layer.scaling, plan=meta.plan,
+                                **self._op_kwargs)
+        ev1 = stats.stage_event() if timed else None
+        out, index = flashprefill_attention(
             q3, k_cache, v_cache, meta.page_table, meta.seq_lens, meta.cu_seqlens_q,
             config=self.settings.sparse, softmax_scale=layer.scaling, plan=meta.plan, index=index,
-            **self._attn_kwargs,
+            return_index=True, **self._op_kwargs,
         )
-        if isinstance(out, tuple):
-            out = out[0]
-        ev2 = stats.stage_event() if stats is not None else None
         if stats is not None:
-            if index is not None:
-                stats.add_index(layer.layer_id, index, (ev0, ev1, ev2))
-            else:
-                stats.mark_sparse_no_index(layer.layer_id)
+            stats.add_index(layer.layer_id, index, (ev0, ev1, stats.stage_event()) if timed else None)
         return out.reshape(-1, hq * layer.v_head_dim)
-
-    def _call_build_index(self, q3, k_cache, v_cache, meta, scale):
-        kwargs = dict(self._index_kwargs)
-        for name, value in (("config", self.settings.sparse), ("softmax_scale", scale), ("plan", meta.plan)):
-            if name in self._index_takes:
-                kwargs[name] = value
-        return self._build_index(q3, k_cache, v_cache, meta.page_table, meta.seq_lens, meta.cu_seqlens_q, **kwargs)
 
     # ------------------------------------------------------------------------------------------
     # decode and CUDA graphs: the dense backend's (only reached when used without the hybrid split)

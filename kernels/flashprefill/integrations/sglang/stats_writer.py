@@ -1,4 +1,7 @@
-"""Per-layer density and prefill timing of the ``flashprefill`` backend, and how they reach the CLI.
+"""Per-layer density and prefill timing of the ``flashprefill`` backend: the scheduler-side writer.
+
+Runs in SGLang's scheduler process only; the reading side (the process that started SGLang) is
+``stats_reader.py``. The two share nothing but the line schema below.
 
 Hot path (scheduler process, per extend batch): no host sync, and as few launches as possible
 (a 4K prefill of a 0.5B model is bound by the host's kernel launches; the statistics first cost
@@ -6,7 +9,8 @@ Hot path (scheduler process, per extend batch): no host sync, and as few launche
 
 - ``BatchStats`` is created in ``init_forward_metadata``: one start CUDA event. A dense batch adds
   nothing else until its end event.
-- Selected blocks: the CSR ``row_ptr`` is a running sum over segments ordered (KV head, request,
+- Selected blocks come from the ``BlockIndex`` that ``flashprefill_attention(..., return_index=True)``
+  returned for the layer (the index the attention used): the CSR ``row_ptr`` is a running sum over segments ordered (KV head, request,
   tile), so the blocks selected for request ``b`` and KV head ``h`` are
   ``row_ptr[h*T + tile_ptr[b+1]] - row_ptr[h*T + tile_ptr[b]]``. Each sparse layer gathers those
   ``2 x B x Hkv`` entries into its row of one ``[layers, 2*B*Hkv]`` int32 buffer: a single
@@ -26,7 +30,8 @@ then reads the pinned counters and event times and appends one JSON line per req
 Across the process boundary (the choice, documented): SGLang's scheduler runs in a spawned
 process and its output path to the tokenizer manager carries only SGLang's own fields, so the
 parent passes ``stats_dir`` (a temp folder it owns) in the backend settings environment variable,
-and reads the JSONL lines of its request ids back after the answer (``read_prefill_stats``).
+and reads the JSONL lines of its request ids back after the answer
+(``stats_reader.read_prefill_stats``).
 Requests are matched by SGLang's ``rid``, which the engine wrapper chooses. A request prefilled
 in several chunks has one line per chunk; they are summed.
 
@@ -49,9 +54,8 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -172,11 +176,6 @@ class BatchStats:
         torch.index_select(index.row_ptr, 0, self._gather, out=self.ends[i])
         self._gathered.add(i)
 
-    def mark_sparse_no_index(self, layer_id: int) -> None:
-        i = self._slot(layer_id)
-        if i is not None:
-            self.layer_modes[i] = "sparse"
-
     # -- end of the batch ----------------------------------------------------------------------
     def finish(self) -> None:
         """Record the end event and start the copy to pinned host memory (no sync)."""
@@ -282,133 +281,3 @@ class StatsWriter:
                     logger.debug("flashprefill stats %s", rec)
             except Exception:  # never kill the scheduler over statistics
                 logger.exception("flashprefill: could not write prefill statistics")
-
-
-# ----------------------------------------------------------------------------------------------
-# Reading side (the CLI process)
-# ----------------------------------------------------------------------------------------------
-
-
-def iter_records(stats_dir: str | os.PathLike) -> Iterable[dict]:
-    """Every complete JSON line under ``stats_dir`` (half-written last lines are skipped)."""
-    for path in sorted(Path(stats_dir).glob("stats-*.jsonl")):
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError:
-            continue
-        for line in text.splitlines():
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                continue
-
-
-@dataclass
-class RequestPrefill:
-    """A request's prefill as the scheduler saw it, summed over its chunks."""
-
-    rid: str
-    chunks: int = 0
-    prompt_tokens: int = 0  # largest kv_len seen
-    prefill_ms: float | None = None  # sum over its batches (a batch's time counts fully for each request in it)
-    index_ms: float | None = None
-    attention_ms: float | None = None
-    layers: list[str] = field(default_factory=list)
-    selected: list[list[int] | None] = field(default_factory=list)
-    visible: list[list[int] | None] = field(default_factory=list)
-    dense_flops: list[float] = field(default_factory=list)  # per layer, dense-equivalent FLOPs
-
-    def to_prefill_stats(self):
-        """``fpcli.engine.base.PrefillStats`` of this request."""
-        from fpcli.engine.base import PrefillStats
-
-        per_layer, per_head = [], []
-        sel_total = vis_total = 0
-        flops_dense = float(sum(self.dense_flops))
-        flops_skipped = 0.0
-        sparse_layers: list[int] = []
-        for i, mode in enumerate(self.layers):
-            s, v = (self.selected[i] if i < len(self.selected) else None), (self.visible[i] if i < len(self.visible) else None)
-            if mode == "sparse" and s is not None and v is not None and sum(v) > 0:
-                per_head.append([si / vi if vi else 1.0 for si, vi in zip(s, v)])
-                d = sum(s) / sum(v)
-                per_layer.append(d)
-                sparse_layers.append(i)
-                sel_total += sum(s)
-                vis_total += sum(v)
-                if i < len(self.dense_flops):
-                    flops_skipped += self.dense_flops[i] * (1.0 - d)
-            else:
-                per_layer.append(1.0)
-                per_head.append([1.0] * (len(s) if s else 0))
-        return PrefillStats(
-            density=(sel_total / vis_total) if vis_total else 1.0,
-            density_per_layer=per_layer,
-            density_per_layer_head=per_head,
-            sparse_layers=sparse_layers,
-            attention_flops_dense=flops_dense,
-            attention_flops_skipped=flops_skipped,
-            index_ms=self.index_ms,
-            attention_ms=self.attention_ms,
-        )
-
-
-def _causal_pairs(q_len: int, kv_len: int) -> int:
-    """(query, key) pairs a causal chunk attends: sum over t < Lq of (P + t + 1)."""
-    p = kv_len - q_len
-    return q_len * p + q_len * (q_len + 1) // 2
-
-
-def _add(a: float | None, b: float | None) -> float | None:
-    if b is None:
-        return a
-    return (a or 0.0) + b
-
-
-def aggregate(records: Iterable[dict], rid: str) -> RequestPrefill | None:
-    """Sum the lines of ``rid`` (one per prefill chunk); ``None`` if there are none."""
-    out = RequestPrefill(rid=rid)
-    for rec in records:
-        if rec.get("rid") != rid:
-            continue
-        out.chunks += 1
-        out.prompt_tokens = max(out.prompt_tokens, int(rec.get("kv_len", 0)))
-        out.prefill_ms = _add(out.prefill_ms, rec.get("prefill_ms"))
-        out.index_ms = _add(out.index_ms, rec.get("index_ms"))
-        out.attention_ms = _add(out.attention_ms, rec.get("attention_ms"))
-        layers = rec.get("layers") or []
-        n = len(layers)
-        if not out.layers:
-            out.layers = list(layers)
-            out.selected = [None] * n
-            out.visible = [None] * n
-            out.dense_flops = [0.0] * n
-        flops = 4.0 * rec.get("num_q_heads", 0) * rec.get("head_dim", 0) * _causal_pairs(rec.get("q_len", 0), rec.get("kv_len", 0))
-        sel = rec.get("selected") or [None] * n
-        vis = rec.get("visible") or [None] * n
-        for i in range(min(n, len(out.layers))):
-            out.dense_flops[i] += flops
-            if layers[i] == "sparse":
-                out.layers[i] = "sparse"
-                if sel[i] is not None and vis[i] is not None:
-                    out.selected[i] = [a + b for a, b in zip(out.selected[i] or [0] * len(sel[i]), sel[i])]
-                    out.visible[i] = [a + b for a, b in zip(out.visible[i] or [0] * len(vis[i]), vis[i])]
-    return out if out.chunks else None
-
-
-def read_prefill_stats(stats_dir: str | os.PathLike | None, rid: str, timeout_s: float = 2.0,
-                       expect_tokens: int | None = None) -> RequestPrefill | None:
-    """Wait up to ``timeout_s`` for ``rid``'s lines (and, with ``expect_tokens``, until the chunks
-    cover that many prompt tokens), then aggregate them. ``None`` when nothing arrives."""
-    if not stats_dir:
-        return None
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = aggregate(iter_records(stats_dir), rid)
-        done = got is not None and (expect_tokens is None or got.prompt_tokens >= expect_tokens)
-        if done or time.monotonic() >= deadline:
-            return got
-        time.sleep(0.02)

@@ -3,14 +3,16 @@
 How the registration reaches every SGLang process (read in the 0.5.17 sources):
 
 1. Entry point. ``pyproject.toml`` declares ``[project.entry-points."sglang.srt.plugins"]
-   flashprefill = "fpcli.sglang_backend.plugin:register"``. SGLang's
+   flashprefill = "flashprefill.integrations.sglang.plugin:register"``. SGLang's
    ``sglang/srt/plugins/__init__.py::load_plugins`` runs every function of that group once per
    process. It is called by ``Engine.__init__`` (``entrypoints/engine.py``, before ServerArgs is
    built), by ``Engine._launch_subprocesses`` and, in the spawned scheduler (one per TP rank, also
    under the DP controller), first thing in ``managers/scheduler.py::run_scheduler_process``; and
-   by ``sglang serve`` / ``python -m sglang.launch_server``. Needs ``pip install -e .`` so the
-   entry point is in the environment's metadata; ``SGLANG_PLUGINS`` (a whitelist) must include
-   ``flashprefill`` when it is set.
+   by ``sglang serve`` / ``python -m sglang.launch_server``. Needs this distribution installed
+   (``pip install .``) so the entry point is in the environment's metadata; ``SGLANG_PLUGINS`` (a
+   whitelist) must include ``flashprefill`` when it is set. The entry point imports only the
+   operator library (``flashprefill``), never ``fpcli``: an SGLang process gets no side effect of
+   the CLI.
 2. Scheduler entry wrapper (works without the entry point). ``run_scheduler_process`` below
    calls ``register()`` and then SGLang's own ``run_scheduler_process``. ``FlashPrefillEngine``
    (an ``Engine`` subclass, its ``run_scheduler_process_func`` class attribute) and
@@ -21,9 +23,10 @@ How the registration reaches every SGLang process (read in the 0.5.17 sources):
 
 ``register()`` is idempotent and does two things:
 
-- ``attention_registry.register_attention_backend("flashprefill")(factory)``: the factory reads
-  ``BackendSettings`` (``settings.current_settings()``: the ``FP_SGLANG_BACKEND`` env var) and
-  builds ``FlashPrefillAttnBackend``; the backend module is imported only then (lazily).
+- ``attention_registry.register_attention_backend("flashprefill")(factory)``: the factory decodes
+  ``BackendSettings`` (``BackendSettings.from_env()``: the frozen settings the parent serialised
+  into ``FP_SGLANG_BACKEND``; defaults when unset) and builds ``FlashPrefillAttnBackend``; the
+  backend module is imported only then (lazily).
 - ``server_args.add_attention_backend_choices(["flashprefill"])``: argparse ``choices`` of
   ``--attention-backend``, ``--prefill-attention-backend`` and ``--decode-attention-backend``
   (the dataclass itself does not check names).
@@ -41,9 +44,9 @@ BACKEND_NAME = "flashprefill"
 def create_flashprefill_backend(runner: Any):
     """SGLang's factory signature: ``ATTENTION_BACKENDS[name](model_runner)``."""
     from .backend import FlashPrefillAttnBackend
-    from .settings import current_settings
+    from .settings import BackendSettings
 
-    return FlashPrefillAttnBackend(runner, current_settings())
+    return FlashPrefillAttnBackend(runner, BackendSettings.from_env())
 
 
 def is_registered() -> bool:

@@ -6,7 +6,10 @@ request per engine and per length first (JIT compiles, autotuning), then the med
 checks that the answer survives the sparsity. Lengths above ``yarn_above`` run with YaRN
 (factor 4 over the model's native context, ``fpcli.engine.sglang_engine.yarn_override``).
 
-    python -m fpcli.bench_e2e --model PATH --lens 4k,8k,16k,32k,64k,120k --json out.json
+    python scripts/lab/bench_e2e.py --model PATH --lens 4k,8k,16k,32k,64k,120k --json out.json
+
+A lab tool (variants, YaRN regimes, needle depths) beside ``fp bench --e2e``, whose small driver
+(``fpcli.ttft``) it shares the needle prompts with.
 
 Prints a table last; ``--json`` writes the rows (one dict per length).
 """
@@ -15,81 +18,24 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import statistics
 import sys
 import time
 from typing import Any, Callable, Sequence
 
-_WORDS = (
-    "river stone market lantern harvest orchard valley signal engine copper meadow harbor "
-    "winter garden archive compass thunder meadow silver village canal forest bridge clock "
-    "tower ledger spindle quarry beacon saddle mirror pepper timber anchor velvet candle "
-    "ribbon marble cellar pocket violet walnut barley pewter falcon summit"
-).split()
-
-NEEDLE_QUESTION = "What is the secret number mentioned in the document? Answer with the number only."
-
+from flashprefill.lengths import parse_lengths
+from fpcli.ttft import answered, needle_document, needle_prompt
 
 def parse_lens(text: str) -> list[int]:
-    """``"4k,8k,32000"`` -> ``[4096, 8192, 32000]``."""
-    out = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        if not part:
-            continue
-        mult = 1024 if part.endswith("k") else 1
-        out.append(int(float(part.rstrip("k")) * mult))
-    return out
-
-
-def filler_sentences(seed: int = 0) -> Callable[[], str]:
-    rng = random.Random(seed)
-
-    def sentence() -> str:
-        words = [rng.choice(_WORDS) for _ in range(rng.randint(8, 16))]
-        return " ".join(words).capitalize() + "."
-
-    return sentence
-
-
-def needle_document(count_tokens: Callable[[str], int], n_tokens: int, *, depth: float = 0.5,
-                    seed: int = 0, secret: int | None = None) -> tuple[str, str]:
-    """A synthetic document of about ``n_tokens`` tokens with ``The secret number is N.`` planted at
-    ``depth`` (0..1), followed by the question. Returns ``(user_text, secret)``."""
-    rng = random.Random(seed)
-    secret_s = str(secret if secret is not None else rng.randint(10000, 99999))
-    needle = f"The secret number is {secret_s}. Remember it: the secret number is {secret_s}."
-    make = filler_sentences(seed)
-    budget = max(0, n_tokens - count_tokens(needle) - count_tokens(NEEDLE_QUESTION) - 8)
-    sentences, used = [], 0
-    # Tokens of sentences add up closely enough (one leading space each); a 5% margin is trimmed
-    # by the caller's measurement of the final prompt.
-    while used < budget:
-        s = make()
-        sentences.append(s)
-        used += count_tokens(" " + s)
-    cut = int(len(sentences) * depth)
-    body = " ".join(sentences[:cut] + [needle] + sentences[cut:])
-    return f"Read the document and answer the question.\n\n{body}\n\n{NEEDLE_QUESTION}", secret_s
-
-
-def needle_prompt(engine: Any, n_tokens: int, *, depth: float = 0.5, seed: int = 0) -> tuple[list[int], str]:
-    """Chat-template token ids of a needle prompt of about ``n_tokens`` tokens, and the secret."""
-    text, secret = needle_document(engine.count_tokens, n_tokens - 24, depth=depth, seed=seed)
-    return engine.encode_chat(None, text), secret
-
-
-def answered(answer: str, secret: str) -> bool:
-    return secret in answer.replace(",", "").replace(" ", "")
+    """``"4k,8k,32000"`` -> ``[4096, 8192, 32000]`` (``flashprefill.lengths.parse_lengths``)."""
+    return parse_lengths(text)
 
 
 def _median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def _measure(engine: Any, ids: list[int], secret: str | None, repeats: int, max_new_tokens: int,
-             stats: bool = True) -> dict:
+def _measure(engine: Any, ids: list[int], secret: str | None, repeats: int, max_new_tokens: int) -> dict:
     engine.generate(ids, max_new_tokens=2)  # warm-up at this length (autotune, allocator)
     runs = [engine.generate(ids, max_new_tokens=max_new_tokens) for _ in range(repeats)]
     last = runs[-1]
@@ -97,8 +43,8 @@ def _measure(engine: Any, ids: list[int], secret: str | None, repeats: int, max_
         "ttft_s": _median([r.ttft_s for r in runs]),
         "ttft_all_s": [round(r.ttft_s, 5) for r in runs],
         "prefill_s": _median([r.prefill_s for r in runs]),
-        "density": last.stats.density if stats else None,      # no statistics: unknown, not 1.0
-        "density_per_layer": [round(x, 4) for x in last.stats.density_per_layer] if stats else [],
+        "density": last.stats.density,
+        "density_per_layer": [round(x, 4) for x in last.stats.density_per_layer],
         "answer": last.text.strip()[:80],
         "needle": answered(last.text, secret) if secret else None,
         "prompt_tokens": last.prompt_tokens,
@@ -130,7 +76,7 @@ def run_e2e_bench(
 
     ``variants``: extra ``(label, profile)`` or ``(label, profile, engine_kwargs)`` sparse engines
     run like ``sparse`` (keys ``ttft_<label>_s``, ``needle_<label>``, ``density_<label>``,
-    ``speedup_<label>``); ``engine_kwargs`` go to ``SGLangEngine`` (e.g. ``collect_stats=False``).
+    ``speedup_<label>``); ``engine_kwargs`` go to ``SGLangEngine`` (e.g. ``timing=True``).
     ``depths``: extra needle depths (0..1) answered once per engine and length, besides the timed
     one at 0.5 (``needles_<label>``: one bool per depth, 0.5 first).
     """
@@ -152,15 +98,14 @@ def run_e2e_bench(
             f"{', SGLang ' + str(overrides) if overrides else ''})")
         # SGLangEngine warms up at start (a dummy prefill over the sparse path, radix cache
         # flushed), so no JIT compilation lands in a measured TTFT.
-        with SGLangEngine(model_path, profile, rope_scaling_factor=factor, disable_radix_cache=True,
-                          server_overrides=overrides or None, **engine_kwargs) as eng:
+        with SGLangEngine(model_path, profile, rope_scaling_factor=factor,
+                          server_overrides={"disable_radix_cache": True, **(overrides or {})}, **engine_kwargs) as eng:
             say(f"[bench] {label} engine up in {time.perf_counter() - t0:.1f} s (warm-up {eng.warmup_s:.1f} s)")
             for n in group:
                 target = min(n, limit - max_new_tokens - 256)
                 ids, secret = _cached_prompt(eng, prompts, n, target, limit, max_new_tokens, needle=needle)
                 reps = max(1, repeats if n <= 32768 else min(repeats, 2))
-                m = _measure(eng, ids, secret, reps, max_new_tokens,
-                             stats=engine_kwargs.get("collect_stats", True) is not False)
+                m = _measure(eng, ids, secret, reps, max_new_tokens)
                 row = rows.setdefault(n, {"target_len": n, "yarn": factor})
                 row["prompt_tokens"] = m["prompt_tokens"]
                 for key in ("ttft_s", "ttft_all_s", "prefill_s", "answer", "needle"):
@@ -283,8 +228,8 @@ def format_variants(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# Engine options a variant may set: ``collect_stats`` (SGLangEngine argument).
-ENGINE_VARIANT_KEYS = ("collect_stats",)
+# Engine options a variant may set: ``timing`` (SGLangEngine argument).
+ENGINE_VARIANT_KEYS = ("timing",)
 
 
 def _parse_value(raw: str, strings: bool = False) -> Any:
@@ -312,7 +257,7 @@ def parse_variant(text: str, base: Any) -> tuple[str, Any, dict]:
     Keys: ``dense_layers``, ``attention`` (``flashprefill`` | ``dense``), any
     ``flashprefill.SparseConfig`` field (``alpha``, ``window_tokens``, ``sink_tokens``,
     ``dense_tail_tokens``, ``block_size``, ...), an engine option of ``ENGINE_VARIANT_KEYS``
-    (``collect_stats=false``: the backend keeps no statistics, to measure what they cost), or
+    (``timing=true``: per-layer index / attention CUDA events, to measure what they cost), or
     ``sgl.<ServerArgs field>`` passed to SGLang as is (``sgl.decode_attention_backend=fa3``).
     Values are parsed as int, float or bool (``sgl.*`` and ``attention`` also take strings).
     Raises ``ValueError`` naming a bad key or value.
@@ -322,7 +267,7 @@ def parse_variant(text: str, base: Any) -> tuple[str, Any, dict]:
         raise ValueError(f"variant {text!r}: expected LABEL:key=value[,key=value...]")
     if label in ("dense", "sparse") or label.startswith("all_") or not label.replace("_", "").isalnum():
         raise ValueError(f"variant {text!r}: LABEL must be letters/digits, not 'dense', 'sparse' or 'all_...'")
-    op_fields = set(base.operator.field_names())
+    op_fields = set(base.sparse.field_names())
     top: dict[str, Any] = {}
     op: dict[str, Any] = {}
     engine: dict[str, Any] = {}
@@ -358,7 +303,7 @@ def parse_variant(text: str, base: Any) -> tuple[str, Any, dict]:
                              f"field, sgl.<ServerArgs field> or one of {', '.join(ENGINE_VARIANT_KEYS)})")
     prof = base.replace(**top) if top else base
     if op:
-        prof = prof.replace(operator=prof.operator.replace(**op))
+        prof = prof.replace(sparse=prof.sparse.replace(**op))
     return label, prof.replace(name=f"{base.name}+{label}"), engine
 
 
@@ -377,7 +322,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fpcli.bench_e2e", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python scripts/lab/bench_e2e.py", description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="Hugging Face model folder")
     ap.add_argument("--lens", default="4k,8k,16k,32k", help="prompt lengths, e.g. 4k,8k,16k,32k,64k,120k")
     ap.add_argument("--profile", default="bf16", help="FlashPrefill profile (name or YAML path)")

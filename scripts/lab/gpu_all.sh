@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests and the benchmarks, on two GPUs in parallel where there are two.
 #
-#   source .fpdev/bin/env.sh && bash scripts/gpu_all.sh
+#   source .fpdev/bin/env.sh && bash scripts/lab/gpu_all.sh
 #
 # Lane "tests" (GPU 1, or after the bench lane on a one-GPU machine):
 #   tests/gpu/test_kernels.py, then tests/gpu/test_sglang_engine.py   (FP_SKIP_LANE_TESTS=1 skips)
 # Lane "bench" (GPU 0):
-#   python -m flashprefill.bench (FP_BENCH_LENS, FP_BENCH_ARGS), then python -m fpcli.bench_e2e
+#   python -m flashprefill.bench (FP_BENCH_LENS, FP_BENCH_ARGS), then python scripts/lab/bench_e2e.py
 #   with FP_E2E_ARGS (default: --preset issue3)      (FP_SKIP_LANE_BENCH=1 / FP_SKIP_E2E=1 skip)
 #
 # Time: every part gets min(its own limit, what is left of the call's budget). FP_BUDGET (s,
@@ -41,13 +41,13 @@ tests_lane() {
   local s
   s=$(part_s "${FP_KT_TIMEOUT:-300}")
   if [ "$s" -gt 0 ]; then
-    OUT="$W/kt" FP_SKIP_BENCH=1 timeout -k 5 "$s" bash scripts/gpu_kernels.sh > "$W/kt.log" 2>&1
+    OUT="$W/kt" FP_SKIP_BENCH=1 timeout -k 5 "$s" bash scripts/lab/gpu_kernels.sh > "$W/kt.log" 2>&1
     echo "kernel tests rc=$? (limit $s s)" > "$W/kt.rc"
   fi
   s=$(part_s "${FP_ST_TIMEOUT:-330}")
   if [ "$s" -gt 30 ]; then
     OUT="$W/st" FP_SKIP_BENCH=1 FP_TEST_TIMEOUT="$s" FP_PER_TEST_TIMEOUT=300 \
-        bash scripts/gpu_sglang.sh > "$W/st.log" 2>&1
+        bash scripts/lab/gpu_sglang.sh > "$W/st.log" 2>&1
     echo "sglang tests rc=$? (limit $s s)" > "$W/st.rc"
   else
     echo "sglang tests: skipped, no time left" > "$W/st.rc"
@@ -60,14 +60,14 @@ bench_lane() {
   s=$(part_s "${FP_KB_TIMEOUT:-200}")
   if [ "$s" -gt 0 ]; then
     OUT="$W/kb" FP_SKIP_TESTS=1 FP_BENCH_LENS="${FP_BENCH_LENS:-4k,8k,32k,128k}" \
-        timeout -k 5 "$s" bash scripts/gpu_kernels.sh > "$W/kb.log" 2>&1
+        timeout -k 5 "$s" bash scripts/lab/gpu_kernels.sh > "$W/kb.log" 2>&1
     echo "kernel bench rc=$? (limit $s s)" > "$W/kb.rc"
   fi
   s=$(part_s "${FP_E2E_TIMEOUT:-330}")
   if [ -z "${FP_SKIP_E2E:-}" ] && [ "$s" -gt 30 ]; then
     mkdir -p "$W/eb"
     # shellcheck disable=SC2086  # FP_E2E_ARGS is a list of arguments
-    timeout -k 10 "$s" python -m fpcli.bench_e2e \
+    timeout -k 10 "$s" python scripts/lab/bench_e2e.py \
         --model "${FP_BENCH_MODEL:-${FPDEV_MODELS:-}/qwen2.5-coder-0.5b-instruct}" ${FP_E2E_ARGS:---preset issue3} \
         --json "$W/eb/e2e.json" --mem-fraction "${FP_BENCH_MEM:-0.5}" > "$W/eb.log" 2>&1
     echo "e2e bench rc=$? (limit $s s)" > "$W/eb.rc"
@@ -83,9 +83,9 @@ else
   [ -z "${FP_SKIP_LANE_TESTS:-}" ] && tests_lane 0
 fi
 # leftovers of parts cut by their timeouts (pytest, benches, SGLang schedulers / workers)
-pkill -TERM -f "tests/gpu/|flashprefill.bench|fpcli.bench_e2e|sglang_worker|sglang::" 2>/dev/null
+pkill -TERM -f "tests/gpu/|flashprefill.bench|bench_e2e.py|sglang_worker|sglang::" 2>/dev/null
 sleep 2
-pkill -KILL -f "tests/gpu/|flashprefill.bench|fpcli.bench_e2e|sglang_worker|sglang::" 2>/dev/null
+pkill -KILL -f "tests/gpu/|flashprefill.bench|bench_e2e.py|sglang_worker|sglang::" 2>/dev/null
 echo "lanes done in $(( $(date +%s) - T0 )) s" | tee -a "$summary"
 {
   cat "$W"/*.rc 2>/dev/null

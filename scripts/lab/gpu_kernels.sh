@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Device script for the flashprefill Triton kernels (issue 2): GPU tests, then the operator bench.
 #
-#   bash scripts/gpu_kernels.sh                        # tests + bench 4k,8k,32k,128k
-#   source .fpdev/bin/env.sh && bash scripts/gpu_kernels.sh     # with flash-attn-4 for the FA4 baseline
-#   FP_SKIP_TESTS=1 bash scripts/gpu_kernels.sh        # bench only
-#   FP_BENCH_LENS=8k,128k FP_SKIP_TESTS=1 bash scripts/gpu_kernels.sh
+#   bash scripts/lab/gpu_kernels.sh                        # tests + bench 4k,8k,32k,128k
+#   source .fpdev/bin/env.sh && bash scripts/lab/gpu_kernels.sh     # with flash-attn-4 for the FA4 baseline
+#   FP_SKIP_TESTS=1 bash scripts/lab/gpu_kernels.sh        # bench only
+#   FP_BENCH_LENS=8k,128k FP_SKIP_TESTS=1 bash scripts/lab/gpu_kernels.sh
 #   PYTHONPATH=kernels python scripts/lab/bench_lab.py --lens 32k,128k --profile --sweep   # where the time goes
 #
 # Writes under $OUT (default ./out-gpu-kernels): env.txt, gpu_tests.log, bench.log, bench.json.
