@@ -39,13 +39,15 @@ import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from fpcli.engine import context as _context
 from fpcli.engine.base import GenerationResult, PrefillStats, dense_prefill_stats
 from fpcli.engine.tokens import token_starts
-from fpcli.sglang_backend.settings import BackendSettings, settings_from_profile
-from fpcli.sglang_backend.stats import read_prefill_stats
+
+if TYPE_CHECKING:  # imported where used: the backend's settings import the operator (torch), which
+    # ``import fpcli.engine`` (every command, the resident engine's client too) must not pay for
+    from fpcli.sglang_backend.settings import BackendSettings
 
 logger = logging.getLogger(__name__)
 
@@ -365,6 +367,8 @@ class SGLangEngine:
         self._closed = False
         self._engine = None
         self._stats_dir = tempfile.mkdtemp(prefix="fp-sglang-stats-")
+        from fpcli.sglang_backend.settings import settings_from_profile
+
         self.settings: BackendSettings = settings_from_profile(
             profile, stats_dir=self._stats_dir, collect_stats=collect_stats, layer_timing=layer_timing,
             **(settings_overrides or {}),
@@ -560,6 +564,8 @@ class SGLangEngine:
             return self._dense_stats(prompt_tokens), ttft
         if not self.settings.collect_stats:
             return PrefillStats(), ttft
+        from fpcli.sglang_backend.stats import read_prefill_stats
+
         rec = read_prefill_stats(self._stats_dir, rid, timeout_s=self.stats_timeout_s, expect_tokens=prompt_tokens)
         if rec is None:
             logger.warning("flashprefill: no prefill statistics arrived for %s", rid)
