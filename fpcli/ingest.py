@@ -39,7 +39,10 @@ import sys
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import TYPE_CHECKING, BinaryIO, Callable
+
+if TYPE_CHECKING:
+    from fpcli.doccache import DiskCache
 
 STDIN = "-"
 PAGE_TIMEOUT_S = 20.0  # per-page extraction limit
@@ -73,6 +76,7 @@ class Document:
         warnings: one line each, for the user: the text may be incomplete or wrong.
         error: why the file was skipped, or ``None`` (the reason only: the CLI prints it after
             "skipped: ").
+        from_cache: the text came from fp's document cache (``fpcli.doccache``), not a new read.
     """
 
     name: str
@@ -87,6 +91,7 @@ class Document:
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     error: str | None = None
+    from_cache: bool = False
 
     @property
     def ok(self) -> bool:
@@ -139,6 +144,7 @@ def ingest(
     page_timeout: float = PAGE_TIMEOUT_S,
     stdin: BinaryIO | None = None,
     on_file: Callable[[str], None] | None = None,
+    cache: "DiskCache | None" = None,
 ) -> list[Document]:
     """Read every input; never raises for a bad document (see ``Document.error``).
 
@@ -152,6 +158,9 @@ def ingest(
         page_timeout: seconds allowed to extract one PDF page.
         stdin: binary stream to use for ``-`` (default ``sys.stdin.buffer``).
         on_file: called with each name before it is read (progress display).
+        cache: the document cache (``fpcli.doccache``, kind ``documents``): a file read before
+            with the same bytes is taken from it (``Document.from_cache``, with a note);
+            ``None`` reads every file.
     """
     docs = []
     seen: dict[tuple[int, int] | str, Document] = {}
@@ -164,7 +173,7 @@ def ingest(
             continue
         if on_file:
             on_file(p)
-        doc = ingest_one(p, password=password, page_timeout=page_timeout, stdin=stdin)
+        doc = ingest_one(p, password=password, page_timeout=page_timeout, stdin=stdin, cache=cache)
         seen[key] = doc
         if doc.ok and not doc.text.strip() and not doc.warnings:  # say why a file adds nothing
             doc.warnings.append(f"{p}: no text extracted")
@@ -185,7 +194,8 @@ def _file_key(path: str) -> tuple[int, int] | str:
 
 
 def ingest_one(
-    path: str, password: str | None = None, page_timeout: float = PAGE_TIMEOUT_S, stdin: BinaryIO | None = None
+    path: str, password: str | None = None, page_timeout: float = PAGE_TIMEOUT_S, stdin: BinaryIO | None = None,
+    cache: "DiskCache | None" = None,
 ) -> Document:
     """Read one input. See ``ingest``."""
     try:
@@ -197,6 +207,8 @@ def ingest_one(
             if _is_pdf(data):
                 return read_pdf(io.BytesIO(data), STDIN, password, page_timeout, kind="stdin-pdf")
             return read_text_bytes(data, STDIN, kind="stdin-text")
+        if cache is not None:
+            return _read_cached(path, Path(path).read_bytes(), password, page_timeout, cache)
         with open(path, "rb") as f:
             head = f.read(1024)
         if _is_pdf(head) or path.lower().endswith(".pdf"):
@@ -204,6 +216,68 @@ def ingest_one(
         return read_text_bytes(Path(path).read_bytes(), path)
     except OSError as exc:
         return Document(name=path, kind="unknown", error=f"{path}: cannot read: {exc.strerror or exc}")
+
+
+_CACHED_FIELDS = ("kind", "text", "pages", "page_starts", "skipped_pages", "empty_pages", "scanned_pages",
+                  "glued_pages", "notes", "warnings")
+
+
+def _read_cached(path: str, data: bytes, password: str | None, page_timeout: float, cache: "DiskCache") -> Document:
+    """Read a file's ``data`` through the document cache (see ``fpcli.doccache`` for what is
+    cached and the key). Notes and warnings are stored without the file's name, so a hit under
+    another path names that path."""
+    import hashlib
+
+    from fpcli import __version__
+    from fpcli.doccache import digest
+
+    pdf = _is_pdf(data[:1024]) or path.lower().endswith(".pdf")
+    if pdf and password is not None:  # protected text never goes to disk
+        return read_pdf(io.BytesIO(data), path, password, page_timeout)
+    key = digest("document", hashlib.sha256(data).hexdigest(), __version__, _extractor(pdf))
+    entry = cache.get(key)
+    if entry is not None:
+        try:
+            doc = Document(name=path, **{f: entry[f] for f in _CACHED_FIELDS}, from_cache=True)
+            doc.page_starts = [(int(n), int(o)) for n, o in doc.page_starts]
+            doc.notes = [_named(path, m) for m in doc.notes] + [f"{path}: text from fp's document cache"]
+            doc.warnings = [_named(path, m) for m in doc.warnings]
+            return doc
+        except (KeyError, TypeError, ValueError):
+            pass  # a damaged entry: read again, and the store below replaces it
+    doc = read_pdf(io.BytesIO(data), path, None, page_timeout) if pdf else read_text_bytes(data, path)
+    if doc.ok and not doc.skipped_pages:
+        value = {f: getattr(doc, f) for f in _CACHED_FIELDS}
+        value["notes"] = [_unnamed(path, m) for m in doc.notes]
+        value["warnings"] = [_unnamed(path, m) for m in doc.warnings]
+        cache.put(key, value)
+    return doc
+
+
+def _extractor(pdf: bool) -> str:
+    """What reads a file, with versions: part of a document cache key."""
+    if not pdf:
+        return "text"
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for package in ("pypdfium2", "pypdf"):
+        try:
+            found.append(f"{package} {version(package)}")
+        except PackageNotFoundError:
+            found.append(f"{package} absent")
+    return "pdf: " + ", ".join(found)
+
+
+_NAME = "\0name"  # stands for the file's name in cached notes and warnings
+
+
+def _unnamed(name: str, message: str) -> str:
+    return _NAME + message[len(name):] if message.startswith(name + ":") else message
+
+
+def _named(name: str, message: str) -> str:
+    return name + message[len(_NAME):] if message.startswith(_NAME) else message
 
 
 def read_text_bytes(data: bytes, name: str, kind: str = "text") -> Document:

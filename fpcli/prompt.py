@@ -24,7 +24,10 @@ documents of 3,000, 1,000 and 200 tokens: the level is L = 2,300, so the first d
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from fpcli.doccache import DiskCache
 
 SYSTEM_PROMPT = (
     "You answer questions about the documents the user gives you. Base your answer on the documents; "
@@ -173,6 +176,24 @@ def format_user(docs: Sequence[tuple[str, str]], question: str, history: Sequenc
     return "\n\n".join(parts)
 
 
+WHOLE_MARGIN_TOKENS = 16  # a question appended after "Question: " can merge at most a few tokens of the
+# prompt before it: documents whose prompt without a question exceeds the budget by more never fit whole
+
+
+@dataclass(frozen=True)
+class FitCache:
+    """Where fitted documents are kept between commands (``fpcli.doccache``).
+
+    Attributes:
+        store: the ``fpcli.doccache.DiskCache`` of kind ``fits``.
+        tokenizer_id: the engine's tokenizer identity (``fpcli.doccache.tokenizer_identity``):
+            a fit is only reused with the same tokenizer.
+    """
+
+    store: "DiskCache"
+    tokenizer_id: str
+
+
 def build_prompt(
     docs: Sequence[DocLike],
     question: str,
@@ -181,6 +202,7 @@ def build_prompt(
     context_length: int | None = None,
     system: str | None = SYSTEM_PROMPT,
     cut: str = "middle",
+    fit_cache: FitCache | None = None,
 ) -> Prompt:
     """Build the chat prompt and fit it to ``context_length - max_new_tokens`` tokens.
 
@@ -192,12 +214,17 @@ def build_prompt(
         max_new_tokens: tokens reserved for the answer.
         context_length: overrides ``engine.context_length`` when smaller (a profile's cap).
         cut: ``middle`` (keep beginning and end) or ``end`` (keep the beginning).
+        fit_cache: where the question-independent part (documents' token counts, the prompt's
+            length without a question, the cut documents) is looked up and stored; a hit makes
+            the prompt with one ``encode_chat``. The result is the same with or without it.
 
-    The documents are cut on token boundaries (``engine.token_starts``) to their water-filling
-    targets, and the targets are corrected by the measured prompt length until the prompt fills
-    the budget to within ``FILL_SLACK_TOKENS`` (whatever the documents' token density), less the
-    room a question of ``question_allowance(budget)`` tokens would need (so that the cut documents,
-    the prompt's reusable prefix, are the same for every question up to that length).
+    The documents are kept whole when the prompt with the question fits. Else they are cut on
+    token boundaries (``engine.token_starts``) to their water-filling targets, and the targets are
+    corrected by the measured prompt length (measured with an empty question) until it fills the
+    budget less ``question_allowance(budget)`` to within ``FILL_SLACK_TOKENS``: this fit does not
+    depend on the question, so the cut documents, the prompt's reusable prefix, are the same for
+    every question up to the allowance (and can be cached). A longer question that then overflows
+    the budget gets the documents cut for it.
 
     Raises:
         PromptError: when even the question without any document does not fit.
@@ -213,28 +240,65 @@ def build_prompt(
         )
     docs = [d for d in docs if d.text.strip()]
     pairs = [(d.name, d.text) for d in docs]
-    starts = [engine.token_starts(d.text) for d in docs]  # one tokenization per document
-    doc_tokens = {d.name: len(s) for d, s in zip(docs, starts)}
+    key = _fit_key(fit_cache, pairs, budget, cut, system)
+    entry = fit_cache.store.get(key) if fit_cache is not None else None
+    fresh = entry is None or not _valid_entry(entry, docs)
+    starts: list[list[int]] | None = None
 
-    def make(pairs_: Sequence[tuple[str, str]], cuts_: list[Cut]) -> Prompt:
-        user = format_user(pairs_, question)
+    def starts_of() -> list[list[int]]:
+        nonlocal starts
+        if starts is None:
+            starts = [engine.token_starts(d.text) for d in docs]  # one tokenization per document
+        return starts
+
+    if fresh:
+        entry = {"doc_tokens": {d.name: len(s) for d, s in zip(docs, starts_of())},
+                 "whole_tokens": len(engine.encode_chat(system, format_user(pairs, ""))), "fit": None}
+    doc_tokens = dict(entry["doc_tokens"])
+
+    def make(pairs_: Sequence[tuple[str, str]], cuts_: list[Cut], question_: str = question) -> Prompt:
+        user = format_user(pairs_, question_)
         return Prompt(system or "", user, engine.encode_chat(system, user), ctx, max_new_tokens, doc_tokens, cuts_,
                       list(pairs_))
 
-    prompt = make(pairs, [])
-    if prompt.tokens <= budget:
-        return prompt
-
+    if entry["whole_tokens"] <= budget + WHOLE_MARGIN_TOKENS:
+        prompt = make(pairs, [])
+        if prompt.tokens <= budget:
+            _store(fit_cache, key, entry, fresh)
+            return prompt
+    if entry["fit"] is None:  # the question-independent fit, measured with an empty question
+        overhead = len(engine.encode_chat(system, format_user([(n, "") for n, _ in pairs], "")))
+        allowance = question_allowance(budget)
+        target = budget - allowance if overhead + allowance <= budget else budget
+        fitted = _fit(docs, starts_of(), engine, make, "", target, overhead, cut)
+        entry["fit"] = None if fitted is None else {"documents": [list(p) for p in fitted.documents],
+                                                     "cuts": [c.to_dict() for c in fitted.cuts]}
+        fresh = True
+    _store(fit_cache, key, entry, fresh)
+    if entry["fit"] is not None:
+        prompt = make([(n, t) for n, t in entry["fit"]["documents"]], [Cut(**c) for c in entry["fit"]["cuts"]])
+        if prompt.tokens <= budget:
+            return prompt
+    # a question longer than the allowance: cut the documents for this question
     overhead = len(engine.encode_chat(system, format_user([(n, "") for n, _ in pairs], question)))
-    # the documents fill ``target``: the budget less what a question of ``question_allowance``
-    # tokens would take beyond this one, so the cut does not depend on the question's length
-    allowance = max(0, question_allowance(budget) - engine.count_tokens(question))
-    target = budget - allowance if overhead + allowance <= budget else budget
     if overhead > budget:
         raise NoRoomError(
             f"the question and chat template alone need {overhead} tokens, more than the {budget} available "
             f"(context {ctx} - {max_new_tokens} for the answer); shorten the question or lower --max-new-tokens"
         )
+    best = _fit(docs, starts_of(), engine, make, question, budget, overhead, cut)
+    if best is None:
+        raise NoRoomError(
+            f"no document token fits: the prompt budget is {budget:,} tokens (context {ctx:,} - "
+            f"{max_new_tokens:,} for the answer) and the question and chat template take {overhead:,}; "
+            f"lower --max-new-tokens (e.g. -n 512) or shorten the question"
+        )
+    return best
+
+
+def _fit(docs, starts, engine, make, question: str, target: int, overhead: int, cut: str) -> "Prompt | None":
+    """Cut ``docs`` so that the prompt with ``question`` fills ``target`` tokens to within
+    ``FILL_SLACK_TOKENS``; ``None`` when not one document token fits."""
     sizes = [len(s) for s in starts]
     # Each cut document costs its kept tokens plus a marker line; ``reserve`` starts as an
     # allowance for the markers and is corrected by the measured slack of each attempt. Cuts fall
@@ -244,14 +308,8 @@ def build_prompt(
     best: Prompt | None = None
     for _ in range(6):
         targets = water_fill(sizes, max(0, target - overhead - reserve))
-        if not any(targets) and best is not None:
-            break
         if not any(targets):
-            raise NoRoomError(
-                f"no document token fits: the prompt budget is {budget:,} tokens (context {ctx:,} - "
-                f"{max_new_tokens:,} for the answer) and the question and chat template take {overhead:,}; "
-                f"lower --max-new-tokens (e.g. -n 512) or shorten the question"
-            )
+            break
         new_pairs, cuts = [], []
         for d, s, k in zip(docs, starts, targets):
             if k >= len(s):
@@ -260,16 +318,42 @@ def build_prompt(
             text, record = cut_text(d, s, k, cut)
             new_pairs.append((d.name, text))
             cuts.append(record)
-        prompt = make(new_pairs, cuts)
+        prompt = make(new_pairs, cuts, question)
         slack = target - prompt.tokens
         if slack >= 0 and (best is None or prompt.tokens > best.tokens):
             best = prompt
         if 0 <= slack <= FILL_SLACK_TOKENS:
             break
         reserve -= slack  # over budget: reserve the excess too; under: give the slack back
-    if best is None:  # pragma: no cover - the correction converges within the attempts
-        raise PromptError(f"could not fit the documents into {budget} tokens")
     return best
+
+
+def _fit_key(fit_cache: FitCache | None, pairs, budget: int, cut: str, system: str | None) -> str | None:
+    if fit_cache is None:
+        return None
+    import hashlib
+
+    from fpcli import __version__
+    from fpcli.doccache import digest
+
+    texts = [[name, hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()] for name, text in pairs]
+    return digest("fit", __version__, fit_cache.tokenizer_id, texts, budget, cut, system, QUESTION_ALLOWANCE,
+                  MARKER, FILL_SLACK_TOKENS)
+
+
+def _valid_entry(entry: dict, docs) -> bool:
+    """A cached fit's shape is what ``build_prompt`` stores (a damaged entry is recomputed)."""
+    try:
+        fit = entry["fit"]
+        return (set(entry["doc_tokens"]) == {d.name for d in docs} and isinstance(entry["whole_tokens"], int)
+                and (fit is None or (isinstance(fit["documents"], list) and isinstance(fit["cuts"], list))))
+    except (KeyError, TypeError):
+        return False
+
+
+def _store(fit_cache: FitCache | None, key: str | None, entry: dict, fresh: bool) -> None:
+    if fit_cache is not None and key is not None and fresh:
+        fit_cache.store.put(key, entry)
 
 
 def question_allowance(budget: int) -> int:

@@ -15,6 +15,9 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
                                  # (fp chat: from reading the question to the end of its answer);
                                  # null when not measured
         "engine_start_s",        # part of wall_s spent loading/starting the engine (0: it was running)
+        "stages_s",              # wall_s split: {"read", "fit", "engine_start", "ttft", "decode", "other"}
+                                 # (read: ingestion; fit: prompt building; other: the rest, process start
+                                 # and imports included); null when wall_s is not measured
         "finish_reason", "engine", "model", "profile",
         "precision",             # attention precision that RAN (bf16/fp16/fp32), not the request
         "precision_requested",   # the profile's precision (fp8 is not implemented yet)
@@ -31,7 +34,8 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
       },
       "ingestion": {
         "documents": [{"name", "kind", "pages", "chars", "tokens", "skipped_pages", "empty_pages",
-                       "scanned_pages", "glued_pages", "notes", "warnings", "error"}],
+                       "scanned_pages", "glued_pages", "notes", "warnings", "error",
+                       "from_cache"}],   # from_cache: text from fp's document cache (fpcli.doccache)
         "prompt": {"prompt_tokens", "context_length", "max_new_tokens", "budget",
                    "budget_note",   # null, or why the documents got little room (the answer reserve)
                    "doc_tokens",
@@ -137,7 +141,8 @@ def layer_ranges(layers: Sequence[int]) -> str:
 
 def ask_report(result, question: str, docs: Sequence, prompt, profile, context: dict | None = None,
                start_phases: dict | None = None, *, wall_s: float | None = None,
-               engine_start_s: float | None = None) -> dict:
+               engine_start_s: float | None = None, read_s: float | None = None,
+               fit_s: float | None = None) -> dict:
     """The ``fp.ask/1`` report of one answer.
 
     Args:
@@ -151,6 +156,8 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
         start_phases: the engine's start-up seconds per phase (``engine.start_phases``).
         wall_s: seconds the whole command took (``fpcli.clock.process_age_s``), or ``None``.
         engine_start_s: seconds of ``wall_s`` spent starting the engine (0.0 when it was running).
+        read_s, fit_s: seconds of ``wall_s`` spent reading the documents and building the prompt
+            (``None``: not measured, counted in ``other``).
     """
     from fpcli import __version__
 
@@ -167,6 +174,8 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
         "cached_tokens": int(result.cached_tokens),
         "wall_s": wall_s,
         "engine_start_s": engine_start_s,
+        "stages_s": stages(wall_s, result.ttft_s, result.total_s, read_s=read_s, fit_s=fit_s,
+                           engine_start_s=engine_start_s),
         "finish_reason": result.finish_reason,
         "engine": result.engine,
         "model": result.model,
@@ -202,6 +211,23 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
         "summary": summary,
         "ingestion": {"documents": documents, "prompt": prompt.to_dict() if prompt is not None else None},
     }
+
+
+def stages(wall_s: float | None, ttft_s: float, total_s: float, *, read_s: float | None = None,
+           fit_s: float | None = None, engine_start_s: float | None = None) -> dict | None:
+    """Where the wall time of one answer went, in seconds: ``{"read", "fit", "engine_start",
+    "ttft", "decode", "other"}``; ``other`` = ``wall_s`` less the rest (process start, imports,
+    connecting, output), never negative. ``None`` when ``wall_s`` is ``None``.
+
+    Example: wall 9.0, read 1.0, fit 0.5, engine start 5.0, TTFT 0.5, generation 2.0 (decode
+    1.5): other = 9.0 - 1.0 - 0.5 - 5.0 - 0.5 - 1.5 = 0.5.
+    """
+    if wall_s is None:
+        return None
+    parts = {"read": float(read_s or 0.0), "fit": float(fit_s or 0.0), "engine_start": float(engine_start_s or 0.0),
+             "ttft": float(ttft_s), "decode": max(0.0, float(total_s) - float(ttft_s))}
+    parts["other"] = max(0.0, float(wall_s) - sum(parts.values()))
+    return parts
 
 
 def dumps(report: dict) -> str:
@@ -282,10 +308,11 @@ def time_row(s: dict) -> tuple[str, str]:
     decode = max(0.0, gen - s["ttft_s"])
     if s.get("wall_s") is None:
         return "generation time", f"{gen:.3f} s (TTFT {s['ttft_s']:.3f} s + decode {decode:.3f} s)"
-    wall, start = s["wall_s"], s.get("engine_start_s") or 0.0
-    other = max(0.0, wall - start - gen)
-    return "total time", (f"{wall:.3f} s (engine start {start:.3f} s, TTFT {s['ttft_s']:.3f} s, "
-                          f"decode {decode:.3f} s, other {other:.3f} s)")
+    st = s.get("stages_s") or stages(s["wall_s"], s["ttft_s"], gen, engine_start_s=s.get("engine_start_s"))
+    measured = [("read", "read"), ("fit", "fit")]
+    head = "".join(f"{label} {st[key]:.3f} s, " for key, label in measured if st.get(key))
+    return "total time", (f"{s['wall_s']:.3f} s ({head}engine start {st['engine_start']:.3f} s, TTFT {st['ttft']:.3f} s, "
+                          f"decode {st['decode']:.3f} s, other {st['other']:.3f} s)")
 
 
 def summary_line(report: dict) -> str:

@@ -57,6 +57,15 @@ def pdf_factory(tmp_path):
 
 
 @pytest.fixture(autouse=True)
+def _private_doc_cache(monkeypatch, tmp_path_factory):
+    """Each test's documents and prompt fits are cached in its own folder, not the user's."""
+    import fpcli.doccache
+
+    root = tmp_path_factory.mktemp("doccache")
+    monkeypatch.setattr(fpcli.doccache, "default_config", lambda: fpcli.doccache.CacheConfig(root=root))
+
+
+@pytest.fixture(autouse=True)
 def _private_runtime_dir(monkeypatch, tmp_path_factory):
     """Every test sees its own empty runtime folder, so a resident engine (``fp start``) of the
     developer running the tests is never used by them."""

@@ -53,6 +53,7 @@ class FakeEngine:
         self.num_kv_heads = num_kv_heads
         self.profile = profile
         self.model_name = model_name
+        self.model_path = None  # no tokenizer files: prompt fits are not cached
         self.prompts: list[tuple[str | None, str]] = []  # (system, user) of every encode_chat call
         self.generated: list[dict] = []  # arguments of every generate call
         self.closed = False

@@ -71,7 +71,7 @@ def test_ask_options_reach_the_engine(runner, fake_engine, doc, tmp_path):
 
 SUMMARY_KEYS = {
     "prompt_tokens", "output_tokens", "ttft_s", "prefill_s", "total_s", "decode_tokens_per_s", "finish_reason",
-    "cached_tokens", "wall_s", "engine_start_s",
+    "cached_tokens", "wall_s", "engine_start_s", "stages_s",
     "engine", "model", "profile", "precision", "precision_requested", "attention", "min_sparse_len", "density", "density_per_layer_head",
     "attention_flops_dense", "attention_flops_skipped", "attention_flops_skipped_fraction", "index_ms", "attention_ms",
     "native_context", "context", "rope_scaling", "engine_start_phases",
@@ -95,7 +95,7 @@ def test_ask_json_is_one_object_same_as_report(runner, fake_engine, doc, tmp_pat
     (docrow,) = data["ingestion"]["documents"]
     assert docrow["name"] == str(doc) and docrow["kind"] == "text" and docrow["tokens"] > 0 and docrow["error"] is None
     assert set(docrow) == {"name", "kind", "pages", "chars", "tokens", "skipped_pages", "empty_pages",
-                           "scanned_pages", "glued_pages", "notes", "warnings", "error"}  # as fpcli/report.py documents
+                           "scanned_pages", "glued_pages", "notes", "warnings", "error", "from_cache"}  # as fpcli/report.py documents
     assert data["ingestion"]["prompt"]["truncated"] is False
     assert json.loads(saved.read_text()) == data
 

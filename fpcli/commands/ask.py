@@ -103,6 +103,7 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
     from fpcli.clock import process_age_s
     from fpcli.ingest import check_paths, ingest
     from fpcli.prefill_progress import PrefillDisplay
+    from fpcli.doccache import fit_cache_for
     from fpcli.prompt import NoRoomError, PromptError, build_prompt
     from fpcli.report import ask_report, dumps, render_cuts, render_ingestion, render_summary, save_report
 
@@ -139,11 +140,18 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
     prof = context_or_exit(context, prof, model)
     check_max_new_tokens_or_exit(max_new_tokens, model, prof, engine=engine.value)
 
+    from fpcli.doccache import DiskCache, default_config
+
+    cache_config = default_config()
+    t_read = time.perf_counter()
+    doc_cache = DiskCache(cache_config, "documents")
     if quiet:
-        docs = ingest(files, password=password, page_timeout=page_timeout)
+        docs = ingest(files, password=password, page_timeout=page_timeout, cache=doc_cache)
     else:
         with err.status("reading documents") as status:
-            docs = ingest(files, password=password, page_timeout=page_timeout, on_file=lambda n: status.update(f"reading {n}"))
+            docs = ingest(files, password=password, page_timeout=page_timeout,
+                          on_file=lambda n: status.update(f"reading {n}"), cache=doc_cache)
+    read_s = time.perf_counter() - t_read
     render_ingestion(err, docs)
     usable = [d for d in docs if d.ok and d.text.strip()]
     if not usable:  # each file's reason was printed just above, once
@@ -169,13 +177,16 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
     with eng:
         # a GGUF or hub model's context is only known now: the same usage error, exit 2
         check_max_new_tokens_or_exit(max_new_tokens, None, prof, context_length=eng.context_length)
+        t_fit = time.perf_counter()
         try:
             prompt = build_prompt(
-                usable, question, eng, max_new_tokens, context_length=prof.engine.context_length, cut=cut.value
+                usable, question, eng, max_new_tokens, context_length=prof.engine.context_length, cut=cut.value,
+                fit_cache=fit_cache_for(cache_config, eng.model_path),
             )
         except PromptError as exc:
             code = 2 if context or isinstance(exc, NoRoomError) else 1
             fail(f"{context_source(prof, context)}: {exc}" if context else str(exc), code=code)
+        fit_s = time.perf_counter() - t_fit
         render_cuts(err, prompt)
         if not quiet:
             err.print(
@@ -207,7 +218,7 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
 
     data = ask_report(result, question, docs, prompt, prof, context=context_info,
                       start_phases=getattr(eng, "start_phases", None), wall_s=process_age_s(),
-                      engine_start_s=engine_start_s)
+                      engine_start_s=engine_start_s, read_s=read_s, fit_s=fit_s)
     data["summary"]["server"] = server_of(eng)  # None: answered in-process
     if json_out:
         sys.stdout.write(dumps(data) + "\n")

@@ -183,6 +183,7 @@ class _ChatLoop:
 
         t0 = time.perf_counter()
         prompt = self.prompt_for(question)
+        fit_s = time.perf_counter() - t0
         if prompt is None:
             return
         last = [""]
@@ -209,7 +210,7 @@ class _ChatLoop:
                 sys.stdout.write("\n")
             fail(f"generation failed: {_one_line(exc)}")
         data = ask_report(result, question, self.docs, prompt, self.prof, wall_s=time.perf_counter() - t0,
-                          engine_start_s=0.0)
+                          engine_start_s=0.0, fit_s=fit_s)
         if self.json_out:
             import json
 

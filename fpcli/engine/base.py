@@ -114,6 +114,7 @@ class Engine(Protocol):
     precision: str  # attention precision that runs (see GenerationResult.precision)
     context_length: int  # max positions the model accepts (prompt + answer)
     start_s: float  # seconds this process spent starting the engine; 0.0 for an already running (resident) one
+    model_path: str | None  # the model's local folder (its tokenizer files identify cached prompt fits); None: none
 
     def encode_chat(self, system: str | None, user: str) -> list[int]:
         """Token ids of a chat prompt built with the model's own chat template (generation prompt added)."""

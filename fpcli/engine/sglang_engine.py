@@ -42,14 +42,17 @@ import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from flashprefill.integrations.sglang.settings import BackendSettings
-from flashprefill.integrations.sglang.stats_reader import RequestPrefill, read_prefill_stats
 from fpcli.engine import context as _context
 from fpcli.engine.base import GenerationResult, PrefillStats, dense_prefill_stats
 from fpcli.engine.tokens import token_starts
 from fpcli.profiles import MIN_CHUNKED_PREFILL
+
+if TYPE_CHECKING:  # imported where used: the backend's settings import the operator (torch), which
+    # ``import fpcli.engine`` (every command, the resident engine's client too) must not pay for
+    from flashprefill.integrations.sglang.settings import BackendSettings
+    from flashprefill.integrations.sglang.stats_reader import RequestPrefill
 
 logger = logging.getLogger(__name__)
 
@@ -326,15 +329,17 @@ def attention_precision(profile: Any) -> str:
     return {"float16": "fp16", "float32": "fp32"}.get(dtype, "bf16")
 
 
-def backend_settings(profile: Any, stats_dir: str | None, timing: bool = False) -> BackendSettings:
+def backend_settings(profile: Any, stats_dir: str | None, timing: bool = False) -> "BackendSettings":
     """The ``flashprefill`` backend's frozen settings for ``profile`` (an ``fpcli.profiles.Profile``):
     its ``SparseConfig``, ``dense_layers`` and ``precision``; statistics written to ``stats_dir``;
     per-layer index / attention timing only with ``timing``."""
+    from flashprefill.integrations.sglang.settings import BackendSettings
+
     return BackendSettings(sparse=profile.sparse_config(), dense_layers=int(profile.dense_layers),
                            precision=str(profile.precision), stats_dir=stats_dir, layer_timing=timing)
 
 
-def prefill_stats_of(req: RequestPrefill) -> PrefillStats:
+def prefill_stats_of(req: "RequestPrefill") -> PrefillStats:
     """``PrefillStats`` of one request from the scheduler's lines (``stats_reader.aggregate``): per
     sparse layer selected / visible blocks summed over KV heads and chunks, density 1.0 elsewhere;
     skipped FLOPs = dense FLOPs x (1 - density) per sparse layer."""
@@ -602,6 +607,8 @@ class SGLangEngine:
         the backend wrote nothing (dense profile, or stats off)."""
         if not self.sparse:  # stock SGLang attention records nothing; the dense FLOPs are known
             return self._dense_stats(prompt_tokens), ttft
+        from flashprefill.integrations.sglang.stats_reader import read_prefill_stats
+
         rec = read_prefill_stats(self._stats_dir, rid, timeout_s=self.stats_timeout_s, expect_tokens=prompt_tokens)
         if rec is None:
             logger.warning("flashprefill: no prefill statistics arrived for %s", rid)

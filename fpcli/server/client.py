@@ -96,6 +96,7 @@ class RemoteEngine:
         self.precision = str(health["precision"])
         self.context_length = int(health["context_length"])
         self.profile_name = str(health["profile"])
+        self.model_path = state.model_path  # the model folder (both processes read the same tokenizer)
         self.server = {"address": state.address, "pid": state.pid, "engine_start_s": 0.0}
         self.start_s = 0.0  # no engine was started by this process
         self._http = _client(state, _token(state))
