@@ -7,13 +7,13 @@ from __future__ import annotations
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Callable, Protocol, runtime_checkable
 
-from flashprefill.flops import dense_causal_flops
-
 
 def dense_prefill_stats(prompt_tokens: int, layers: int, q_heads: int, kv_heads: int, head_dim: int) -> "PrefillStats":
     """``PrefillStats`` of a prefill that ran dense in every layer (the ``dense`` profile on an
     engine that records nothing per layer): density 1.0 everywhere and the dense-equivalent FLOPs
     ``layers * flashprefill.flops.dense_causal_flops(n, n, head_dim, q_heads)``, none skipped."""
+    from flashprefill.flops import dense_causal_flops  # here: the package imports torch (client path)
+
     return PrefillStats(
         density=1.0,
         density_per_layer=[1.0] * layers,

@@ -19,11 +19,28 @@ Note: ``flashprefill.plan`` is the ``make_plan`` function; import the module's n
 ``from flashprefill.plan import BatchPlan, make_plan``.
 """
 from .config import PRECISIONS, SparseConfig
-from .index import BlockIndex, SparseStats
-from .plan import BatchPlan, make_plan
-from .api import BACKENDS, build_index, dense_attention, flashprefill_attention
 
-plan = make_plan
+# The rest is imported on first use (PEP 562): ``import flashprefill.flops`` / ``flashprefill.config``
+# / ``flashprefill.lengths`` cost no torch import, which a client process (the resident engine's
+# ``fp ask``) must not pay for.
+_LAZY = {
+    "BlockIndex": ".index", "SparseStats": ".index", "BatchPlan": ".plan", "make_plan": ".plan",
+    "plan": ".plan", "flashprefill_attention": ".api", "build_index": ".api", "dense_attention": ".api",
+    "BACKENDS": ".api",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'flashprefill' has no attribute {name!r}")
+    import importlib
+
+    module = importlib.import_module(_LAZY[name], __name__)
+    from .plan import make_plan
+
+    globals()["plan"] = make_plan  # ``flashprefill.plan`` is the function, not the submodule
+    return make_plan if name == "plan" else getattr(module, name)
+
 
 __all__ = [
     "SparseConfig", "BlockIndex", "SparseStats", "BatchPlan", "make_plan", "plan",

@@ -9,13 +9,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
 
 SUPPORTED_BLOCK_SIZES = (64, 128)
 
 # What the Triton kernels take (``impl/triton/``). Kept here, in a module that does not
 # import triton, so ``api.py`` (``backend="auto"``) and callers can test it without the kernels.
-TRITON_DTYPES = (torch.bfloat16, torch.float16)
 TRITON_HEAD_DIMS = (64, 128, 256)
 # Attention operand precisions (``precision=`` of the API; semantics of "fp8" in docs/fp8.md).
 PRECISIONS = ("bf16", "fp8")
@@ -85,3 +83,13 @@ class SparseConfig:
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def __getattr__(name: str):
+    """``TRITON_DTYPES`` (``(torch.bfloat16, torch.float16)``: what the Triton kernels take) on first
+    use, so that importing this module (profiles, the CLI's client path) does not import torch."""
+    if name == "TRITON_DTYPES":
+        import torch
+
+        return (torch.bfloat16, torch.float16)
+    raise AttributeError(f"module 'flashprefill.config' has no attribute {name!r}")
