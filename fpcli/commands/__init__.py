@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from pathlib import Path
 from typing import NoReturn
 
@@ -67,6 +68,20 @@ class FpGroup(TyperGroup):
         params = super().get_params(ctx)
         _flag_metavars(params)
         return params
+
+
+class StdoutStream:
+    """``on_text`` for an answer streamed to stdout: writes each piece as it arrives (flushed) and
+    keeps the last one, so the caller can end the answer with a newline."""
+
+    def __init__(self) -> None:
+        self.last = ""
+
+    def __call__(self, piece: str) -> None:
+        if piece:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            self.last = piece
 
 
 def fail(message: str, code: int = 1) -> NoReturn:

@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape
 
 from fpcli.commands import (
+    StdoutStream,
     FpCommand,
     check_max_new_tokens_or_exit,
     check_model_or_exit,
@@ -195,13 +196,7 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
                 highlight=False,
             )
 
-        last = [""]
-
-        def stream(piece: str) -> None:
-            if piece:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-                last[0] = piece
+        stream = StdoutStream()
 
         try:
             with PrefillDisplay(err, prompt.tokens, enabled=not quiet) as display:
@@ -222,7 +217,7 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
     data["summary"]["server"] = server_of(eng)  # None: answered in-process
     if json_out:
         sys.stdout.write(dumps(data) + "\n")
-    elif not last[0].endswith("\n"):
+    elif not stream.last.endswith("\n"):
         sys.stdout.write("\n")
     sys.stdout.flush()
     if report is not None:

@@ -16,6 +16,7 @@ import typer
 from rich.markup import escape
 
 from fpcli.commands import (
+    StdoutStream,
     FpCommand,
     check_max_new_tokens_or_exit,
     check_model_or_exit,
@@ -186,13 +187,7 @@ class _ChatLoop:
         fit_s = time.perf_counter() - t0
         if prompt is None:
             return
-        last = [""]
-
-        def stream(piece: str) -> None:
-            if piece:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-                last[0] = piece
+        stream = StdoutStream()
 
         try:
             with PrefillDisplay(self.err, prompt.tokens) as display:
@@ -215,7 +210,7 @@ class _ChatLoop:
             import json
 
             sys.stdout.write(json.dumps(data, ensure_ascii=False) + "\n")
-        elif not last[0].endswith("\n"):
+        elif not stream.last.endswith("\n"):
             sys.stdout.write("\n")
         sys.stdout.flush()
         self.err.print(summary_line(data), highlight=False, soft_wrap=True, markup=False)
