@@ -452,6 +452,31 @@ def test_bench_cpu_runs_the_real_operator_bench(runner, monkeypatch):
     assert len(row) == 1 and len(row[0]) == 9 and "…" not in r.stdout  # every column whole, one line
 
 
+def test_bench_cpu_fp8_side_by_side(runner, monkeypatch):
+    """No fake: `fp bench --cpu --fp8` puts the reference's FP8 sparse path beside BF16 and the dense
+    baselines in the same rows; the FP8 dense baseline says none is installed (no FlashInfer here)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = ["bench", "--cpu", "--fp8", "--len", "1k", "--heads", "2/1", "--head-dim", "64"]
+    r = invoke(runner, args + ["--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["fp8"] is True and len(data["rows"]) == 1
+    row = data["rows"][0]
+    for key in ("total_ms", "dense_ref_ms", "sdpa_ms", "fp8_total_ms", "fp8_index_ms", "fp8_speedup",
+                "fp8_dense_ref_ms"):
+        assert isinstance(row[key], float) and row[key] > 0, key
+    assert 0.0 < row["fp8_rel_l2"] < 0.2 and 0.0 < row["fp8_density"] <= 1.0
+    assert row["fp8_speedup"] == pytest.approx(row["total_ms"] / row["fp8_total_ms"])
+    assert row["notes"]["fp8_dense"].startswith("FP8 dense baseline: none installed")
+    r = invoke(runner, args, env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    for title in ("total ms", "dense ref ms", "SDPA ms", "fp8 total ms", "x bf16", "fp8 relL2", "fp8 dense ref ms"):
+        assert title in r.stdout, title
+    assert "note fp8_dense: FP8 dense baseline: none installed" in r.stdout
+
+
 def test_bench_on_gpu_passes_options(runner, fake_operator_bench, monkeypatch):
     import torch
 
