@@ -19,8 +19,8 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
                                  # (read: ingestion; fit: prompt building; other: the rest, process start
                                  # and imports included); null when wall_s is not measured
         "finish_reason", "engine", "model", "profile",
-        "precision",             # attention precision that RAN (bf16/fp16/fp32), not the request
-        "precision_requested",   # the profile's precision (fp8 is not implemented yet)
+        "precision",             # attention precision that RAN: bf16/fp16/fp32, or "fp8 (sparse layers)"
+        "precision_requested",   # the profile's precision (bf16 / fp8)
         "attention",
         "min_sparse_len",        # the profile's (tokens; null for dense): shorter prefill chunks run dense
         "density": {"overall", "min", "median", "max", "per_layer": [...],
@@ -287,8 +287,11 @@ def render_summary(console: Console, report: dict) -> None:
     t.add_row("model", s["model"])
     precision = s["precision"]
     requested = s.get("precision_requested")
-    if requested and requested != precision:
-        why = "FP8 is not implemented yet" if requested == "fp8" else "ran at the model's dtype"
+    from fpcli.engine.base import precision_family
+
+    if requested and requested != precision_family(precision):
+        why = ("FP8 runs in sparse layers only and none ran sparse" if requested == "fp8"
+               else "ran at the model's dtype")
         precision = f"{precision}; {requested} requested, {why}"
     t.add_row("profile", f"{s['profile']} ({s['attention']}, {precision})")
     t.print(console, title="fp ask")
@@ -452,10 +455,17 @@ def heatmap_legend() -> Text:
     return legend
 
 
-def heatmap_figure(per_layer_head: Sequence[Sequence[float | None]], title: str = ""):
-    """The density heatmap as a matplotlib ``Figure`` (Agg): layers down, KV heads across,
+DENSITY_SCALE = ("density", 1.0, "FlashPrefill attention density (selected / visible key blocks)")
+FP8_ERROR_SCALE = ("relative L2 error, FP8 vs BF16", None, "FP8-vs-BF16 attention output error (relative L2)")
+
+
+def heatmap_figure(per_layer_head: Sequence[Sequence[float | None]], title: str = "",
+                   scale: tuple[str, float | None, str] = DENSITY_SCALE):
+    """A per layer x KV head heatmap as a matplotlib ``Figure`` (Agg): layers down, KV heads across,
     ``None`` cells and short rows (not reported) drawn light grey. The title is wrapped to the
-    figure's width so that no part of it falls outside the image.
+    figure's width so that no part of it falls outside the image. ``scale``: ``(colour bar label,
+    vmax or None for the data's max, default title)``: ``DENSITY_SCALE`` (0-1) or
+    ``FP8_ERROR_SCALE``.
 
     Raises:
         ValueError: ``per_layer_head`` has no cell.
@@ -481,29 +491,34 @@ def heatmap_figure(per_layer_head: Sequence[Sequence[float | None]], title: str 
     fontsize = 9
     fig, ax = plt.subplots(figsize=(width, max(3.0, 1.0 + 0.22 * layers)), dpi=120)
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#d9d9d9")  # None cells: light grey
-    im = ax.imshow(np.ma.masked_invalid(data), vmin=0.0, vmax=1.0, cmap=cmap, aspect="auto", interpolation="nearest")
+    label, vmax, default_title = scale
+    if vmax is None:
+        finite = data[np.isfinite(data)]
+        vmax = float(finite.max()) if finite.size and finite.max() > 0 else 1.0
+    im = ax.imshow(np.ma.masked_invalid(data), vmin=0.0, vmax=vmax, cmap=cmap, aspect="auto", interpolation="nearest")
     ax.set_xlabel("KV head")
     ax.set_ylabel("layer")
     ax.set_xticks(range(heads))
     ax.set_yticks(range(0, layers, max(1, layers // 16)))
     # an average character is ~0.6 em wide; keep the title within ~90% of the figure's width
     chars = max(20, int(0.9 * width * 72 / (0.6 * fontsize)))
-    text = title or "FlashPrefill attention density (selected / visible key blocks)"
+    text = title or default_title
     ax.set_title(textwrap.fill(text, chars), fontsize=fontsize)
-    fig.colorbar(im, ax=ax, label="density")
+    fig.colorbar(im, ax=ax, label=label)
     fig.tight_layout()
     return fig
 
 
-def write_heatmap_png(path: str | Path, per_layer_head: Sequence[Sequence[float | None]], title: str = "") -> Path:
-    """Save ``heatmap_figure(per_layer_head, title)`` as a PNG at ``path``.
+def write_heatmap_png(path: str | Path, per_layer_head: Sequence[Sequence[float | None]], title: str = "",
+                      scale: tuple[str, float | None, str] = DENSITY_SCALE) -> Path:
+    """Save ``heatmap_figure(per_layer_head, title, scale)`` as a PNG at ``path``.
 
     Raises:
         ValueError: no cell to draw. OSError: ``path`` cannot be written.
     """
     import matplotlib.pyplot as plt
 
-    fig = heatmap_figure(per_layer_head, title)
+    fig = heatmap_figure(per_layer_head, title, scale)
     path = Path(path)
     try:
         fig.savefig(path)

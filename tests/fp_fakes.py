@@ -35,7 +35,7 @@ class FakeEngine:
     """
 
     name = "fake"
-    precision = "bf16"  # like the real engines: FP8 is not implemented, whatever the profile asks
+    precision = "bf16"  # the model dtype; fake_load_engine sets "fp8 (sparse layers)" for an FP8 profile, as the real engines do
     start_s = 0.01  # started in this process (a resident engine reports 0.0)
 
     def __init__(
@@ -201,6 +201,10 @@ def fake_load_engine(engine: str = "auto", model: str | None = None, profile=Non
         model_name=model or "fake-model",
     )
     fake.requested = {"engine": engine, "model": model, "profile": profile}
+    if getattr(profile, "precision", "bf16") == "fp8" and not getattr(profile, "is_dense", False):
+        from fpcli.engine.base import ran_precision
+
+        fake.precision = ran_precision("bf16", 1)  # like the real engines: FP8 in the sparse layers
     engine_settings = getattr(profile, "engine", None)
     if engine_settings is not None:  # like the real engines: the profile's context, YaRN beyond the native one
         from fpcli.engine.context import plan_context

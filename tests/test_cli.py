@@ -1,6 +1,7 @@
 """The ``fp`` command line, with the fake engine: stdout/stderr split, --json schema, exit codes."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -268,18 +269,23 @@ def test_ask_report_path_checked_before_the_run(runner, fake_engine, doc, tmp_pa
     assert r.exit_code == 2 and "--report" in r.stderr and LAST_FAKE == []
 
 
-def test_ask_fp8_reports_the_precision_that_ran(runner, fake_engine, doc):
+def test_ask_fp8_reports_the_precision_that_ran(runner, fake_engine, doc, monkeypatch):
     r = invoke(runner, ["ask", str(doc), "q?", "--profile", "fp8", "--json"])
     assert r.exit_code == 0, r.output
     s = json.loads(r.stdout)["summary"]
-    assert s["precision"] == "bf16" and s["precision_requested"] == "fp8" and s["profile"] == "fp8"
-    warnings = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and "fp8" in warnings[0] and "not implemented yet" in warnings[0]
-    assert "bf16 runs instead" in warnings[0]
+    assert s["precision"] == "fp8 (sparse layers)" and s["precision_requested"] == "fp8" and s["profile"] == "fp8"
+    assert not [line for line in r.stderr.splitlines() if line.startswith("warning:")]  # FP8 ran
     r = invoke(runner, ["ask", str(doc), "q?", "--profile", "fp8"])
-    assert "profile                  fp8 (flashprefill, bf16; fp8 requested, FP8 is not implemented yet)" in r.stderr
+    assert "profile                  fp8 (flashprefill, fp8 (sparse layers))" in r.stderr
     r = invoke(runner, ["ask", str(doc), "q?"])  # bf16 asked, bf16 ran: no warning
-    assert "not implemented yet" not in r.stderr and "profile                  bf16 (flashprefill, bf16)" in r.stderr
+    assert "warning" not in r.stderr and "profile                  bf16 (flashprefill, bf16)" in r.stderr
+    # a prefill in which no layer ran sparse (below min_sparse_len) ran at the model's dtype: said so
+    from fp_fakes import FakeEngine
+
+    real = FakeEngine.generate
+    monkeypatch.setattr(FakeEngine, "generate", lambda self, *a, **k: dataclasses.replace(real(self, *a, **k), precision="bf16"))
+    r = invoke(runner, ["ask", str(doc), "q?", "--profile", "fp8"])
+    assert "fp8 (flashprefill, bf16; fp8 requested, FP8 runs in sparse layers only and none ran sparse)" in r.stderr
 
 
 def test_stderr_lines_are_not_wrapped_when_not_a_terminal(runner, fake_engine, doc, tmp_path):
@@ -446,6 +452,31 @@ def test_bench_cpu_runs_the_real_operator_bench(runner, monkeypatch):
     assert len(row) == 1 and len(row[0]) == 9 and "…" not in r.stdout  # every column whole, one line
 
 
+def test_bench_cpu_fp8_side_by_side(runner, monkeypatch):
+    """No fake: `fp bench --cpu --fp8` puts the reference's FP8 sparse path beside BF16 and the dense
+    baselines in the same rows; the FP8 dense baseline says none is installed (no FlashInfer here)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = ["bench", "--cpu", "--fp8", "--len", "1k", "--heads", "2/1", "--head-dim", "64"]
+    r = invoke(runner, args + ["--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["fp8"] is True and len(data["rows"]) == 1
+    row = data["rows"][0]
+    for key in ("total_ms", "dense_ref_ms", "sdpa_ms", "fp8_total_ms", "fp8_index_ms", "fp8_speedup",
+                "fp8_dense_ref_ms"):
+        assert isinstance(row[key], float) and row[key] > 0, key
+    assert 0.0 < row["fp8_rel_l2"] < 0.2 and 0.0 < row["fp8_density"] <= 1.0
+    assert row["fp8_speedup"] == pytest.approx(row["total_ms"] / row["fp8_total_ms"])
+    assert row["notes"]["fp8_dense"].startswith("FP8 dense baseline: none installed")
+    r = invoke(runner, args, env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    for title in ("total ms", "dense ref ms", "SDPA ms", "fp8 total ms", "x bf16", "fp8 relL2", "fp8 dense ref ms"):
+        assert title in r.stdout, title
+    assert "note fp8_dense: FP8 dense baseline: none installed" in r.stdout
+
+
 def test_bench_on_gpu_passes_options(runner, fake_operator_bench, monkeypatch):
     import torch
 
@@ -512,9 +543,10 @@ def test_profile_heatmap_png_and_json(runner, fake_engine, doc, tmp_path):
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert data["schema"] == "fp.profile/1"
-    assert data["precision"] == "bf16" and data["precision_requested"] == "fp8"  # what ran, what was asked
+    assert data["precision"] == "fp8 (sparse layers)" and data["precision_requested"] == "fp8"
     assert len(data["density_per_layer_head"]) == 4 and len(data["density_per_layer_head"][0]) == 2
-    assert data["fp8_error_per_layer"] is None and data["png"] == str(png)
+    assert data["fp8_rel_l2_per_layer"] is None and data["png"] == str(png)  # the fake does not compare
+    assert fake_engine().requested["profile"].precision == "fp8"
     assert f"heatmap written to {png}" in r.stderr          # said with --json too (stdout stays JSON)
 
 
@@ -532,14 +564,20 @@ def test_profile_per_layer_times_and_fp8_error(runner, fake_engine, doc, tmp_pat
         s = real(self, n)
         s.index_ms_per_layer = [0.1, 0.2, 0.3, 0.4]
         s.attention_ms_per_layer = [1.0, 1.0, 1.0, 1.0]
-        s.fp8_error_per_layer = [1e-3, 2e-3, 3e-3, 4e-3]
+        s.fp8_rel_l2_per_layer = [None, 2e-3, 3e-3, 4e-3]  # the shape the real engines report
+        s.fp8_rel_l2_per_layer_head = [[], [2e-3, 2.5e-3], [3e-3, 3e-3], [4e-3, 4.5e-3]]
         return s
 
     monkeypatch.setattr(FakeEngine, "stats_for", richer)
     r = invoke(runner, ["profile", str(doc), "--fp8", "--png", str(tmp_path / "h.png")])
     assert r.exit_code == 0, r.output
-    assert "index vs attention time per layer" in r.stdout and "FP8-vs-BF16 output error per layer" in r.stdout
-    assert "4.00e-03" in r.stdout
+    assert "index vs attention time per layer" in r.stdout and "FP8-vs-BF16 attention output error" in r.stdout
+    assert "4.00e-03" in r.stdout and "4.50e-03" in r.stdout and "kv1" in r.stdout
+    assert (tmp_path / "h.fp8.png").read_bytes()[:4] == b"\x89PNG"
+    r = invoke(runner, ["profile", str(doc), "--fp8", "--json", "--png", str(tmp_path / "h.png")])
+    data = json.loads(r.stdout)
+    assert data["fp8_rel_l2_per_layer"][0] is None and data["fp8_rel_l2_per_layer_head"][3] == [4e-3, 4.5e-3]
+    assert data["png_fp8"] == str(tmp_path / "h.fp8.png")
 
 
 def test_profile_png_defaults_to_the_current_directory(runner, fake_engine, tmp_path, monkeypatch):

@@ -142,3 +142,32 @@ def test_readme_sample_is_what_the_command_prints(smollm2):
     assert s["summary"]["density"]["overall"] == 1.0  # shorter than min_sparse_len: dense
     assert s["summary"]["density"]["sparse_layers"] == []
     assert "14 May" in s["answer"]
+
+
+def test_fp_profile_fp8_reports_fp8_error_per_layer(smollm2, tmp_path):
+    """``fp profile --fp8`` through the real transformers engine: the sparse layers run the
+    reference's FP8 semantics and the engine reports their output error against BF16 on the same
+    inputs; the dense layers (the profile's first 2) have none. ``--context 4k`` puts the sparse
+    threshold at min(min_sparse_len, 4096 / 2) = 2048, below the ~2.6K-token prompt."""
+    doc = tmp_path / "report.txt"
+    doc.write_text(make_document(190, "The access code for the vault is 7429.", 0.5, seed=2))
+    png = tmp_path / "h.png"
+    proc = subprocess.run(
+        [fp_executable(), "profile", str(doc), "What is the access code?", "--fp8", "--json", "--engine",
+         "transformers", "--no-server", "--context", "4k", "--png", str(png)],
+        capture_output=True, text=True, env=run_env(), timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    assert data["prompt_tokens"] > 2048 and data["precision"] == "fp8 (sparse layers)"
+    assert data["precision_requested"] == "fp8"
+    sparse = set(data["density"]["sparse_layers"])
+    per_layer, per_head = data["fp8_rel_l2_per_layer"], data["fp8_rel_l2_per_layer_head"]
+    assert len(per_layer) == len(per_head) == 30 and sparse == set(range(2, 30))
+    for i, (err, heads) in enumerate(zip(per_layer, per_head)):
+        if i in sparse:
+            assert 0.0 < err < 0.5 and len(heads) == 3 and all(0.0 < e < 0.5 for e in heads), (i, err, heads)
+        else:
+            assert err is None and heads == [], (i, err, heads)
+    assert data["png"] == str(png) and data["png_fp8"] == str(tmp_path / "h.fp8.png")
+    assert (tmp_path / "h.fp8.png").stat().st_size > 1000

@@ -160,6 +160,16 @@ def test_document_haystack_rejects_empty_text():
 # -- the CLI with the fake engine: structure, labels, bad input -------------------------------------
 
 
+def test_profile_label_says_what_ran_when_it_is_not_what_was_asked():
+    from fpcli.ruler.runner import ProfileRun
+
+    assert ProfileRun("fp8", "flashprefill", "fp8", ran_precision="fp8 (sparse layers)").label == "fp8"
+    assert ProfileRun("fp8", "flashprefill", "fp8", ran_precision="bf16").label == "fp8 (ran bf16)"
+    mixed = ProfileRun("fp8", "flashprefill", "fp8", ran_precision="fp32/fp8 (sparse layers)")
+    assert mixed.label == "fp8 (ran fp32/fp8 (sparse layers))"  # some samples ran no sparse layer
+    assert ProfileRun("bf16", "flashprefill", "bf16", ran_precision="fp32").label == "bf16 (ran fp32)"
+
+
 def test_eval_json_structure_and_precision_labels(runner, fake_engine, monkeypatch):
     from fp_fakes import LAST_FAKE
 
@@ -172,8 +182,8 @@ def test_eval_json_structure_and_precision_labels(runner, fake_engine, monkeypat
     assert (data["seed"], data["samples_per_cell"], data["samples_total"]) == (5, 2, 8)
     assert data["tasks"] == ["niah_single", "vt"] and data["lengths"] == [1024, 2048]
     labels = {p["name"]: p["label"] for p in data["profiles"]}
-    assert labels == {"dense": "dense", "fp8": "fp8 (ran bf16)"}  # the fake runs bf16: never labelled fp8
-    assert [p["ran_precision"] for p in data["profiles"]] == ["bf16", "bf16"]
+    assert labels == {"dense": "dense", "fp8": "fp8"}  # the fake runs FP8 in its sparse layers, as the engines do
+    assert [p["ran_precision"] for p in data["profiles"]] == ["bf16", "fp8 (sparse layers)"]
     assert len(data["cells"]) == 2 * 2 * 2 and all(c["samples"] == 2 for c in data["cells"])
     assert all(0.0 <= c["score"] <= 100.0 and c["ttft_s"] > 0 and 0 < c["density"] <= 1 for c in data["cells"])
     fp8_density = [c["density"] for c in data["cells"] if c["profile"] == "fp8"]
@@ -184,7 +194,7 @@ def test_eval_json_structure_and_precision_labels(runner, fake_engine, monkeypat
     assert len(LAST_FAKE) == 2 and all(e.closed for e in LAST_FAKE)  # one engine per profile, closed
     # the same samples for every profile: each engine got the same prompt lengths in the same order
     assert [g["prompt_len"] for g in LAST_FAKE[0].generated] == [g["prompt_len"] for g in LAST_FAKE[1].generated]
-    assert "fp8 (ran bf16)" in r.stderr  # the table
+    assert "fp8" in r.stderr and "(ran " not in r.stderr  # the table: FP8 ran, no "ran" label
 
 
 def test_eval_report_file_and_a_wrong_answer(runner, fake_engine, monkeypatch, tmp_path):

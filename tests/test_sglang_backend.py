@@ -147,6 +147,72 @@ def test_settings_env_round_trip(tmp_path):
     assert BackendSettings.from_env({}) == BackendSettings()
 
 
+def test_settings_carry_fp8_compare_and_the_log_level_to_the_scheduler(tmp_path):
+    from fpcli.engine.sglang_engine import quiet_children_env
+    from fpcli.profiles import load_profile
+
+    prof = load_profile("fp8")
+    quiet = backend_settings(prof, str(tmp_path))
+    loud = backend_settings(prof, str(tmp_path), compare_fp8=True, verbose=True)
+    assert quiet.precision == "fp8" and not quiet.compare_fp8 and quiet.log_level == "warning"
+    assert loud.compare_fp8 and loud.log_level == "info"
+    assert BackendSettings.from_env(loud.to_env()) == loud  # reaches the spawned scheduler whole
+    assert BackendSettings().log_level is None and not BackendSettings().compare_fp8  # a plain SGLang user
+    with pytest.raises(ValueError, match=r"log_level must be None or one of .*got 'loud'"):
+        BackendSettings(log_level="loud")
+    assert quiet_children_env(False) == {"TQDM_DISABLE": "1"} and quiet_children_env(True) == {}
+
+
+@pytest.mark.parametrize("level, printed", [("warning", False), ("info", True), (None, False)])
+def test_plugin_prints_its_registration_only_when_verbose(monkeypatch, capsys, level, printed):
+    import logging
+
+    from flashprefill.integrations.sglang import plugin
+
+    env = BackendSettings(log_level=level).to_env()
+    monkeypatch.setenv(ENV_VAR, env[ENV_VAR])
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # a fresh scheduler: logging not set up yet
+    before = logging.getLogger("flashprefill").level
+    try:
+        plugin._say("flashprefill: attention backend registered in SGLang by the test path")
+        err = capsys.readouterr().err
+        assert ("[fp] flashprefill: attention backend registered" in err) == printed
+        if level is not None:
+            assert logging.getLogger("flashprefill").level == getattr(logging, level.upper())
+    finally:
+        logging.getLogger("flashprefill").setLevel(before)
+
+
+def test_fp8_error_sums_travel_from_the_scheduler_to_the_report(tmp_path):
+    """BatchStats (scheduler) -> JSON line -> aggregate over chunks -> PrefillStats per layer/head."""
+    from flashprefill.integrations.sglang.stats_writer import BatchStats
+    from fpcli.engine.base import FP8_SPARSE
+    from fpcli.engine.sglang_engine import ran_precision_of
+
+    def batch(err, ref):
+        plan = make_plan(torch.tensor([300], dtype=torch.int32), torch.tensor([0, 300], dtype=torch.int32), 2, 128)
+        st = BatchStats(num_layers=2, layer_offset=0, num_q_heads=4, num_kv_heads=2, head_dim=64, q_lens=[300],
+                        kv_lens=[300], rids=["r1"], device="cpu", plan=plan)
+        st.mark_dense(0, "dense_layers")
+        st.add_index(1, None, precision="fp8")
+        st.add_fp8_error(1, torch.tensor([[err], [ref]], dtype=torch.float64))
+        assert st.token_request().tolist() == [0] * 300
+        st.finish()
+        return st.records()[0]
+
+    recs = [batch([1.0, 4.0], [100.0, 100.0]), batch([3.0, 5.0], [300.0, 300.0])]  # two chunks of one request
+    assert recs[0]["precision"] == [None, "fp8"] and recs[0]["fp8_err_sq"] == [None, [1.0, 4.0]]
+    req = aggregate(recs, "r1")
+    assert req.fp8_err_sq == [None, [4.0, 9.0]] and req.fp8_ref_sq == [None, [400.0, 400.0]]
+    assert ran_precision_of(req, "bf16") == FP8_SPARSE and ran_precision_of(None, "bf16") == "bf16"
+    stats = prefill_stats_of(req)
+    assert stats.fp8_rel_l2_per_layer[0] is None and stats.fp8_rel_l2_per_layer_head[0] == []
+    assert stats.fp8_rel_l2_per_layer_head[1] == pytest.approx([0.1, 0.15])
+    assert stats.fp8_rel_l2_per_layer[1] == pytest.approx((13.0 / 800.0) ** 0.5)
+    plain = aggregate([{**r, "fp8_err_sq": None, "fp8_ref_sq": None} for r in recs], "r1")
+    assert prefill_stats_of(plain).fp8_rel_l2_per_layer == []  # not compared: no FP8 errors at all
+
+
 def test_settings_errors_name_the_key():
     with pytest.raises(ValueError, match="unknown keys"):
         BackendSettings.from_dict({"nope": 1})

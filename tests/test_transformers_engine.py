@@ -317,11 +317,75 @@ def test_timing_is_measured_only_when_asked_for():
 
 
 def test_engine_reports_the_precision_that_ran(model_dir):
-    prof = load_profile("fp8")  # asks for FP8, which no engine implements yet
+    prof = load_profile("fp8")  # FP8 in the sparse layers; a short prompt runs none of them sparse
     with TransformersEngine(model_dir, prof) as eng:
-        assert eng.precision == "fp32"  # the CPU model dtype: what the attention really runs in
+        assert eng.precision == "fp8 (sparse layers)" and eng.model_precision == "fp32"
         r = eng.generate(eng.encode_chat(None, "w1 w2 w3"), max_new_tokens=1)
-    assert r.precision == "fp32" and r.to_dict()["precision"] == "fp32"
+    assert r.precision == "fp32" and r.to_dict()["precision"] == "fp32"  # below min_sparse_len: all SDPA
+    with TransformersEngine(model_dir, dataclasses.replace(prof, sparse=dataclasses.replace(prof.sparse, min_sparse_len=0),
+                                                           dense_layers=1)) as eng:
+        user = " ".join(WORDS[i % 200] for i in range(400))
+        r = eng.generate(eng.encode_chat(None, user), max_new_tokens=1)
+    assert r.precision == "fp8 (sparse layers)" and r.stats.sparse_layers == [1]
+    assert r.stats.fp8_rel_l2_per_layer == []  # not asked to compare
+
+
+@torch.inference_mode()
+def test_fp8_runtime_runs_fp8_and_reports_its_error_against_bf16():
+    model, rt = fp_model(SPARSE, dense_layers=1)
+    x = ids(1100)
+    bf16 = model(x).logits
+    assert [r.precision for r in rt.summary(LAYERS)] == [None, "bf16"]
+    rt.reset()
+    rt.precision, rt.compare_fp8 = "fp8", True
+    fp8 = model(x).logits
+    rows = rt.summary(LAYERS)
+    assert [r.precision for r in rows] == [None, "fp8"]
+    assert rows[0].fp8_rel_l2 is None and rows[0].fp8_rel_l2_per_kv_head is None  # dense layer: SDPA
+    assert 0.0 < rows[1].fp8_rel_l2 < 0.5 and len(rows[1].fp8_rel_l2_per_kv_head) == HKV
+    assert all(0.0 < e < 0.5 for e in rows[1].fp8_rel_l2_per_kv_head)
+    assert torch.isfinite(fp8).all() and not torch.equal(fp8, bf16)  # FP8 operands really ran
+    # the model's output is the FP8 one: the comparison does not change it
+    rt.reset()
+    rt.compare_fp8 = False
+    assert torch.equal(model(x).logits, fp8) and rt.summary(LAYERS)[1].fp8_rel_l2 is None
+    stats = prefill_stats(rows)
+    assert stats.fp8_rel_l2_per_layer == [None, rows[1].fp8_rel_l2]
+    assert stats.fp8_rel_l2_per_layer_head == [[], list(rows[1].fp8_rel_l2_per_kv_head)]
+
+
+def test_fp8_error_sums_per_request_and_kv_head():
+    from flashprefill.integrations.fp8_error import fp8_error_sums, layer_rel_l2, rel_l2
+
+    g = torch.Generator().manual_seed(3)
+    ref = torch.randn(5, 4, 8, generator=g)  # 5 tokens, Hq 4, Hkv 2
+    out = ref.clone()
+    out[3:, 2:] += 0.5  # request 1 (tokens 3, 4), KV head 1 (query heads 2, 3) only
+    sums = fp8_error_sums(out, ref, 2, torch.tensor([0, 0, 0, 1, 1]), batch=2)
+    assert sums.shape == (2, 2, 2) and sums.dtype == torch.float64
+    assert sums[0, 0].tolist() == [0.0, 0.0] and sums[0, 1, 0] == 0.0
+    assert sums[0, 1, 1].item() == pytest.approx(2 * 2 * 8 * 0.25)
+    assert sums[1, 1, 1].item() == pytest.approx(ref[3:, 2:].double().square().sum().item())
+    err = rel_l2(sums[0, 1].tolist(), sums[1, 1].tolist())
+    assert err[0] == 0.0 and err[1] == pytest.approx(8 ** 0.5 / ref[3:, 2:].double().norm().item())
+    assert layer_rel_l2([1.0, 3.0], [4.0, 12.0]) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="multiple"):
+        fp8_error_sums(out, ref, 3)
+
+
+def test_fp8_profile_refused_before_work_on_a_gpu_without_fp8(monkeypatch):
+    from fpcli.engine.base import check_fp8_profile
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match=r"profile fp8 .*A100.*8\.0.*bf16 profile would run"):
+        check_fp8_profile(load_profile("fp8"), torch.device("cuda", 0), 128)
+    check_fp8_profile(load_profile("bf16"), torch.device("cuda", 0), 128)  # bf16: nothing to check
+    check_fp8_profile(load_profile("fp8"), torch.device("cpu"), 96)  # the reference runs FP8 anywhere
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    with pytest.raises(ValueError, match=r"head_dim .*d = 96.*bf16 profile would run"):
+        check_fp8_profile(load_profile("fp8"), torch.device("cuda", 0), 96)
+    check_fp8_profile(load_profile("fp8"), torch.device("cuda", 0), 128)
 
 
 def test_engine_stops_when_on_text_raises(model_dir):

@@ -235,14 +235,20 @@ def check_output_path_or_exit(option: str, path) -> None:
 
 
 def warn_precision(console: Console, profile, engine) -> None:
-    """One line on stderr when the profile asks for FP8 attention, which no engine implements yet:
-    the engine runs at the model's dtype instead, and the summary reports that. (A bf16 profile
-    running fp32 on the CPU is the documented CPU default, not worth a warning; the summary shows it.)"""
+    """One line on stderr when the profile asks for FP8 attention and the engine will not run it
+    (FP8 applies to the sparse prefill: a dense profile, or a resident engine started with another
+    profile, runs at the model's dtype); the summary reports what ran. Engines refuse FP8 where the
+    GPU cannot run it, before loading. (A bf16 profile running fp32 on the CPU is the documented CPU
+    default, not worth a warning; the summary shows it.)"""
+    from fpcli.engine.base import precision_family
+
     ran = getattr(engine, "precision", None)
-    if ran and profile.precision == "fp8" and ran != "fp8":
+    if ran and profile.precision == "fp8" and precision_family(ran) != "fp8":
+        why = ("FP8 applies to the sparse prefill and this profile is dense" if getattr(profile, "is_dense", False)
+               else "this engine runs without it")
         console.print(
-            f"[yellow]warning: fp8 attention was requested (profile {escape(profile.name)}) but is not "
-            f"implemented yet; {ran} runs instead, and the summary reports {ran}[/]",
+            f"[yellow]warning: fp8 attention was requested (profile {escape(profile.name)}) but {why}; "
+            f"{ran} runs, and the summary reports {ran}[/]",
             soft_wrap=True,
         )
 
@@ -283,12 +289,14 @@ def parse_duration_or_exit(option: str, text: str | None) -> float | None:
 
 
 def obtain_engine(engine: str, model: str | None, profile, progress, no_server: bool, console: Console,
-                  verbose: bool = False, timing: bool = False):
+                  verbose: bool = False, timing: bool = False, compare_fp8: bool = False):
     """The engine for a command: the resident engine when one runs with the same model, profile
     and engine (``fpcli.server.client.connect``; warnings on ``console`` when it is stale or does
     not answer), else an in-process engine from ``engine_loader()``. ``no_server`` skips the
     resident engine. ``timing``: an in-process engine measures index / attention time per layer
-    (the resident engine runs as it was started). The caller handles load errors (``fail``)."""
+    (the resident engine runs as it was started); ``compare_fp8``: an in-process engine also reports
+    the FP8-vs-BF16 output error per layer (the resident engine does not). The caller handles load
+    errors (``fail``)."""
     if not no_server:
         from fpcli.server.client import connect
 
@@ -299,7 +307,8 @@ def obtain_engine(engine: str, model: str | None, profile, progress, no_server: 
         )
         if remote is not None:
             return remote
-    return engine_loader()(engine, model, profile, progress=progress, verbose=verbose, timing=timing)
+    extra = {"compare_fp8": True} if compare_fp8 else {}
+    return engine_loader()(engine, model, profile, progress=progress, verbose=verbose, timing=timing, **extra)
 
 
 def server_of(engine) -> dict | None:

@@ -23,7 +23,7 @@ DEFAULT_QUESTION = "Summarize this document."
 def profile_cmd(
     file: Annotated[str, typer.Argument(metavar="FILE", help="PDF, .txt or .md file; '-' reads standard input.", show_default=False)],
     question: Annotated[str, typer.Argument(metavar="QUESTION", help="Question appended to the document (it shapes the prefill).")] = DEFAULT_QUESTION,
-    fp8: Annotated[bool, typer.Option("--fp8", help="FP8 attention; also report the FP8-vs-BF16 output error per layer.")] = False,
+    fp8: Annotated[bool, typer.Option("--fp8", help="FP8 attention in the sparse layers; also report the FP8-vs-BF16 output error per layer and KV head (the engine runs both on the same inputs).")] = False,
     png: Annotated[Optional[Path], typer.Option("--png", help="Where to write the heatmap PNG. Default: <FILE stem>.density.png in the current directory.", dir_okay=False)] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model (default: qwen2.5-coder-0.5b at 128K on a GPU, smollm2-135m-instruct on the CPU).")] = None,
     context: Annotated[Optional[str], typer.Option("--context", "-c", help="Context in tokens (e.g. 128k): a cap within the model's own context, YaRN beyond it (up to 8x).", show_default=False)] = None,
@@ -36,7 +36,7 @@ def profile_cmd(
 ) -> None:
     """Show the attention density per layer and KV head of one prefill of FILE.
 
-    Prints a heatmap in the terminal, writes it as a PNG, shows index vs attention time, and with --fp8 the FP8-vs-BF16 output error per layer.
+    Prints a heatmap in the terminal, writes it as a PNG, shows index vs attention time, and with --fp8 the FP8-vs-BF16 output error (relative L2) per layer and KV head, as a table and a second PNG (<FILE stem>.fp8.png beside the heatmap).
     """
     from fpcli.logs import third_party_output
 
@@ -71,7 +71,8 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
     from fpcli.engine.context import ContextError
 
     try:
-        eng = obtain_engine(engine.value, model, prof, err, no_server, err, verbose=verbose, timing=True)
+        eng = obtain_engine(engine.value, model, prof, err, no_server, err, verbose=verbose, timing=True,
+                            compare_fp8=fp8)
     except typer.Exit:
         raise
     except ContextError as exc:
@@ -101,7 +102,8 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
     grid = density_grid(stats.density_per_layer_head, stats.density_per_layer, getattr(stats, "sparse_layers", None))
     index_per_layer = getattr(stats, "index_ms_per_layer", None)
     attn_per_layer = getattr(stats, "attention_ms_per_layer", None)
-    fp8_error = getattr(stats, "fp8_error_per_layer", None)
+    fp8_error = list(getattr(stats, "fp8_rel_l2_per_layer", None) or []) or None
+    fp8_grid = list(getattr(stats, "fp8_rel_l2_per_layer_head", None) or []) or None
     data = {
         "schema": "fp.profile/1",
         "file": file,
@@ -122,8 +124,10 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
         "attention_ms": stats.attention_ms,
         "index_ms_per_layer": index_per_layer,
         "attention_ms_per_layer": attn_per_layer,
-        "fp8_error_per_layer": fp8_error,
+        "fp8_rel_l2_per_layer": fp8_error,
+        "fp8_rel_l2_per_layer_head": fp8_grid,
         "png": None,
+        "png_fp8": None,
         "server": render_answered_by(err, eng),  # None: profiled in-process
     }
     if grid:
@@ -135,8 +139,20 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
         except OSError as exc:
             err.print(f"[yellow]warning: cannot write {png_path}: {exc.strerror or exc}[/]")
 
+    if fp8_grid and any(fp8_grid) and data["png"]:
+        from fpcli.report import FP8_ERROR_SCALE
+
+        fp8_png = Path(data["png"]).with_name(Path(data["png"]).name.removesuffix(".png").removesuffix(".density") + ".fp8.png")
+        try:
+            write_heatmap_png(fp8_png, fp8_grid, scale=FP8_ERROR_SCALE,
+                              title=f"{Path(file).name}: FP8 vs BF16 output, relative L2 ({result.model}, {prof.name})")
+            data["png_fp8"] = str(fp8_png)
+        except OSError as exc:
+            err.print(f"[yellow]warning: cannot write {fp8_png}: {exc.strerror or exc}[/]")
     if data["png"]:
         err.print(f"heatmap written to {data['png']}", highlight=False, soft_wrap=True)
+    if data["png_fp8"]:
+        err.print(f"FP8 error heatmap written to {data['png_fp8']}", highlight=False, soft_wrap=True)
     if json_out:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
         return
@@ -154,9 +170,14 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
     out.print(_times_table(index_per_layer, attn_per_layer, stats.index_ms, stats.attention_ms))
     if fp8:
         if fp8_error:
-            out.print(_per_layer_table("FP8-vs-BF16 output error per layer", "rel. error", fp8_error, "{:.2e}"))
+            out.print(_fp8_table(fp8_error, fp8_grid))
+        elif data["server"]:
+            out.print("FP8-vs-BF16 error per layer: unavailable (the resident engine does not compare; "
+                      "--no-server runs one in this process that does)")
+        elif data["precision"] == data["precision_requested"] or "fp8" in str(data["precision"]):
+            out.print(f"FP8-vs-BF16 error per layer: unavailable (the {result.engine} engine did not report it)")
         else:
-            out.print(f"FP8-vs-BF16 error per layer: unavailable (the {result.engine} engine does not report it)")
+            out.print(f"FP8-vs-BF16 error per layer: none (no layer ran FP8: {data['precision']} ran)")
 
 
 def _times_table(index_per_layer, attn_per_layer, index_ms, attention_ms):
@@ -182,14 +203,21 @@ def _times_table(index_per_layer, attn_per_layer, index_ms, attention_ms):
     return f"index {_ms(index_ms)} ms, attention {_ms(attention_ms)} ms over all layers{share}; per-layer times not reported"
 
 
-def _per_layer_table(title: str, column: str, values, fmt: str):
+def _fp8_table(per_layer, per_head):
+    """Layer, relative L2 over the layer, then one column per KV head; ``-`` for dense layers."""
     from rich.table import Table
 
-    t = Table(title=title, title_justify="left", min_width=len(title) + 2)
+    heads = max((len(r) for r in per_head or []), default=0)
+    t = Table(title="FP8-vs-BF16 attention output error per layer (relative L2; - = dense layer, BF16 path)",
+              title_justify="left")
     t.add_column("layer", justify="right")
-    t.add_column(column, justify="right")
-    for i, v in enumerate(values):
-        t.add_row(str(i), fmt.format(v) if v is not None else "-")
+    t.add_column("layer rel. L2", justify="right")
+    for h in range(heads):
+        t.add_column(f"kv{h}", justify="right")
+    for i, v in enumerate(per_layer):
+        row = (per_head[i] if per_head and i < len(per_head) else []) or []
+        t.add_row(str(i), "-" if v is None else f"{v:.2e}",
+                  *[f"{row[h]:.2e}" if h < len(row) else "-" for h in range(heads)])
     return t
 
 

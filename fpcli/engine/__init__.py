@@ -92,7 +92,8 @@ def resolve_request(engine: str = "auto", model: str | None = None, profile=None
 
 
 def load_engine(engine: str = "auto", model: str | None = None, profile=None, progress=None,
-                engine_args: Sequence[str] = (), verbose: bool = False, timing: bool = False) -> Engine:
+                engine_args: Sequence[str] = (), verbose: bool = False, timing: bool = False,
+                compare_fp8: bool = False) -> Engine:
     """Resolve ``model`` and load it with ``engine``.
 
     Args:
@@ -110,12 +111,16 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
         verbose: SGLang's own processes log at ``info`` (else ``error``: ``fp -v``).
         timing: measure index / attention time per layer (CUDA events; ``fp profile`` asks for
             it, ``fp ask`` does not).
+        compare_fp8: with an FP8 profile, the sparse layers also run the BF16 operator and the
+            engine reports the FP8-vs-BF16 output error per layer and KV head
+            (``PrefillStats.fp8_rel_l2_per_layer``; ``fp profile --fp8``). Off by default.
 
     Raises:
         EngineUnavailable: ``engine="sglang"`` where SGLang or CUDA is missing (names what to
             install and the fallback).
         ValueError: unknown ``engine``; ``engine_args`` for the transformers engine or that
-            SGLang rejects.
+            SGLang rejects; an FP8 profile on a GPU without FP8 tensor cores or with an
+            unsupported head dim (``base.check_fp8_profile``).
         fpcli.models.ModelError: the model cannot be found, fetched or converted.
         fpcli.engine.context.ContextError: the profile's context is beyond what the model can be
             extended to.
@@ -137,9 +142,11 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
         log_level = "info" if verbose else None
         if ui is not None:
             with ui.status(f"starting SGLang with {name} (weights, CUDA graphs, kernel compilation, warm-up)"):
-                eng = SGLangEngine(path, profile, server_overrides=overrides, log_level=log_level, timing=timing)
+                eng = SGLangEngine(path, profile, server_overrides=overrides, log_level=log_level, timing=timing,
+                                   compare_fp8=compare_fp8)
         else:
-            eng = SGLangEngine(path, profile, server_overrides=overrides, log_level=log_level, timing=timing)
+            eng = SGLangEngine(path, profile, server_overrides=overrides, log_level=log_level, timing=timing,
+                               compare_fp8=compare_fp8)
         eng.model_name = name
         return eng
     if engine_args:
@@ -149,8 +156,8 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
 
     if ui is not None:
         with ui.status(f"loading {name} (transformers engine)"):
-            return TransformersEngine(path, profile, model_name=name, timing=timing)
-    return TransformersEngine(path, profile, model_name=name, timing=timing)
+            return TransformersEngine(path, profile, model_name=name, timing=timing, compare_fp8=compare_fp8)
+    return TransformersEngine(path, profile, model_name=name, timing=timing, compare_fp8=compare_fp8)
 
 
 def _console(progress):

@@ -22,6 +22,40 @@ def dense_prefill_stats(prompt_tokens: int, layers: int, q_heads: int, kv_heads:
     )
 
 
+FP8_SPARSE = "fp8 (sparse layers)"  # GenerationResult.precision when the sparse prefill ran FP8
+
+
+def ran_precision(model_precision: str, fp8_layers: int) -> str:
+    """``GenerationResult.precision`` of a prefill: ``FP8_SPARSE`` when ``fp8_layers`` (sparse layers
+    that ran FP8 operands) > 0, else ``model_precision`` (the dtype every layer ran at)."""
+    return FP8_SPARSE if fp8_layers > 0 else model_precision
+
+
+def precision_family(precision: str) -> str:
+    """``"fp8 (sparse layers)"`` -> ``"fp8"``; ``"bf16"`` -> ``"bf16"`` (compare with a profile's)."""
+    return precision.split(" ", 1)[0]
+
+
+def check_fp8_profile(profile, device, head_dim: int) -> None:
+    """Refuse, before any work, a profile whose sparse prefill asks for FP8 where it cannot run
+    (``flashprefill.api.check_fp8_support``: a CUDA GPU below compute capability 8.9, or a head dim
+    outside ``FP8_HEAD_DIMS``). Nothing for other profiles or the CPU (the reference runs FP8).
+
+    Raises:
+        ValueError: one line naming the profile, the GPU or the head dim, and that the ``bf16``
+            profile would run.
+    """
+    if getattr(profile, "is_dense", False) or str(getattr(profile, "precision", "bf16")) != "fp8":
+        return
+    from flashprefill.api import check_fp8_support
+
+    try:
+        check_fp8_support(device, int(head_dim))
+    except ValueError as exc:
+        raise ValueError(f"profile {profile.name} asks for FP8 attention, which cannot run here: {exc} "
+                         f"(the bf16 profile would run: --profile bf16)") from None
+
+
 @dataclass
 class PrefillStats:
     """Attention statistics of one prefill.
@@ -38,6 +72,11 @@ class PrefillStats:
             fraction is below ``1 - density`` when some layers run dense.
         index_ms: time in the index stage summed over layers (ms), when measured.
         attention_ms: time in the attention stage summed over layers (ms), when measured.
+        fp8_rel_l2_per_layer: per decoder layer, the relative L2 error of the FP8 attention output
+            against the BF16 operator's on the same prefill inputs; ``None`` for layers that did
+            not run FP8 (dense layers); an empty list when the engine was not asked to compare
+            (an engine setting, ``compare_fp8``).
+        fp8_rel_l2_per_layer_head: ``[layer][kv_head]`` of the same; ``[]`` for layers without.
     """
 
     density: float = 1.0
@@ -48,15 +87,19 @@ class PrefillStats:
     attention_flops_skipped: float = 0.0
     index_ms: float | None = None
     attention_ms: float | None = None
+    fp8_rel_l2_per_layer: list[float | None] = field(default_factory=list)
+    fp8_rel_l2_per_layer_head: list[list[float]] = field(default_factory=list)
 
 
 @dataclass
 class GenerationResult:
     """One answer and its timings. Times in seconds unless the name says ms.
 
-    ``precision`` is the attention precision that actually ran (``bf16``, ``fp16``, ``fp32``;
-    ``fp8`` only once an engine really runs FP8 attention), which may differ from the profile's
-    request: FP8 is not implemented yet, and engines run it at the model's dtype instead.
+    ``precision`` is the attention precision that actually ran: the model's dtype (``bf16``,
+    ``fp16``, ``fp32``) when every layer ran at it, or ``FP8_SPARSE`` (``"fp8 (sparse layers)"``)
+    when the sparse layers ran FP8 operands (dense layers and prefills shorter than
+    ``min_sparse_len`` always run the stock path at the model's dtype). Use
+    ``precision_family`` to compare it with a profile's ``precision``.
 
     ``cached_tokens``: prompt tokens served from the KV cache of an earlier request (a shared
     token prefix, e.g. the same documents with another question); only the other

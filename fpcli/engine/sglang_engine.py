@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from fpcli.engine import context as _context
-from fpcli.engine.base import GenerationResult, PrefillStats, dense_prefill_stats
+from flashprefill.integrations.fp8_error import layer_rel_l2, rel_l2
+from fpcli.engine.base import GenerationResult, PrefillStats, check_fp8_profile, dense_prefill_stats, ran_precision
 from fpcli.engine.tokens import token_starts
 from fpcli.profiles import MIN_CHUNKED_PREFILL
 
@@ -322,21 +323,39 @@ def _finish_reason(meta: dict) -> str:
 
 
 def attention_precision(profile: Any) -> str:
-    """The attention precision SGLang will actually run for ``profile``: the model dtype
-    (``bf16`` unless the profile asks for float16/float32). A profile's ``precision: fp8`` is not
-    applied yet (the operator has no FP8 path; the backend logs a warning and runs bf16)."""
+    """The model dtype's precision for ``profile`` (``bf16`` unless the profile asks for
+    float16/float32): what dense layers, short prefills and decode run. The sparse layers run the
+    profile's ``precision`` (``GenerationResult.precision`` says what a prefill ran)."""
     dtype = str(getattr(getattr(profile, "engine", None), "dtype", "auto"))
     return {"float16": "fp16", "float32": "fp32"}.get(dtype, "bf16")
 
 
-def backend_settings(profile: Any, stats_dir: str | None, timing: bool = False) -> "BackendSettings":
+def backend_settings(profile: Any, stats_dir: str | None, timing: bool = False, compare_fp8: bool = False,
+                     verbose: bool = False) -> "BackendSettings":
     """The ``flashprefill`` backend's frozen settings for ``profile`` (an ``fpcli.profiles.Profile``):
     its ``SparseConfig``, ``dense_layers`` and ``precision``; statistics written to ``stats_dir``;
-    per-layer index / attention timing only with ``timing``."""
+    per-layer index / attention timing only with ``timing``; FP8-vs-BF16 errors only with
+    ``compare_fp8``; the plugin's log level ``info`` when ``verbose``, else ``warning`` (its
+    registration lines are printed only when verbose)."""
     from flashprefill.integrations.sglang.settings import BackendSettings
 
     return BackendSettings(sparse=profile.sparse_config(), dense_layers=int(profile.dense_layers),
-                           precision=str(profile.precision), stats_dir=stats_dir, layer_timing=timing)
+                           precision=str(profile.precision), stats_dir=stats_dir, layer_timing=timing,
+                           compare_fp8=compare_fp8, log_level="info" if verbose else "warning")
+
+
+def quiet_children_env(verbose: bool) -> dict[str, str]:
+    """Environment entries for SGLang's spawned processes: ``TQDM_DISABLE=1`` unless ``verbose``
+    (tqdm reads it in every process it is inherited by: SGLang's "Multi-thread loading shards"
+    and other third-party progress bars stay off; set only while the children are spawned)."""
+    return {} if verbose else {"TQDM_DISABLE": "1"}
+
+
+def ran_precision_of(req: RequestPrefill | None, model_precision: str) -> str:
+    """``GenerationResult.precision`` of one request from the scheduler's lines: ``FP8_SPARSE`` when
+    any of its sparse layers ran FP8, else the model's precision."""
+    fp8 = sum(1 for p in (req.precision if req is not None else []) if p == "fp8")
+    return ran_precision(model_precision, fp8)
 
 
 def prefill_stats_of(req: "RequestPrefill") -> PrefillStats:
@@ -362,7 +381,12 @@ def prefill_stats_of(req: "RequestPrefill") -> PrefillStats:
         else:
             per_layer.append(1.0)
             per_head.append([1.0] * (len(s) if s else 0))
+    fp8 = any(e is not None for e in req.fp8_err_sq)
     return PrefillStats(
+        fp8_rel_l2_per_layer=[layer_rel_l2(e, r) if e is not None and r is not None else None
+                              for e, r in zip(req.fp8_err_sq, req.fp8_ref_sq)] if fp8 else [],
+        fp8_rel_l2_per_layer_head=[rel_l2(e, r) if e is not None and r is not None else []
+                                   for e, r in zip(req.fp8_err_sq, req.fp8_ref_sq)] if fp8 else [],
         density=(sel_total / vis_total) if vis_total else 1.0,
         density_per_layer=per_layer,
         density_per_layer_head=per_head,
@@ -386,7 +410,14 @@ class SGLangEngine:
         timing: also time the index and attention stages per layer (CUDA events in the
             scheduler; ``fp profile`` asks for it).
         server_overrides: extra ``ServerArgs`` fields (SGLang's own options), win over the profile.
-        log_level: SGLang's log level (default ``error``).
+        log_level: SGLang's log level (default ``error``); ``info`` / ``debug`` also let the
+            plugin's lines and the children's progress bars through (``quiet_children_env``).
+        compare_fp8: with an FP8 profile, report the FP8-vs-BF16 output error per layer and KV
+            head (``BackendSettings.compare_fp8``; bf16 / fp16 KV cache only).
+
+    Raises:
+        ValueError: an FP8 profile on a GPU without FP8 tensor cores or with an unsupported head
+            dim (``base.check_fp8_profile``), before SGLang starts.
         shutdown_timeout_s: how long ``close`` waits for SGLang before killing its children.
         warmup: compile every kernel at start (``warmup``).
     """
@@ -406,24 +437,36 @@ class SGLangEngine:
         log_level: str | None = None,
         shutdown_timeout_s: float = 30.0,
         warmup: bool = True,
+        compare_fp8: bool = False,
     ):
         check_available()
+        cfg = _model_config(model_path)
+        cfg = {**(cfg.get("text_config") or {}), **cfg}
+        if cfg.get("num_attention_heads"):
+            import torch
+
+            check_fp8_profile(profile, torch.device("cuda", 0),
+                              int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])))
         self.model_path = str(model_path)
         self.model_name = Path(model_path).name
         self.profile = profile
         self.profile_name = getattr(profile, "name", "?")
         self.shutdown_timeout_s = shutdown_timeout_s
         self.sparse = not bool(getattr(profile, "is_dense", False))
-        self.precision = attention_precision(profile)
+        self.model_precision = attention_precision(profile)
+        self.precision = ran_precision(self.model_precision, int(self.sparse and str(profile.precision) == "fp8"))
         self._closed = False
         self._engine = None
         self._stats_dir = tempfile.mkdtemp(prefix="fp-sglang-stats-")
-        self.settings: BackendSettings = backend_settings(profile, self._stats_dir, timing=timing)
-        self.context_plan = context_plan(model_path, profile, context_length, rope_scaling_factor)
         self.server_kwargs = build_server_kwargs(
             model_path, profile, rope_scaling_factor=rope_scaling_factor, context_length=context_length,
             log_level=log_level or os.environ.get("FP_SGLANG_LOG_LEVEL", "error"), overrides=server_overrides,
         )
+        verbose = str(self.server_kwargs.get("log_level", "error")) in ("debug", "info")
+        self.settings: BackendSettings = backend_settings(profile, self._stats_dir, timing=timing,
+                                                          compare_fp8=compare_fp8, verbose=verbose)
+        self._child_env = {**self.settings.to_env(), **quiet_children_env(verbose)}
+        self.context_plan = context_plan(model_path, profile, context_length, rope_scaling_factor)
         from transformers import AutoTokenizer
 
         self.start_phases: dict[str, float] = {}  # seconds per start-up phase, in order
@@ -436,7 +479,7 @@ class SGLangEngine:
         t0 = time.perf_counter()
         logger.info("starting SGLang: %s", self.server_kwargs)
         try:
-            with _env(self.settings.to_env()):
+            with _env(self._child_env):
                 self._engine = engine_class()(**self.server_kwargs)
         except BaseException:
             self._child_pids = sorted(_children() - before)
@@ -572,7 +615,7 @@ class SGLangEngine:
             on_text(text[len(shown):])
         ttft = (first_t or t_end) - t0
         prompt_tokens = int(meta.get("prompt_tokens", len(ids)))
-        stats, prefill_s = self._prefill_stats(rid, prompt_tokens, ttft)
+        stats, prefill_s, precision = self._prefill_stats(rid, prompt_tokens, ttft)
         result = GenerationResult(
             text=text,
             prompt_tokens=prompt_tokens,
@@ -585,7 +628,7 @@ class SGLangEngine:
             profile=self.profile_name,
             stats=stats,
             finish_reason=_finish_reason(meta),
-            precision=self.precision,
+            precision=precision,
             cached_tokens=int(meta.get("cached_tokens", 0) or 0),
         )
         result.rid = rid
@@ -602,19 +645,20 @@ class SGLangEngine:
         except Exception as exc:  # noqa: BLE001 - best effort; the stream is already abandoned
             logger.warning("could not abort SGLang request %s: %s", rid, exc)
 
-    def _prefill_stats(self, rid: str, prompt_tokens: int, ttft: float) -> tuple[PrefillStats, float]:
-        """(stats, prefill seconds) from the backend's JSONL; TTFT stands in for prefill time when
-        the backend wrote nothing (dense profile, or stats off)."""
+    def _prefill_stats(self, rid: str, prompt_tokens: int, ttft: float) -> tuple[PrefillStats, float, str]:
+        """(stats, prefill seconds, precision that ran) from the backend's JSONL; TTFT stands in for
+        prefill time when the backend wrote nothing (dense profile, or stats off), and the
+        engine's expected precision for what ran."""
         if not self.sparse:  # stock SGLang attention records nothing; the dense FLOPs are known
-            return self._dense_stats(prompt_tokens), ttft
+            return self._dense_stats(prompt_tokens), ttft, self.model_precision
         from flashprefill.integrations.sglang.stats_reader import read_prefill_stats
 
         rec = read_prefill_stats(self._stats_dir, rid, timeout_s=self.stats_timeout_s, expect_tokens=prompt_tokens)
         if rec is None:
             logger.warning("flashprefill: no prefill statistics arrived for %s", rid)
-            return PrefillStats(), ttft
+            return PrefillStats(), ttft, self.precision
         prefill_s = rec.prefill_ms / 1000.0 if rec.prefill_ms is not None else ttft
-        return prefill_stats_of(rec), prefill_s
+        return prefill_stats_of(rec), prefill_s, ran_precision_of(rec, self.model_precision)
 
     def _dense_stats(self, prompt_tokens: int) -> PrefillStats:
         """``dense_prefill_stats`` from the model's config (``PrefillStats()`` if it lacks a field).
@@ -644,12 +688,12 @@ class SGLangEngine:
         for rid, p, out in zip(rids, prompts, outs):
             meta = out.get("meta_info") or {}
             ids = list(out.get("output_ids") or [])
-            stats, prefill_s = self._prefill_stats(rid, int(meta.get("prompt_tokens", len(p))), total)
+            stats, prefill_s, precision = self._prefill_stats(rid, int(meta.get("prompt_tokens", len(p))), total)
             res = GenerationResult(
                 text=self.tokenizer.decode(ids, skip_special_tokens=True), prompt_tokens=int(meta.get("prompt_tokens", len(p))),
                 output_tokens=len(ids), ttft_s=total, prefill_s=prefill_s, total_s=total, engine=self.name,
                 model=self.model_name, profile=self.profile_name, stats=stats, finish_reason=_finish_reason(meta),
-                precision=self.precision,
+                precision=precision,
             )
             res.rid = rid
             results.append(res)

@@ -43,7 +43,7 @@ from flashprefill.integrations.transformers import (
     ATTN_NAME, FlashPrefillRuntime, LayerSummary, install_flashprefill, register_attention,
 )
 
-from .base import GenerationResult, PrefillStats
+from .base import GenerationResult, PrefillStats, check_fp8_profile, ran_precision
 from .context import ContextPlan, plan_context
 from .tokens import token_starts
 
@@ -62,6 +62,7 @@ def prefill_stats(rows: list[LayerSummary | None]) -> PrefillStats:
     visible blocks summed over the sparse layers."""
     sparse = [r for r in rows if r is not None and r.sparse]
     sel, vis = sum(r.selected_blocks for r in sparse), sum(r.visible_blocks for r in sparse)
+    fp8 = [r for r in sparse if r.fp8_rel_l2 is not None]
     idx = [r.index_ms for r in rows if r is not None and r.index_ms is not None]
     att = [r.attention_ms for r in rows if r is not None and r.attention_ms is not None]
     return PrefillStats(
@@ -73,6 +74,8 @@ def prefill_stats(rows: list[LayerSummary | None]) -> PrefillStats:
         attention_flops_skipped=sum(r.flops_dense * (1.0 - r.density) for r in sparse),
         index_ms=sum(idx) if idx else None,
         attention_ms=sum(att) if att else None,
+        fp8_rel_l2_per_layer=[r.fp8_rel_l2 if r else None for r in rows] if fp8 else [],
+        fp8_rel_l2_per_layer_head=[list(r.fp8_rel_l2_per_kv_head or ()) if r else [] for r in rows] if fp8 else [],
     )
 
 
@@ -112,6 +115,9 @@ class TransformersEngine:
         reuse_cache: keep the last request's KV cache (``DynamicCache``) and token ids, and prefill
             only what follows the longest common token prefix with the next prompt (the same
             documents with another question). ``False`` prefills every prompt whole (benchmarks).
+        compare_fp8: with an FP8 profile, also run the BF16 operator in every sparse layer and
+            report the FP8-vs-BF16 output error per layer and KV head
+            (``PrefillStats.fp8_rel_l2_per_layer``; ``fp profile --fp8``). Off by default.
 
     KV reuse: the kept cache holds the last prompt and the answer tokens fed back during its
     decode; the next ``generate`` crops it to the common prefix with the new prompt ids (at most
@@ -124,12 +130,14 @@ class TransformersEngine:
     Raises:
         fpcli.engine.context.ContextError: ``profile.engine.context_length`` beyond what the model
             can be extended to.
+        ValueError: an FP8 profile on a GPU without FP8 tensor cores or with an unsupported head
+            dim (``base.check_fp8_profile``), before the weights load.
     """
 
     name = "transformers"
 
     def __init__(self, model_path, profile=None, model_name: str | None = None, device: str | None = None,
-                 timing: bool = False, reuse_cache: bool = True) -> None:
+                 timing: bool = False, reuse_cache: bool = True, compare_fp8: bool = False) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -143,9 +151,11 @@ class TransformersEngine:
         self.model_name = model_name or os.path.basename(os.path.normpath(self.model_path))
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = _pick_dtype(profile.engine.dtype, self.device)
-        # No FP8 attention path exists yet (operator or engine): attention runs at the model's
-        # dtype whatever the profile asks; reports say so (GenerationResult.precision).
-        self.precision = DTYPE_PRECISION.get(self.dtype, str(self.dtype).replace("torch.", ""))
+        # The model's dtype: dense layers, short prefills and decode; the sparse layers run the
+        # profile's precision (GenerationResult.precision says what a prefill ran).
+        self.model_precision = DTYPE_PRECISION.get(self.dtype, str(self.dtype).replace("torch.", ""))
+        self.sparse_precision = "bf16" if profile.is_dense else str(profile.precision)
+        self.precision = ran_precision(self.model_precision, int(self.sparse_precision == "fp8"))
         t0 = time.perf_counter()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.start_phases: dict[str, float] = {"tokenizer": time.perf_counter() - t0}  # seconds per phase
@@ -153,6 +163,8 @@ class TransformersEngine:
         config = AutoConfig.from_pretrained(self.model_path)
         self.context_plan = plan_context(config.to_dict(), profile.engine.context_length, model=self.model_name)
         apply_context(config, self.context_plan)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        check_fp8_profile(profile, self.device, head_dim)
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
         try:
@@ -166,7 +178,8 @@ class TransformersEngine:
         self.n_layers = int(cfg.num_hidden_layers)
         sparse_cfg = None if profile.is_dense else profile.sparse_config()
         self.runtime = install_flashprefill(
-            self.model, FlashPrefillRuntime(config=sparse_cfg, dense_layers=profile.dense_layers, timing=timing)
+            self.model, FlashPrefillRuntime(config=sparse_cfg, dense_layers=profile.dense_layers, timing=timing,
+                                            precision=self.sparse_precision, compare_fp8=compare_fp8)
         )
         self.context_length = int(self.context_plan.context or getattr(self.tokenizer, "model_max_length", 2048))
         self.eos_ids = self._eos_ids()
@@ -238,7 +251,9 @@ class TransformersEngine:
         token = self._pick(logits, temperature)
         t_first = _now(self.device)
         prefill_s = t_first - t0
-        stats = prefill_stats(self.runtime.summary(self.n_layers))
+        rows = self.runtime.summary(self.n_layers)
+        stats = prefill_stats(rows)
+        precision = ran_precision(self.model_precision, sum(1 for r in rows if r is not None and r.precision == "fp8"))
 
         fed: list[int] = []  # answer tokens whose keys/values are in the cache
         generated: list[int] = []
@@ -278,7 +293,7 @@ class TransformersEngine:
             profile=self.profile.name,
             stats=stats,
             finish_reason=finish,
-            precision=self.precision,
+            precision=precision,
             cached_tokens=cached,
         )
 

@@ -46,7 +46,10 @@ class ProfileRun:
     @property
     def label(self) -> str:
         """The column title: the name, plus what ran when it is not what the profile asked for."""
-        if self.ran_precision and self.ran_precision != self.requested_precision:
+        from fpcli.engine.base import precision_family
+
+        if self.ran_precision and any(precision_family(p) != self.requested_precision
+                                      for p in self.ran_precision.split("/")):
             return f"{self.name} (ran {self.ran_precision})"
         return self.name
 

@@ -241,6 +241,28 @@ def _validate_precision(q, k_cache, seq_lens, k_descale, v_descale) -> None:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
 
 
+def check_fp8_support(device: torch.device | str, head_dim: int) -> None:
+    """Whether ``precision="fp8"`` can run on ``device`` with this head dim, before any work: the
+    check the Triton FP8 path makes, for callers (engines) that want it at start-up.
+
+    The CPU (the reference) takes any head dim; a CUDA device needs compute capability >=
+    ``FP8_MIN_CAPABILITY`` and ``head_dim`` in ``FP8_HEAD_DIMS``.
+
+    Raises:
+        ValueError: naming the GPU and its compute capability, or the head dim, and saying that
+            ``precision='bf16'`` runs there.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    _check_fp8_gpu(device)
+    if head_dim not in FP8_HEAD_DIMS:
+        raise ValueError(
+            f"precision='fp8' on the GPU needs head_dim d in {FP8_HEAD_DIMS}, got d = {head_dim}; "
+            "precision='bf16' runs with this shape"
+        )
+
+
 def _validate_fp8_gpu(q) -> None:
     """FP8 on the Triton path: the GPU and the head dim, checked before anything else."""
     _check_tensor("q", q, 3, "[total_q, Hq, d]")

@@ -24,6 +24,13 @@ GPU (read in ``summary``, no sync per layer), ``time.perf_counter`` on the CPU. 
 index is built by ``build_index`` between two events and handed to ``flashprefill_attention``;
 both are the kernels the fused call runs.
 
+Precision: ``FlashPrefillRuntime.precision`` is the operator's ``precision=`` in the sparse layers
+(``"fp8"``: e4m3 operands, ``docs/fp8.md``; the reference simulates them on the CPU, the Triton FP8
+kernels run them on SM89+); dense layers and short prefills run SDPA at the model's dtype. Each
+``LayerRecord`` says which precision ran. With ``compare_fp8`` (off by default) every sparse layer
+that ran FP8 also runs the BF16 operator on the same inputs and records the FP8-vs-BF16 output
+error per KV head (``integrations.fp8_error``); the FP8 output is the one the model uses.
+
 Imports nothing of ``fp``'s CLI; transformers is imported only by ``register_attention``.
 """
 from __future__ import annotations
@@ -38,6 +45,7 @@ from ..api import build_index, flashprefill_attention
 from ..config import SparseConfig
 from ..flops import dense_causal_flops
 from ..plan import make_plan
+from .fp8_error import fp8_error_sums, layer_rel_l2, rel_l2
 
 # Not "flashprefill": transformers 5 treats any implementation name containing "flash" as a
 # FlashAttention kernel request (``is_flash_attention_requested``) and tries to import it.
@@ -60,6 +68,10 @@ class LayerRecord:
         marks: timing marks ``(start, index done, attention done)``: CUDA events on a GPU, seconds
             (``time.perf_counter``) on the CPU; ``None`` when timing is off. A dense layer has no
             index stage (its middle mark equals the start).
+        precision: the operator's precision in a sparse layer (``"bf16"`` / ``"fp8"``); ``None``
+            for SDPA layers (the model's dtype).
+        fp8_sums: float64 ``[2, 1, Hkv]`` FP8-vs-BF16 error sums (``fp8_error.fp8_error_sums``) when
+            the runtime compares; ``None`` otherwise.
     """
 
     layer: int
@@ -71,6 +83,8 @@ class LayerRecord:
     selected: torch.Tensor | None = None
     visible: torch.Tensor | None = None
     marks: tuple[Any, Any, Any] | None = None
+    precision: str | None = None
+    fp8_sums: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +97,10 @@ class LayerSummary:
         selected_blocks, visible_blocks: the sums over KV heads (0 for SDPA layers).
         index_ms, attention_ms: stage times in milliseconds, ``None`` when timing was off
             (``index_ms`` is ``None`` for SDPA layers).
+        precision: ``"bf16"`` / ``"fp8"`` for sparse layers, ``None`` for SDPA layers.
+        fp8_rel_l2: relative L2 error of the layer's FP8 output against the BF16 operator's on
+            the same inputs (over all heads); ``None`` unless compared (sparse FP8 layers only).
+        fp8_rel_l2_per_kv_head: the same per KV head (``[Hkv]`` floats), or ``None``.
     """
 
     layer: int
@@ -96,6 +114,9 @@ class LayerSummary:
     visible_blocks: int = 0
     index_ms: float | None = None
     attention_ms: float | None = None
+    precision: str | None = None
+    fp8_rel_l2: float | None = None
+    fp8_rel_l2_per_kv_head: tuple[float, ...] | None = None
 
 
 @dataclass
@@ -108,6 +129,10 @@ class FlashPrefillRuntime:
         backend: the operator's ``backend=`` (``"auto"``: Triton on CUDA, reference otherwise).
         min_prefill_len: query lengths below this use SDPA (decode and tiny chunks).
         timing: record index / attention marks per layer (CUDA events; no sync per layer).
+        precision: the operator's ``precision=`` in the sparse layers, ``"bf16"`` or ``"fp8"``.
+        compare_fp8: with ``precision="fp8"``, also run the BF16 operator in every sparse layer and
+            record the FP8-vs-BF16 output error per KV head (doubles the sparse layers' work; for
+            ``fp profile --fp8``).
         layers: ``layer_idx -> LayerRecord`` of the current prefill (cleared by ``reset``).
         on_layer: called with ``layer_idx`` after each layer's prefill attention (progress of a
             long prefill; set by an engine for one prefill, ``None`` otherwise).
@@ -118,6 +143,8 @@ class FlashPrefillRuntime:
     backend: str = "auto"
     min_prefill_len: int = 2
     timing: bool = False
+    precision: str = "bf16"
+    compare_fp8: bool = False
     layers: dict[int, LayerRecord] = field(default_factory=dict)
     on_layer: Callable[[int], None] | None = None
     _plans: dict = field(default_factory=dict)
@@ -159,12 +186,16 @@ def _summarise(r: LayerRecord) -> LayerSummary:
         index_ms = _elapsed_ms(start, mid) if r.sparse else None
     if not r.sparse or r.selected is None:
         return LayerSummary(r.layer, r.sparse, r.q_len, r.kv_len, r.flops_dense, 1.0, (1.0,) * r.kv_heads,
-                            index_ms=index_ms, attention_ms=attention_ms)
+                            index_ms=index_ms, attention_ms=attention_ms, precision=r.precision)
     sel, vis = r.selected.cpu(), r.visible.cpu()
     s, v = int(sel.sum()), int(vis.sum())
     per_head = tuple(float(x) for x in (sel.double() / vis.clamp_min(1).double()).tolist())
+    err = err_heads = None
+    if r.fp8_sums is not None:
+        e, ref = r.fp8_sums.cpu()[:, 0].tolist()
+        err, err_heads = layer_rel_l2(e, ref), tuple(rel_l2(e, ref))
     return LayerSummary(r.layer, True, r.q_len, r.kv_len, r.flops_dense, (s / v) if v else 1.0, per_head,
-                        s, v, index_ms, attention_ms)
+                        s, v, index_ms, attention_ms, r.precision, err, err_heads)
 
 
 def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None, groups: int) -> torch.Tensor:
@@ -284,17 +315,21 @@ def flashprefill_attention_forward(
         geom = rt._plans[key_geom] = (page_table, seq_lens, cu, plan)
     page_table, seq_lens, cu, plan = geom
     index = None
+    kw = dict(config=rt.config, softmax_scale=scaling, plan=plan, backend=rt.backend)
     if rt.timing:  # the index stage alone, between two marks
-        index = build_index(q, k_cache, v_cache, page_table, seq_lens, cu, config=rt.config,
-                            softmax_scale=scaling, plan=plan, backend=rt.backend)
+        index = build_index(q, k_cache, v_cache, page_table, seq_lens, cu, precision=rt.precision, **kw)
     mid = rt.mark(dev)
     out, index = flashprefill_attention(
-        q, k_cache, v_cache, page_table, seq_lens, cu, config=rt.config, softmax_scale=scaling,
-        plan=plan, index=index, backend=rt.backend, return_index=True,
+        q, k_cache, v_cache, page_table, seq_lens, cu, index=index, return_index=True, precision=rt.precision, **kw,
     )
     marks = (start, mid, rt.mark(dev)) if rt.timing else None
+    sums = None
+    if rt.compare_fp8 and rt.precision == "fp8":  # after the last mark: not in the layer's times
+        ref = flashprefill_attention(q, k_cache, v_cache, page_table, seq_lens, cu, precision="bf16", **kw)
+        sums = fp8_error_sums(out, ref, key.shape[1])
     selected, visible = index.head_counts()
-    rt.layers[layer] = LayerRecord(layer, True, lq, lk, key.shape[1], flops, selected, visible, marks)
+    rt.layers[layer] = LayerRecord(layer, True, lq, lk, key.shape[1], flops, selected, visible, marks,
+                                   rt.precision, sums)
     if rt.on_layer is not None:
         rt.on_layer(layer)
     return out.unsqueeze(0), None

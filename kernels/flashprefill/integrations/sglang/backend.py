@@ -13,10 +13,17 @@ A thin ``AttentionBackend`` (style guide habit 11). It owns only the extend (pre
 - Everything the operator does not cover runs on a stock SGLang backend (``dense_backend``,
   ``triton`` by default) built from SGLang's own registry: the first ``dense_layers`` layers,
   batches whose requests are all shorter than ``min_sparse_len``, sliding-window, cross and
-  encoder layers, logit soft-capping, sinks, FP8 KV scales, KV pools that are not plain
-  token-major MHA pools (SWA / unified / quantized / HND), speculative modes, and models the
+  encoder layers, logit soft-capping, sinks, an e4m3 KV cache with ``precision="bf16"``, KV pools
+  that are not plain token-major MHA pools (SWA / unified / HND), speculative modes, and models the
   Triton operator cannot take (head_dim not 64/128/256, dtype not bf16/fp16; decided at init by
   ``metadata.operator_dense_reason``, unless ``operator_backend="reference"``).
+- Precision: ``settings.precision`` goes to the operator (``"fp8"``: e4m3 operands in the sparse
+  prefill, ``docs/fp8.md``). With SGLang's ``--kv-cache-dtype fp8_e4m3`` the pool holds e4m3 codes
+  (``get_key_buffer`` views them as ``float8_e4m3fn``); with ``precision="fp8"`` they are passed
+  as they are, with the layer's ``k_scale`` / ``v_scale`` (``RadixAttention``; ``None`` = 1.0) as
+  ``k_descale`` / ``v_descale``: nothing is converted back to bf16. With ``compare_fp8`` every
+  sparse FP8 layer also runs the BF16 operator and the statistics carry the error sums
+  (``integrations.fp8_error``).
 - Decode is not ours: with ``prefill_attention_backend="flashprefill"`` and
   ``decode_attention_backend="triton"`` SGLang's ``HybridAttnBackend`` sends decode (and its CUDA
   graphs) to the decode backend. Used alone, this backend delegates decode and the decode CUDA
@@ -37,6 +44,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 
 from ...api import build_index, flashprefill_attention
+from ..fp8_error import fp8_error_sums
 from .metadata import (
     FlashPrefillMetadata, build_metadata, check_page_table, last_attention_layer_id, operator_dense_reason,
 )
@@ -135,8 +143,8 @@ class FlashPrefillAttnBackend(AttentionBackend):
             return f"KV pool {type(pool).__name__} is not a plain MHATokenToKVPool (SWA/hybrid)"
         if type(pool).__name__ != "MHATokenToKVPool":
             return f"KV pool subclass {type(pool).__name__}"
-        if getattr(pool, "is_quantized_kv_cache", False):
-            return "quantized KV cache"
+        if getattr(pool, "is_quantized_kv_cache", False) and getattr(pool, "dtype", None) != torch.float8_e4m3fn:
+            return f"quantized KV cache ({getattr(pool, 'dtype', '?')})"
         if getattr(pool, "use_hnd", False) or getattr(pool, "kv_cache_layout", "nhd") != "nhd":
             return f"KV layout {getattr(pool, 'kv_cache_layout', '?')}"
         alloc = getattr(model_runner, "token_to_kv_pool_allocator", None)
@@ -255,8 +263,6 @@ class FlashPrefillAttnBackend(AttentionBackend):
             return "shared KV (k/v None)"
         if any(kwargs.get(name) is not None for name in _EXTRA_KWARGS_DENSE):
             return "extra attention inputs (sinks/score_mod/...)"
-        if layer.k_scale is not None or layer.v_scale is not None:
-            return "FP8 KV scales"
         if layer.tp_q_head_num // layer.tp_k_head_num != meta.plan.group_size:
             return "group size differs from the plan"
         if q.shape[0] != meta.total_q:
@@ -267,9 +273,7 @@ class FlashPrefillAttnBackend(AttentionBackend):
         meta = self.forward_metadata
         reason = self._layer_dense_reason(q, k, v, layer, meta, kwargs)
         if reason is None:
-            kb = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-            if kb.dtype != q.dtype:
-                reason = f"KV dtype {kb.dtype} != q dtype {q.dtype}"
+            reason = self._kv_dtype_reason(self.token_to_kv_pool.get_key_buffer(layer.layer_id).dtype, q.dtype)
         if reason is not None:
             self._ensure_dense(forward_batch)
             out = self.dense.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
@@ -285,6 +289,22 @@ class FlashPrefillAttnBackend(AttentionBackend):
             self._finish_batch()
         return out
 
+    def _kv_dtype_reason(self, kv_dtype: torch.dtype, q_dtype: torch.dtype) -> str | None:
+        """Why a layer with this KV pool dtype runs dense (``None``: the operator reads it): an
+        e4m3 pool needs ``precision="fp8"``; any other pool must match q's dtype."""
+        if kv_dtype == torch.float8_e4m3fn:
+            return None if self.settings.precision == "fp8" else "e4m3 KV cache with precision bf16"
+        return None if kv_dtype == q_dtype else f"KV dtype {kv_dtype} != q dtype {q_dtype}"
+
+    @staticmethod
+    def _descale(scale: Any, device: torch.device) -> torch.Tensor:
+        """A layer's ``k_scale`` / ``v_scale`` as the operator's descale: float32 0-dim on
+        ``device``; ``None`` (SGLang's default when the checkpoint has no scales) is 1.0."""
+        if scale is None:
+            return torch.ones((), dtype=torch.float32, device=device)
+        t = scale if isinstance(scale, torch.Tensor) else torch.tensor(float(scale))
+        return t.detach().to(device=device, dtype=torch.float32).reshape(())
+
     def _sparse_extend(self, q, k, v, layer, forward_batch, save_kv_cache, meta: FlashPrefillMetadata):
         pool = self.token_to_kv_pool
         if save_kv_cache:
@@ -299,6 +319,11 @@ class FlashPrefillAttnBackend(AttentionBackend):
             logger.info("flashprefill: first sparse prefill on tp rank %d: %d new tokens in %d requests, "
                         "layer %d, %d q / %d kv heads", self.tp_rank, meta.total_q, len(meta.q_lens),
                         layer.layer_id, hq, hkv)
+        op_kwargs = dict(self._op_kwargs)
+        e4m3 = k_cache.dtype == torch.float8_e4m3fn
+        if e4m3:  # SGLang's e4m3 pool, read as it is: code * scale
+            op_kwargs.update(k_descale=self._descale(getattr(layer, "k_scale", None), q.device),
+                             v_descale=self._descale(getattr(layer, "v_scale", None), q.device))
         stats = self._batch_stats
         timed = stats is not None and stats.layer_timing
         ev0 = stats.stage_event() if timed else None
@@ -306,15 +331,23 @@ class FlashPrefillAttnBackend(AttentionBackend):
         if timed:  # the index stage alone, between two events
             index = build_index(q3, k_cache, v_cache, meta.page_table, meta.seq_lens, meta.cu_seqlens_q,
                                 config=self.settings.sparse, softmax_scale=layer.scaling, plan=meta.plan,
-                                **self._op_kwargs)
+                                **op_kwargs)
         ev1 = stats.stage_event() if timed else None
         out, index = flashprefill_attention(
             q3, k_cache, v_cache, meta.page_table, meta.seq_lens, meta.cu_seqlens_q,
             config=self.settings.sparse, softmax_scale=layer.scaling, plan=meta.plan, index=index,
-            return_index=True, **self._op_kwargs,
+            return_index=True, **op_kwargs,
         )
         if stats is not None:
-            stats.add_index(layer.layer_id, index, (ev0, ev1, stats.stage_event()) if timed else None)
+            stats.add_index(layer.layer_id, index, (ev0, ev1, stats.stage_event()) if timed else None,
+                            precision=self.settings.precision)
+            if self.settings.compare_fp8 and self.settings.precision == "fp8" and not e4m3:
+                ref = flashprefill_attention(
+                    q3, k_cache, v_cache, meta.page_table, meta.seq_lens, meta.cu_seqlens_q,
+                    config=self.settings.sparse, softmax_scale=layer.scaling, plan=meta.plan,
+                    backend=self.settings.operator_backend, precision="bf16")
+                stats.add_fp8_error(layer.layer_id, fp8_error_sums(out, ref, hkv, stats.token_request(),
+                                                                    len(meta.q_lens)))
         return out.reshape(-1, hq * layer.v_head_dim)
 
     # ------------------------------------------------------------------------------------------

@@ -46,7 +46,26 @@ def create_flashprefill_backend(runner: Any):
     from .backend import FlashPrefillAttnBackend
     from .settings import BackendSettings
 
-    return FlashPrefillAttnBackend(runner, BackendSettings.from_env())
+    settings = BackendSettings.from_env()
+    apply_log_level(settings.log_level)
+    return FlashPrefillAttnBackend(runner, settings)
+
+
+def apply_log_level(level: str | None) -> None:
+    """Set the ``flashprefill`` loggers' level (``BackendSettings.log_level``; ``None``: unchanged)."""
+    if level is not None:
+        logging.getLogger("flashprefill").setLevel(level.upper())
+
+
+def _settings_log_level() -> str | None:
+    """``BackendSettings.log_level`` of this process (``None`` when unset or unreadable: the
+    backend's factory reports a malformed variable, not the registration)."""
+    from .settings import BackendSettings
+
+    try:
+        return BackendSettings.from_env().log_level
+    except ValueError:
+        return None
 
 
 def is_registered() -> bool:
@@ -92,12 +111,16 @@ _SEEN_SOURCES: set[str] = set()
 
 
 def _say(msg: str) -> None:
-    """Log and also print to stderr: in a fresh scheduler process the registration runs before
-    SGLang configures logging, so an INFO record would be dropped."""
+    """Log, and print to stderr when ``BackendSettings.log_level`` is ``debug`` / ``info``: in a
+    fresh scheduler process the registration runs before SGLang configures logging, so an INFO
+    record would be dropped. At any other level (``fp`` without ``-v`` sets ``warning``) or unset,
+    nothing is printed; the record still goes to logging."""
     import sys
 
+    level = _settings_log_level()
+    apply_log_level(level)
     logger.info(msg)
-    if not logging.getLogger().handlers:
+    if level in ("debug", "info") and not logging.getLogger().handlers:
         print(f"[fp] {msg}", file=sys.stderr, flush=True)
 
 

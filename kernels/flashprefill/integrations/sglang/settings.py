@@ -28,6 +28,7 @@ from ...config import PRECISIONS, SparseConfig
 
 ENV_VAR = "FP_SGLANG_BACKEND"  # inline JSON, or "@/path/to/settings.json"
 DENSE_BACKENDS = ("triton", "torch_native", "fa3", "flashinfer")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,14 @@ class BackendSettings:
             no stats on disk (they are still logged at debug level).
         debug_checks: validate the page table against ``req_to_token`` every batch (host
             syncs; for tests only).
+        compare_fp8: with ``precision="fp8"``, every sparse layer also runs the BF16 operator on
+            the same inputs and the statistics carry the FP8-vs-BF16 output error sums per
+            (request, KV head) (``integrations.fp8_error``; ``fp profile --fp8``). Needs a bf16 /
+            fp16 KV cache (an e4m3 cache has no BF16 path to compare with). Off by default.
+        log_level: level of the ``flashprefill`` loggers in the scheduler processes (one of
+            ``LOG_LEVELS``), and whether the plugin prints its registration lines before SGLang
+            configures logging (only at ``debug`` / ``info``); ``None`` = leave logging as the
+            host process configures it (an SGLang user's own ``--log-level``).
     """
 
     sparse: SparseConfig = field(default_factory=SparseConfig)
@@ -65,6 +74,8 @@ class BackendSettings:
     layer_timing: bool = False
     stats_dir: str | None = None
     debug_checks: bool = False
+    compare_fp8: bool = False
+    log_level: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.sparse, SparseConfig):
@@ -77,6 +88,8 @@ class BackendSettings:
             raise ValueError(
                 f"BackendSettings.dense_backend must be one of {DENSE_BACKENDS}, got {self.dense_backend!r}"
             )
+        if self.log_level is not None and self.log_level not in LOG_LEVELS:
+            raise ValueError(f"BackendSettings.log_level must be None or one of {LOG_LEVELS}, got {self.log_level!r}")
         if self.operator_backend not in OPERATOR_BACKENDS:
             raise ValueError(
                 f"BackendSettings.operator_backend must be one of {OPERATOR_BACKENDS}, got {self.operator_backend!r}"

@@ -48,6 +48,11 @@ class RequestPrefill:
         selected, visible: per layer, ``[Hkv]`` selected / causally visible key blocks summed over
             the chunks; ``None`` for a layer without counts.
         dense_flops: per layer, dense-equivalent FLOPs (``flashprefill.flops.dense_causal_flops``).
+        precision: per layer, the operator's precision of its sparse chunks (``"bf16"`` /
+            ``"fp8"``; ``None``: dense in every chunk).
+        fp8_err_sq, fp8_ref_sq: per layer, ``[Hkv]`` FP8-vs-BF16 error sums over the chunks
+            (``integrations.fp8_error``); ``None`` for a layer without (all ``[]`` when the
+            backend did not compare).
     """
 
     rid: str
@@ -60,6 +65,9 @@ class RequestPrefill:
     selected: list[list[int] | None] = field(default_factory=list)
     visible: list[list[int] | None] = field(default_factory=list)
     dense_flops: list[float] = field(default_factory=list)
+    precision: list[str | None] = field(default_factory=list)
+    fp8_err_sq: list[list[float] | None] = field(default_factory=list)
+    fp8_ref_sq: list[list[float] | None] = field(default_factory=list)
 
 
 def _add(a: float | None, b: float | None) -> float | None:
@@ -86,14 +94,24 @@ def aggregate(records: Iterable[dict], rid: str) -> RequestPrefill | None:
             out.selected = [None] * n
             out.visible = [None] * n
             out.dense_flops = [0.0] * n
+            out.precision = [None] * n
+            out.fp8_err_sq = [None] * n
+            out.fp8_ref_sq = [None] * n
         flops = dense_causal_flops(rec.get("q_len", 0), rec.get("kv_len", 0), rec.get("head_dim", 0),
                                    rec.get("num_q_heads", 0))
         sel = rec.get("selected") or [None] * n
         vis = rec.get("visible") or [None] * n
+        prec = rec.get("precision") or [None] * n
+        err = rec.get("fp8_err_sq") or [None] * n
+        ref = rec.get("fp8_ref_sq") or [None] * n
         for i in range(min(n, len(out.layers))):
             out.dense_flops[i] += flops
             if layers[i] == "sparse":
                 out.layers[i] = "sparse"
+                out.precision[i] = out.precision[i] or prec[i]
+                if err[i] is not None and ref[i] is not None:
+                    out.fp8_err_sq[i] = [a + b for a, b in zip(out.fp8_err_sq[i] or [0.0] * len(err[i]), err[i])]
+                    out.fp8_ref_sq[i] = [a + b for a, b in zip(out.fp8_ref_sq[i] or [0.0] * len(ref[i]), ref[i])]
                 if sel[i] is not None and vis[i] is not None:
                     out.selected[i] = [a + b for a, b in zip(out.selected[i] or [0] * len(sel[i]), sel[i])]
                     out.visible[i] = [a + b for a, b in zip(out.visible[i] or [0] * len(vis[i]), vis[i])]

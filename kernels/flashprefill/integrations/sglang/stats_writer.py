@@ -43,7 +43,10 @@ Line schema (one per request per extend batch)::
      "index_ms": float | null, "attention_ms": float | null,   # sparse layers, when layer_timing
      "layers": [str, ...],            # per layer: "sparse" or "dense:<reason>"
      "selected": [[int] * Hkv] | null per layer,   # null for dense layers
-     "visible":  [[int] * Hkv] | null per layer}
+     "visible":  [[int] * Hkv] | null per layer,
+     "precision": [str | null, ...],  # per layer: the operator's "bf16" / "fp8" (null: dense)
+     "fp8_err_sq": [[float] * Hkv] | null per layer, or null,   # with compare_fp8 only:
+     "fp8_ref_sq": [[float] * Hkv] | null per layer, or null}   # integrations.fp8_error sums
 """
 from __future__ import annotations
 
@@ -116,6 +119,11 @@ class BatchStats:
         self.layer_timing = layer_timing and self.device.type == "cuda"
         self.plan = plan
         self.layer_modes: list[str | None] = [None] * num_layers
+        self.layer_precision: list[str | None] = [None] * num_layers
+        self.fp8_sums: torch.Tensor | None = None  # float64 [layers, 2, B, Hkv] (compare_fp8)
+        self._fp8_layers: set[int] = set()
+        self._token_request: torch.Tensor | None = None
+        self.host_fp8: torch.Tensor | None = None
         self.stage_events: list[tuple[Any, Any, Any]] = []  # (start, index done, attention done)
         self._gather: torch.Tensor | None = None   # int64 [2*B*Hkv] row_ptr positions (device)
         self._gathered: set[int] = set()           # layer slots whose row of ``ends`` was written
@@ -154,7 +162,29 @@ class BatchStats:
             return pos.pin_memory().to(self.device, non_blocking=True)
         return pos.to(self.device)
 
-    def add_index(self, layer_id: int, index: Any, events: tuple[Any, Any, Any] | None = None) -> None:
+    def token_request(self) -> torch.Tensor:
+        """int64 ``[total_q]`` on the device: the request of each query token (from host lengths,
+        built once per batch, copied without a sync)."""
+        if self._token_request is None:
+            ids = torch.repeat_interleave(torch.arange(len(self.q_lens)), torch.tensor(self.q_lens, dtype=torch.int64))
+            if self.device.type == "cuda":
+                ids = ids.pin_memory().to(self.device, non_blocking=True)
+            self._token_request = ids.to(self.device)
+        return self._token_request
+
+    def add_fp8_error(self, layer_id: int, sums: torch.Tensor) -> None:
+        """Record one sparse layer's FP8-vs-BF16 error sums, float64 ``[2, B, Hkv]``
+        (``integrations.fp8_error.fp8_error_sums``; device tensor, no sync)."""
+        i = self._slot(layer_id)
+        if i is None:
+            return
+        if self.fp8_sums is None:
+            self.fp8_sums = torch.zeros(self.num_layers, *sums.shape, dtype=torch.float64, device=self.device)
+        self.fp8_sums[i].copy_(sums)
+        self._fp8_layers.add(i)
+
+    def add_index(self, layer_id: int, index: Any, events: tuple[Any, Any, Any] | None = None,
+                  precision: str | None = None) -> None:
         """Record one sparse layer: its ``BlockIndex.row_ptr`` range ends (one gather launch).
 
         A layer without an index, or whose ``row_ptr`` does not have the ``Hkv * tiles + 1``
@@ -164,6 +194,7 @@ class BatchStats:
         if i is None:
             return
         self.layer_modes[i] = "sparse"
+        self.layer_precision[i] = precision
         if events is not None and all(e is not None for e in events):
             self.stage_events.append(events)
         if index is None or self.plan is None or not self.q_lens:
@@ -183,10 +214,14 @@ class BatchStats:
             return
         self.finished = True
         self.end = _event(self.device)
+        pin = self.device.type == "cuda"
         if self.ends is not None:
-            pin = self.device.type == "cuda"
             self.host_ends = torch.empty(self.ends.shape, dtype=self.ends.dtype, pin_memory=pin)
             self.host_ends.copy_(self.ends, non_blocking=pin)
+        if self.fp8_sums is not None:
+            self.host_fp8 = torch.empty(self.fp8_sums.shape, dtype=self.fp8_sums.dtype, pin_memory=pin)
+            self.host_fp8.copy_(self.fp8_sums, non_blocking=pin)
+        if self.ends is not None or self.fp8_sums is not None:
             self.copied = _event(self.device)
 
     def ready(self) -> bool:
@@ -221,6 +256,8 @@ class BatchStats:
             sel = (ends[:, 1] - ends[:, 0]).tolist()                  # [layers][b][h]
             vis = self._visible()
         counted = [modes[i] == "sparse" and i in self._gathered for i in range(self.num_layers)]
+        fp8 = self.host_fp8.tolist() if self.host_fp8 is not None else None   # [layers][2][b][h]
+        has_fp8 = [i in self._fp8_layers for i in range(self.num_layers)]
         out = []
         for b, rid in enumerate(self.rids):
             out.append({
@@ -239,6 +276,9 @@ class BatchStats:
                 "layers": modes,
                 "selected": [sel[i][b] if counted[i] else None for i in range(self.num_layers)] if sel else None,
                 "visible": [[vis[b]] * h if counted[i] else None for i in range(self.num_layers)] if sel else None,
+                "precision": list(self.layer_precision),
+                "fp8_err_sq": [fp8[i][0][b] if has_fp8[i] else None for i in range(self.num_layers)] if fp8 else None,
+                "fp8_ref_sq": [fp8[i][1][b] if has_fp8[i] else None for i in range(self.num_layers)] if fp8 else None,
             })
         return out
 
