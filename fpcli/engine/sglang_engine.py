@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from fpcli.engine import context as _context
-from flashprefill.integrations.fp8_error import layer_rel_l2, rel_l2
 from fpcli.engine.base import GenerationResult, PrefillStats, check_fp8_profile, dense_prefill_stats, ran_precision
 from fpcli.engine.tokens import token_starts
 from fpcli.profiles import MIN_CHUNKED_PREFILL
@@ -362,6 +361,8 @@ def prefill_stats_of(req: "RequestPrefill") -> PrefillStats:
     """``PrefillStats`` of one request from the scheduler's lines (``stats_reader.aggregate``): per
     sparse layer selected / visible blocks summed over KV heads and chunks, density 1.0 elsewhere;
     skipped FLOPs = dense FLOPs x (1 - density) per sparse layer."""
+    from flashprefill.integrations.fp8_error import layer_rel_l2, rel_l2  # here: it imports torch
+
     per_layer, per_head = [], []
     sel_total = vis_total = 0
     flops_skipped = 0.0
