@@ -461,7 +461,7 @@ class SGLangEngine:
         self._stats_dir = tempfile.mkdtemp(prefix="fp-sglang-stats-")
         self.server_kwargs = build_server_kwargs(
             model_path, profile, rope_scaling_factor=rope_scaling_factor, context_length=context_length,
-            log_level=log_level or os.environ.get("FP_SGLANG_LOG_LEVEL", "error"), overrides=server_overrides,
+            log_level=log_level or "error", overrides=server_overrides,
         )
         verbose = str(self.server_kwargs.get("log_level", "error")) in ("debug", "info")
         self.settings: BackendSettings = backend_settings(profile, self._stats_dir, timing=timing,

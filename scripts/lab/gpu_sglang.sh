@@ -18,7 +18,7 @@ mkdir -p "$OUT"
 MODELS="${FPDEV_MODELS:-}"
 LENS="${FP_BENCH_LENS:-}"
 BENCH_MODEL="${FP_BENCH_MODEL:-$MODELS/qwen2.5-coder-0.5b-instruct}"
-export FP_SGLANG_LOG_LEVEL="${FP_SGLANG_LOG_LEVEL:-info}"   # scheduler logs (incl. the backend's) to stderr
+# SGLang logs at info when the engine is started verbose (SGLangEngine(log_level="info"))
 export PYTHONUNBUFFERED=1
 # The checkout on the path no matter what the editable install does: the first run's
 # `pip install -e .` reported success but `import flashprefill` failed in the test python.
