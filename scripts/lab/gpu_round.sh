@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call of a GPU round (lab tooling, never imported by the product).
 #   source .fpdev/bin/env.sh && bash scripts/lab/gpu_round.sh PART [PART...]
-# PARTs: kernels (operator GPU tests), fp8 (FP8 kernel tests), engines1 / engines2 (engine and CLI GPU
+# PARTs: kernels (operator GPU tests), fp8 (FP8 kernel tests), engines1 / engines2 / fp8engine (engine and CLI GPU
 # tests), user (fp start / fp ask x2 / fp status / fp stop / fp profile on real TeX manuals, as a user
 # runs them), bench (fp bench). Logs and JSON land in $OUT; a short table is printed last.
 set -u
@@ -33,6 +33,7 @@ for part in "$@"; do
     fp8)      pyt fp8 300 tests/gpu/test_fp8.py tests/gpu/test_fp8_quant.py ;;
     engines1) pyt engines1 ${LIM:-420} tests/gpu/test_profile_cli.py tests/gpu/test_resident_engine.py ;;
     engines2) pyt engines2 ${LIM:-540} tests/gpu/test_sglang_engine.py tests/gpu/test_sessions_gpu.py ;;
+    fp8engine) pyt fp8engine ${LIM:-400} tests/gpu/test_fp8_engine.py ;;
     engines3) pyt engines3 ${LIM:-540} tests/gpu/test_cold_start.py tests/gpu/test_eval_gpu.py -s ;;
     user)
       DOC=.fpdocs/beameruserguide.pdf
