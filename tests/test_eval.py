@@ -266,3 +266,33 @@ def test_eval_end_to_end_real_model(smollm2, tmp_path):  # noqa: F811
         for r in s["results"].values():
             assert r["answer"].strip() and r["score"] == string_match(s["expected"], r["answer"])
     assert "one engine per profile" in proc.stderr
+
+
+def test_eval_two_seeds_one_engine_per_profile_and_the_spread(runner, fake_engine, monkeypatch):
+    """``--seed 0,1``: each seed adds its own samples, every profile's engine is loaded once for
+    both, and the averages carry each seed's score and their spread."""
+    from fp_fakes import LAST_FAKE
+
+    monkeypatch.setenv("FP_FAKE_CONTEXT", "8192")
+    r = runner.invoke(app, ["eval", "--len", "1k", "--task", "niah_single,vt", "--samples", "2",
+                            "--profiles", "dense,bf16", "--seed", "0,1", "--json"])
+    assert r.exit_code == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert (data["seed"], data["seeds"], data["samples_total"]) == (0, [0, 1], 2 * 2 * 2)
+    assert len(LAST_FAKE) == 2  # one engine per profile, for both seeds
+    ids = [s["id"] for s in data["samples"]]
+    assert len(set(ids)) == len(ids)
+    by_seed = {sd: [s["question"] for s in data["samples"] if s["seed"] == sd] for sd in (0, 1)}
+    assert by_seed[0] != by_seed[1]  # two seeds, different samples
+    for c in data["cells"]:
+        assert c["samples"] == 4 and set(c["score_by_seed"]) == {"0", "1"}
+        assert abs(c["score"] - (c["score_by_seed"]["0"] + c["score_by_seed"]["1"]) / 2) < 1e-9
+    for a in data["averages"]:
+        s0, s1 = a["score_by_seed"]["0"], a["score_by_seed"]["1"]
+        assert a["seed_spread"] == max(s0, s1) - min(s0, s1)
+    assert "seeds 0, 1" in r.stderr
+
+
+def test_eval_bad_seed_is_a_usage_error(runner, fake_engine):
+    r = runner.invoke(app, ["eval", "--len", "1k", "--seed", "zero"])
+    assert r.exit_code == 2 and "--seed" in r.stderr and "'zero'" in r.stderr

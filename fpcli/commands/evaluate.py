@@ -43,7 +43,7 @@ def evaluate(
     lens: Annotated[Optional[str], typer.Option("--len", "-l", help=f"Prompt lengths in tokens of the model's tokenizer: 4k, 32768, or a comma list. Default: those of {DEFAULT_LENS} that fit the model's context.", show_default=False)] = None,
     profiles: Annotated[str, typer.Option("--profiles", "-p", help="Profiles side by side, comma list of names (bf16, fp8, dense) or .yaml paths.")] = DEFAULT_PROFILES,
     samples: Annotated[int, typer.Option("--samples", "-n", min=1, help="Samples per (task, length); the same samples for every profile.")] = 5,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the generated samples (same seed, same samples).")] = 0,
+    seed: Annotated[str, typer.Option("--seed", help="Seed of the generated samples (same seed, same samples), or a comma list (0,1): each seed adds its own samples, and the table gives the spread between seeds.")] = "0",
     haystack: Annotated[Optional[list[str]], typer.Option("--haystack", help="Use your own document(s) as the haystack instead of generated text (repeat for several files).", show_default=False)] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Hugging Face folder or cached id, or a .gguf file. Default: the embedded SmolLM2-135M-Instruct.")] = None,
     engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: SGLang when CUDA and sglang are present, else transformers.")] = EngineChoice.auto,
@@ -71,6 +71,12 @@ def evaluate(
         lengths = list(dict.fromkeys(parse_lengths(lens if lens is not None else DEFAULT_LENS)))
     except ValueError as exc:
         fail(str(exc), code=2)
+    try:
+        seeds = list(dict.fromkeys(int(x) for x in seed.split(",") if x.strip()))
+    except ValueError:
+        seeds = []
+    if not seeds:
+        fail(f"--seed: expected an integer or a comma list of integers (example: 0,1), got {seed!r}", code=2)
     names = [p.strip() for p in profiles.split(",") if p.strip()]
     if not names:
         fail("--profiles: no profile given (example: --profiles dense,bf16)", code=2)
@@ -105,7 +111,7 @@ def evaluate(
     from fpcli.ruler.tasks import TaskError, make_samples
 
     bar = step_progress(err, disable=quiet or not err.is_terminal)
-    n_samples = len(task_list) * len(lengths) * samples
+    n_samples = len(task_list) * len(lengths) * samples * len(seeds)
     building = bar.add_task("building samples", total=n_samples, visible=False)
     answering = bar.add_task("answering", total=n_samples * len(profs), visible=False)
 
@@ -125,11 +131,12 @@ def evaluate(
     def build(eng, context_length: int):
         _check_lengths(lengths, task_list, context_length)  # a GGUF or hub model's context is known now
         bar.update(building, visible=True)
-        built = make_samples(task_list, lengths, samples, seed, stack, eng, context_length,
+        built = make_samples(task_list, lengths, samples, seeds, stack, eng, context_length,
                              on_sample=lambda s: bar.advance(building))
         bar.update(building, visible=False)
         bar.update(answering, visible=True)
-        say(f"{len(built)} samples built with {eng.model_name}'s tokenizer (seed {seed}), "
+        say(f"{len(built)} samples built with {eng.model_name}'s tokenizer "
+            f"(seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}), "
             f"prompts of {min(s.prompt_tokens for s in built):,}-{max(s.prompt_tokens for s in built):,} tokens")
         return built
 
@@ -148,7 +155,7 @@ def evaluate(
     except Exception as exc:  # noqa: BLE001
         fail(f"evaluation failed: {_one_line(exc)}")
 
-    data = eval_report(run, seed=seed, samples_per_cell=samples, tasks=[t.name for t in task_list],
+    data = eval_report(run, seed=seeds, samples_per_cell=samples, tasks=[t.name for t in task_list],
                        lengths=lengths, haystack=stack.name,
                        profile_sources={p.name: str(p.source) if p.source else None for p in profs})
     if json_out:

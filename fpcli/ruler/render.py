@@ -11,7 +11,7 @@ def eval_table(report: dict) -> Table:
     profiles = report["profiles"]
     t = Table(
         title=(f"fp eval: {report['model']} ({report['engine']} engine), {report['samples_per_cell']} sample(s) "
-               f"per cell, seed {report['seed']}, haystack {report['haystack']}"),
+               f"per cell, {_seeds(report)}, haystack {report['haystack']}"),
         title_justify="left",
     )
     t.add_column("task")
@@ -32,16 +32,26 @@ def eval_table(report: dict) -> Table:
     if t.rows:
         t.rows[-1].end_section = True  # a rule above the averages
     avg = {(a["length"], a["profile"]): a for a in report["averages"]}
+    several = len(report.get("seeds", [report["seed"]])) > 1
     for length in dict.fromkeys(a["length"] for a in report["averages"]):
         cols = ["[b]all tasks[/]", _len(length), ""]
         for p in profiles:
-            cols += _triple(avg[(length, p["name"])], bold=True)
+            cols += _triple(avg[(length, p["name"])], bold=True, spread=several)
         t.add_row(*cols)
     return t
 
 
-def _triple(c: dict, bold: bool = False) -> list[str]:
+def _seeds(report: dict) -> str:
+    seeds = report.get("seeds", [report["seed"]])
+    if len(seeds) == 1:
+        return f"seed {seeds[0]}"
+    return f"seeds {', '.join(map(str, seeds))} (score ± half the spread between seeds)"
+
+
+def _triple(c: dict, bold: bool = False, spread: bool = False) -> list[str]:
     score = f"{c['score']:.1f}"
+    if spread:
+        score += f" ± {c['seed_spread'] / 2:.1f}"
     return [f"[b]{score}[/]" if bold else score, f"{c['ttft_s']:.3f}", f"{100 * c['density']:.1f}%"]
 
 

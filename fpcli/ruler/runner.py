@@ -108,7 +108,8 @@ def run_profiles(
 
 def cells(run: EvalRun) -> list[dict]:
     """One dict per (task, length, profile), in sample order then profile order: ``score``
-    (points 0-100), ``ttft_s`` and ``density`` (means), ``samples``, ``prompt_tokens`` (mean)."""
+    (points 0-100, over every seed's samples), ``score_by_seed`` (``{str(seed): points}``: JSON keys), ``ttft_s``
+    and ``density`` (means), ``samples`` (all seeds), ``prompt_tokens`` (mean)."""
     groups: dict[tuple[str, int], list[Sample]] = {}
     for s in run.samples:
         groups.setdefault((s.task, s.length), []).append(s)
@@ -116,11 +117,15 @@ def cells(run: EvalRun) -> list[dict]:
     for (task, length), group in groups.items():
         for p in run.profiles:
             results = [p.results[s.id] for s in group]
+            by_seed: dict[int, list[float]] = {}
+            for s, r in zip(group, results):
+                by_seed.setdefault(s.seed, []).append(string_match(s.expected, r.text))
             out.append({
                 "task": task,
                 "length": length,
                 "profile": p.name,
                 "score": mean_points([string_match(s.expected, r.text) for s, r in zip(group, results)]),
+                "score_by_seed": {str(sd): mean_points(v) for sd, v in by_seed.items()},
                 "ttft_s": fmean(r.ttft_s for r in results),
                 "density": fmean(r.stats.density for r in results),
                 "samples": len(group),
@@ -130,22 +135,29 @@ def cells(run: EvalRun) -> list[dict]:
 
 
 def averages(cell_list: Sequence[dict]) -> list[dict]:
-    """Per (length, profile): the mean of the task scores (each task weighs the same), TTFT and density."""
+    """Per (length, profile): the mean of the task scores (each task weighs the same), TTFT and
+    density; ``score_by_seed`` (the same mean over one seed's samples) and ``seed_spread`` (its
+    max - min over the seeds, points; 0 with one seed)."""
     groups: dict[tuple[int, str], list[dict]] = {}
     for c in cell_list:
         groups.setdefault((c["length"], c["profile"]), []).append(c)
-    return [
-        {"length": length, "profile": prof, "score": fmean(c["score"] for c in cs),
-         "ttft_s": fmean(c["ttft_s"] for c in cs), "density": fmean(c["density"] for c in cs), "tasks": len(cs)}
-        for (length, prof), cs in groups.items()
-    ]
+    out = []
+    for (length, prof), cs in groups.items():
+        seeds = list(dict.fromkeys(sd for c in cs for sd in c["score_by_seed"]))
+        by_seed = {sd: fmean(c["score_by_seed"][sd] for c in cs if sd in c["score_by_seed"]) for sd in seeds}
+        out.append({"length": length, "profile": prof, "score": fmean(c["score"] for c in cs),
+                    "score_by_seed": by_seed, "seed_spread": max(by_seed.values()) - min(by_seed.values()),
+                    "ttft_s": fmean(c["ttft_s"] for c in cs), "density": fmean(c["density"] for c in cs),
+                    "tasks": len(cs)})
+    return out
 
 
-def eval_report(run: EvalRun, *, seed: int, samples_per_cell: int, tasks: Sequence[str], lengths: Sequence[int],
+def eval_report(run: EvalRun, *, seed: int | Sequence[int], samples_per_cell: int, tasks: Sequence[str], lengths: Sequence[int],
                 haystack: str, profile_sources: dict[str, str | None] | None = None) -> dict:
     """The ``fp.eval/1`` JSON object.
 
-    Keys: ``schema``, ``model``, ``engine``, ``seed``, ``samples_per_cell``, ``samples_total``,
+    Keys: ``schema``, ``model``, ``engine``, ``seed`` (the first seed), ``seeds`` (all of them),
+    ``samples_per_cell`` (per seed), ``samples_total``,
     ``tasks``, ``lengths`` (requested, tokens), ``context_length``, ``haystack``, ``profiles``
     (name, label, attention, requested and ran precision, engine, source), ``cells`` (see
     ``cells``), ``averages`` (see ``averages``) and ``samples``: per sample its id, task, length,
@@ -154,11 +166,13 @@ def eval_report(run: EvalRun, *, seed: int, samples_per_cell: int, tasks: Sequen
     """
     cell_list = cells(run)
     sources = profile_sources or {}
+    seeds = [seed] if isinstance(seed, int) else list(seed)
     return {
         "schema": SCHEMA,
         "model": run.profiles[0].model if run.profiles else None,
         "engine": "/".join(sorted({p.engine for p in run.profiles})) or None,
-        "seed": seed,
+        "seed": seeds[0],
+        "seeds": seeds,
         "samples_per_cell": samples_per_cell,
         "samples_total": len(run.samples),
         "tasks": list(tasks),
@@ -174,7 +188,7 @@ def eval_report(run: EvalRun, *, seed: int, samples_per_cell: int, tasks: Sequen
         "averages": averages(cell_list),
         "samples": [
             {
-                "id": s.id, "task": s.task, "length": s.length, "index": s.index,
+                "id": s.id, "task": s.task, "length": s.length, "index": s.index, "seed": s.seed,
                 "target_tokens": s.target_tokens, "prompt_tokens": s.prompt_tokens,
                 "question": s.question, "expected": list(s.expected),
                 "results": {

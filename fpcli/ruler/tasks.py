@@ -69,6 +69,7 @@ class Sample:
         question: the question (the last part of ``user``).
         expected: strings that must all appear in the answer.
         max_new_tokens: the answer budget of the task, in tokens.
+        seed: the seed the sample was drawn with.
     """
 
     task: str
@@ -81,6 +82,7 @@ class Sample:
     question: str
     expected: tuple[str, ...]
     max_new_tokens: int
+    seed: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -88,7 +90,7 @@ class Sample:
 
     @property
     def id(self) -> str:
-        return f"{self.task}/{self.length}/{self.index}"
+        return f"{self.task}/{self.length}/{self.index}@{self.seed}"
 
 
 @dataclass
@@ -330,7 +332,7 @@ def make_sample(task: Task, length: int, index: int, seed: int, haystack: Haysta
     text = user(n)
     ids = list(tokenizer.encode_chat(SYSTEM_PROMPT, text))
     return Sample(task.name, length, index, target, ids, SYSTEM_PROMPT, text, draft.question, draft.expected,
-                  task.max_new_tokens)
+                  task.max_new_tokens, seed)
 
 
 def _cwe_repeats(draft: Draft, tokenizer: ChatEncoding, target: int) -> int:
@@ -349,20 +351,24 @@ def _cwe_repeats(draft: Draft, tokenizer: ChatEncoding, target: int) -> int:
     return int(min(CWE_MAX_REPEATS, max(CWE_MIN_REPEATS, entries / (2 * CWE_COMMON))))
 
 
-def make_samples(tasks: Sequence[Task], lengths: Sequence[int], samples: int, seed: int, haystack: Haystack,
-                 tokenizer: ChatEncoding, context_length: int,
+def make_samples(tasks: Sequence[Task], lengths: Sequence[int], samples: int, seed: int | Sequence[int],
+                 haystack: Haystack, tokenizer: ChatEncoding, context_length: int,
                  on_sample: Callable[[Sample], None] | None = None) -> list[Sample]:
-    """``samples`` samples per (task, length), in task, length, index order.
+    """``samples`` samples per (task, length) and seed, in task, length, seed, index order.
+
+    ``seed``: one seed or several (each gives its own ``samples`` samples per cell).
 
     Raises:
         TaskError: a length too short for a task.
     """
+    seeds = [seed] if isinstance(seed, int) else list(seed)
     out = []
     for task in tasks:
         for length in lengths:
-            for i in range(samples):
-                s = make_sample(task, length, i, seed, haystack, tokenizer, context_length)
-                out.append(s)
-                if on_sample is not None:
-                    on_sample(s)
+            for sd in seeds:
+                for i in range(samples):
+                    s = make_sample(task, length, i, sd, haystack, tokenizer, context_length)
+                    out.append(s)
+                    if on_sample is not None:
+                        on_sample(s)
     return out

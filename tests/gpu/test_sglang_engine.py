@@ -292,7 +292,11 @@ def _compare_top(one, chunked, what):
     assert len(common) >= 3, f"{what}: top-5 overlap {common}"
     diff = max(abs(a[t] - b[t]) for t in common)
     log.info("%s: max |logprob diff| on the top tokens %.4f", what, diff)
-    assert diff < 0.3, f"{what}: log-prob difference {diff:.3f} on the top tokens"
+    # The logits are bf16: at |logit| in [16, 32) one step is 0.125, so a log-prob moves in steps of
+    # 0.125 and rounding flips of upstream sums move it by a few steps. Chunking changes the query
+    # tiles (128 GQA-packed rows do not align with chunk ends at g = 3), hence the block selection:
+    # allow 4 steps (0.5), far below the gap to a wrong answer (the argmax check above).
+    assert diff <= 0.5, f"{what}: log-prob difference {diff:.3f} on the top tokens"
 
 
 def test_chunked_prefill_matches_one_shot(smol, workers):
