@@ -3,7 +3,7 @@
 #   source .fpdev/bin/env.sh && bash scripts/lab/gpu_round.sh PART [PART...]
 # PARTs: kernels (operator GPU tests), fp8 (FP8 kernel tests), engines1 / engines2 / fp8engine (engine and CLI GPU
 # tests), user (fp start / fp ask x2 / fp status / fp stop / fp profile on real TeX manuals, as a user
-# runs them), bench (fp bench). Logs and JSON land in $OUT; a short table is printed last.
+# runs them), eval (fp eval at 32K and 128K, dense / bf16 / fp8, two seeds), bench (fp bench). Logs and JSON land in $OUT; a short table is printed last.
 set -u
 OUT=${OUT:-$PWD/out-gpu}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/kernels:$PWD:${PYTHONPATH:-}
@@ -63,6 +63,10 @@ except Exception as e:
     print("profile: no JSON:", e, (out / "profile.err").read_text()[-600:])
 PY
       ;;
+    eval)
+      t fp eval --len ${EVAL_LENS:-32k,128k} --task ${EVAL_TASKS:-niah_single,niah_multikey,vt} --samples ${EVAL_N:-2} \
+        --seed ${EVAL_SEEDS:-0,1} --profiles dense,bf16,fp8 --no-server --json --report "$OUT/eval.json" \
+        > /dev/null 2> "$OUT/eval.err"; tail -25 "$OUT/eval.err" | tee -a "$SUM" ;;
     bench) t fp bench --len ${BENCH_LENS:-8k,32k,128k} ${BENCH_ARGS:-} --json > "$OUT/bench.json" 2> "$OUT/bench.err"; tail -30 "$OUT/bench.err" ;;
   esac
 done
