@@ -54,6 +54,12 @@ class EngineSettings:
         dtype: weight dtype, one of ``DTYPES``; ``auto`` = the model's own (bf16 on GPU).
         context_length: the context to run the model at, in tokens (256 .. 1,048,576):
             a cap at or below the model's native context, YaRN beyond it; ``None`` = the model's own.
+        max_requests: requests the engine runs at once, >= 1 (SGLang ``max_running_requests``;
+            more wait in its queue). Also caps the decode CUDA-graph batch sizes and sizes the KV
+            cache pool. A command that asks one question in-process runs with 1.
+        kv_cache_tokens: KV cache pool size in tokens (SGLang ``max_total_tokens``), >= 256;
+            ``None`` = ``context_length x max_requests`` (``fpcli.engine.sglang_engine.
+            kv_pool_tokens``), never more than ``mem_fraction_static`` allows.
     """
 
     chunked_prefill_size: int = 16384
@@ -63,6 +69,8 @@ class EngineSettings:
     cuda_graph_max_bs: int = 8
     dtype: str = "auto"
     context_length: int | None = None
+    max_requests: int = 8
+    kv_cache_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -270,6 +278,11 @@ def _validate_engine(where: str, e: EngineSettings) -> None:
     _typed(where, "engine.cuda_graph_decode", e.cuda_graph_decode, bool)
     if _typed(where, "engine.cuda_graph_max_bs", e.cuda_graph_max_bs, int) < 1:
         raise ProfileError(f"{where}: engine.cuda_graph_max_bs: must be >= 1, got {e.cuda_graph_max_bs}")
+    if _typed(where, "engine.max_requests", e.max_requests, int) < 1:
+        raise ProfileError(f"{where}: engine.max_requests: must be >= 1, got {e.max_requests}")
+    if e.kv_cache_tokens is not None and _typed(where, "engine.kv_cache_tokens", e.kv_cache_tokens, int) < MIN_CONTEXT_LENGTH:
+        raise ProfileError(f"{where}: engine.kv_cache_tokens: must be >= {MIN_CONTEXT_LENGTH} or absent, "
+                           f"got {e.kv_cache_tokens}")
     if e.dtype not in DTYPES:
         raise ProfileError(f"{where}: engine.dtype: {e.dtype!r} is not allowed (allowed: {', '.join(DTYPES)})")
     if e.context_length is not None:

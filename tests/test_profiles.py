@@ -65,6 +65,10 @@ def write(tmp_path, data) -> str:
         ({"name": "x", "engine": {"cuda_graph_decode": 1}}, "engine.cuda_graph_decode", "must be bool"),
         ({"name": "x", "dense_layers": -1}, "dense_layers", ">= 0"),
         ({"name": "x", "dense_layers": True}, "dense_layers", "must be int"),
+        ({"name": "x", "engine": {"max_requests": 0}}, "engine.max_requests", ">= 1, got 0"),
+        ({"name": "x", "engine": {"max_requests": 2.5}}, "engine.max_requests", "must be int"),
+        ({"name": "x", "engine": {"kv_cache_tokens": 100}}, "engine.kv_cache_tokens", ">= 256 or absent, got 100"),
+        ({"name": "x", "engine": {"kv_cache_tokens": True}}, "engine.kv_cache_tokens", "must be int"),
         ({"description": "no name"}, "missing key 'name'", ""),
     ],
 )
@@ -139,3 +143,11 @@ def test_sparse_threshold_fits_the_model_context():
     assert p.fit_to_context(32768) is p and p.fit_to_context(131072).sparse.min_sparse_len == 8192
     assert small.fit_to_context(8192) is small  # idempotent
     assert load_profile("dense").fit_to_context(8192).sparse.min_sparse_len == 0
+
+
+def test_engine_pool_settings_load_from_yaml(tmp_path):
+    path = write(tmp_path, {"name": "x", "engine": {"max_requests": 2, "kv_cache_tokens": 300000}})
+    e = load_profile(path).engine
+    assert (e.max_requests, e.kv_cache_tokens) == (2, 300000)
+    bf16 = load_profile("bf16").engine
+    assert bf16.max_requests == 8 and bf16.kv_cache_tokens is None  # the pool follows the context

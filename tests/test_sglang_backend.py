@@ -573,14 +573,25 @@ def test_warmup_plan_covers_every_kv_range_up_to_the_context():
     from fpcli.engine.sglang_engine import warmup_plan
 
     plan = warmup_plan(131072, 16384, 8192, KV_THRESHOLDS)
-    assert plan == [131005, 12285, 64] and len(set(plan)) == len(plan)  # one warm-up per length
+    # the long prompt stops at the third chunk: the first whose KV is beyond the last threshold
+    assert plan == [3 * 16384 - 3, 12285, 64] and len(set(plan)) == len(plan)  # one warm-up per length
     assert all(n % 16 for n in plan[:2])  # not multiples of 16, as real prompts mostly are
     # every range of KV lengths a sparse chunk can have is reached by some warm-up chunk
     ranges = [(8192, 16384), (16384, 32769), (32769, 131072 - 64)]
     kvs = [kv for n in plan if n >= 8192 for kv in _chunk_kv_lengths(n, 16384)]
     for lo, hi in ranges:
         assert any(lo <= kv < hi or kv == hi for kv in kvs), (lo, hi, kvs)
-    assert max(kvs) == 131005  # the longest request compiles its last-chunk variant too
+    assert max(kvs) == 49149 and 49149 - 2 * 16384 >= 8192  # its last chunk is a sparse prefix chunk
+
+
+def test_reaching_length_is_the_shortest_prompt_past_every_threshold():
+    from fpcli.engine.sglang_engine import reaching_length
+
+    assert reaching_length(131008, 16384, (32769,)) == 49149  # 3 chunks, not 8
+    assert reaching_length(131008, 16384, ()) == 32765  # no threshold: two chunks (a prefix chunk)
+    assert reaching_length(131008, 8192, (32769,)) == 40957  # 5 chunks of 8192: 40957 >= 32769
+    assert reaching_length(20001, 16384, (32769,)) == 20001  # capped at the context
+    assert reaching_length(32768, 16384, (32769,)) == 32765  # capped, moved off the multiple of 16
 
 
 def test_kernel_thresholds_come_from_the_triton_backend():
@@ -624,6 +635,67 @@ def test_server_kwargs_capture_few_decode_graphs(tmp_path):
     off = prof.replace(engine=dataclasses.replace(prof.engine, cuda_graph_decode=False))
     kw = build_server_kwargs(tmp_path / "model", off)
     assert kw["disable_decode_cuda_graph"] is True and "cuda_graph_bs_decode" not in kw
+
+
+def test_kv_pool_is_sized_from_the_context_and_the_requests():
+    from fpcli.engine.sglang_engine import kv_pool_tokens
+
+    assert kv_pool_tokens(131072, 1, 64) == 131072 + 64  # one request at the full context, one spare page
+    assert kv_pool_tokens(131072, 8, 64) == 8 * 131072 + 64
+    assert kv_pool_tokens(1000, 1, 64) == 1024 + 64  # whole pages
+    assert kv_pool_tokens(131072, 8, 64, override=300000) == 300000  # the profile's kv_cache_tokens wins
+    with pytest.raises(ValueError, match="max_requests"):
+        kv_pool_tokens(131072, 0, 64)
+
+
+def test_server_kwargs_for_one_request_capture_one_graph_and_one_context(tmp_path):
+    import dataclasses
+
+    from fpcli.engine.sglang_engine import build_server_kwargs
+    from fpcli.profiles import load_profile, with_context_length
+
+    prof = with_context_length(load_profile("bf16"), 131072)
+    one = build_server_kwargs(_model_dir(tmp_path), prof, max_requests=1)
+    assert one["max_running_requests"] == 1 and one["cuda_graph_bs_decode"] == [1]
+    assert one["max_total_tokens"] == 131072 + 64 and one["skip_tokenizer_init"] is True
+    resident = build_server_kwargs(tmp_path / "model", prof)  # the profile's max_requests: 8
+    assert resident["max_running_requests"] == 8 and resident["cuda_graph_bs_decode"] == [1, 2, 4, 8]
+    assert resident["max_total_tokens"] == 8 * 131072 + 64
+    fixed = prof.replace(engine=dataclasses.replace(prof.engine, kv_cache_tokens=200000, max_requests=3))
+    kw = build_server_kwargs(tmp_path / "model", fixed)
+    assert kw["max_total_tokens"] == 200000 and kw["cuda_graph_bs_decode"] == [1, 2, 3]
+    user = build_server_kwargs(tmp_path / "model", prof, max_requests=1,
+                               overrides={"max_total_tokens": 500000, "mem_fraction_static": 0.5})
+    assert user["max_total_tokens"] == 500000 and user["mem_fraction_static"] == 0.5  # SGLang options win
+    with pytest.raises(ValueError, match="max_requests"):
+        build_server_kwargs(tmp_path / "model", prof, max_requests=-1)
+
+
+def test_sampling_params_carry_the_tokenizer_eos():
+    """SGLang runs without a tokenizer (skip_tokenizer_init): the chat EOS comes from ours."""
+    from fpcli.engine.sglang_engine import SGLangEngine
+
+    eng = object.__new__(SGLangEngine)
+    eng.tokenizer = types.SimpleNamespace(eos_token_id=151645)
+    params = eng._sampling_params(16, 0.0, 1.0, -1)
+    assert params["stop_token_ids"] == [151645] and params["max_new_tokens"] == 16
+    eng.tokenizer = types.SimpleNamespace(eos_token_id=None)
+    assert "stop_token_ids" not in eng._sampling_params(16, 0.0, 1.0, -1)
+
+
+def test_in_process_commands_load_a_one_request_engine(monkeypatch):
+    import fpcli.commands as commands
+    from fpcli.console import stderr_console
+
+    seen = {}
+
+    def loader(engine, model, profile, **kw):
+        seen.update(kw)
+        return "engine"
+
+    monkeypatch.setattr(commands, "engine_loader", lambda: loader)
+    assert commands.obtain_engine("sglang", None, "bf16", False, True, stderr_console()) == "engine"
+    assert seen["max_requests"] == 1
 
 
 def test_engine_warmup_lengths_use_the_plan(monkeypatch):

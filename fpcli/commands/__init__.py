@@ -295,8 +295,9 @@ def obtain_engine(engine: str, model: str | None, profile, progress, no_server: 
     not answer), else an in-process engine from ``engine_loader()``. ``no_server`` skips the
     resident engine. ``timing``: an in-process engine measures index / attention time per layer
     (the resident engine runs as it was started); ``compare_fp8``: an in-process engine also reports
-    the FP8-vs-BF16 output error per layer (the resident engine does not). The caller handles load
-    errors (``fail``)."""
+    the FP8-vs-BF16 output error per layer (the resident engine does not). An in-process engine runs
+    one request at a time (``max_requests=1``: one decode CUDA graph, a KV pool of one context).
+    The caller handles load errors (``fail``)."""
     if not no_server:
         from fpcli.server.client import connect
 
@@ -308,7 +309,9 @@ def obtain_engine(engine: str, model: str | None, profile, progress, no_server: 
         if remote is not None:
             return remote
     extra = {"compare_fp8": True} if compare_fp8 else {}
-    return engine_loader()(engine, model, profile, progress=progress, verbose=verbose, timing=timing, **extra)
+    # in-process, this command is the engine's only client, one request at a time
+    return engine_loader()(engine, model, profile, progress=progress, verbose=verbose, timing=timing,
+                           max_requests=1, **extra)
 
 
 def server_of(engine) -> dict | None:

@@ -93,7 +93,7 @@ def resolve_request(engine: str = "auto", model: str | None = None, profile=None
 
 def load_engine(engine: str = "auto", model: str | None = None, profile=None, progress=None,
                 engine_args: Sequence[str] = (), verbose: bool = False, timing: bool = False,
-                compare_fp8: bool = False) -> Engine:
+                compare_fp8: bool = False, max_requests: int | None = None) -> Engine:
     """Resolve ``model`` and load it with ``engine``.
 
     Args:
@@ -114,6 +114,9 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
         compare_fp8: with an FP8 profile, the sparse layers also run the BF16 operator and the
             engine reports the FP8-vs-BF16 output error per layer and KV head
             (``PrefillStats.fp8_rel_l2_per_layer``; ``fp profile --fp8``). Off by default.
+        max_requests: requests the SGLang engine runs at once (``None``: the profile's
+            ``engine.max_requests``; 1 for a command asking one question in-process: one decode
+            CUDA graph, a KV pool of one context). The transformers engine runs one at a time.
 
     Raises:
         EngineUnavailable: ``engine="sglang"`` where SGLang or CUDA is missing (names what to
@@ -143,10 +146,10 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
         if ui is not None:
             with ui.status(f"starting SGLang with {name} (weights, CUDA graphs, kernel compilation, warm-up)"):
                 eng = SGLangEngine(path, profile, server_overrides=overrides, log_level=log_level, timing=timing,
-                                   compare_fp8=compare_fp8)
+                                   compare_fp8=compare_fp8, max_requests=max_requests)
         else:
             eng = SGLangEngine(path, profile, server_overrides=overrides, log_level=log_level, timing=timing,
-                               compare_fp8=compare_fp8)
+                               compare_fp8=compare_fp8, max_requests=max_requests)
         eng.model_name = name
         return eng
     if engine_args:

@@ -22,11 +22,14 @@ gets ``json_model_override_args`` with ``rope_scaling = {"rope_type": "yarn", "f
 SGLang's scheduler dies with KeyError 'rope_theta') and ``max_position_embeddings`` = the context.
 ``rope_scaling_factor`` (> 1) forces a factor instead (``max_position_embeddings = native * f``).
 
-Start-up (``start_phases``): the tokenizer; SGLang's ``Engine`` (weights, KV cache pool, decode
-CUDA graphs for the batch sizes ``decode_graph_batch_sizes`` lists: 1, 2, 4, 8 by default, since
-one local user runs one request at a time; SGLang's own default captures ~36 sizes up to 256);
+Start-up (``start_phases``): the tokenizer; SGLang's ``Engine`` (weights, a KV cache pool of
+``kv_pool_tokens``: the context x ``max_requests`` rather than a memory fraction; decode CUDA
+graphs for the batch sizes ``decode_graph_batch_sizes`` lists, up to ``max_requests``: only
+batch 1 for an in-process ``fp ask``, 1, 2, 4, 8 for a resident engine; SGLang's own default
+captures ~36 sizes up to 256; no tokenizer in SGLang's processes: ``skip_tokenizer_init``);
 then one warm-up pass (``warmup_plan``): a prompt per KV-length range in which our Triton
-kernels compile a different variant, so the first long request runs as fast as the next.
+kernels compile a different variant, the long one only as long as the last range needs
+(``reaching_length``), so the first long request runs as fast as the next.
 """
 from __future__ import annotations
 
@@ -135,6 +138,29 @@ def decode_graph_batch_sizes(max_bs: int) -> list[int]:
     return sizes + [int(max_bs)]
 
 
+def kv_pool_tokens(context_length: int, max_requests: int, page_size: int, override: int | None = None) -> int:
+    """KV cache pool size in tokens (SGLang ``max_total_tokens``): ``override`` (the profile's
+    ``engine.kv_cache_tokens``) when given, else room for ``max_requests`` requests at the full
+    context, in whole pages plus one. SGLang takes the smaller of this and what
+    ``mem_fraction_static`` leaves, so it only ever shrinks the pool.
+
+    Example (Qwen2.5-Coder-0.5B at 131,072 tokens, one request, pages of 64)::
+
+        131072 x 1 -> 2048 pages + 1 = 133,120 tokens; 24 layers x 2 KV heads x 64 dims x 2 (K, V)
+        x 2 bytes = 12,288 bytes a token -> 1.6 GB (mem_fraction_static 0.85 alone: ~110 GB on an H200)
+
+    Raises:
+        ValueError: a non-positive ``context_length``, ``max_requests`` or ``page_size``.
+    """
+    if override is not None:
+        return int(override)
+    if context_length < 1 or max_requests < 1 or page_size < 1:
+        raise ValueError(f"kv_pool_tokens: context_length, max_requests and page_size must be >= 1, got "
+                         f"{context_length}, {max_requests}, {page_size}")
+    pages = -(-int(context_length) * int(max_requests) // int(page_size)) + 1
+    return pages * int(page_size)
+
+
 # ----------------------------------------------------------------------------------------------
 # Server arguments (pure: tested on CPU)
 # ----------------------------------------------------------------------------------------------
@@ -169,10 +195,16 @@ def build_server_kwargs(
     context_length: int | None = None,
     log_level: str = "error",
     overrides: dict | None = None,
+    max_requests: int | None = None,
 ) -> dict:
     """``ServerArgs`` keyword arguments for a profile (``Engine(**kwargs)``) of the local,
-    single-user engine: decode CUDA graphs only for ``decode_graph_batch_sizes(
-    engine.cuda_graph_max_bs)``; YaRN when the context exceeds the model's (``context_plan``).
+    single-user engine: at most ``max_requests`` running requests (``None``: the profile's
+    ``engine.max_requests``; an in-process command asking one question passes 1); decode CUDA
+    graphs only for ``decode_graph_batch_sizes(min(engine.cuda_graph_max_bs, max_requests))``; a
+    KV pool of ``kv_pool_tokens`` (the context x ``max_requests``, or ``engine.kv_cache_tokens``);
+    no tokenizer in SGLang's processes (``skip_tokenizer_init``: ``fp`` sends token ids, decodes
+    the answer itself and passes the EOS id); YaRN when the context exceeds the model's
+    (``context_plan``).
 
     ``server_defaults(profile)`` first; ``overrides`` wins over everything (SGLang options the user
     gave, e.g. ``tp_size``; tests use it for ``page_size`` and ``disable_cuda_graph``).
@@ -182,11 +214,17 @@ def build_server_kwargs(
     """
     eng = profile.engine
     plan = context_plan(model_path, profile, context_length, rope_scaling_factor)
+    reqs = int(max_requests or eng.max_requests)
+    if reqs < 1:
+        raise ValueError(f"max_requests must be >= 1, got {max_requests}")
     kwargs: dict[str, Any] = dict(model_path=str(model_path), **server_defaults(profile), log_level=log_level,
-                                  random_seed=0)
+                                  random_seed=0, max_running_requests=reqs, skip_tokenizer_init=True)
     if eng.cuda_graph_decode:
-        sizes = decode_graph_batch_sizes(int(eng.cuda_graph_max_bs))
+        sizes = decode_graph_batch_sizes(min(int(eng.cuda_graph_max_bs), reqs))
         kwargs.update(cuda_graph_bs_decode=sizes, cuda_graph_max_bs_decode=max(sizes))
+    if plan.context or eng.kv_cache_tokens:
+        kwargs["max_total_tokens"] = kv_pool_tokens(int(plan.context or 0), reqs, int(eng.page_size),
+                                                    eng.kv_cache_tokens)
     if eng.dtype and eng.dtype != "auto":
         kwargs["dtype"] = eng.dtype
     if plan.rope_scaling is not None:
@@ -275,6 +313,24 @@ def _unaligned(n: int) -> int:
     return n - 3 if n % 16 == 0 else n
 
 
+def reaching_length(cap: int, chunk: int, kv_thresholds: Sequence[int] = ()) -> int:
+    """The long warm-up prompt (tokens): the shortest prompt of at least two full chunks whose last
+    chunk is a full chunk (``chunk - 3`` new tokens, not a multiple of 16) ending at or beyond every
+    ``kv_thresholds`` entry, capped at ``cap``. Its chunks' KV lengths then lie on both sides of
+    every threshold above the first chunk, with a prefix; a longer prompt runs the same kernel
+    variants (Triton specialises integer arguments on divisibility by 16 only), so the rest of
+    the context is compute the warm-up need not pay. Example (chunk 16384, threshold 32769)::
+
+        k = 3 chunks: 3 * 16384 - 3 = 49149 >= 32769 -> chunks end at KV 16384, 32768, 49149
+        (a context of 131072 would have cost 131005 tokens: 8 chunks instead of 3)
+    """
+    top = max([int(t) for t in kv_thresholds] + [0])
+    k = 2
+    while k * chunk - 3 < top:
+        k += 1
+    return _unaligned(min(cap, k * chunk))
+
+
 def warmup_plan(context_length: int, chunk: int, min_sparse_len: int | None,
                 kv_thresholds: Sequence[int] = ()) -> list[int]:
     """Prompt lengths (tokens) whose prefill compiles every kernel variant a request of up to
@@ -283,21 +339,21 @@ def warmup_plan(context_length: int, chunk: int, min_sparse_len: int | None,
     A prompt of ``n`` tokens is prefilled in chunks of ``chunk`` tokens whose KV lengths are
     ``chunk, 2 chunk, ..., n``; the sparse path (chunks of ``>= min_sparse_len`` new tokens; ``None``
     = dense profile) compiles different variants on each side of every ``kv_thresholds`` entry.
-    The plan is one prompt at the context (its chunks cover every range from ``chunk`` up), one
-    per range that lies below the first chunk's KV length (only a prompt shorter than a chunk
-    reaches it), and a short dense one. Example (Qwen at 131072, chunk 16384, min_sparse_len 8192,
-    thresholds 16384 and 32769)::
+    The plan is one long prompt (``reaching_length``: its chunks cover every range from ``chunk``
+    up, at most the context), one per range that lies below the first chunk's KV length (only a
+    prompt shorter than a chunk reaches it), and a short dense one. Example (Qwen at 131072, chunk
+    16384, min_sparse_len 8192, threshold 32769)::
 
-        long:  131072 - 64 = 131008 -> 131005 (not a multiple of 16); its 8 chunks end at KV
-               16384, 32768, 49152, ..., 131005: both sides of 32769
+        long:  3 chunks, 3 * 16384 - 3 = 49149 (not a multiple of 16); its chunks end at KV
+               16384, 32768, 49149: both sides of 32769
         range [8192, 16384) lies below the first chunk's KV 16384: (8192 + 16384) // 2 = 12288 -> 12285
         short: 64
-        plan:  [131005, 12285, 64]
+        plan:  [49149, 12285, 64]
     """
     cap = context_length - WARMUP_MARGIN
     lengths: list[int] = []
     if min_sparse_len is not None and cap >= max(min_sparse_len, 1) + 256:
-        lengths.append(_unaligned(cap))
+        lengths.append(reaching_length(cap, chunk, kv_thresholds))
         first_kv = min(chunk, cap)  # the KV length of the long prompt's first chunk
         edges = sorted({max(min_sparse_len, 1), *[t for t in kv_thresholds if t > max(min_sparse_len, 1)]})
         for lo, hi in zip(edges, edges[1:] + [cap + 1]):
@@ -415,6 +471,8 @@ class SGLangEngine:
             plugin's lines and the children's progress bars through (``quiet_children_env``).
         compare_fp8: with an FP8 profile, report the FP8-vs-BF16 output error per layer and KV
             head (``BackendSettings.compare_fp8``; bf16 / fp16 KV cache only).
+        max_requests: requests run at once (``build_server_kwargs``); ``None`` = the profile's
+            ``engine.max_requests``; 1 for a command that asks one question.
 
     Raises:
         ValueError: an FP8 profile on a GPU without FP8 tensor cores or with an unsupported head
@@ -439,6 +497,7 @@ class SGLangEngine:
         shutdown_timeout_s: float = 30.0,
         warmup: bool = True,
         compare_fp8: bool = False,
+        max_requests: int | None = None,
     ):
         check_available()
         cfg = _model_config(model_path)
@@ -461,7 +520,7 @@ class SGLangEngine:
         self._stats_dir = tempfile.mkdtemp(prefix="fp-sglang-stats-")
         self.server_kwargs = build_server_kwargs(
             model_path, profile, rope_scaling_factor=rope_scaling_factor, context_length=context_length,
-            log_level=log_level or "error", overrides=server_overrides,
+            log_level=log_level or "error", overrides=server_overrides, max_requests=max_requests,
         )
         verbose = str(self.server_kwargs.get("log_level", "error")) in ("debug", "info")
         self.settings: BackendSettings = backend_settings(profile, self._stats_dir, timing=timing,
@@ -555,6 +614,9 @@ class SGLangEngine:
     # -- generation ----------------------------------------------------------------------------
     def _sampling_params(self, max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> dict:
         params: dict[str, Any] = {"max_new_tokens": int(max_new_tokens), "temperature": float(temperature)}
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is not None:  # SGLang runs without a tokenizer (skip_tokenizer_init): the chat EOS from ours
+            params["stop_token_ids"] = [int(eos)]
         if temperature > 0:
             params.update(top_p=float(top_p), top_k=int(top_k))
         return params

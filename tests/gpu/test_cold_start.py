@@ -4,7 +4,10 @@ needle. Run it alone (it holds one SGLang engine in this process)::
 
     FPDEV_MODELS=... python -m pytest -q tests/gpu/test_cold_start.py -s
 
-The TTFTs of the first and the second long request and the start phases are logged (and written
+It starts the engine as an in-process ``fp ask`` does (``max_requests=1``: one decode CUDA graph, a
+KV pool of one context, no tokenizer in SGLang's processes, the short warm-up); the breakdown of a
+cold start per stage is ``scripts/lab/cold_start.py``. The TTFTs of the first and the second long
+request (target: the first within 10% of the second, with the short warm-up) and the start phases are logged (and written
 to ``$FP_GPU_LOG_DIR/cold_start.json`` when set) for docs/benchmarks.md; they are not asserted.
 """
 from __future__ import annotations
@@ -25,7 +28,7 @@ if not torch.cuda.is_available():
 sglang = pytest.importorskip("sglang")
 
 from fpcli.ttft import answered, needle_document  # noqa: E402
-from fpcli.engine.sglang_engine import SGLangEngine, kernel_kv_thresholds, warmup_plan  # noqa: E402
+from fpcli.engine.sglang_engine import SGLangEngine, kernel_kv_thresholds, kv_pool_tokens, warmup_plan  # noqa: E402
 from fpcli.models import QWEN_CODER, default_model, model_path  # noqa: E402
 from fpcli.profiles import load_profile, with_context_length  # noqa: E402
 
@@ -37,15 +40,22 @@ if not (QWEN / "config.json").is_file():
                 allow_module_level=True)
 
 
+def plan_is_short(plan: list[int], chunk: int) -> bool:
+    """The long warm-up prompt stops at the first full chunk past the kernels' last KV threshold."""
+    return plan[0] < 131072 - chunk and plan[0] >= max(kernel_kv_thresholds())
+
+
 def test_default_gpu_engine_cold_start_and_first_long_request():
     default = default_model("sglang")
     profile = with_context_length(load_profile("bf16"), default.context_length)
     t0 = time.perf_counter()
-    eng = SGLangEngine(QWEN, profile, server_overrides={"mem_fraction_static": 0.5, "max_total_tokens": 140000})
+    eng = SGLangEngine(QWEN, profile, max_requests=1)  # as an in-process fp ask loads it
     cold_s = time.perf_counter() - t0
     try:
         kw = eng.server_kwargs
-        assert kw["cuda_graph_bs_decode"] == [1, 2, 4, 8]
+        assert kw["cuda_graph_bs_decode"] == [1] and kw["max_running_requests"] == 1
+        assert kw["max_total_tokens"] == kv_pool_tokens(131072, 1, kw["page_size"]) and kw["skip_tokenizer_init"]
+        assert plan_is_short(eng.warmup_lengths(), kw["chunked_prefill_size"])
         assert json.loads(kw["json_model_override_args"])["rope_scaling"]["factor"] == 4.0
         assert eng.context_length == 131072 and eng.context_plan.native == 32768
         plan = eng.warmup_lengths()
