@@ -69,13 +69,28 @@ def test_scales_guard_zero_tiny_and_non_finite():
     s, inv = quant.amax_scales(torch.tensor([896.0, 0.0, 2.0 ** -110, 3.0, math.inf]))
     assert s.dtype == inv.dtype == torch.float32
     assert s.tolist()[:3] == [2.0, 1.0, 1.0] and inv.tolist()[:3] == [0.5, 1.0, 1.0]
-    assert float(s[3]) == float(torch.tensor(3.0) / 448.0) and float(inv[3]) == float(448.0 / torch.tensor(3.0))
+    assert float(s[3]) == float(torch.tensor(3.0 / 448.0, dtype=torch.float32)) and float(inv[3]) == float(torch.tensor(448.0 / 3.0, dtype=torch.float32))
     assert math.isinf(float(s[4])) and float(inv[4]) == 0.0
     # zeros stay zeros; an inf group dequantises to NaN, never to a finite number
     assert torch.equal(quant.round_trip(torch.zeros(4), s[1], inv[1], torch.float32), torch.zeros(4))
     assert bool(quant.round_trip(torch.tensor([1.0, math.inf]), s[4], inv[4], torch.float32).isnan().all())
     # NaN entries do not set the scale (a GPU fmax reduction ignores them)
     assert float(quant.abs_max(torch.tensor([1.0, math.nan, -3.0]), (0,))) == 3.0
+
+
+def test_scales_are_correctly_rounded_quotients():
+    """``scale = float32(amax / 448)`` and ``inv_scale = float32(448 / amax)`` rounded once to nearest
+    (docs/fp8.md section 2), checked against float64 quotients for amax over 60 binades. A float32
+    ``amax / 448.0`` (PyTorch: a multiply by the rounded reciprocal) and ``448.0 / amax``
+    (``reciprocal(amax) * 448``) miss the correctly rounded value by one ulp for some amax."""
+    g = torch.Generator().manual_seed(0)
+    mant = 1.0 + torch.rand(100_000, generator=g, dtype=torch.float64)
+    expo = torch.randint(-30, 30, (100_000,), generator=g).double()
+    amax = (mant * torch.exp2(expo)).float()
+    s, inv = quant.amax_scales(amax)
+    exact = amax.double()
+    assert torch.equal(s, (exact / 448.0).float())
+    assert torch.equal(inv, (448.0 / exact).float())
 
 
 def test_kv_scales_per_head_over_all_positions():

@@ -47,9 +47,14 @@ def amax_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     a = amax.to(torch.float32)
     tiny = a < AMAX_FLOOR
-    safe = torch.where(tiny, torch.ones_like(a), a)
-    scale = torch.where(tiny, torch.ones_like(a), safe / E4M3_MAX)
-    inv = torch.where(tiny, torch.ones_like(a), E4M3_MAX / safe)
+    safe = torch.where(tiny, torch.ones_like(a), a).to(torch.float64)
+    # Both quotients in float64, rounded once to float32: correctly rounded (a quotient of 24-bit
+    # operands computed with 53 >= 2 * 24 + 2 bits rounds to float32 without a double-rounding
+    # error), on every device. A float32 ``x / 448.0`` is not: PyTorch computes a division by a
+    # Python scalar as a multiply by its rounded reciprocal (CUDA, and the CPU's vectorised path),
+    # and ``448.0 / x`` as ``reciprocal(x) * 448`` -- off by one ulp for some amax.
+    scale = torch.where(tiny, torch.ones_like(a), (safe / E4M3_MAX).to(torch.float32))
+    inv = torch.where(tiny, torch.ones_like(a), (E4M3_MAX / safe).to(torch.float32))
     return scale, inv
 
 

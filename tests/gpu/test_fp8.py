@@ -20,10 +20,19 @@ from flashprefill import SparseConfig, make_plan, quant
 from flashprefill.impl import reference as R
 from fp_brute import make_inputs
 
-# Same semantics, another summation order and online max: relative L2 between the two FP8 outputs.
-SAME_SEMANTICS = 0.02
-# FP8 against BF16 dense on Gaussian inputs (logits ~N(0, 1)): 4-6% measured on the reference.
-VS_BF16 = 0.10
+# Budgets relative to the FP8 method's own error e = rel(ref8, ref16): the CPU reference in FP8 vs in
+# BF16, same inputs, same selection. The kernel differs from the FP8 reference in how it rounds P
+# (docs/fp8.md section 4): e4m3(p * 256) against its running row max, the reference against the
+# final max. Both roundings are e4m3 rounding of the same probabilities at a power-of-two-shifted
+# scale: the same relative error bound (2**-4 for normals), and the running max only makes small p
+# better represented (fewer underflow to zero). So the kernel's output error against BF16 is the
+# reference's in size (Q / K / V codes identical, P noise of the same size): TRACK_FACTOR allows 10%
+# for a different sample of the rounding noise. The two P noises are independent samples, each at
+# most the whole FP8 error in size, so rel(kernel, ref8) <= sqrt(2) * e: SAME_FACTOR. BF16_FLOOR:
+# bf16 output rounding (2**-8) and tensor-core summation order, which the factors do not scale.
+TRACK_FACTOR = 1.1
+SAME_FACTOR = 2 ** 0.5
+BF16_FLOOR = 0.005
 SPARSE = SparseConfig(block_size=128, sink_tokens=128, window_tokens=256, dense_tail_tokens=64, alpha=0.3)
 
 CASES = {  # name: (q_lens, kv_lens, Hq, Hkv, d, page_size, logit_gain)
@@ -68,11 +77,14 @@ def test_fp8_triton_matches_fp8_reference_and_tracks_bf16(name):
                                          if isinstance(getattr(index, f.name), torch.Tensor)})
     cplan = make_plan(cpu[4], cpu[5], g, SPARSE.block_size)
     want, _ = R.sparse_attention(*cpu, SPARSE, None, cplan, cidx, precision="fp8")
-    assert rel(out.cpu(), want) < SAME_SEMANTICS
-    assert rel(out, dense_bf16) < VS_BF16 * (3.0 if CASES[name][6] > 1 else 1.0)
-    # dense FP8 vs dense BF16
+    want16, _ = R.sparse_attention(*cpu, SPARSE, None, cplan, cidx)
+    e = rel(want, want16)                        # the FP8 method's own error on these inputs
+    assert rel(out.cpu(), want16) <= TRACK_FACTOR * e + BF16_FLOOR
+    assert rel(out.cpu(), want) <= SAME_FACTOR * e + BF16_FLOOR
+    # dense FP8 vs dense BF16: the same budget against the reference's dense error
     dense8 = flashprefill.dense_attention(*gpu, plan=plan, precision="fp8")
-    assert torch.isfinite(dense8).all() and rel(dense8, dense_bf16) < VS_BF16 * (3.0 if CASES[name][6] > 1 else 1.0)
+    e_dense = rel(R.dense_attention(*cpu, None, cplan, precision="fp8")[0], R.dense_attention(*cpu, None, cplan)[0])
+    assert torch.isfinite(dense8).all() and rel(dense8, dense_bf16) <= TRACK_FACTOR * e_dense + BF16_FLOOR
 
 
 @pytest.mark.parametrize("name", ["kv4095_g8_ps64", "kv4097_prefix_g3_d64", "kv4096_g1_d256"])

@@ -11,9 +11,11 @@ compiled code is untouched by it); same grid, program order, tile geometry, loop
 - ``P8 = e4m3(p · 256)``, the factor folded into the exponent (``exp2(ℓ - m + 8)``); ``l`` sums the
   same unquantised ``p · 256`` in fp32, so ``out = s_v acc / l`` and ``lse = m + log2 l - 8``
   (log2 units) carry no factor;
-- ``P8 V8`` with V8 from the transposed buffer ``v8t [Hkv, d, total_k_padded]``: the ``[d, BLOCK_N]``
+- ``P8 V8`` with V8 from the transposed buffer ``v8t [Hkv, d, total_k]``: the ``[d, BLOCK_N]``
   tile is loaded and ``tl.trans`` of it is the B operand, K-major in shared memory as Hopper's
-  8-bit ``wgmma`` requires;
+  8-bit ``wgmma`` requires. Each request starts at a multiple of ``TMA_ALIGN`` tokens
+  (``tl.multiple_of``): the tile's rows are then 16-byte cp.async copies in the software pipeline,
+  where an unaligned start compiles to one-byte synchronous loads (64 per thread per step at d 128);
 - mean correction from the selection bitmask only: ``k_mean8 [n_blocks, Hkv, d]`` and
   ``v_mean8t [Hkv, d, n_blocks_padded]`` (both with their request's K / V scale), logit
   ``τ q·k̄ + ln n_j``.
@@ -28,7 +30,10 @@ import triton.language as tl
 from ... import quant
 from .attention_kernels import LN2, _count_logs
 from .index_kernels import _n_fully_seen, _tile_geometry
+from .quant_kernels import TMA_ALIGN as _TMA_ALIGN
 from .quant_kernels import _quantize_tile
+
+TMA_ALIGN = tl.constexpr(_TMA_ALIGN)
 
 P_SCALE_LOG2 = tl.constexpr(float(quant.P_SCALE_LOG2))
 
@@ -49,13 +54,14 @@ def _fp8_step(acc, m_i, l_i, s, vt):
 
 
 @triton.jit
-def _fp8_inner(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, lo, hi, P, lk, kv0, tok, scale2, total_k_pad,
+def _fp8_inner(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, lo, hi, P, lk, kv0, tok, scale2, total_k,
                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                SPARSE: tl.constexpr, MASK: tl.constexpr, STAGES: tl.constexpr):
     """Exact keys of blocks ``col_idx[lo:hi]`` (``SPARSE``) or ``lo..hi-1``; ``MASK`` as in
     ``attention_kernels._attn_inner``. ``k8_h`` / ``v8t_h``: the KV head's slice of the pre-pass
     buffers; ``kv0``: the request's first token slot (int64)."""
     SUBS: tl.constexpr = BLOCK_SIZE // BLOCK_N
+    lk_al = tl.multiple_of((lk + TMA_ALIGN - 1) // TMA_ALIGN * TMA_ALIGN, TMA_ALIGN)
     dims = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
     for e in tl.range(lo, hi, num_stages=STAGES):
@@ -67,14 +73,16 @@ def _fp8_inner(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, lo, hi, P, lk, kv0, tok,
             pos = j * BLOCK_SIZE + sub * BLOCK_N + offs_n
             slot = kv0 + pos
             k_ptrs = k8_h + slot[:, None] * HEAD_DIM + dims[None, :]
-            v_ptrs = v8t_h + dims[:, None].to(tl.int64) * total_k_pad + slot[None, :]
+            v_ptrs = v8t_h + dims[:, None].to(tl.int64) * total_k + slot[None, :]
             if MASK == 0:
                 k = tl.load(k_ptrs)
                 vt = tl.load(v_ptrs)
             else:
                 p_ok = pos < lk
                 k = tl.load(k_ptrs, mask=p_ok[:, None], other=0.0)
-                vt = tl.load(v_ptrs, mask=p_ok[None, :], other=0.0)
+                # V8^T masked in groups of TMA_ALIGN tokens (16-byte copies): the slots in
+                # [lk, lk_al) are the pre-pass's zero gap, their logits are -inf below
+                vt = tl.load(v_ptrs, mask=(pos < lk_al)[None, :], other=0.0)
             s = tl.dot(q8, tl.trans(k)) * scale2
             if MASK == 1:
                 allowed = (pos[None, :] <= P + tok[:, None]) & (pos < lk)[None, :]
@@ -117,7 +125,7 @@ def _attn_fwd_fp8(
     seq_lens, cu_seqlens_q, tile_request, tile_local, block_ptr,
     row_ptr, col_idx, sel_bits, out_ptr, lse_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
-    stride_mb, stride_mh, n_words, total_k, total_k_pad, n_blocks_pad,
+    stride_mb, stride_mh, n_words, total_k, n_blocks_pad,
     n_tiles, n_programs, n_kv_heads, scale_log2,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -153,9 +161,11 @@ def _attn_fwd_fp8(
     s_k = tl.load(k_scale + b * n_kv_heads + h)
     s_v = tl.load(v_scale + b * n_kv_heads + h)
     scale2 = scale_log2 * s_q * s_k                  # log2-unit logit per unit of Σ q8 k8
-    kv0 = tl.load(cu_seqlens_k + b).to(tl.int64)
+    kv0 = tl.multiple_of(tl.load(cu_seqlens_k + b).to(tl.int64), TMA_ALIGN)   # a request's first slot
+    total_k = tl.multiple_of(total_k.to(tl.int64), TMA_ALIGN)          # the V8^T row stride
+    n_blocks_pad = tl.multiple_of(n_blocks_pad.to(tl.int64), TMA_ALIGN)
     k8_h = k8 + h.to(tl.int64) * total_k * HEAD_DIM
-    v8t_h = v8t + h.to(tl.int64) * HEAD_DIM * total_k_pad
+    v8t_h = v8t + h.to(tl.int64) * HEAD_DIM * total_k
     seg = h * n_tiles + tile
     if SPARSE:
         start = tl.load(row_ptr + seg)
@@ -169,9 +179,9 @@ def _attn_fwd_fp8(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # ---------------------------------------------------------------- exact keys
     acc, m_i, l_i = _fp8_inner(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, start, split, P, lk, kv0, tok, scale2,
-                               total_k_pad, HEAD_DIM, BLOCK_N, BLOCK_SIZE, SPARSE, 0, MAIN_STAGES)
+                               total_k, HEAD_DIM, BLOCK_N, BLOCK_SIZE, SPARSE, 0, MAIN_STAGES)
     acc, m_i, l_i = _fp8_inner(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, split, end, P, lk, kv0, tok, scale2,
-                               total_k_pad, HEAD_DIM, BLOCK_N, BLOCK_SIZE, SPARSE, 1, MAIN_STAGES)
+                               total_k, HEAD_DIM, BLOCK_N, BLOCK_SIZE, SPARSE, 1, MAIN_STAGES)
     # ---------------------------------------------------------------- mean correction
     if SPARSE and MEAN_CORR:
         n_u = _n_fully_seen(P + t_first + 1, lk, BLOCK_SIZE)

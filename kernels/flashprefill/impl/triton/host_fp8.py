@@ -75,7 +75,7 @@ def launch_attention_fp8(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale:
         row_ptr, col_idx, bits, out, lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         k_mean8.stride(0), k_mean8.stride(1), bits.shape[1] if mc else 0,
-        kv.k8.shape[1], kv.v8t.shape[2], v_mean8t.shape[2],
+        kv.k8.shape[1], v_mean8t.shape[2],
         plan.n_tiles, n_prog, hkv, float(softmax_scale) * LOG2E,
         GROUP=plan.group_size, HEAD_DIM=d, TILE_ROWS=plan.tile_rows, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_SIZE=block_size, BLOCK_U=tiles.block_u,

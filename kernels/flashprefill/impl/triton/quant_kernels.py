@@ -7,7 +7,8 @@ Two launches per layer call, then torch ops on tiny tensors:
    order like their bit patterns; NaN entries ignored).
 2. scales from the amax with ``quant.amax_scales`` (the same code as the reference);
 3. ``_kv_quant_kernel``: codes of K into ``k8 [Hkv, total_k, d]`` and of V, transposed, into
-   ``v8t [Hkv, d, total_k_padded]`` (requests back to back at ``cu_seqlens_k``);
+   ``v8t [Hkv, d, total_k]`` (request ``b`` at token slot ``cu_seqlens_k[b]``, each request's start
+   a multiple of ``TMA_ALIGN``, the gaps zero);
 4. ``quantize_means``: the float32 block means with their request's scales (``quant.quantize``).
 
 The e4m3 rounding is done in fp32 arithmetic (``_e4m3_rne``) before the cast, so the cast only
@@ -26,7 +27,10 @@ import triton.language as tl
 from ... import quant
 from ...plan import BatchPlan
 
-# Tokens of a V8^T row are padded to a multiple of this: TMA needs 16-byte row strides (e4m3: 1 byte).
+# Each request's first token slot in k8 / v8t, and the token count of a V8^T row, are multiples of
+# this: 16 e4m3 bytes, so a V8^T tile row (tokens contiguous) starts 16-byte aligned and the attention
+# kernel loads it with 16-byte cp.async (TMA needs the same row stride). Unaligned starts compile to
+# one-byte global loads outside the software pipeline.
 TMA_ALIGN = 16
 # Tokens per program of both kernels.
 BLOCK_T = 64
@@ -36,13 +40,14 @@ BLOCK_T = 64
 class Fp8KV:
     """Quantised K / V of one batch and one layer (``docs/fp8.md`` section 7)."""
 
-    k8: torch.Tensor           # e4m3 [Hkv, total_k, d]; request b's tokens at cu_seqlens_k[b]
-    v8t: torch.Tensor          # e4m3 [Hkv, d, total_k_padded]; V transposed (tokens contiguous), zero pad
+    k8: torch.Tensor           # e4m3 [Hkv, total_k, d]; request b's tokens at cu_seqlens_k[b], zero gaps
+    v8t: torch.Tensor          # e4m3 [Hkv, d, total_k]; V transposed (tokens contiguous), zero gaps
     k_scale: torch.Tensor      # float32 [batch, Hkv]; amax / 448 of the request's K (dequant factor)
     v_scale: torch.Tensor      # float32 [batch, Hkv]; same for V
     k_inv_scale: torch.Tensor  # float32 [batch, Hkv]; 448 / amax (the quantisation factor)
     v_inv_scale: torch.Tensor  # float32 [batch, Hkv]
-    cu_seqlens_k: torch.Tensor  # int32 [batch + 1]; cumulative Lk
+    cu_seqlens_k: torch.Tensor  # int32 [batch + 1]; request b's first slot, cumulative Lk each rounded
+                                # up to a multiple of TMA_ALIGN (total_k = cu_seqlens_k[-1])
 
 
 @triton.jit
@@ -125,7 +130,7 @@ def _kv_amax_kernel(k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, amax_ptr,
 @triton.jit
 def _kv_quant_kernel(k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, cu_k_ptr, inv_ptr, k8_ptr, v8t_ptr,
                      stride_pt, k_stride_page, k_stride_slot, k_stride_head,
-                     v_stride_page, v_stride_slot, v_stride_head, n_pairs, total_k, total_k_pad,
+                     v_stride_page, v_stride_slot, v_stride_head, n_pairs, total_k,
                      HKV: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
     # setup: program (request b, KV head h, token chunk c); inv_ptr is float32 [2, batch, Hkv] (K, V)
     b = tl.program_id(0)
@@ -147,17 +152,17 @@ def _kv_quant_kernel(k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, cu_k_ptr, inv_p
         y = v * tl.load(inv_ptr + n_pairs + b * HKV + h)
         y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))
         # V transposed: element (token, dim) goes to v8t[h, dim, token]
-        v8_col = v8t_ptr + h.to(tl.int64) * D * total_k_pad + dims[None, :].to(tl.int64) * total_k_pad + dst[:, None]
+        v8_col = v8t_ptr + h.to(tl.int64) * D * total_k + dims[None, :].to(tl.int64) * total_k + dst[:, None]
         tl.store(v8_col, _e4m3_rne(y).to(tl.float8e4nv), mask=valid[:, None])
 
 
-def _cu_seqlens_k(plan: BatchPlan, device) -> tuple[torch.Tensor, int, int]:
-    """``(cu_seqlens_k int32 [batch + 1], total_k, total_k_padded)`` from the plan's host lengths."""
+def _cu_seqlens_k(plan: BatchPlan, device) -> tuple[torch.Tensor, int]:
+    """``(cu_seqlens_k int32 [batch + 1], total_k)`` from the plan's host lengths: request starts
+    at multiples of ``TMA_ALIGN`` (each ``Lk`` rounded up)."""
     cu = [0]
     for lk in plan.kv_lens:
-        cu.append(cu[-1] + lk)
-    total_k = cu[-1]
-    return torch.tensor(cu, dtype=torch.int32, device=device), total_k, -(-total_k // TMA_ALIGN) * TMA_ALIGN
+        cu.append(cu[-1] + -(-lk // TMA_ALIGN) * TMA_ALIGN)
+    return torch.tensor(cu, dtype=torch.int32, device=device), cu[-1]
 
 
 def _launch_shape(k_cache, v_cache, page_table, plan: BatchPlan):
@@ -197,14 +202,14 @@ def quantize_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.
     """
     _, page_size, hkv, d = k_cache.shape
     dev = k_cache.device
-    cu_k, total_k, total_pad = _cu_seqlens_k(plan, dev)
-    k8 = torch.empty(hkv, total_k, d, dtype=quant.E4M3, device=dev)
-    v8t = torch.zeros(hkv, d, total_pad, dtype=quant.E4M3, device=dev)
+    cu_k, total_k = _cu_seqlens_k(plan, dev)
+    k8 = torch.zeros(hkv, total_k, d, dtype=quant.E4M3, device=dev)
+    v8t = torch.zeros(hkv, d, total_k, dtype=quant.E4M3, device=dev)
     scale, inv = kv_amax_scales(k_cache, v_cache, page_table, seq_lens, plan)
     grid, strides = _launch_shape(k_cache, v_cache, page_table, plan)
     if total_k:
         _kv_quant_kernel[grid](k_cache, v_cache, page_table, seq_lens, cu_k, inv.contiguous(), k8, v8t, *strides,
-                               total_k, total_pad, HKV=hkv, PAGE_SIZE=page_size, D=d, BLOCK_T=BLOCK_T)
+                               total_k, HKV=hkv, PAGE_SIZE=page_size, D=d, BLOCK_T=BLOCK_T)
     return Fp8KV(k8=k8, v8t=v8t, k_scale=scale[0], v_scale=scale[1], k_inv_scale=inv[0], v_inv_scale=inv[1],
                  cu_seqlens_k=cu_k)
 
@@ -228,9 +233,9 @@ def gather_e4m3_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: tor
     """
     _, page_size, hkv, d = k_cache.shape
     dev = k_cache.device
-    cu_k, total_k, total_pad = _cu_seqlens_k(plan, dev)
-    k8 = torch.empty(hkv, total_k, d, dtype=quant.E4M3, device=dev)
-    v8t = torch.zeros(hkv, d, total_pad, dtype=quant.E4M3, device=dev)
+    cu_k, total_k = _cu_seqlens_k(plan, dev)
+    k8 = torch.zeros(hkv, total_k, d, dtype=quant.E4M3, device=dev)
+    v8t = torch.zeros(hkv, d, total_k, dtype=quant.E4M3, device=dev)
     start = 0
     for b, lk in enumerate(plan.kv_lens):
         if lk:
@@ -240,7 +245,7 @@ def gather_e4m3_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: tor
             # byte views: index_select on float8 is not implemented everywhere
             k8.view(torch.uint8)[:, start:start + lk] = k_cache.view(torch.uint8)[pages, slots].permute(1, 0, 2)
             v8t.view(torch.uint8)[:, :, start:start + lk] = v_cache.view(torch.uint8)[pages, slots].permute(1, 2, 0)
-        start += lk
+        start += -(-lk // TMA_ALIGN) * TMA_ALIGN
     ks = descale_grid(k_descale, plan.batch, hkv)
     vs = descale_grid(v_descale, plan.batch, hkv)
     return Fp8KV(k8=k8, v8t=v8t, k_scale=ks, v_scale=vs, k_inv_scale=1.0 / ks, v_inv_scale=1.0 / vs,

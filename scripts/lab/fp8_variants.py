@@ -1,0 +1,126 @@
+"""FP8 attention tile variants against BF16 sparse on the GPU (lab, H200): one run, <= ~150 s.
+
+    PYTHONPATH=kernels:. python scripts/lab/fp8_variants.py [--lens 32k 128k] [--out DIR]
+
+For each length (32 query / 8 KV heads, d 128, bf16, page 64, ``flashprefill.bench``'s synthetic
+inputs, default ``SparseConfig``): BF16 sparse total and attention-only time, then for each FP8
+variant (an ``AttnConfig`` of the e4m3 kernel, the index tiles unchanged) its total (index +
+pre-pass + attention, as ``host.attention``), the pre-pass alone, its attention alone (pre-pass
+buffers and index built beforehand: the time where an FP8 KV cache already exists) and the relative
+L2 of its output against the BF16 sparse output. Medians of ``triton.testing.do_bench``. Prints a
+table and writes ``fp8_variants.json`` into ``--out`` (default ``$OUT``, else the current
+directory). Each variant compiles once (<= 6 variants).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+
+import torch
+
+from flashprefill import SparseConfig, make_plan
+from flashprefill.bench import synthetic_inputs, time_ms
+from flashprefill.impl.triton import host, host_fp8
+from flashprefill.impl.triton.tiles import get_config
+from flashprefill.lengths import parse_length
+
+HQ, HKV, D = 32, 8, 128
+
+
+def variants(block_size: int) -> dict:
+    """name -> ``KernelConfig`` of the FP8 kernel; ``shipped`` is ``get_config``'s default."""
+    base = get_config(D, torch.bfloat16, block_size, precision="fp8")
+    a = base.attn
+    attn = {
+        "shipped": a,
+        "bn128_st3": dataclasses.replace(a, block_n=128, num_stages=3, mc_stages=3),
+        "bn64_st3": dataclasses.replace(a, block_n=64, num_stages=3, mc_stages=3),
+        "bn64_st4": dataclasses.replace(a, block_n=64, num_stages=4, mc_stages=4),
+    }
+    return {k: dataclasses.replace(base, attn=v) for k, v in attn.items()}
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def run_length(L: int, config: SparseConfig) -> dict:
+    q, kc, vc, pt, sl, cu, _, _ = synthetic_inputs(L, HQ, HKV, D, torch.bfloat16, 64, 1)
+    scale = 1.0 / math.sqrt(D)
+    plan = make_plan(sl, cu, HQ // HKV, config.block_size)
+    row = {"L": L, "heads": f"{HQ}/{HKV}", "d": D}
+    index16 = host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan)
+    row["bf16_density"] = index16.nnz / max(1, int(index16.n_visible.sum()))
+    out16 = host.attention(q, kc, vc, pt, sl, cu, config, scale, plan)[0]
+    row["bf16_total_ms"] = time_ms(lambda: host.attention(q, kc, vc, pt, sl, cu, config, scale, plan))
+    row["bf16_attn_ms"] = time_ms(lambda: host.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, index16))
+    row["fp8"] = {}
+    for name, kcfg in variants(config.block_size).items():
+        r = {"attn_config": dataclasses.asdict(kcfg.attn)}
+        try:
+            index8 = host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=kcfg, precision="fp8")
+            kv = host_fp8.kv_operands(kc, vc, pt, sl, plan)
+
+            def attn_only():
+                return host_fp8.launch_attention_fp8(q, kv, sl, cu, scale, plan, kcfg.attn, sparse=True,
+                                                     mean_correction=config.mean_correction,
+                                                     block_size=config.block_size, index=index8)
+
+            out8 = host.attention(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=kcfg, precision="fp8")[0]
+            r["density"] = index8.nnz / max(1, int(index8.n_visible.sum()))
+            r["rel_l2_vs_bf16"] = rel_l2(out8, out16)
+            r["finite"] = bool(torch.isfinite(out8).all())
+            r["total_ms"] = time_ms(lambda: host.attention(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=kcfg,
+                                                           precision="fp8"))
+            r["prepass_ms"] = time_ms(lambda: host_fp8.kv_operands(kc, vc, pt, sl, plan))
+            r["attn_ms"] = time_ms(attn_only)
+            r["speedup_total"] = row["bf16_total_ms"] / r["total_ms"]
+            r["speedup_attn"] = row["bf16_attn_ms"] / r["attn_ms"]
+        except Exception as e:  # a variant that does not fit (shared memory) is reported, not fatal
+            r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        row["fp8"][name] = r
+        print(f"  L={L} {name}: {r}", flush=True)
+    del q, kc, vc, index16
+    torch.cuda.empty_cache()
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'L':>7} {'variant':>10} {'total ms':>9} {'x bf16':>7} {'attn ms':>8} {'x bf16':>7} "
+             f"{'pre ms':>7} {'relL2':>7} {'density':>8}"]
+    for row in rows:
+        lines.append(f"{row['L']:>7} {'bf16':>10} {row['bf16_total_ms']:9.3f} {'':>7} {row['bf16_attn_ms']:8.3f} "
+                     f"{'':>7} {'':>7} {'':>7} {row['bf16_density']:8.4f}")
+        for name, r in row["fp8"].items():
+            if "error" in r:
+                lines.append(f"{row['L']:>7} {name:>10} {r['error']}")
+                continue
+            lines.append(f"{row['L']:>7} {name:>10} {r['total_ms']:9.3f} {r['speedup_total']:7.2f} "
+                         f"{r['attn_ms']:8.3f} {r['speedup_attn']:7.2f} {r['prepass_ms']:7.3f} "
+                         f"{r['rel_l2_vs_bf16']:7.4f} {r['density']:8.4f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lens", nargs="+", default=["32k", "128k"])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="directory of fp8_variants.json")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("fp8_variants.py needs a CUDA GPU with FP8 tensor cores (sm_89+)")
+    config = SparseConfig()
+    rows = [run_length(parse_length(x), config) for x in a.lens]
+    print(table(rows))
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "fp8_variants.json")
+    with open(path, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
