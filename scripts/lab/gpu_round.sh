@@ -45,14 +45,17 @@ for part in "$@"; do
       t fp profile .fpdocs/xcolor.pdf --json --png "$OUT/xcolor.density.png" ${PROFILE_ARGS:-} > "$OUT/profile.json" 2> "$OUT/profile.err"
       t fp stop > "$OUT/stop.log" 2>&1
       sleep 2; say "left after stop: $(pgrep -fa 'fpcli|sglang' | grep -v pgrep | wc -l) processes"
+      # a cold fp ask (no resident engine; Triton's cache and the document cache already warm, as on a
+      # user's machine after the first run)
+      t fp ask $DOC "Which command creates a frame title?" --no-server --json ${ASK_ARGS:-} > "$OUT/ask3.json" 2> "$OUT/ask3.err"
       python - "$OUT" <<'PY' | tee -a "$SUM"
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
-for n in ("ask1", "ask2"):
+for n in ("ask1", "ask2", "ask3"):
     try:
         s = json.loads((out / f"{n}.json").read_text())["summary"]
         print(n, {k: s.get(k) for k in ("prompt_tokens", "cached_tokens", "ttft_s", "prefill_s", "wall_s",
-              "engine_start_s", "density", "precision", "engine", "model", "context")})
+              "engine_start_s", "stages_s", "density", "precision", "engine", "model", "context")})
         print("  answer:", json.loads((out / f"{n}.json").read_text())["answer"][:160].replace("\n", " "))
     except Exception as e:
         print(n, "no JSON:", e, (out / f"{n}.err").read_text()[-600:] if (out / f"{n}.err").exists() else "")
