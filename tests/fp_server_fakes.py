@@ -7,6 +7,7 @@ Environment knobs (read by ``load`` in the server process):
 - ``FP_FAKE_TRACE``: a file that gets one line per event: ``load PID``, ``child PID``,
   ``start N`` (a generation of N prompt tokens began), ``stop N K`` (it ended after K pieces,
   raised from on_text), ``done N K``.
+- ``FP_FAKE_ENGINE_NAME``: the engine's ``name`` (e.g. ``sglang``: a server that says it runs SGLang).
 - ``FP_FAKE_CHILD=1``: the engine starts a ``sleep`` child (like SGLang's scheduler) and leaks it
   (``close`` leaves it running): ``fp stop`` must still leave no process behind.
 """
@@ -65,6 +66,7 @@ def load(engine="auto", model=None, profile=None, progress=None, **kwargs) -> Sl
                          step_s=float(os.environ.get("FP_FAKE_STEP_S", "0.05")),
                          profile=getattr(profile, "name", str(profile)),
                          model_name=os.path.basename(str(model)) if model else "fake-model")
+    eng.name = os.environ.get("FP_FAKE_ENGINE_NAME", eng.name)
     if os.environ.get("FP_FAKE_CHILD") == "1":
         eng.child = subprocess.Popen(["sleep", "300"])
         _trace(f"child {eng.child.pid}")

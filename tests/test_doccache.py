@@ -158,3 +158,36 @@ def test_fp_ask_reports_stages_and_reads_a_repeat_from_the_cache(runner, fake_en
     docs = [o["ingestion"]["documents"][0] for o in out]
     assert docs[0]["from_cache"] is False and docs[1]["from_cache"] is True
     assert any("document cache" in n for n in docs[1]["notes"])
+
+
+@pytest.mark.parametrize("command", ["profile", "chat"])
+def test_profile_and_chat_repeats_read_the_pdf_and_the_fit_from_the_cache(runner, fake_engine, pdf_factory, tmp_path,
+                                                                         monkeypatch, command):
+    """Like ``fp ask``, a repeat of ``fp profile`` / ``fp chat`` about the same PDF parses it no more
+    and fits it from the cache: one ``encode_chat`` less, no new fit entry."""
+    import fpcli.engine
+    from fp_fakes import fake_load_engine
+    from fpcli.cli import app
+    from fpcli.doccache import default_config
+
+    tok = tmp_path / "tokenizer"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text('{"model": "whitespace"}')  # identifies the fake engine's tokenizer
+
+    def load(*args, **kw):
+        eng = fake_load_engine(*args, **kw)
+        eng.model_path = str(tok)
+        return eng
+
+    monkeypatch.setattr(fpcli.engine, "load_engine", load)
+    pdf = pdf_factory("report.pdf", ["The ferry terminal opens in June 2026.", "Revenue was 4.2 million."])
+    args = {"profile": ["profile", str(pdf), "--json", "--png", str(tmp_path / "d.png")],
+            "chat": ["chat", str(pdf)]}[command]
+    calls, fits = [], default_config().root / "fits"
+    for _ in range(2):
+        r = runner.invoke(app, args, input="When does it open?\n" if command == "chat" else None)
+        assert r.exit_code == 0, r.output
+        calls.append(len(fake_engine().prompts))
+        assert len(list(fits.glob("*.json"))) == 1
+    assert calls[1] == calls[0] - 1  # the fit came from the cache
+    assert "text from fp's document cache" in r.stderr

@@ -63,6 +63,15 @@ class Servers:
         self.remember()
         return r
 
+    def probe(self, *args, timeout: float = 120, env: dict | None = None, **kw) -> tuple[subprocess.CompletedProcess, list]:
+        """``fp(*args)`` run through ``fp_import_probe``: also returns the heavy modules it imported."""
+        out = self.trace.with_name("modules.json")
+        out.unlink(missing_ok=True)
+        r = subprocess.run([sys.executable, str(TESTS / "fp_import_probe.py"), str(out), *args], capture_output=True,
+                           text=True, timeout=timeout, env={**self.env, **(env or {})}, cwd=str(ROOT), **kw)
+        self.remember()
+        return r, json.loads(out.read_text()) if out.exists() else ["(no record: the process did not exit normally)"]
+
     def popen(self, *args, env: dict | None = None) -> subprocess.Popen:
         p = subprocess.Popen([sys.executable, "-m", "fpcli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, env={**self.env, **(env or {})}, cwd=str(ROOT))
@@ -222,6 +231,32 @@ def test_lifecycle_with_the_real_engine(servers):
     assert not _alive(st["pid"]) and s.state() is None and not s.paths.socket.exists()
     again = s.fp("stop", env=env)  # idempotent
     assert again.returncode == 0 and "no resident engine runs" in again.stderr
+
+
+def _fake_sglang(root: Path) -> str:
+    """A folder holding an importable-looking ``sglang`` package (empty): ``fp`` then believes SGLang
+    is installed, as on a GPU host, and resolving ``--engine auto`` would probe CUDA (import torch)."""
+    pkg = root / "fake-site" / "sglang"
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text("")
+    return str(pkg.parent)
+
+
+@pytest.mark.parametrize("command", ["ask", "profile", "chat"])
+def test_resident_client_imports_no_model_libraries(servers, command):
+    """A command answered by a running SGLang engine imports neither torch, transformers nor sglang
+    (seconds on a GPU host), even where sglang is installed: the running engine says what runs."""
+    s = servers
+    env = {"FP_FAKE_ENGINE_NAME": "sglang", "PYTHONPATH": os.pathsep.join([_fake_sglang(s.runtime.parent), s.env["PYTHONPATH"]])}
+    st = _start(s, env=env)
+    assert st["engine"] == "sglang"
+    args = {"ask": ("ask", DOC.as_posix(), "Who runs the harbor?", "--json"),
+            "profile": ("profile", DOC.as_posix(), "--json", "--png", str(s.runtime.parent / "d.png")),
+            "chat": ("chat", DOC.as_posix())}[command]
+    r, heavy = s.probe(*args, "--model", s.model, env=env, input="Who runs the harbor?\n" if command == "chat" else None)
+    assert r.returncode == 0, r.stderr
+    assert len(s.traced("load")) == 1  # the server's engine answered: none was loaded in-process
+    assert heavy == [], f"fp {command} through the resident engine imported {heavy}"
 
 
 # -- faults (fake engine) ---------------------------------------------------------------------------
@@ -446,3 +481,24 @@ def test_profile_uses_the_resident_engine(servers, tmp_path):
     data = json.loads(r.stdout)
     assert data["server"]["pid"] == st["pid"] and len(data["density_per_layer_head"]) == 4
     assert len(s.traced("load")) == 1 and png.is_file()
+
+
+def test_default_model_context_beside_a_running_sglang_engine_probes_no_cuda(servers):
+    """``fp ask`` without ``--model`` checks ``--max-new-tokens`` against the default model of the
+    engine that will run; a live SGLang state file answers that without importing torch."""
+    s = servers
+    s.paths.ensure()
+    from fpcli.server.state import ServerState, write_state
+
+    code = ("import sys; from fpcli.commands import model_context; "
+            "print(model_context(None, 'auto'), [m for m in ('torch', 'sglang') if m in sys.modules])")
+    env = {**s.env, "PYTHONPATH": os.pathsep.join([_fake_sglang(s.runtime.parent), s.env["PYTHONPATH"]])}
+    sleeper = subprocess.Popen(["sleep", "60"])  # a live pid for the state file
+    s.pids.add(sleeper.pid)
+    write_state(s.paths, ServerState(pid=sleeper.pid, address="unix:/nowhere", model="m", model_path="/m", profile="bf16",
+                                     profile_hash="0", engine="sglang", started_at=0.0, version="0"))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    from fpcli.models import default_model
+
+    assert r.stdout.split() == [str(default_model("sglang").context_length), "[]"], r.stdout

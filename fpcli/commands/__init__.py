@@ -204,15 +204,17 @@ def check_max_new_tokens_or_exit(max_new_tokens: int, model: str | None, profile
 
 def model_context(model: str | None, engine: str) -> int | None:
     """The context ``model`` runs at by default, if known before loading; for ``model=None`` the
-    default model of the engine that will run (``fpcli.models.default_model``)."""
+    default model of the engine that will run (``fpcli.models.default_model``; a resident engine's
+    state file spares the CUDA probe, ``fpcli.engine.resolve_engine``)."""
     try:
         from fpcli.models import default_model, known_context_length
 
         if model is not None:
             return known_context_length(model)
         from fpcli.engine import resolve_engine
+        from fpcli.server.state import running_engine
 
-        default = default_model(resolve_engine(engine))
+        default = default_model(resolve_engine(engine, running=running_engine()))
         return default.context_length or known_context_length(default.name)
     except Exception:  # noqa: BLE001 - unknown before loading: checked against the loaded engine
         return None

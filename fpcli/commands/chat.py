@@ -89,8 +89,12 @@ def _chat(files, model, profile, engine, history, max_new_tokens, temperature, p
     check_model_or_exit(model)
     check_max_new_tokens_or_exit(max_new_tokens, model, prof)
 
+    from fpcli.doccache import DiskCache, default_config, fit_cache_for
+
+    cache_config = default_config()  # a repeat reads neither the PDFs nor the tokens again
     with err.status("reading documents") as status:
-        docs = ingest(files, password=password, on_file=lambda n: status.update(f"reading {n}"))
+        docs = ingest(files, password=password, on_file=lambda n: status.update(f"reading {n}"),
+                      cache=DiskCache(cache_config, "documents"))
     render_ingestion(err, docs)
     usable = [d for d in docs if d.ok and d.text.strip()]
     if not usable:
@@ -108,7 +112,8 @@ def _chat(files, model, profile, engine, history, max_new_tokens, temperature, p
         ctx = min(eng.context_length, prof.engine.context_length or eng.context_length)
         reserve = min(HISTORY_RESERVE, max(0, (ctx - max_new_tokens) // 4)) if history else 0
         try:  # fit the documents once, leaving room for the question (and the turns)
-            fitted = build_prompt(usable, "", eng, max_new_tokens + reserve, context_length=ctx, cut=cut.value)
+            fitted = build_prompt(usable, "", eng, max_new_tokens + reserve, context_length=ctx, cut=cut.value,
+                                  fit_cache=fit_cache_for(cache_config, eng.model_path))
         except PromptError as exc:
             fail(str(exc))
         render_cuts(err, fitted)

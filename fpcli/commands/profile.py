@@ -63,7 +63,10 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
     prof = context_or_exit(context, prof, model)
     if png is not None:
         check_output_path_or_exit("--png", png)
-    docs = ingest([file], password=password)
+    from fpcli.doccache import DiskCache, default_config, fit_cache_for
+
+    cache_config = default_config()  # a repeat reads neither the PDF nor the tokens again
+    docs = ingest([file], password=password, cache=DiskCache(cache_config, "documents"))
     render_ingestion(err, docs)
     if not docs[0].ok or not docs[0].text.strip():
         fail("no readable document (see the reason above)")  # the reason was printed once, above
@@ -84,7 +87,8 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
     prof = prof.fit_to_context(eng.context_length)  # the sparse threshold the engine runs (reports)
     with eng:
         try:
-            prompt = build_prompt(docs, question, eng, max_new_tokens=1, context_length=prof.engine.context_length)
+            prompt = build_prompt(docs, question, eng, max_new_tokens=1, context_length=prof.engine.context_length,
+                                  fit_cache=fit_cache_for(cache_config, eng.model_path))
         except PromptError as exc:
             code = 2 if context or isinstance(exc, NoRoomError) else 1
             fail(f"{context_source(prof, context)}: {exc}" if context else str(exc), code=code)

@@ -41,9 +41,14 @@ def available_engines() -> list[str]:
     return (["sglang"] if _sglang_missing() is None else []) + ["transformers"]
 
 
-def resolve_engine(engine: str = "auto") -> str:
+def resolve_engine(engine: str = "auto", running: str | None = None) -> str:
     """The engine that will run: ``"sglang"`` or ``"transformers"`` (``"auto"``: SGLang when CUDA
     and sglang are present, else transformers).
+
+    ``running``: the engine a resident engine on this machine runs (``ServerState.engine``), if
+    any. A running ``"sglang"`` proves that sglang and a CUDA GPU are present, so ``"auto"``
+    resolves to it without probing CUDA (the probe imports torch: seconds in a client that loads
+    no model).
 
     Raises:
         EngineUnavailable: ``engine="sglang"`` where SGLang or CUDA is missing (names what to
@@ -61,11 +66,13 @@ def resolve_engine(engine: str = "auto") -> str:
             )
         return engine
     if engine == "auto":
+        if running == "sglang":
+            return running
         return "sglang" if _sglang_missing() is None else "transformers"
     return engine
 
 
-def resolve_request(engine: str = "auto", model: str | None = None, profile=None):
+def resolve_request(engine: str = "auto", model: str | None = None, profile=None, running: str | None = None):
     """What a command will run: ``(engine, model, profile)`` with ``engine`` resolved
     (``resolve_engine``), ``model`` the engine's default model (``fpcli.models.default_model``) when
     None, and ``profile`` loaded (``"bf16"`` when None) and given the default model's context when
@@ -73,9 +80,11 @@ def resolve_request(engine: str = "auto", model: str | None = None, profile=None
     server and its client all call it, so a resident engine started with defaults matches a command
     run with the same defaults.
 
+    ``running``: the engine a resident engine on this machine runs (see ``resolve_engine``).
+
     Raises: as ``resolve_engine``; ``fpcli.profiles.ProfileError`` for a bad profile name.
     """
-    engine = resolve_engine(engine)
+    engine = resolve_engine(engine, running)
     from fpcli.models import default_model
     from fpcli.profiles import Profile, load_profile, with_context_length
 

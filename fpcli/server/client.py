@@ -198,7 +198,8 @@ def connect(model: str | None, profile, engine: str = "auto", paths: ServerPaths
         from fpcli.engine import resolve_request
         from fpcli.models import resolve_model
 
-        _, model, profile = resolve_request(engine, model, profile)  # the same defaults as the server's
+        # the same defaults as the server's; the running engine spares a CUDA probe (torch)
+        _, model, profile = resolve_request(engine, model, profile, running=state.engine)
         wanted = str(resolve_model(model, progress=False))
     except Exception:  # noqa: BLE001 - the in-process path reports a bad model
         return None

@@ -115,6 +115,22 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def running_engine(paths: ServerPaths | None = None) -> str | None:
+    """The engine (``ServerState.engine``) of the resident engine whose state file is in ``paths``
+    (default: this user's) while its process lives, else ``None``. Reads the state file only: no
+    connection, no cleanup (``fpcli.server.client.connect`` checks and cleans)."""
+    if paths is None:
+        from .paths import default_paths
+
+        paths = default_paths()
+    try:
+        text = paths.state.read_text(encoding="utf-8")
+        state = ServerState.from_dict(json.loads(text))
+    except (OSError, ValueError, AttributeError):
+        return None
+    return state.engine if pid_alive(state.pid) else None
+
+
 @contextmanager
 def start_lock(paths: ServerPaths, timeout_s: float) -> Iterator[None]:
     """Hold the exclusive start lock (``fcntl.flock`` on ``paths.lock``).

@@ -1,6 +1,6 @@
 """GPU test of the resident engine with SGLang (run on the device): ``fp start --engine sglang``,
 two ``fp ask`` about the same ~20K-token document (the second served mostly from SGLang's radix
-cache), ``fp status``, ``fp stop`` leaving no process.
+cache), ``fp status``, a third ``fp ask`` whose process imports no torch, ``fp stop`` leaving no process.
 
 Needs CUDA, SGLang and the staged Qwen model (``$FPDEV_MODELS/qwen2.5-coder-0.5b-instruct``).
 """
@@ -81,6 +81,15 @@ def test_resident_sglang_engine_reuses_the_document_kv_cache():
         status = fp("status", "--json", timeout=60)
         health = json.loads(status.stdout)["health"]
         assert status.returncode == 0 and health["requests_served"] == 2 and health["gpu_used_bytes"] > 0
+        # the client of a resident engine imports no torch / transformers / sglang, even with --engine auto
+        # (which probes CUDA when no engine runs)
+        modules = root / "modules.json"
+        a = subprocess.run([sys.executable, str(ROOT / "tests" / "fp_import_probe.py"), str(modules), "ask", str(doc),
+                            "What is the secret number?", "--model", str(QWEN), "-n", "16", "--json"],
+                           capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=300)
+        assert a.returncode == 0, a.stderr
+        assert json.loads(a.stdout)["summary"]["server"]["pid"] == pid
+        assert json.loads(modules.read_text()) == [], "the resident client imported a model library"
         stop = fp("stop", timeout=120)
         assert stop.returncode == 0, stop.stderr
         assert not _alive(pid) and not any(_alive(c) for c in children)
