@@ -272,11 +272,7 @@ def render_summary(console: Console, report: dict) -> None:
         (f"; the {dense_layers} dense layers skip none" if dense_layers > 1 else "; the dense layer skips none")
         if d.get("sparse_layers") and dense_layers > 0 else ""
     )
-    t.add_row(
-        "attention FLOPs skipped",
-        f"{format_flops(s['attention_flops_skipped'])} of {format_flops(s['attention_flops_dense'])} dense-equivalent "
-        f"({s['attention_flops_skipped_fraction']:.1%}, {scope})",
-    )
+    t.add_row("attention FLOPs skipped", flops_text(s, scope))
     if s.get("index_ms") is not None and s.get("attention_ms") is not None:
         t.add_row("index / attention", f"{s['index_ms']:.1f} ms / {s['attention_ms']:.1f} ms")
     elif s.get("attention_ms") is not None:
@@ -295,6 +291,17 @@ def render_summary(console: Console, report: dict) -> None:
         precision = f"{precision}; {requested} requested, {why}"
     t.add_row("profile", f"{s['profile']} ({s['attention']}, {precision})")
     t.print(console, title="fp ask")
+
+
+def flops_text(s: dict, scope: str) -> str:
+    """The 'attention FLOPs skipped' row; when the engine counted no prefill attention because the
+    prompt came from the KV cache, say that instead of '0 of 0'."""
+    cached = s.get("cached_tokens") or 0
+    if not s["attention_flops_dense"] and cached:
+        return (f"none counted: {cached:,} of {s['prompt_tokens']:,} prompt tokens came from the KV cache "
+                "(their attention was computed by an earlier request)")
+    return (f"{format_flops(s['attention_flops_skipped'])} of {format_flops(s['attention_flops_dense'])} dense-equivalent "
+            f"({s['attention_flops_skipped_fraction']:.1%}, {scope})")
 
 
 def prompt_tokens_text(s: dict) -> str:

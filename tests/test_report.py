@@ -132,3 +132,15 @@ def test_ask_report_density_per_layer_head_is_rectangular():
     result = GenerationResult("a", 2048, 2, 0.1, 0.1, 0.2, "sglang", "m", "bf16", stats=st)
     rows = ask_report(result, "q?", [], None, load_profile("bf16"))["summary"]["density_per_layer_head"]
     assert [len(r) for r in rows] == [4] * 6 and rows[0] == [1.0] * 4
+
+
+def test_a_prompt_served_from_the_kv_cache_says_so_instead_of_zero_flops():
+    report = _report()
+    s = report["summary"]
+    s.update(cached_tokens=s["prompt_tokens"] - 1, attention_flops_dense=0.0, attention_flops_skipped=0.0,
+             attention_flops_skipped_fraction=0.0)
+    buf = io.StringIO()
+    render_summary(Console(file=buf, force_terminal=False, width=80, soft_wrap=True), report)
+    row = [line for line in buf.getvalue().splitlines() if line.startswith("attention FLOPs skipped")]
+    assert len(row) == 1 and "0 of 0" not in row[0] and "came from the KV cache" in row[0]
+    assert f"{s['prompt_tokens'] - 1:,} of {s['prompt_tokens']:,}" in row[0]
