@@ -573,25 +573,14 @@ def test_warmup_plan_covers_every_kv_range_up_to_the_context():
     from fpcli.engine.sglang_engine import warmup_plan
 
     plan = warmup_plan(131072, 16384, 8192, KV_THRESHOLDS)
-    # the long prompt stops at the third chunk: the first whose KV is beyond the last threshold
-    assert plan == [3 * 16384 - 3, 12285, 64] and len(set(plan)) == len(plan)  # one warm-up per length
+    assert plan == [131005, 12285, 64] and len(set(plan)) == len(plan)  # one warm-up per length
     assert all(n % 16 for n in plan[:2])  # not multiples of 16, as real prompts mostly are
     # every range of KV lengths a sparse chunk can have is reached by some warm-up chunk
     ranges = [(8192, 16384), (16384, 32769), (32769, 131072 - 64)]
     kvs = [kv for n in plan if n >= 8192 for kv in _chunk_kv_lengths(n, 16384)]
     for lo, hi in ranges:
         assert any(lo <= kv < hi or kv == hi for kv in kvs), (lo, hi, kvs)
-    assert max(kvs) == 49149 and 49149 - 2 * 16384 >= 8192  # its last chunk is a sparse prefix chunk
-
-
-def test_reaching_length_is_the_shortest_prompt_past_every_threshold():
-    from fpcli.engine.sglang_engine import reaching_length
-
-    assert reaching_length(131008, 16384, (32769,)) == 49149  # 3 chunks, not 8
-    assert reaching_length(131008, 16384, ()) == 32765  # no threshold: two chunks (a prefix chunk)
-    assert reaching_length(131008, 8192, (32769,)) == 40957  # 5 chunks of 8192: 40957 >= 32769
-    assert reaching_length(20001, 16384, (32769,)) == 20001  # capped at the context
-    assert reaching_length(32768, 16384, (32769,)) == 32765  # capped, moved off the multiple of 16
+    assert max(kvs) == 131005  # the longest request compiles its last-chunk variant too
 
 
 def test_kernel_thresholds_come_from_the_triton_backend():

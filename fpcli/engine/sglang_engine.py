@@ -313,24 +313,6 @@ def _unaligned(n: int) -> int:
     return n - 3 if n % 16 == 0 else n
 
 
-def reaching_length(cap: int, chunk: int, kv_thresholds: Sequence[int] = ()) -> int:
-    """The long warm-up prompt (tokens): the shortest prompt of at least two full chunks whose last
-    chunk is a full chunk (``chunk - 3`` new tokens, not a multiple of 16) ending at or beyond every
-    ``kv_thresholds`` entry, capped at ``cap``. Its chunks' KV lengths then lie on both sides of
-    every threshold above the first chunk, with a prefix; a longer prompt runs the same kernel
-    variants (Triton specialises integer arguments on divisibility by 16 only), so the rest of
-    the context is compute the warm-up need not pay. Example (chunk 16384, threshold 32769)::
-
-        k = 3 chunks: 3 * 16384 - 3 = 49149 >= 32769 -> chunks end at KV 16384, 32768, 49149
-        (a context of 131072 would have cost 131005 tokens: 8 chunks instead of 3)
-    """
-    top = max([int(t) for t in kv_thresholds] + [0])
-    k = 2
-    while k * chunk - 3 < top:
-        k += 1
-    return _unaligned(min(cap, k * chunk))
-
-
 def warmup_plan(context_length: int, chunk: int, min_sparse_len: int | None,
                 kv_thresholds: Sequence[int] = ()) -> list[int]:
     """Prompt lengths (tokens) whose prefill compiles every kernel variant a request of up to
@@ -339,21 +321,21 @@ def warmup_plan(context_length: int, chunk: int, min_sparse_len: int | None,
     A prompt of ``n`` tokens is prefilled in chunks of ``chunk`` tokens whose KV lengths are
     ``chunk, 2 chunk, ..., n``; the sparse path (chunks of ``>= min_sparse_len`` new tokens; ``None``
     = dense profile) compiles different variants on each side of every ``kv_thresholds`` entry.
-    The plan is one long prompt (``reaching_length``: its chunks cover every range from ``chunk``
-    up, at most the context), one per range that lies below the first chunk's KV length (only a
-    prompt shorter than a chunk reaches it), and a short dense one. Example (Qwen at 131072, chunk
-    16384, min_sparse_len 8192, threshold 32769)::
+    The plan is one prompt at the context (its chunks cover every range from ``chunk`` up), one
+    per range that lies below the first chunk's KV length (only a prompt shorter than a chunk
+    reaches it), and a short dense one. Example (Qwen at 131072, chunk 16384, min_sparse_len 8192,
+    thresholds 16384 and 32769)::
 
-        long:  3 chunks, 3 * 16384 - 3 = 49149 (not a multiple of 16); its chunks end at KV
-               16384, 32768, 49149: both sides of 32769
+        long:  131072 - 64 = 131008 -> 131005 (not a multiple of 16); its 8 chunks end at KV
+               16384, 32768, 49152, ..., 131005: both sides of 32769
         range [8192, 16384) lies below the first chunk's KV 16384: (8192 + 16384) // 2 = 12288 -> 12285
         short: 64
-        plan:  [49149, 12285, 64]
+        plan:  [131005, 12285, 64]
     """
     cap = context_length - WARMUP_MARGIN
     lengths: list[int] = []
     if min_sparse_len is not None and cap >= max(min_sparse_len, 1) + 256:
-        lengths.append(reaching_length(cap, chunk, kv_thresholds))
+        lengths.append(_unaligned(cap))
         first_kv = min(chunk, cap)  # the KV length of the long prompt's first chunk
         edges = sorted({max(min_sparse_len, 1), *[t for t in kv_thresholds if t > max(min_sparse_len, 1)]})
         for lo, hi in zip(edges, edges[1:] + [cap + 1]):
