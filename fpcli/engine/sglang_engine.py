@@ -28,8 +28,9 @@ graphs for the batch sizes ``decode_graph_batch_sizes`` lists, up to ``max_reque
 batch 1 for an in-process ``fp ask``, 1, 2, 4, 8 for a resident engine; SGLang's own default
 captures ~36 sizes up to 256; no tokenizer in SGLang's processes: ``skip_tokenizer_init``);
 then one warm-up pass (``warmup_plan``): a prompt per KV-length range in which our Triton
-kernels compile a different variant, the long one only as long as the last range needs
-(``reaching_length``), so the first long request runs as fast as the next.
+kernels compile a different variant, the long one up to the context, so the first long request
+runs as fast as the next (a warm-up that stopped at 49K tokens left a 6.8 s TTFT on the first
+130K request on the H200, against 1.1 s: ``docs/benchmarks.md``).
 """
 from __future__ import annotations
 

@@ -123,7 +123,6 @@ def child(name: str, model: str, out: Path) -> None:
     elif name == "old":  # the settings before: SGLang sizes the pool from mem_fraction_static alone
         kwargs["server_overrides"] = {"max_total_tokens": None, "max_running_requests": None,
                                       "skip_tokenizer_init": False}
-        se.reaching_length = lambda cap, chunk, thresholds=(): se._unaligned(cap)  # warm-up at the full context
     else:
         raise SystemExit(f"unknown configuration {name!r} (new, old)")
     t["engine_call"] = time.time()
