@@ -12,9 +12,9 @@ lines (strings read in SGLang 0.5.17: ``Init torch distributed begin.``, ``Load 
 ``Capture target decode CUDA graph begin. ... bs=[...]`` / ``... end. elapsed=``) into a breakdown.
 
 Configurations: ``new`` = what ``fp ask`` runs now (``max_requests=1``: one decode graph, a KV pool
-of one context, no tokenizer in SGLang's processes, the short long warm-up); ``old`` = the settings
-before (graphs for 1, 2, 4, 8, ``mem_fraction_static`` alone sizing the pool, SGLang's tokenizers,
-a warm-up prompt at the full context). Then ``fp ask --no-server FILE Q --json`` cold, as a user
+of one context, no tokenizer in SGLang's processes); ``old`` = the settings before (graphs for
+1, 2, 4, 8, ``mem_fraction_static`` alone sizing the pool, SGLang's tokenizers). Both warm up to
+the full context. Then ``fp ask --no-server FILE Q --json`` cold, as a user
 runs it, with the ``new`` run's Triton cache (a user's second ever ``fp ask``) when time is left.
 
 Writes ``$OUT/cold_start.json`` and the children's logs; prints a table. Lab tooling: never
