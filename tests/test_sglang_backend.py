@@ -7,6 +7,8 @@ error when SGLang is missing. ``register()`` runs only where SGLang is installed
 """
 from __future__ import annotations
 
+import os
+
 import itertools
 import json
 import types
@@ -181,6 +183,64 @@ def test_plugin_prints_its_registration_only_when_verbose(monkeypatch, capsys, l
             assert logging.getLogger("flashprefill").level == getattr(logging, level.upper())
     finally:
         logging.getLogger("flashprefill").setLevel(before)
+
+
+def test_quiet_settings_send_the_scheduler_output_to_a_file(tmp_path):
+    from fpcli.engine.sglang_engine import scheduler_log_path
+    from fpcli.profiles import load_profile
+
+    prof = load_profile("bf16")
+    quiet = backend_settings(prof, str(tmp_path))
+    assert quiet.scheduler_output == scheduler_log_path(str(tmp_path)) and quiet.scheduler_output.startswith(str(tmp_path))
+    assert backend_settings(prof, str(tmp_path), verbose=True).scheduler_output is None  # -v: the terminal
+    assert BackendSettings.from_env(quiet.to_env()) == quiet
+    assert BackendSettings().scheduler_output is None  # a plain SGLang user keeps the scheduler's output
+
+
+SCHEDULER_STUB = """
+import subprocess, sys, types
+# SGLang's scheduler entry as it behaves at start-up: log lines, a tqdm bar written with an
+# explicit disable= (TQDM_DISABLE cannot stop it), output of a process it starts
+sched = types.ModuleType("sglang.srt.managers.scheduler")
+def run_scheduler_process(*args, **kwargs):
+    print("[2026-12-01 10:00:00] Load weight begin.")
+    sys.stderr.write("\\rMulti-thread loading shards:   0% |\\rMulti-thread loading shards: 100% |\\n")
+    sys.stderr.flush()
+    subprocess.run(["sh", "-c", "echo a grandchild line >&2"], check=True)
+    return args
+sched.run_scheduler_process = run_scheduler_process
+for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
+    sys.modules[name] = types.ModuleType(name)
+sys.modules["sglang.srt.managers.scheduler"] = sched
+from flashprefill.integrations.sglang import plugin
+plugin.register = lambda source="": None  # the registry is SGLang's; this test is about the output
+assert plugin.run_scheduler_process(1, 2) == (1, 2)
+"""
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_scheduler_entry_redirects_its_output_before_sglang_runs(tmp_path, quiet):
+    import subprocess
+    import sys
+
+    from fpcli.engine.sglang_engine import log_tail
+
+    log = tmp_path / "scheduler.log"
+    settings = BackendSettings(scheduler_output=str(log) if quiet else None)
+    env = {**os.environ, **settings.to_env(), "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run([sys.executable, "-c", SCHEDULER_STUB], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    shown = r.stdout + r.stderr
+    if quiet:
+        assert "Load weight" not in shown and "loading shards" not in shown and "grandchild" not in shown
+        text = log.read_text()
+        assert "Load weight begin" in text and "loading shards: 100%" in text and "grandchild" in text
+        assert (log.stat().st_mode & 0o777) == 0o600
+        tail = log_tail(str(log))
+        assert "Multi-thread loading shards: 100% |" in tail and "shards:   0%" not in tail  # bars collapse to their end
+    else:
+        assert "Load weight begin" in shown and "loading shards" in shown and "grandchild" in shown
+        assert not log.exists()
 
 
 def test_fp8_error_sums_travel_from_the_scheduler_to_the_report(tmp_path):

@@ -374,18 +374,41 @@ def backend_settings(profile: Any, stats_dir: str | None, timing: bool = False, 
     its ``SparseConfig``, ``dense_layers`` and ``precision``; statistics written to ``stats_dir``;
     per-layer index / attention timing only with ``timing``; FP8-vs-BF16 errors only with
     ``compare_fp8``; the plugin's log level ``info`` when ``verbose``, else ``warning`` (its
-    registration lines are printed only when verbose)."""
+    registration lines are printed only when verbose); unless ``verbose`` the scheduler's own
+    output (SGLang's log lines, its weight-loading bars) goes to ``scheduler_log_path(stats_dir)``,
+    not to the terminal."""
     from flashprefill.integrations.sglang.settings import BackendSettings
 
     return BackendSettings(sparse=profile.sparse_config(), dense_layers=int(profile.dense_layers),
                            precision=str(profile.precision), stats_dir=stats_dir, layer_timing=timing,
-                           compare_fp8=compare_fp8, log_level="info" if verbose else "warning")
+                           compare_fp8=compare_fp8, log_level="info" if verbose else "warning",
+                           scheduler_output=None if verbose or stats_dir is None else scheduler_log_path(stats_dir))
+
+
+def scheduler_log_path(stats_dir: str) -> str:
+    """Where a quiet engine's scheduler output goes (inside its private statistics folder)."""
+    return os.path.join(stats_dir, "scheduler.log")
+
+
+def log_tail(path: str | None, lines: int = 20) -> str:
+    """The last ``lines`` lines of a log file ('' when it is missing or empty); carriage-return
+    progress-bar updates collapse to their last state."""
+    if not path:
+        return ""
+    try:
+        with open(path, encoding="utf-8", errors="replace", newline="") as fh:  # keep the \r of bars
+            text = fh.read()
+    except OSError:
+        return ""
+    out = [line.rstrip("\r").rsplit("\r", 1)[-1] for line in text.split("\n")]  # not splitlines: it splits at \r
+    return "\n".join(line for line in out[-lines:] if line.strip())
 
 
 def quiet_children_env(verbose: bool) -> dict[str, str]:
     """Environment entries for SGLang's spawned processes: ``TQDM_DISABLE=1`` unless ``verbose``
-    (tqdm reads it in every process it is inherited by: SGLang's "Multi-thread loading shards"
-    and other third-party progress bars stay off; set only while the children are spawned)."""
+    (tqdm reads it for bars whose caller does not pass ``disable=``; set only while the children
+    are spawned). SGLang's weight-loading bars pass ``disable=`` explicitly: the scheduler's
+    output file (``BackendSettings.scheduler_output``) is what keeps those off the terminal."""
     return {} if verbose else {"TQDM_DISABLE": "1"}
 
 
@@ -524,11 +547,15 @@ class SGLangEngine:
         try:
             with _env(self._child_env):
                 self._engine = engine_class()(**self.server_kwargs)
-        except BaseException:
+        except BaseException as exc:
             self._child_pids = sorted(_children() - before)
             self._closed = True
             _kill(self._child_pids)
+            tail = log_tail(self.settings.scheduler_output)
             shutil.rmtree(self._stats_dir, ignore_errors=True)
+            if tail and isinstance(exc, Exception):
+                raise RuntimeError(f"SGLang did not start: {str(exc).strip() or type(exc).__name__}\n"
+                                   f"the scheduler's last output (run with -v to see it live):\n{tail}") from exc
             raise
         self.startup_s = time.perf_counter() - t0
         self.start_phases["engine"] = self.startup_s  # weights, KV cache pool, decode CUDA graphs

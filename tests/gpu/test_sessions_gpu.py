@@ -77,14 +77,15 @@ def test_fp_chat_reports_cached_tokens_on_the_gpu(tmp_path):
 
 def test_sglang_output_only_with_verbose(tmp_path):
     """`fp ask` on the GPU: without -v stderr has fp's own lines only (no SGLang log records, no
-    CUDA-graph capture bars); with -v SGLang's log lines appear."""
+    CUDA-graph capture bars, no "Multi-thread loading shards" bar of the scheduler); with -v
+    SGLang's log lines appear."""
     doc = tmp_path / "note.txt"
     doc.write_text("The harbor opens on 14 May. The ferry leaves at nine.\n" * 40)
     fp = Path(sys.executable).with_name("fp")
     args = [str(fp), "ask", str(doc), "When does the harbor open?", "--model", str(QWEN), "-n", "16"]
     quiet = subprocess.run(args, capture_output=True, text=True, timeout=900)
     assert quiet.returncode == 0, quiet.stderr[-3000:]
-    sglang_line = re.compile(r"^\[\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d|Capturing batches|it/s\]|Load weight", re.M)
+    sglang_line = re.compile(r"^\[\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d|Capturing batches|it/s\]|Load weight|loading shards", re.M)
     assert not sglang_line.search(quiet.stderr), quiet.stderr[-3000:]
     assert re.search(r"^total time +[\d.]+ s \(engine start [\d.]+ s", quiet.stderr, re.M), quiet.stderr[-2000:]
     loud = subprocess.run(args + ["-v"], capture_output=True, text=True, timeout=900)

@@ -34,6 +34,8 @@ How the registration reaches every SGLang process (read in the 0.5.17 sources):
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -124,11 +126,45 @@ def _say(msg: str) -> None:
         print(f"[fp] {msg}", file=sys.stderr, flush=True)
 
 
+def redirect_output(path: str) -> None:
+    """Append this process's stdout and stderr (file descriptors 1 and 2, so native code and child
+    processes follow) to ``path`` (created 0600).
+
+    Raises:
+        OSError: ``path`` cannot be opened for appending.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        for std in (sys.stdout, sys.stderr):
+            try:
+                std.flush()
+            except (AttributeError, ValueError):
+                pass
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    finally:
+        os.close(fd)
+
+
+def _settings_scheduler_output() -> str | None:
+    from .settings import BackendSettings
+
+    try:
+        return BackendSettings.from_env().scheduler_output
+    except ValueError:
+        return None
+
+
 def run_scheduler_process(*args: Any, **kwargs: Any):
     """SGLang's ``run_scheduler_process`` with ``register()`` first (the spawned child's entry).
 
-    SGLang's own ``run_scheduler_process`` then calls ``load_plugins()``; with the entry point
-    installed that registration finds the backend there already (logged)."""
+    With ``BackendSettings.scheduler_output`` set, the scheduler's stdout and stderr go to that
+    file first (``redirect_output``). SGLang's own ``run_scheduler_process`` then calls
+    ``load_plugins()``; with the entry point installed that registration finds the backend there
+    already (logged)."""
+    out = _settings_scheduler_output()
+    if out:
+        redirect_output(out)
     register(source="engine subclass")
     from sglang.srt.managers.scheduler import run_scheduler_process as _sglang_run_scheduler_process
 

@@ -63,6 +63,10 @@ class BackendSettings:
             ``LOG_LEVELS``), and whether the plugin prints its registration lines before SGLang
             configures logging (only at ``debug`` / ``info``); ``None`` = leave logging as the
             host process configures it (an SGLang user's own ``--log-level``).
+        scheduler_output: a file the scheduler processes append their stdout and stderr to (SGLang's
+            log lines and its weight-loading progress bars, which pass ``disable=`` to tqdm
+            explicitly and so ignore ``TQDM_DISABLE``); ``None`` = inherited from the host process
+            (the terminal).
     """
 
     sparse: SparseConfig = field(default_factory=SparseConfig)
@@ -76,6 +80,7 @@ class BackendSettings:
     debug_checks: bool = False
     compare_fp8: bool = False
     log_level: str | None = None
+    scheduler_output: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.sparse, SparseConfig):
