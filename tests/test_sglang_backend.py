@@ -516,6 +516,24 @@ def test_server_kwargs_from_profile(tmp_path):
     assert over["chunked_prefill_size"] == 2048
 
 
+def test_triton_decode_may_split_a_long_context_into_many_kv_splits(tmp_path):
+    """SGLang's default (8 KV splits) leaves a GQA model's batch-1 decode at 2 x 8 programs on a
+    132-SM GPU; fp allows DECODE_KV_SPLITS, in the embedded engine and in fp serve's argv; the
+    user's own setting wins."""
+    from fpcli.engine.sglang_engine import DECODE_KV_SPLITS, build_server_kwargs, serve_argv
+    from fpcli.profiles import load_profile
+
+    prof = load_profile("bf16")
+    assert DECODE_KV_SPLITS > 8
+    assert build_server_kwargs(_model_dir(tmp_path), prof)["triton_attention_num_kv_splits"] == DECODE_KV_SPLITS
+    user = build_server_kwargs(tmp_path / "model", prof, overrides={"triton_attention_num_kv_splits": 16})
+    assert user["triton_attention_num_kv_splits"] == 16
+    argv = serve_argv(["--model-path", "/m"], prof)
+    assert argv[argv.index("--triton-attention-num-kv-splits") + 1] == str(DECODE_KV_SPLITS)
+    mine = serve_argv(["--model-path", "/m", "--triton-attention-num-kv-splits", "32"], prof)
+    assert mine.count("--triton-attention-num-kv-splits") == 1 and "32" in mine
+
+
 def test_yarn_override_has_rope_theta_inside(tmp_path):
     from fpcli.engine.sglang_engine import build_server_kwargs
     from fpcli.profiles import load_profile

@@ -173,7 +173,8 @@ def server_defaults(profile: Any) -> dict[str, Any]:
     backend (the stock ``triton`` one for a dense profile), ``triton`` decode with its CUDA graphs,
     the PyTorch sampler, page and chunk size (at least ``MIN_CHUNKED_PREFILL``), memory fraction,
     prefill CUDA graphs off (flashprefill does not capture prefill; dense gets the same for
-    fairness), decode CUDA graphs as the profile says."""
+    fairness), decode CUDA graphs as the profile says, and up to ``DECODE_KV_SPLITS`` KV splits for
+    the ``triton`` decode kernel."""
     eng = profile.engine
     return dict(
         attention_backend=DEFAULT_DENSE_BACKEND,
@@ -185,7 +186,17 @@ def server_defaults(profile: Any) -> dict[str, Any]:
         mem_fraction_static=float(eng.mem_fraction_static),
         disable_prefill_cuda_graph=True,
         disable_decode_cuda_graph=not bool(eng.cuda_graph_decode),
+        triton_attention_num_kv_splits=DECODE_KV_SPLITS,
     )
+
+
+# The most KV splits SGLang's Triton decode kernel may use per request (its ``ServerArgs``
+# default: 8; it picks fewer for short contexts). For GQA models the grouped decode kernel runs
+# batch x ceil(q heads / group) x splits programs: Qwen2.5-Coder-0.5B (14 q / 2 KV heads) at batch
+# 1 gets 2 x 8 = 16 programs on 132 SMs, each walking 16K keys of a 128K context one tile at a
+# time; measured on the H200: 40 tokens/s of decode at 130K tokens (docs/benchmarks.md). 64
+# splits give 128 programs of 2K keys.
+DECODE_KV_SPLITS = 64
 
 
 def build_server_kwargs(
