@@ -178,6 +178,9 @@ def format_user(docs: Sequence[tuple[str, str]], question: str, history: Sequenc
 
 WHOLE_MARGIN_TOKENS = 16  # a question appended after "Question: " can merge at most a few tokens of the
 # prompt before it: documents whose prompt without a question exceeds the budget by more never fit whole
+JOIN_TOKENS = 8  # tokens that re-tokenizing a document inside the prompt may change at its two joins
+# (the markup before and after it); a prompt estimated above the budget by more than this per document
+# (plus WHOLE_MARGIN_TOKENS) is not encoded whole to learn that it does not fit
 
 
 @dataclass(frozen=True)
@@ -251,9 +254,22 @@ def build_prompt(
             starts = [engine.token_starts(d.text) for d in docs]  # one tokenization per document
         return starts
 
+    empty_overhead: int | None = None  # the prompt with empty documents and an empty question
+
+    def overhead_empty() -> int:
+        nonlocal empty_overhead
+        if empty_overhead is None:
+            empty_overhead = len(engine.encode_chat(system, format_user([(n, "") for n, _ in pairs], "")))
+        return empty_overhead
+
     if fresh:
-        entry = {"doc_tokens": {d.name: len(s) for d, s in zip(docs, starts_of())},
-                 "whole_tokens": len(engine.encode_chat(system, format_user(pairs, ""))), "fit": None}
+        # the whole prompt is encoded only when its estimate (template + each document's stripped
+        # tokens) leaves it a chance to fit: a document far over the budget is tokenized once
+        estimate = overhead_empty() + sum(_stripped_tokens(d.text, s) for d, s in zip(docs, starts_of()))
+        whole = (None if estimate > budget + WHOLE_MARGIN_TOKENS + JOIN_TOKENS * len(docs)
+                 else len(engine.encode_chat(system, format_user(pairs, ""))))
+        entry = {"doc_tokens": {d.name: len(s) for d, s in zip(docs, starts_of())}, "whole_tokens": whole,
+                 "fit": None}
     doc_tokens = dict(entry["doc_tokens"])
 
     def make(pairs_: Sequence[tuple[str, str]], cuts_: list[Cut], question_: str = question) -> Prompt:
@@ -261,13 +277,13 @@ def build_prompt(
         return Prompt(system or "", user, engine.encode_chat(system, user), ctx, max_new_tokens, doc_tokens, cuts_,
                       list(pairs_))
 
-    if entry["whole_tokens"] <= budget + WHOLE_MARGIN_TOKENS:
+    if entry["whole_tokens"] is not None and entry["whole_tokens"] <= budget + WHOLE_MARGIN_TOKENS:
         prompt = make(pairs, [])
         if prompt.tokens <= budget:
             _store(fit_cache, key, entry, fresh)
             return prompt
     if entry["fit"] is None:  # the question-independent fit, measured with an empty question
-        overhead = len(engine.encode_chat(system, format_user([(n, "") for n, _ in pairs], "")))
+        overhead = overhead_empty()
         allowance = question_allowance(budget)
         target = budget - allowance if overhead + allowance <= budget else budget
         fitted = _fit(docs, starts_of(), engine, make, "", target, overhead, cut)
@@ -345,7 +361,8 @@ def _valid_entry(entry: dict, docs) -> bool:
     """A cached fit's shape is what ``build_prompt`` stores (a damaged entry is recomputed)."""
     try:
         fit = entry["fit"]
-        return (set(entry["doc_tokens"]) == {d.name for d in docs} and isinstance(entry["whole_tokens"], int)
+        whole = entry["whole_tokens"]
+        return (set(entry["doc_tokens"]) == {d.name for d in docs} and (whole is None or isinstance(whole, int))
                 and (fit is None or (isinstance(fit["documents"], list) and isinstance(fit["cuts"], list))))
     except (KeyError, TypeError):
         return False
@@ -354,6 +371,16 @@ def _valid_entry(entry: dict, docs) -> bool:
 def _store(fit_cache: FitCache | None, key: str | None, entry: dict, fresh: bool) -> None:
     if fit_cache is not None and key is not None and fresh:
         fit_cache.store.put(key, entry)
+
+
+def _stripped_tokens(text: str, starts: Sequence[int]) -> int:
+    """Tokens of ``text`` that begin inside ``text.strip()`` (the part ``format_user`` keeps), from
+    its token ``starts``: ``"  ab cd  "`` with starts ``[0, 2, 4, 7]`` -> 2 (the tokens at 2 and 4)."""
+    from bisect import bisect_left
+
+    lo = len(text) - len(text.lstrip())
+    hi = len(text.rstrip())
+    return max(0, bisect_left(starts, hi) - bisect_left(starts, lo))
 
 
 def question_allowance(budget: int) -> int:
