@@ -223,7 +223,8 @@ def build_prompt(
 
     The documents are kept whole when the prompt with the question fits. Else they are cut on
     token boundaries (``engine.token_starts``) to their water-filling targets, and the targets are
-    corrected by the measured prompt length (measured with an empty question) until it fills the
+    corrected by the measured prompt length (built with the question, measured less what the
+    question adds over an empty one, so the fit does not depend on it) until it fills the
     budget less ``question_allowance(budget)`` to within ``FILL_SLACK_TOKENS``: this fit does not
     depend on the question, so the cut documents, the prompt's reusable prefix, are the same for
     every question up to the allowance (and can be cached). A longer question that then overflows
@@ -262,6 +263,14 @@ def build_prompt(
             empty_overhead = len(engine.encode_chat(system, format_user([(n, "") for n, _ in pairs], "")))
         return empty_overhead
 
+    question_overhead: int | None = None  # the prompt with empty documents and this question
+
+    def overhead_question() -> int:
+        nonlocal question_overhead
+        if question_overhead is None:
+            question_overhead = len(engine.encode_chat(system, format_user([(n, "") for n, _ in pairs], question)))
+        return question_overhead
+
     if fresh:
         # the whole prompt is encoded only when its estimate (template + each document's stripped
         # tokens) leaves it a chance to fit: a document far over the budget is tokenized once
@@ -282,21 +291,27 @@ def build_prompt(
         if prompt.tokens <= budget:
             _store(fit_cache, key, entry, fresh)
             return prompt
+    fitted: Prompt | None = None  # the fit made now (with this question), if one is
     if entry["fit"] is None:  # the question-independent fit, measured with an empty question
         overhead = overhead_empty()
         allowance = question_allowance(budget)
         target = budget - allowance if overhead + allowance <= budget else budget
-        fitted = _fit(docs, starts_of(), engine, make, "", target, overhead, cut)
+        # Each attempt is built with this question and measured without it: the question follows
+        # fixed markup ("</document>\n\nQuestion: "), so it adds as many tokens to a cut prompt as to
+        # the prompt of empty documents. One encode per attempt, and the last one is the answer's prompt.
+        fitted = _fit(docs, starts_of(), engine, make, question, target, overhead, cut,
+                      question_tokens=overhead_question() - overhead)
         entry["fit"] = None if fitted is None else {"documents": [list(p) for p in fitted.documents],
                                                      "cuts": [c.to_dict() for c in fitted.cuts]}
         fresh = True
     _store(fit_cache, key, entry, fresh)
     if entry["fit"] is not None:
-        prompt = make([(n, t) for n, t in entry["fit"]["documents"]], [Cut(**c) for c in entry["fit"]["cuts"]])
+        prompt = fitted if fitted is not None else make([(n, t) for n, t in entry["fit"]["documents"]],
+                                                        [Cut(**c) for c in entry["fit"]["cuts"]])
         if prompt.tokens <= budget:
             return prompt
     # a question longer than the allowance: cut the documents for this question
-    overhead = len(engine.encode_chat(system, format_user([(n, "") for n, _ in pairs], question)))
+    overhead = overhead_question()
     if overhead > budget:
         raise NoRoomError(
             f"the question and chat template alone need {overhead} tokens, more than the {budget} available "
@@ -312,9 +327,12 @@ def build_prompt(
     return best
 
 
-def _fit(docs, starts, engine, make, question: str, target: int, overhead: int, cut: str) -> "Prompt | None":
-    """Cut ``docs`` so that the prompt with ``question`` fills ``target`` tokens to within
-    ``FILL_SLACK_TOKENS``; ``None`` when not one document token fits."""
+def _fit(docs, starts, engine, make, question: str, target: int, overhead: int, cut: str,
+         question_tokens: int = 0) -> "Prompt | None":
+    """Cut ``docs`` so that the prompt with ``question``, less ``question_tokens`` (what the
+    question adds over an empty one; 0: measured with it), fills ``target`` tokens to within
+    ``FILL_SLACK_TOKENS``; ``overhead``: the prompt's tokens with empty documents, measured the
+    same way. ``None`` when not one document token fits."""
     sizes = [len(s) for s in starts]
     # Each cut document costs its kept tokens plus a marker line; ``reserve`` starts as an
     # allowance for the markers and is corrected by the measured slack of each attempt. Cuts fall
@@ -335,7 +353,7 @@ def _fit(docs, starts, engine, make, question: str, target: int, overhead: int, 
             new_pairs.append((d.name, text))
             cuts.append(record)
         prompt = make(new_pairs, cuts, question)
-        slack = target - prompt.tokens
+        slack = target - (prompt.tokens - question_tokens)
         if slack >= 0 and (best is None or prompt.tokens > best.tokens):
             best = prompt
         if 0 <= slack <= FILL_SLACK_TOKENS:

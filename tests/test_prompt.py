@@ -259,3 +259,26 @@ def test_stripped_tokens_counts_tokens_inside_the_stripped_text():
     assert _stripped_tokens("  ab cd  ", [0, 2, 4, 7]) == 2
     assert _stripped_tokens("ab", [0, 1]) == 2
     assert _stripped_tokens("   ", [0]) == 0
+
+
+def test_first_fit_encodes_the_cut_prompt_once():
+    """The fit's attempt is built with the question and measured without it: when it lands, it is
+    the answer's prompt (no second encode of the cut documents), and it is the prompt that a
+    cached fit then builds for the same question."""
+    from fpcli.doccache import CacheConfig, DiskCache
+    from fpcli.prompt import FitCache
+
+    import tempfile
+    from pathlib import Path
+
+    eng = FakeEngine(context_length=1000)
+    docs = [Doc("big.txt", words("w", 5000))]
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = FitCache(DiskCache(CacheConfig(root=Path(tmp)), "fits"), "tok")
+        first = build_prompt(docs, "Where is it?", eng, max_new_tokens=100, fit_cache=cache)
+        with_docs = [user for _, user in eng.prompts if "w0 " in user]
+        assert len(with_docs) == 1, f"{len(with_docs)} encodes of the cut documents"
+        again = build_prompt(docs, "Where is it?", FakeEngine(context_length=1000), max_new_tokens=100,
+                             fit_cache=cache)
+    assert first.cuts and first.ids == again.ids and first.user == again.user
+    assert 0.9 * first.budget <= first.tokens <= first.budget
