@@ -272,9 +272,9 @@ def build_prompt(
         return question_overhead
 
     if fresh:
-        # the whole prompt is encoded only when its estimate (template + each document's stripped
-        # tokens) leaves it a chance to fit: a document far over the budget is tokenized once
-        estimate = overhead_empty() + sum(_stripped_tokens(d.text, s) for d, s in zip(docs, starts_of()))
+        # the whole prompt is encoded only when the documents' stripped tokens leave it a chance
+        # to fit: a document far over the budget is tokenized once (the template adds to that)
+        estimate = sum(_stripped_tokens(d.text, s) for d, s in zip(docs, starts_of()))
         whole = (None if estimate > budget + WHOLE_MARGIN_TOKENS + JOIN_TOKENS * len(docs)
                  else len(engine.encode_chat(system, format_user(pairs, ""))))
         entry = {"doc_tokens": {d.name: len(s) for d, s in zip(docs, starts_of())}, "whole_tokens": whole,
