@@ -421,7 +421,8 @@ class _PdfiumPage:
 
 
 def _pdfium_page_text(pdf, index: int) -> tuple[str, bool]:
-    """Text of page ``index`` (0-based) and whether the page draws any image (caller holds the lock)."""
+    """Text of page ``index`` (0-based) and whether a page without text draws any image (caller
+    holds the lock; a page with text reports ``False``: only empty pages are checked for scans)."""
     import pypdfium2.raw as pdfium_c
 
     page = pdf[index]
@@ -431,6 +432,8 @@ def _pdfium_page_text(pdf, index: int) -> tuple[str, bool]:
             text = pdfium_plain_text(textpage.get_text_bounded())
         finally:
             textpage.close()
+        if text.strip():  # images matter only on a page without text (a scan); the walk over the
+            return text, False  # page's objects costs more than its text on a dense page
         has_images = next(iter(page.get_objects(filter=[pdfium_c.FPDF_PAGEOBJ_IMAGE])), None) is not None
         return text, has_images
     finally:
@@ -670,17 +673,14 @@ def _extract_with_timeout(page, timeout: float) -> tuple[str, str]:
         return "error", str(box["error"])
     return "ok", str(box.get("text", ""))
 
+_WHITESPACE = re.compile(r"\s+")  # str patterns: the characters str.isspace() accepts
+_GARBLED = re.compile("[\ufffd\ue000-\uf8ff\U000f0000-\U0010ffff]")  # U+FFFD and private use
+
+
 def garbled_fraction(text: str) -> float:
     """Share of U+FFFD and private-use characters among the non-whitespace characters."""
-    total = bad = 0
-    for ch in text:
-        if ch.isspace():
-            continue
-        total += 1
-        o = ord(ch)
-        if o == 0xFFFD or 0xE000 <= o <= 0xF8FF or o >= 0xF0000:
-            bad += 1
-    return bad / total if total else 0.0
+    total = len(_WHITESPACE.sub("", text))
+    return len(_GARBLED.findall(text)) / total if total else 0.0
 
 
 def glued_runs(text: str) -> list[str]:

@@ -178,6 +178,9 @@ def format_user(docs: Sequence[tuple[str, str]], question: str, history: Sequenc
 
 WHOLE_MARGIN_TOKENS = 16  # a question appended after "Question: " can merge at most a few tokens of the
 # prompt before it: documents whose prompt without a question exceeds the budget by more never fit whole
+JOIN_TOKENS = 8  # tokens that re-tokenizing a document inside the prompt may change at its two joins
+# (the markup before and after it); a prompt estimated above the budget by more than this per document
+# (plus WHOLE_MARGIN_TOKENS) is not encoded whole to learn that it does not fit
 
 
 @dataclass(frozen=True)
@@ -220,7 +223,8 @@ def build_prompt(
 
     The documents are kept whole when the prompt with the question fits. Else they are cut on
     token boundaries (``engine.token_starts``) to their water-filling targets, and the targets are
-    corrected by the measured prompt length (measured with an empty question) until it fills the
+    corrected by the measured prompt length (built with the question, measured less what the
+    question adds over an empty one, so the fit does not depend on it) until it fills the
     budget less ``question_allowance(budget)`` to within ``FILL_SLACK_TOKENS``: this fit does not
     depend on the question, so the cut documents, the prompt's reusable prefix, are the same for
     every question up to the allowance (and can be cached). A longer question that then overflows
@@ -251,9 +255,30 @@ def build_prompt(
             starts = [engine.token_starts(d.text) for d in docs]  # one tokenization per document
         return starts
 
+    empty_overhead: int | None = None  # the prompt with empty documents and an empty question
+
+    def overhead_empty() -> int:
+        nonlocal empty_overhead
+        if empty_overhead is None:
+            empty_overhead = len(engine.encode_chat(system, format_user([(n, "") for n, _ in pairs], "")))
+        return empty_overhead
+
+    question_overhead: int | None = None  # the prompt with empty documents and this question
+
+    def overhead_question() -> int:
+        nonlocal question_overhead
+        if question_overhead is None:
+            question_overhead = len(engine.encode_chat(system, format_user([(n, "") for n, _ in pairs], question)))
+        return question_overhead
+
     if fresh:
-        entry = {"doc_tokens": {d.name: len(s) for d, s in zip(docs, starts_of())},
-                 "whole_tokens": len(engine.encode_chat(system, format_user(pairs, ""))), "fit": None}
+        # the whole prompt is encoded only when the documents' stripped tokens leave it a chance
+        # to fit: a document far over the budget is tokenized once (the template adds to that)
+        estimate = sum(_stripped_tokens(d.text, s) for d, s in zip(docs, starts_of()))
+        whole = (None if estimate > budget + WHOLE_MARGIN_TOKENS + JOIN_TOKENS * len(docs)
+                 else len(engine.encode_chat(system, format_user(pairs, ""))))
+        entry = {"doc_tokens": {d.name: len(s) for d, s in zip(docs, starts_of())}, "whole_tokens": whole,
+                 "fit": None}
     doc_tokens = dict(entry["doc_tokens"])
 
     def make(pairs_: Sequence[tuple[str, str]], cuts_: list[Cut], question_: str = question) -> Prompt:
@@ -261,26 +286,32 @@ def build_prompt(
         return Prompt(system or "", user, engine.encode_chat(system, user), ctx, max_new_tokens, doc_tokens, cuts_,
                       list(pairs_))
 
-    if entry["whole_tokens"] <= budget + WHOLE_MARGIN_TOKENS:
+    if entry["whole_tokens"] is not None and entry["whole_tokens"] <= budget + WHOLE_MARGIN_TOKENS:
         prompt = make(pairs, [])
         if prompt.tokens <= budget:
             _store(fit_cache, key, entry, fresh)
             return prompt
+    fitted: Prompt | None = None  # the fit made now (with this question), if one is
     if entry["fit"] is None:  # the question-independent fit, measured with an empty question
-        overhead = len(engine.encode_chat(system, format_user([(n, "") for n, _ in pairs], "")))
+        overhead = overhead_empty()
         allowance = question_allowance(budget)
         target = budget - allowance if overhead + allowance <= budget else budget
-        fitted = _fit(docs, starts_of(), engine, make, "", target, overhead, cut)
+        # Each attempt is built with this question and measured without it: the question follows
+        # fixed markup ("</document>\n\nQuestion: "), so it adds as many tokens to a cut prompt as to
+        # the prompt of empty documents. One encode per attempt, and the last one is the answer's prompt.
+        fitted = _fit(docs, starts_of(), engine, make, question, target, overhead, cut,
+                      question_tokens=overhead_question() - overhead)
         entry["fit"] = None if fitted is None else {"documents": [list(p) for p in fitted.documents],
                                                      "cuts": [c.to_dict() for c in fitted.cuts]}
         fresh = True
     _store(fit_cache, key, entry, fresh)
     if entry["fit"] is not None:
-        prompt = make([(n, t) for n, t in entry["fit"]["documents"]], [Cut(**c) for c in entry["fit"]["cuts"]])
+        prompt = fitted if fitted is not None else make([(n, t) for n, t in entry["fit"]["documents"]],
+                                                        [Cut(**c) for c in entry["fit"]["cuts"]])
         if prompt.tokens <= budget:
             return prompt
     # a question longer than the allowance: cut the documents for this question
-    overhead = len(engine.encode_chat(system, format_user([(n, "") for n, _ in pairs], question)))
+    overhead = overhead_question()
     if overhead > budget:
         raise NoRoomError(
             f"the question and chat template alone need {overhead} tokens, more than the {budget} available "
@@ -296,9 +327,12 @@ def build_prompt(
     return best
 
 
-def _fit(docs, starts, engine, make, question: str, target: int, overhead: int, cut: str) -> "Prompt | None":
-    """Cut ``docs`` so that the prompt with ``question`` fills ``target`` tokens to within
-    ``FILL_SLACK_TOKENS``; ``None`` when not one document token fits."""
+def _fit(docs, starts, engine, make, question: str, target: int, overhead: int, cut: str,
+         question_tokens: int = 0) -> "Prompt | None":
+    """Cut ``docs`` so that the prompt with ``question``, less ``question_tokens`` (what the
+    question adds over an empty one; 0: measured with it), fills ``target`` tokens to within
+    ``FILL_SLACK_TOKENS``; ``overhead``: the prompt's tokens with empty documents, measured the
+    same way. ``None`` when not one document token fits."""
     sizes = [len(s) for s in starts]
     # Each cut document costs its kept tokens plus a marker line; ``reserve`` starts as an
     # allowance for the markers and is corrected by the measured slack of each attempt. Cuts fall
@@ -319,7 +353,7 @@ def _fit(docs, starts, engine, make, question: str, target: int, overhead: int, 
             new_pairs.append((d.name, text))
             cuts.append(record)
         prompt = make(new_pairs, cuts, question)
-        slack = target - prompt.tokens
+        slack = target - (prompt.tokens - question_tokens)
         if slack >= 0 and (best is None or prompt.tokens > best.tokens):
             best = prompt
         if 0 <= slack <= FILL_SLACK_TOKENS:
@@ -345,7 +379,8 @@ def _valid_entry(entry: dict, docs) -> bool:
     """A cached fit's shape is what ``build_prompt`` stores (a damaged entry is recomputed)."""
     try:
         fit = entry["fit"]
-        return (set(entry["doc_tokens"]) == {d.name for d in docs} and isinstance(entry["whole_tokens"], int)
+        whole = entry["whole_tokens"]
+        return (set(entry["doc_tokens"]) == {d.name for d in docs} and (whole is None or isinstance(whole, int))
                 and (fit is None or (isinstance(fit["documents"], list) and isinstance(fit["cuts"], list))))
     except (KeyError, TypeError):
         return False
@@ -354,6 +389,16 @@ def _valid_entry(entry: dict, docs) -> bool:
 def _store(fit_cache: FitCache | None, key: str | None, entry: dict, fresh: bool) -> None:
     if fit_cache is not None and key is not None and fresh:
         fit_cache.store.put(key, entry)
+
+
+def _stripped_tokens(text: str, starts: Sequence[int]) -> int:
+    """Tokens of ``text`` that begin inside ``text.strip()`` (the part ``format_user`` keeps), from
+    its token ``starts``: ``"  ab cd  "`` with starts ``[0, 2, 4, 7]`` -> 2 (the tokens at 2 and 4)."""
+    from bisect import bisect_left
+
+    lo = len(text) - len(text.lstrip())
+    hi = len(text.rstrip())
+    return max(0, bisect_left(starts, hi) - bisect_left(starts, lo))
 
 
 def question_allowance(budget: int) -> int:

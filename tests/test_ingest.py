@@ -255,6 +255,22 @@ def test_garbled_fraction():
     assert garbled_fraction("") == 0.0
 
 
+def test_garbled_fraction_counts_as_defined():
+    """The regular expressions count what the definition says: every character that
+    ``str.isspace`` accepts is left out (the Unicode spaces and the ASCII separators too), and
+    U+FFFD, the BMP private-use area and planes 15-16 count as garbled."""
+    import random
+
+    rng = random.Random(7)
+    alphabet = ["a", "Z", "7", ".", " ", "\n", "\t", "\x1c", "\x1f", "\x85", "\xa0", "\u2003", "\u3000",
+                "\ufffd", "\ue000", "\uf8ff", "\uf900", "\U000f0000", "\U0010fffd", "\U000effff", "\u00e9"]
+    text = "".join(rng.choice(alphabet) for _ in range(5000))
+    kept = [c for c in text if not c.isspace()]
+    bad = [c for c in kept if c == "\ufffd" or "\ue000" <= c <= "\uf8ff" or c >= "\U000f0000"]
+    assert 0 < len(bad) < len(kept)
+    assert garbled_fraction(text) == len(bad) / len(kept)
+
+
 def test_text_and_markdown_utf8_with_bad_bytes(tmp_path):
     good = tmp_path / "notes.md"
     good.write_text("# Title\n\nCafé ünïcode", encoding="utf-8")

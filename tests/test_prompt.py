@@ -227,3 +227,58 @@ def test_real_token_starts_count_the_tokens(real_engine):
     starts = real_engine.token_starts(text)
     assert len(starts) == real_engine.count_tokens(text)
     assert starts == sorted(starts) and starts[0] == 0 and starts[-1] < len(text)
+
+
+# -- a first fit tokenizes a long document once --------------------------------------------------
+
+
+def test_document_far_over_the_budget_is_not_encoded_whole():
+    """A document whose estimate (template + its tokens) is far over the budget goes straight to
+    the cut: no ``encode_chat`` of the whole text (a 165K-token PDF in a 131K context was encoded
+    whole once only to learn that it did not fit)."""
+    eng = FakeEngine(context_length=1000)
+    text = words("w", 5000)
+    p = build_prompt([Doc("big.txt", text)], "Where?", eng, max_new_tokens=100)
+    assert p.cuts and 0.9 * p.budget <= p.tokens <= p.budget
+    assert all("w2500 " not in user for _, user in eng.prompts), "the whole document was encoded"
+
+
+def test_document_near_the_budget_is_still_tried_whole():
+    """Within the join margin of the budget the estimate cannot decide: the whole prompt is
+    measured, and a document that fits stays whole."""
+    eng = FakeEngine(context_length=1000)
+    overhead = len(eng.encode_chat(SYSTEM_PROMPT, format_user([("a.txt", "")], "")))
+    n = 900 - overhead - 2  # fits with the two words of "Where?" ... after "Question:"
+    p = build_prompt([Doc("a.txt", "\n\n" + words("w", n) + "   \n")], "Where?", eng, max_new_tokens=100)
+    assert p.cuts == [] and p.tokens <= p.budget and f"w{n - 1}" in p.user
+
+
+def test_stripped_tokens_counts_tokens_inside_the_stripped_text():
+    from fpcli.prompt import _stripped_tokens
+
+    assert _stripped_tokens("  ab cd  ", [0, 2, 4, 7]) == 2
+    assert _stripped_tokens("ab", [0, 1]) == 2
+    assert _stripped_tokens("   ", [0]) == 0
+
+
+def test_first_fit_encodes_the_cut_prompt_once():
+    """The fit's attempt is built with the question and measured without it: when it lands, it is
+    the answer's prompt (no second encode of the cut documents), and it is the prompt that a
+    cached fit then builds for the same question."""
+    from fpcli.doccache import CacheConfig, DiskCache
+    from fpcli.prompt import FitCache
+
+    import tempfile
+    from pathlib import Path
+
+    eng = FakeEngine(context_length=1000)
+    docs = [Doc("big.txt", words("w", 5000))]
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = FitCache(DiskCache(CacheConfig(root=Path(tmp)), "fits"), "tok")
+        first = build_prompt(docs, "Where is it?", eng, max_new_tokens=100, fit_cache=cache)
+        with_docs = [user for _, user in eng.prompts if "w0 " in user]
+        assert len(with_docs) == 1, f"{len(with_docs)} encodes of the cut documents"
+        again = build_prompt(docs, "Where is it?", FakeEngine(context_length=1000), max_new_tokens=100,
+                             fit_cache=cache)
+    assert first.cuts and first.ids == again.ids and first.user == again.user
+    assert 0.9 * first.budget <= first.tokens <= first.budget

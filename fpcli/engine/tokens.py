@@ -23,9 +23,11 @@ def token_starts(tokenizer, text: str) -> list[int]:
     """
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"token offsets need a fast tokenizer (tokenizer.json); got {type(tokenizer).__name__}")
+    import numpy as np
+
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    out, last = [], 0
-    for start, _end in enc["offset_mapping"]:
-        last = max(last, min(int(start), len(text)))
-        out.append(last)
-    return out
+    offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    # clip to the text, then a running maximum: non-decreasing even where a tokenizer reports a
+    # byte token's start before its predecessor's (e.g. [0, 3, 2, 5] -> [0, 3, 3, 5])
+    starts = np.maximum.accumulate(np.clip(offsets[:, 0], 0, len(text)))
+    return starts.tolist()
