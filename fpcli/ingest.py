@@ -1,4 +1,5 @@
-"""Document ingestion: PDF (PDFium through pypdfium2), text and Markdown files, and standard input.
+"""Document ingestion: PDF (PDFium through pypdfium2), HTML (visible text, ``fpcli.htmltext``),
+text and Markdown files, and standard input.
 
 PDF text comes from PDFium: it keeps apart the words that TeX places one by one without space
 characters (pypdf was seen to glue them on real TeX-made manuals), and it is 9-19x faster than
@@ -41,6 +42,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Callable
 
+from fpcli.htmltext import html_to_text, is_html_name
+
 if TYPE_CHECKING:
     from fpcli.doccache import DiskCache
 
@@ -62,7 +65,7 @@ class Document:
 
     Attributes:
         name: the path as the user gave it (``-`` for standard input).
-        kind: ``pdf``, ``text`` or ``stdin-pdf`` / ``stdin-text``.
+        kind: ``pdf``, ``html`` (visible text only), ``text`` or ``stdin-pdf`` / ``stdin-text``.
         text: extracted text; pages joined by blank lines (empty when ``error`` is set).
         pages: page count (PDF only).
         page_starts: character offset in ``text`` where each extracted page begins, as
@@ -213,6 +216,8 @@ def ingest_one(
             head = f.read(1024)
         if _is_pdf(head) or path.lower().endswith(".pdf"):
             return read_pdf(path, path, password, page_timeout)
+        if is_html_name(path):
+            return read_html_bytes(Path(path).read_bytes(), path)
         return read_text_bytes(Path(path).read_bytes(), path)
     except OSError as exc:
         return Document(name=path, kind="unknown", error=f"{path}: cannot read: {exc.strerror or exc}")
@@ -232,9 +237,11 @@ def _read_cached(path: str, data: bytes, password: str | None, page_timeout: flo
     from fpcli.doccache import digest
 
     pdf = _is_pdf(data[:1024]) or path.lower().endswith(".pdf")
+    html = not pdf and is_html_name(path)
     if pdf and password is not None:  # protected text never goes to disk
         return read_pdf(io.BytesIO(data), path, password, page_timeout)
-    key = digest("document", hashlib.sha256(data).hexdigest(), __version__, _extractor(pdf))
+    key = digest("document", hashlib.sha256(data).hexdigest(), __version__,
+                 _extractor("pdf" if pdf else "html" if html else "text"))
     entry = cache.get(key)
     if entry is not None:
         try:
@@ -245,7 +252,10 @@ def _read_cached(path: str, data: bytes, password: str | None, page_timeout: flo
             return doc
         except (KeyError, TypeError, ValueError):
             pass  # a damaged entry: read again, and the store below replaces it
-    doc = read_pdf(io.BytesIO(data), path, None, page_timeout) if pdf else read_text_bytes(data, path)
+    if pdf:
+        doc = read_pdf(io.BytesIO(data), path, None, page_timeout)
+    else:
+        doc = read_html_bytes(data, path) if html else read_text_bytes(data, path)
     if doc.ok and not doc.skipped_pages:
         value = {f: getattr(doc, f) for f in _CACHED_FIELDS}
         value["notes"] = [_unnamed(path, m) for m in doc.notes]
@@ -254,9 +264,12 @@ def _read_cached(path: str, data: bytes, password: str | None, page_timeout: flo
     return doc
 
 
-def _extractor(pdf: bool) -> str:
-    """What reads a file, with versions: part of a document cache key."""
-    if not pdf:
+def _extractor(kind: str) -> str:
+    """What reads a file of ``kind`` (``pdf``, ``html`` or ``text``), with versions: part of a
+    document cache key."""
+    if kind == "html":
+        return "html: html.parser, fpcli.htmltext"
+    if kind != "pdf":
         return "text"
     from importlib.metadata import PackageNotFoundError, version
 
@@ -280,14 +293,23 @@ def _named(name: str, message: str) -> str:
     return name + message[len(_NAME):] if message.startswith(_NAME) else message
 
 
-def read_text_bytes(data: bytes, name: str, kind: str = "text") -> Document:
+def read_html_bytes(data: bytes, name: str) -> Document:
+    """An HTML page (kind ``html``): decoded as ``read_text_bytes`` decodes text, then reduced to
+    its visible text by ``fpcli.htmltext.html_to_text`` (no markup, scripts or styles)."""
+    return read_text_bytes(data, name, kind="html", convert=html_to_text)
+
+
+def read_text_bytes(data: bytes, name: str, kind: str = "text", convert: Callable[[str], str] | None = None) -> Document:
     """UTF-8 text (BOM dropped; UTF-16 with a BOM too). Not UTF-8: a file with some valid
     multi-byte UTF-8 keeps it and its invalid bytes become U+FFFD, one with none is read as
     Windows-1252 / Latin-1; either way with a warning. A file with NUL bytes in its first 8000
-    bytes is binary: skipped with an error."""
+    bytes is binary: skipped with an error. ``convert``, if given, maps the decoded text to the
+    text kept (e.g. HTML to its visible text) before the checks for garbled or empty text."""
     doc = Document(name=name, kind=kind)
     if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
         doc.text = data.decode("utf-16", errors="replace")
+        if convert is not None:
+            doc.text = convert(doc.text)
         _check_garbled(doc)
         return doc
     if b"\x00" in data[:8000]:  # git's test for binary files
@@ -310,6 +332,8 @@ def read_text_bytes(data: bytes, name: str, kind: str = "text") -> Document:
             except UnicodeDecodeError:
                 doc.text, codec = data.decode("latin-1"), "Latin-1"
             doc.warnings.append(f"{name}: not UTF-8; read as {codec} (re-save it as UTF-8 if letters look wrong)")
+    if convert is not None:
+        doc.text = convert(doc.text)
     _check_garbled(doc)
     if not doc.text.strip():
         doc.warnings.append(f"{name}: empty")

@@ -536,3 +536,64 @@ def test_pypdf_fallback_reports_like_pdfium(pdf_factory, tmp_path):
     assert any("read with pypdf" in w for w in doc.warnings)
     assert not no_pw.ok and "--password" in no_pw.error
     assert good.ok and "vault code is 1234" in good.text
+
+
+# -- HTML: the visible text, not the markup --
+
+HTML_PAGE = """<!DOCTYPE html>
+<html lang="en"><head><title>Maintenance manual</title>
+<meta charset="utf-8"><style>body { font-family: serif; } .hidden { display: none }</style>
+<script>var secretToken = "do-not-read"; if (a < b && c > d) { alert("x"); }</script>
+</head>
+<body>
+  <h1>Pump&nbsp;P-7 maintenance</h1>
+  <div class="intro"><p>Check the <b>seal</b> &amp; the <a href="#b">bearing</a>
+     every   <em>500&#160;hours</em>.</p>
+  <p>Caf&eacute; &lt;test&gt; &#233;t&#xE9;</p></div>
+  <table><tr><th>Part</th><th>Interval</th></tr>
+    <tr><td>Seal</td><td>500 h</td></tr>
+    <tr><td>Bearing <span>(front)</span></td><td>2000 h</td></tr></table>
+  <ul><li>First item</li><li>Second<br>line</li></ul>
+  <pre>  indented
+    code</pre>
+  <script type="module">console.log("also hidden")</script>
+</body></html>
+"""
+
+
+def test_html_file_is_read_as_visible_text(tmp_path):
+    page = tmp_path / "manual.html"
+    page.write_text(HTML_PAGE, encoding="utf-8")
+    also = tmp_path / "same.HTM"
+    also.write_text(HTML_PAGE, encoding="utf-8")
+    doc, other = ingest_all([str(page), str(tmp_path / "same.HTM")])
+    assert doc.ok and doc.kind == "html" and other.kind == "html" and doc.warnings == []
+    lines = doc.text.split("\n")
+    assert lines[0] == "Pump\u00a0P-7 maintenance"  # the title in <head> is not body text
+    assert "Check the seal & the bearing every 500\u00a0hours." in lines  # inline tags joined, spaces collapsed
+    assert "Café <test> été" in lines  # named, decimal and hex entities decoded
+    assert "Part\tInterval" in lines and "Seal\t500 h" in lines and "Bearing (front)\t2000 h" in lines
+    assert "First item" in lines and lines[lines.index("Second") + 1] == "line"
+    assert "  indented" in lines and "    code" in lines  # <pre> keeps its spacing
+    for markup in ("<", "secretToken", "font-family", "also hidden", "Maintenance manual", "href"):
+        assert markup not in doc.text.replace("<test>", "")
+    assert doc.to_dict()["kind"] == "html"
+
+
+def test_html_through_the_document_cache_keeps_its_kind(tmp_path):
+    from fpcli.doccache import CacheConfig, DiskCache
+
+    page = tmp_path / "manual.html"
+    page.write_text(HTML_PAGE, encoding="utf-8")
+    cache = DiskCache(CacheConfig(root=tmp_path / "cache"), "documents")
+    (first,) = ingest_all([str(page)], cache=cache)
+    (again,) = ingest_all([str(page)], cache=cache)
+    assert first.kind == again.kind == "html" and again.from_cache
+    assert again.text == first.text and "<" not in first.text.replace("<test>", "")
+
+
+def test_html_with_only_markup_is_empty(tmp_path):
+    page = tmp_path / "blank.html"
+    page.write_text("<html><head><script>x = 1</script></head><body> <div></div> </body></html>")
+    (doc,) = ingest_all([str(page)])
+    assert doc.ok and doc.text == "" and any("empty" in w for w in doc.warnings)

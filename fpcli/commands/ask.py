@@ -56,7 +56,7 @@ class CutChoice(str, Enum):
 def ask(
     files: Annotated[
         Optional[list[str]],
-        typer.Argument(metavar="FILE", help="PDF, .txt or .md files; '-' reads standard input (text or PDF). Required.", show_default=False),
+        typer.Argument(metavar="FILE", help="PDF, HTML (.html, .htm: visible text only), .txt or .md files; '-' reads standard input (text or PDF). Required.", show_default=False),
     ] = None,
     question: Annotated[
         Optional[str], typer.Argument(metavar="QUESTION", help="The question, in quotes, after the files. Required.", show_default=False)

@@ -43,7 +43,7 @@ class ChatCommand(FpCommand):
 def chat(
     files: Annotated[
         Optional[list[str]],
-        typer.Argument(metavar="FILE", help="PDF, .txt or .md files (read once). Required.", show_default=False),
+        typer.Argument(metavar="FILE", help="PDF, HTML (.html, .htm: visible text only), .txt or .md files (read once). Required.", show_default=False),
     ] = None,
     model: Annotated[
         Optional[str],

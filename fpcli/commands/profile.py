@@ -21,7 +21,7 @@ DEFAULT_QUESTION = "Summarize this document."
 
 @app.command("profile", cls=FpCommand)
 def profile_cmd(
-    file: Annotated[str, typer.Argument(metavar="FILE", help="PDF, .txt or .md file; '-' reads standard input.", show_default=False)],
+    file: Annotated[str, typer.Argument(metavar="FILE", help="PDF, HTML, .txt or .md file; '-' reads standard input.", show_default=False)],
     question: Annotated[str, typer.Argument(metavar="QUESTION", help="Question appended to the document (it shapes the prefill).")] = DEFAULT_QUESTION,
     fp8: Annotated[bool, typer.Option("--fp8", help="FP8 attention in the sparse layers; also report the FP8-vs-BF16 output error per layer and KV head (the engine runs both on the same inputs).")] = False,
     png: Annotated[Optional[Path], typer.Option("--png", help="Where to write the heatmap PNG. Default: <FILE stem>.density.png in the current directory.", dir_okay=False)] = None,
