@@ -37,6 +37,7 @@ class FakeEngine:
     name = "fake"
     precision = "bf16"  # the model dtype; fake_load_engine sets "fp8 (sparse layers)" for an FP8 profile, as the real engines do
     start_s = 0.01  # started in this process (a resident engine reports 0.0)
+    min_sparse_len = 0  # prompts shorter than this run every layer dense, as the engines do below a profile's min_sparse_len
 
     def __init__(
         self,
@@ -120,7 +121,7 @@ class FakeEngine:
         computed like the real engines (overall density over the sparse layers 1..; skipped FLOPs
         over all layers, the dense layer skipping none). The ``dense`` profile: all dense, no index."""
         flops_per_layer = 4.0 * n * n / 2 * 64 * self.num_kv_heads
-        if self.profile == "dense":
+        if self.profile == "dense" or n < self.min_sparse_len:
             return PrefillStats(
                 density=1.0,
                 density_per_layer=[1.0] * self.num_layers,

@@ -296,3 +296,32 @@ def test_eval_two_seeds_one_engine_per_profile_and_the_spread(runner, fake_engin
 def test_eval_bad_seed_is_a_usage_error(runner, fake_engine):
     r = runner.invoke(app, ["eval", "--len", "1k", "--seed", "zero"])
     assert r.exit_code == 2 and "--seed" in r.stderr and "'zero'" in r.stderr
+
+
+def test_eval_says_when_sparse_profiles_ran_dense_below_min_sparse_len(runner, fake_engine, monkeypatch):
+    from fp_fakes import FakeEngine
+
+    monkeypatch.setenv("FP_FAKE_CONTEXT", "8192")  # the profiles' min_sparse_len fitted to it: 4,096
+    monkeypatch.setattr(FakeEngine, "min_sparse_len", 4096)  # as the engines: shorter prompts run dense
+    r = runner.invoke(app, ["eval", "--len", "2k,8k", "--task", "vt", "--samples", "1",
+                            "--profiles", "dense,bf16,fp8", "--json"])
+    assert r.exit_code == 0, r.stderr
+    data = json.loads(r.stdout)
+    avg = {(a["length"], a["profile"]): a for a in data["averages"]}
+    assert avg[(2048, "bf16")]["ran_dense"] and avg[(2048, "fp8")]["ran_dense"]
+    assert avg[(2048, "bf16")]["density"] == 1.0 and avg[(2048, "bf16")]["min_sparse_len"] == 4096
+    assert not avg[(8192, "bf16")]["ran_dense"] and avg[(8192, "bf16")]["density"] < 1
+    assert not avg[(2048, "dense")]["ran_dense"] and avg[(2048, "dense")]["min_sparse_len"] is None
+    err = " ".join(r.stderr.split())
+    assert "at 2k every profile ran dense: prompts below min_sparse_len 4,096; use --len 8k or more" in err
+    assert "at 8k" not in err and err.count("ran dense") == 1
+    assert "2 samples built" in err  # one per length
+
+
+def test_eval_one_sample_is_said_in_the_singular(runner, fake_engine, monkeypatch):
+    monkeypatch.setenv("FP_FAKE_CONTEXT", "8192")
+    r = runner.invoke(app, ["eval", "--len", "2k", "--task", "vt", "--samples", "1", "--profiles", "dense"])
+    assert r.exit_code == 0, r.stderr
+    err = " ".join(r.stderr.split())
+    assert "1 sample built" in err and "1 samples" not in err
+    assert "a prompt of " in err and not re.search(r"(\d[\d,]*)-\1 tokens", err)

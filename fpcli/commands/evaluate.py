@@ -135,9 +135,11 @@ def evaluate(
                              on_sample=lambda s: bar.advance(building))
         bar.update(building, visible=False)
         bar.update(answering, visible=True)
-        say(f"{len(built)} samples built with {eng.model_name}'s tokenizer "
+        low, high = min(s.prompt_tokens for s in built), max(s.prompt_tokens for s in built)
+        say(f"{len(built)} sample{'s' if len(built) != 1 else ''} built with {eng.model_name}'s tokenizer "
             f"(seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}), "
-            f"prompts of {min(s.prompt_tokens for s in built):,}-{max(s.prompt_tokens for s in built):,} tokens")
+            f"{'prompts of' if len(built) != 1 else 'a prompt of'} "
+            f"{f'{low:,}' if low == high else f'{low:,}-{high:,}'} tokens")
         return built
 
     try:
@@ -172,10 +174,12 @@ def evaluate(
             fail(f"cannot write the report {report}: {exc.strerror or exc}")
     if not quiet:
         from fpcli.console import print_table
-        from fpcli.ruler.render import eval_table
+        from fpcli.ruler.render import dense_notes, eval_table
 
         table = eval_table(data)
         print_table(table, stderr=True)
+        for line in dense_notes(data):
+            err.print(f"[yellow]note:[/] {escape(line)}", highlight=False, soft_wrap=True)
         if report is not None:
             err.print(f"[dim]report saved to {report}[/]", highlight=False)
 

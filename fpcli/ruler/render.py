@@ -1,5 +1,6 @@
 """The ``fp eval`` table (stderr): one row per (task, length), then the per-length averages; for
-each profile three columns: score (points 0-100), mean TTFT (s) and mean density (%)."""
+each profile three columns: score (points 0-100), mean TTFT (s) and mean density (%); and the
+lines said under it (``dense_notes``)."""
 from __future__ import annotations
 
 from rich.table import Table
@@ -57,3 +58,35 @@ def _triple(c: dict, bold: bool = False, spread: bool = False) -> list[str]:
 
 def _len(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"
+
+
+def dense_notes(report: dict) -> list[str]:
+    """One line per length at which a sparse profile ran no sparse layer (an average's
+    ``ran_dense``: every prompt below its ``min_sparse_len``), so that a table of identical dense
+    runs says so, e.g. "at 2k every profile ran dense: prompts below min_sparse_len 4,096; use
+    --len 8k or more". Empty when every sparse profile ran sparse."""
+    sparse = [p["name"] for p in report["profiles"] if p.get("attention") != "dense"]
+    by_length: dict[int, list[dict]] = {}
+    for a in report["averages"]:
+        if a["profile"] in sparse:
+            by_length.setdefault(a["length"], []).append(a)
+    notes = []
+    for length, avgs in by_length.items():
+        dense = [a for a in avgs if a.get("ran_dense")]
+        if not dense:
+            continue
+        who = "every profile" if len(dense) == len(avgs) else "profile" + ("s " if len(dense) > 1 else " ") + \
+            ", ".join(a["profile"] for a in dense)
+        msl = max(a["min_sparse_len"] for a in dense)
+        notes.append(f"at {_len(length)} {who} ran dense: prompts below min_sparse_len {msl:,}; "
+                     f"use --len {_len(_longer_than(msl))} or more")
+    return notes
+
+
+def _longer_than(tokens: int) -> int:
+    """The smallest power-of-two length (tokens, at least 1k) whose prompts exceed ``tokens``:
+    a prompt of --len N holds a little fewer than N tokens, so N = tokens is not enough."""
+    n = 1024
+    while n <= tokens:
+        n *= 2
+    return n

@@ -33,6 +33,8 @@ class ProfileRun:
         ran_precision: the attention precision the results report (``GenerationResult.precision``;
             several joined by ``/`` if they differ between samples).
         results: ``{sample id: GenerationResult}``.
+        min_sparse_len: the prompt length (tokens) from which the profile runs sparse, fitted to
+            the run's context (``Profile.fit_to_context``); ``None`` for a dense profile.
     """
 
     name: str
@@ -42,6 +44,7 @@ class ProfileRun:
     model: str = ""
     ran_precision: str = ""
     results: dict[str, GenerationResult] = field(default_factory=dict)
+    min_sparse_len: int | None = None
 
     @property
     def label(self) -> str:
@@ -97,6 +100,8 @@ def run_profiles(
                 context = min(caps)
                 samples = build_samples(eng, context)
             run = ProfileRun(prof.name, prof.attention, prof.precision, eng.name, eng.model_name)
+            if not prof.is_dense:
+                run.min_sparse_len = prof.fit_to_context(context).sparse.min_sparse_len
             for s in samples:
                 run.results[s.id] = eng.generate(s.ids, max_new_tokens=s.max_new_tokens, temperature=0.0)
                 on_sample(i * len(samples) + len(run.results), len(profiles) * len(samples))
@@ -109,7 +114,10 @@ def run_profiles(
 def cells(run: EvalRun) -> list[dict]:
     """One dict per (task, length, profile), in sample order then profile order: ``score``
     (points 0-100, over every seed's samples), ``score_by_seed`` (``{str(seed): points}``: JSON keys), ``ttft_s``
-    and ``density`` (means), ``samples`` (all seeds), ``prompt_tokens`` (mean)."""
+    and ``density`` (means), ``samples`` (all seeds), ``prompt_tokens`` (mean), ``min_sparse_len``
+    (the profile's, ``None`` for a dense profile) and ``ran_dense``: ``True`` when a sparse profile
+    ran no sparse layer on any sample because every prompt was shorter than its ``min_sparse_len``
+    (density 1.0: the cell measured dense attention)."""
     groups: dict[tuple[str, int], list[Sample]] = {}
     for s in run.samples:
         groups.setdefault((s.task, s.length), []).append(s)
@@ -117,6 +125,7 @@ def cells(run: EvalRun) -> list[dict]:
     for (task, length), group in groups.items():
         for p in run.profiles:
             results = [p.results[s.id] for s in group]
+            below = p.min_sparse_len is not None and all(s.prompt_tokens < p.min_sparse_len for s in group)
             by_seed: dict[int, list[float]] = {}
             for s, r in zip(group, results):
                 by_seed.setdefault(s.seed, []).append(string_match(s.expected, r.text))
@@ -130,6 +139,8 @@ def cells(run: EvalRun) -> list[dict]:
                 "density": fmean(r.stats.density for r in results),
                 "samples": len(group),
                 "prompt_tokens": fmean(s.prompt_tokens for s in group),
+                "min_sparse_len": p.min_sparse_len,
+                "ran_dense": below and all(not r.stats.sparse_layers and r.stats.density == 1.0 for r in results),
             })
     return out
 
@@ -137,7 +148,9 @@ def cells(run: EvalRun) -> list[dict]:
 def averages(cell_list: Sequence[dict]) -> list[dict]:
     """Per (length, profile): the mean of the task scores (each task weighs the same), TTFT and
     density; ``score_by_seed`` (the same mean over one seed's samples) and ``seed_spread`` (its
-    max - min over the seeds, points; 0 with one seed)."""
+    max - min over the seeds, points; 0 with one seed); ``min_sparse_len`` (the profile's) and
+    ``ran_dense`` (every task's cell ran dense, see ``cells``: this average measured dense
+    attention although the profile is sparse)."""
     groups: dict[tuple[int, str], list[dict]] = {}
     for c in cell_list:
         groups.setdefault((c["length"], c["profile"]), []).append(c)
@@ -148,7 +161,8 @@ def averages(cell_list: Sequence[dict]) -> list[dict]:
         out.append({"length": length, "profile": prof, "score": fmean(c["score"] for c in cs),
                     "score_by_seed": by_seed, "seed_spread": max(by_seed.values()) - min(by_seed.values()),
                     "ttft_s": fmean(c["ttft_s"] for c in cs), "density": fmean(c["density"] for c in cs),
-                    "tasks": len(cs)})
+                    "tasks": len(cs), "min_sparse_len": cs[0].get("min_sparse_len"),
+                    "ran_dense": all(c.get("ran_dense", False) for c in cs)})
     return out
 
 
