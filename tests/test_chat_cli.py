@@ -17,7 +17,7 @@ from test_cli import TESTS, _fp, doc, invoke  # noqa: F401 - doc is a fixture
 def test_chat_answers_each_line_until_exit(runner, fake_engine, doc):
     r = invoke(runner, ["chat", str(doc)], input="What is the code?\n\nAnd the revenue?\n/exit\nnever asked\n")
     assert r.exit_code == 0, r.stderr
-    assert r.stdout == "The answer is 42.\nThe answer is 42.\n"
+    assert r.stdout == "The answer is 42.\n\nThe answer is 42.\n"  # a blank line between answers
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("prompt tokens")]
     assert len(lines) == 2 and all("TTFT" in ln and "tokens/s" in ln and "density" in ln for ln in lines)
     eng = fake_engine()
@@ -28,6 +28,19 @@ def test_chat_answers_each_line_until_exit(runner, fake_engine, doc):
     assert "Earlier question: What is the code?\nYour answer: The answer is 42." in users[1]
     assert eng.closed
     assert "> " not in r.stderr  # no prompt when stdin is not a terminal
+
+
+def test_chat_header_counts_what_the_summary_lines_count(runner, fake_engine, doc, monkeypatch):
+    monkeypatch.setenv("FP_FAKE_ANSWER", "cut short because the answer ran out of")
+    r = invoke(runner, ["chat", str(doc), "-n", "4"], input="What is the code?\nAnd the revenue?\n")
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout == "cut short because the \n\ncut short because the \n"  # cut answers stay apart
+    err = " ".join(r.stderr.split())
+    assert "prompt tokens before the question" not in err
+    header = int(re.search(r"system message and documents: ([\d,]+) tokens", err).group(1).replace(",", ""))
+    first = int(re.search(r"prompt tokens ([\d,]+)", err).group(1).replace(",", ""))
+    assert first == header + len("What is the code?".split())  # the fake counts a word a token
+    assert "adds the question and the earlier turns" in err
 
 
 def test_chat_no_history_sends_the_same_prefix_and_only_the_question(runner, fake_engine, doc):

@@ -3,8 +3,8 @@
 Every prompt is the same system message, the same (fitted) documents, then the earlier turns
 (``--history``) and the question, so each question after the first reuses the documents' KV
 cache (the engines keep it: ``GenerationResult.cached_tokens``). Questions come from stdin, one
-per line (a ``> `` prompt on stderr when stdin is a terminal); answers stream to stdout, one
-summary line per answer goes to stderr; EOF or ``/exit`` ends the session.
+per line (a ``> `` prompt on stderr when stdin is a terminal); answers stream to stdout, separated
+by a blank line, one summary line per answer goes to stderr; EOF or ``/exit`` ends the session.
 """
 from __future__ import annotations
 
@@ -119,7 +119,9 @@ def _chat(files, model, profile, engine, history, max_new_tokens, temperature, p
         render_cuts(err, fitted)
         err.print(
             f"[dim]{eng.name} engine, model {eng.model_name}, profile {prof.name}: {len(fitted.documents)} "
-            f"document(s), {fitted.tokens:,} prompt tokens before the question; ask one question per line, "
+            f"document(s); system message and documents: {fitted.tokens:,} tokens, to which each prompt adds the "
+            f"question{' and the earlier turns' if history else ''} (see 'prompt tokens' after each answer); "
+            f"ask one question per line, "
             f"{EXIT_COMMANDS[0]} or end of input to quit[/]",
             highlight=False,
         )
@@ -135,6 +137,7 @@ class _ChatLoop:
         self.ctx, self.max_new_tokens, self.temperature = ctx, max_new_tokens, temperature
         self.history, self.json_out, self.err = history, json_out, err
         self.turns: list[tuple[str, str]] = []
+        self.answered = 0  # answers written to stdout so far
 
     def run(self, stdin) -> None:
         interactive = stdin.isatty()
@@ -193,6 +196,9 @@ class _ChatLoop:
         if prompt is None:
             return
         stream = StdoutStream()
+        if self.answered and not self.json_out:  # a blank line between answers: a cut one never runs into the next
+            sys.stdout.write("\n")
+        self.answered += 1
 
         try:
             with PrefillDisplay(self.err, prompt.tokens) as display:
