@@ -448,8 +448,28 @@ def test_bench_cpu_runs_the_real_operator_bench(runner, monkeypatch):
     r = invoke(runner, ["bench", "--cpu", "--len", "1k", "--heads", "2/1", "--head-dim", "64"], env={"COLUMNS": "80"})
     assert r.exit_code == 0, r.output
     assert "CPU reference, not representative" in r.stdout and "SDPA ms" in r.stdout and "x dense ref" in r.stdout
+    said = (r.stdout + r.stderr).lower()
+    assert said.count("not representative") == 1, said  # once is enough
     row = [line.split() for line in r.stdout.splitlines() if line.strip().startswith("1024 ")]
     assert len(row) == 1 and len(row[0]) == 9 and "…" not in r.stdout  # every column whole, one line
+    assert row[0][1] == "100.0%"  # density as a percentage, as everywhere else in fp
+
+
+def test_bench_table_density_in_percent_and_a_sum_that_does_not_add_up_is_explained():
+    from flashprefill.bench import CPU_LABEL, format_table
+
+    base = {"device": "cpu", "cpu": "x86_64", "label": CPU_LABEL, "batch": 1, "heads_q": 32, "heads_kv": 8,
+            "head_dim": 128, "dtype": "bfloat16", "page_size": 64, "inputs": "synthetic", "repeats": 3,
+            "notes": {"cpu": CPU_LABEL}, "dense_ref_ms": 1405.9, "sdpa_ms": 717.9}
+    rows = [dict(base, L=2048, density=0.8272, index_ms=67.3, attn_ms=1395.8, total_ms=1405.2),
+            dict(base, L=4096, density=0.5, index_ms=100.0, attn_ms=400.0, total_ms=502.0)]
+    text = format_table(rows)
+    assert "82.7%" in text and "50.0%" in text and "0.8272" not in text
+    assert text.lower().count("not representative") == 1
+    timing = [line for line in text.splitlines() if line.startswith("note timing:")]
+    assert len(timing) == 1 and "separate timings" in timing[0]
+    assert "L=2048: 67.3 + 1395.8 = 1463.1 vs total 1405.2" in timing[0] and "L=4096" not in timing[0]  # within 1%
+    assert "note timing" not in format_table(rows[1:])
 
 
 def test_bench_cpu_fp8_side_by_side(runner, monkeypatch):

@@ -106,7 +106,8 @@ def bench(
             too_long = [n for n in lengths if n > CPU_MAX_LEN]
             if too_long:
                 fail(f"--cpu runs lengths up to {CPU_MAX_LEN} tokens; got {too_long} (use --len 2k for example)", code=2)
-            err.print("[yellow]CPU reference run: correctness plumbing only, NOT representative of GPU speed[/]")
+            if json_out:  # the table says it otherwise, once, in its header
+                err.print("[yellow]CPU reference run: correctness plumbing only, NOT representative of GPU speed[/]")
         import torch
 
         from flashprefill.bench import run_operator_bench
@@ -136,17 +137,19 @@ def bench(
     else:
         from fpcli.console import print_table
 
-        title = f"fp bench ({meta['kind']}" + (", CPU reference, not representative)" if meta.get("device") == "cpu" else ")")
+        title = f"fp bench ({meta['kind']}" + (", CPU)" if meta.get("device") == "cpu" else ")")
         if meta["kind"] == "operator" and rows and "inputs" in rows[0]:
             # the operator's own fixed-width table: the main columns, never truncated
             from flashprefill.bench import format_table
 
             sys.stdout.write(f"{title}\n{format_table(rows)}\n")
         else:
+            if meta.get("device") == "cpu":
+                title = f"fp bench ({meta['kind']}, CPU reference, not representative of GPU speed)"
             table = rows_table(rows, title=title)
             print_table(table)  # the result: stdout, as wide as it needs
         if not (meta["kind"] == "operator" and rows and "inputs" in rows[0]):  # format_table prints its notes
-            notes = {k: v for r in rows for k, v in (r.get("notes") or {}).items()}
+            notes = {k: v for r in rows for k, v in (r.get("notes") or {}).items() if k != "cpu"}
             for k, v in notes.items():
                 err.print(f"note {k}: {v}", highlight=False, markup=False, soft_wrap=True)
 

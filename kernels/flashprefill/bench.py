@@ -125,11 +125,11 @@ def _dense_baselines(q, k_lin, v_lin, L, batch, hq, hkv, d, scale):
 CPU_LABEL = "CPU reference, not representative"
 CPU_MAX_LEN = 8192        # the reference is O(L^2) in memory and time on the CPU
 CPU_REPEATS = 3           # timed calls per measurement (after one warm-up call); the median is kept
-CPU_COLS = [("L", "L", "{:d}"), ("density", "density", "{:.4f}"), ("index_ms", "index ms", "{:.1f}"),
+CPU_COLS = [("L", "L", "{:d}"), ("density", "density", "{:.1%}"), ("index_ms", "index ms", "{:.1f}"),
             ("attn_ms", "attn ms", "{:.1f}"), ("total_ms", "total ms", "{:.1f}"),
             ("dense_ref_ms", "dense ref ms", "{:.1f}"), ("sdpa_ms", "SDPA ms", "{:.1f}"),
             ("speedup_vs_dense_ref", "x dense ref", "{:.2f}"), ("speedup_vs_sdpa", "x SDPA", "{:.2f}"),
-            ("fp8_density", "fp8 density", "{:.4f}"), ("fp8_total_ms", "fp8 total ms", "{:.1f}"),
+            ("fp8_density", "fp8 density", "{:.1%}"), ("fp8_total_ms", "fp8 total ms", "{:.1f}"),
             ("fp8_speedup", "x bf16", "{:.2f}"), ("fp8_rel_l2", "fp8 relL2", "{:.4f}"),
             ("fp8_dense_ref_ms", "fp8 dense ref ms", "{:.1f}")]
 
@@ -201,7 +201,7 @@ def _run_cpu_bench(lens, heads_q, heads_kv, head_dim, dtype, fp8, batch, say, pa
     for L in _lengths(lens):
         if L > CPU_MAX_LEN:
             raise ValueError(f"device='cpu' runs lengths up to {CPU_MAX_LEN} tokens (the reference is O(L^2)); got {L}")
-        say(f"[bench] {CPU_LABEL}: L={L} batch={batch} heads {heads_q}/{heads_kv} d={head_dim} {dtype}")
+        say(f"[bench] CPU reference: L={L} batch={batch} heads {heads_q}/{heads_kv} d={head_dim} {dtype}")
         row = {"device": "cpu", "gpu": None, "cpu": cpu, "label": CPU_LABEL, "backend": "reference", "L": L,
                "batch": batch, "heads_q": heads_q, "heads_kv": heads_kv, "head_dim": head_dim,
                "dtype": str(dtype).replace("torch.", ""), "page_size": page_size,
@@ -316,7 +316,7 @@ def run_operator_bench(lens, heads_q: int, heads_kv: int, head_dim: int, dtype, 
     return rows
 
 
-TABLE_COLS = [("L", "L", "{:d}"), ("density", "density", "{:.4f}"), ("index_ms", "index ms", "{:.3f}"),
+TABLE_COLS = [("L", "L", "{:d}"), ("density", "density", "{:.1%}"), ("index_ms", "index ms", "{:.3f}"),
               ("attn_ms", "attn ms", "{:.3f}"), ("total_ms", "total ms", "{:.3f}"),
               ("total_tflops", "eff TFLOP/s", "{:.0f}"),
               ("index_mib", "idx MiB", "{:.1f}"), ("index_peak_mib", "peak MiB", "{:.1f}"),
@@ -324,7 +324,7 @@ TABLE_COLS = [("L", "L", "{:d}"), ("density", "density", "{:.4f}"), ("index_ms",
               ("fa4_tflops", "FA4 TFLOP/s", "{:.0f}"),
               ("cudnn_ms", "cuDNN ms", "{:.3f}"), ("fa2_ms", "FA2 ms", "{:.3f}"),
               ("speedup_vs_fa4", "x FA4", "{:.2f}"), ("speedup_vs_cudnn", "x cuDNN", "{:.2f}"),
-              ("fp8_density", "fp8 density", "{:.4f}"), ("fp8_index_ms", "fp8 index ms", "{:.3f}"),
+              ("fp8_density", "fp8 density", "{:.1%}"), ("fp8_index_ms", "fp8 index ms", "{:.3f}"),
               ("fp8_total_ms", "fp8 total ms", "{:.3f}"), ("fp8_speedup", "x bf16", "{:.2f}"),
               ("fp8_rel_l2", "fp8 relL2", "{:.4f}"), ("fp8_dense_mode_ms", "fp8 our dense ms", "{:.3f}"),
               ("fp8_flashinfer_ms", "FI fp8 ms", "{:.3f}")]
@@ -340,24 +340,44 @@ def _plain(rows: list[dict], cols) -> list[str]:
     return lines
 
 
+SUM_TOLERANCE = 0.01  # index ms + attn ms may differ from total ms by this share (rounding) before a note explains it
+
+
 def format_table(rows: list[dict]) -> str:
-    """Plain-text table (fixed-width, no truncation) of ``run_operator_bench``'s rows, with notes."""
+    """Plain-text table (fixed-width, no truncation) of ``run_operator_bench``'s rows, with notes.
+    Density is a percentage. The CPU label is said once, in the header line (not again as a note).
+    Where ``index_ms + attn_ms`` differs from ``total_ms`` by more than ``SUM_TOLERANCE``, a note
+    says why: the three are timed apart, ``total_ms`` being one whole call (index, then attention)."""
     if not rows:
         return "(no rows)"
     r = rows[0]
     if r.get("device") == "cpu":
-        lines = [f"{CPU_LABEL}: {r['cpu']}  batch {r['batch']}  heads {r['heads_q']}/{r['heads_kv']}  "
+        lines = [f"{CPU_LABEL} of GPU speed: {r['cpu']}  batch {r['batch']}  heads {r['heads_q']}/{r['heads_kv']}  "
                  f"d {r['head_dim']}  {r['dtype']}  page {r['page_size']}  inputs: {r['inputs']}  "
                  f"median of {r['repeats']} calls"]
         lines += _plain(rows, CPU_COLS)
-        notes = {k: v for row in rows for k, v in row["notes"].items()}
-        return "\n".join(lines + [f"note {k}: {v}" for k, v in notes.items()])
+        notes = {k: v for row in rows for k, v in row["notes"].items() if k != "cpu"}
+        return "\n".join(lines + _sum_notes(rows) + [f"note {k}: {v}" for k, v in notes.items()])
     lines = [f"{r['gpu']}  batch {r['batch']}  heads {r['heads_q']}/{r['heads_kv']}  d {r['head_dim']}  "
              f"{r['dtype']}  page {r['page_size']}  inputs: {r['inputs']}  config: default SparseConfig"]
     lines += _plain(rows, TABLE_COLS)
     notes = {k: v for r in rows for k, v in r["notes"].items()}
-    lines += [f"note {k}: {v}" for k, v in notes.items()]
+    lines += _sum_notes(rows) + [f"note {k}: {v}" for k, v in notes.items()]
     return "\n".join(lines)
+
+
+def _sum_notes(rows: list[dict]) -> list[str]:
+    """One note when a row's ``index_ms + attn_ms`` is off ``total_ms`` by more than ``SUM_TOLERANCE``:
+    e.g. 67.3 + 1395.8 = 1463.1 against a total of 1405.2 (the columns are separate timings)."""
+    off = [r for r in rows if all(k in r for k in ("index_ms", "attn_ms", "total_ms"))
+           and abs(r["index_ms"] + r["attn_ms"] - r["total_ms"]) > SUM_TOLERANCE * r["total_ms"]]
+    if not off:
+        return []
+    what = "; ".join(f"L={r['L']}: {r['index_ms']:.1f} + {r['attn_ms']:.1f} = {r['index_ms'] + r['attn_ms']:.1f} "
+                     f"vs total {r['total_ms']:.1f}" for r in off)
+    return [f"note timing: index ms, attn ms and total ms are three separate timings (total ms: one whole call, "
+            f"index then attention), so they need not add up; the difference is timing noise "
+            f"(median of a few calls) plus the work a whole call adds or shares ({what})"]
 
 
 def main(argv=None) -> int:
