@@ -179,7 +179,7 @@ def ingest(
         doc = ingest_one(p, password=password, page_timeout=page_timeout, stdin=stdin, cache=cache)
         seen[key] = doc
         if doc.ok and not doc.text.strip() and not doc.warnings:  # say why a file adds nothing
-            doc.warnings.append(f"{p}: no text extracted")
+            doc.warnings.append(f"{STDIN_NAME if p == STDIN else p}: no text extracted")
         docs.append(doc)
     return docs
 
@@ -208,8 +208,8 @@ def ingest_one(
             if isinstance(data, str):
                 data = data.encode("utf-8")
             if _is_pdf(data):
-                return read_pdf(io.BytesIO(data), STDIN, password, page_timeout, kind="stdin-pdf")
-            return read_text_bytes(data, STDIN, kind="stdin-text")
+                return _name_stdin(read_pdf(io.BytesIO(data), STDIN, password, page_timeout, kind="stdin-pdf"))
+            return _name_stdin(read_text_bytes(data, STDIN, kind="stdin-text"))
         if cache is not None:
             return _read_cached(path, Path(path).read_bytes(), password, page_timeout, cache)
         with open(path, "rb") as f:
@@ -221,6 +221,20 @@ def ingest_one(
         return read_text_bytes(Path(path).read_bytes(), path)
     except OSError as exc:
         return Document(name=path, kind="unknown", error=f"{path}: cannot read: {exc.strerror or exc}")
+
+
+STDIN_NAME = "standard input"  # what messages call ``-``
+
+
+def _name_stdin(doc: Document) -> Document:
+    """``doc`` (read from ``-``) with its notes, warnings and error naming "standard input", not "-"."""
+    def named(m: str) -> str:
+        return STDIN_NAME + m[len(STDIN):] if m.startswith(STDIN + ":") else m
+
+    doc.notes = [named(m) for m in doc.notes]
+    doc.warnings = [named(m) for m in doc.warnings]
+    doc.error = named(doc.error) if doc.error else doc.error
+    return doc
 
 
 _CACHED_FIELDS = ("kind", "text", "pages", "page_starts", "skipped_pages", "empty_pages", "scanned_pages",
@@ -256,7 +270,7 @@ def _read_cached(path: str, data: bytes, password: str | None, page_timeout: flo
         doc = read_pdf(io.BytesIO(data), path, None, page_timeout)
     else:
         doc = read_html_bytes(data, path) if html else read_text_bytes(data, path)
-    if doc.ok and not doc.skipped_pages:
+    if doc.ok and not doc.skipped_pages and doc.text.strip():  # an empty file is not worth a cache note
         value = {f: getattr(doc, f) for f in _CACHED_FIELDS}
         value["notes"] = [_unnamed(path, m) for m in doc.notes]
         value["warnings"] = [_unnamed(path, m) for m in doc.warnings]

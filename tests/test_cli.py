@@ -220,6 +220,20 @@ def test_ask_missing_question_is_named(runner, fake_engine, doc, tmp_path):
     assert LAST_FAKE == []
 
 
+@pytest.mark.parametrize("args, says", [
+    (["-n", "0"], "Invalid value for '--max-new-tokens' / '-n'"),
+    (["--no-such-option"], "No such option: --no-such-option"),
+])
+def test_parser_errors_are_one_line_like_fps_own(runner, fake_engine, doc, args, says):
+    r = invoke(runner, ["ask", str(doc), "q?", *args])
+    assert r.exit_code == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fp: error: ") and says in lines[0], r.stderr
+    assert "fp ask -h" in lines[0] and "╭" not in r.stderr and "Traceback" not in r.stderr
+    r = invoke(runner, ["no-such-command"])
+    assert r.exit_code == 2 and r.stderr.startswith("fp: error: No such command") and len(r.stderr.splitlines()) == 1
+
+
 def test_ask_question_first_gets_a_hint(runner, fake_engine, doc):
     r = invoke(runner, ["ask", "What is the code word?", str(doc)])
     assert r.exit_code == 2

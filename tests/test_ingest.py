@@ -597,3 +597,26 @@ def test_html_with_only_markup_is_empty(tmp_path):
     page.write_text("<html><head><script>x = 1</script></head><body> <div></div> </body></html>")
     (doc,) = ingest_all([str(page)])
     assert doc.ok and doc.text == "" and any("empty" in w for w in doc.warnings)
+
+
+def test_empty_standard_input_is_named_not_dash():
+    (doc,) = ingest_all([ingest.STDIN], stdin=io.BytesIO(b""))
+    assert doc.ok and doc.warnings == ["standard input: empty"]
+    (spaces,) = ingest_all([ingest.STDIN], stdin=io.BytesIO(b"  \n"))
+    assert all(w.startswith("standard input:") for w in spaces.warnings) and spaces.warnings
+
+
+def test_empty_file_gets_no_document_cache_note(tmp_path):
+    from fpcli.doccache import CacheConfig, DiskCache
+
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    cache = DiskCache(CacheConfig(root=tmp_path / "cache"), "documents")
+    for _ in range(2):
+        (doc,) = ingest_all([str(empty)], cache=cache)
+        assert not doc.from_cache and doc.notes == [] and doc.warnings == [f"{empty}: empty"]
+    full = tmp_path / "full.txt"
+    full.write_text("some text")
+    ingest_all([str(full)], cache=cache)
+    (again,) = ingest_all([str(full)], cache=cache)
+    assert again.from_cache and any("document cache" in n for n in again.notes)  # the cache still works

@@ -42,3 +42,14 @@ def test_readme_sizes_match_the_embedded_model():
     assert f"{download_mb} MB download" in text
     assert "about 100 MB" not in text
     assert "540 MB on disk" in text
+
+
+def test_readme_exit_codes_list_every_code_fp_uses():
+    from fpcli.commands.stop import EXIT_NOT_RUNNING
+
+    text = " ".join(README.read_text(encoding="utf-8").split())
+    codes = re.search(r"Exit codes: (.*?)(?:\n\n|\*\*The JSON report)", text, re.S)
+    assert codes, "the README's exit-code list is missing"
+    listed = codes.group(1)
+    for code, what in ((0, "success"), (1, "failure"), (2, "bad usage"), (EXIT_NOT_RUNNING, "fp status")):
+        assert re.search(rf"(^|[ ,;]){code} [^;,]*{re.escape(what)}", listed), (code, what, listed)

@@ -45,10 +45,38 @@ def _usage_pieces(command, ctx) -> list[str]:
     return pieces
 
 
-class FpCommand(TyperCommand):
+class _OneLineErrors:
+    """``main`` for fp's commands and groups: a usage error the parser finds (a bad option value,
+    an unknown option, a missing argument) is one line ``fp: error: ...`` on stderr, exit 2, like
+    the errors fp's commands find themselves, instead of typer's boxed panel."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode: bool = True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except typer.Abort:
+            stderr_console().print("[bold red]fp: error:[/] aborted", highlight=False)
+            sys.exit(1)
+        except typer.TyperException as exc:  # the parser's errors (typer's ClickException and its kinds)
+            if not hasattr(exc, "format_message"):
+                raise
+            hint = ""
+            ctx = getattr(exc, "ctx", None)
+            if ctx is not None:
+                hint = f" (see '{ctx.command_path} {(ctx.help_option_names or ['--help'])[0]}')"
+            message = " ".join(exc.format_message().split())
+            stderr_console().print(f"[bold red]fp: error:[/] {escape(message)}{escape(hint)}", soft_wrap=True,
+                                   highlight=False)
+            sys.exit(getattr(exc, "exit_code", 2))
+        # not standalone: an Exit comes back as its code, a finished command as its return value
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+class FpCommand(_OneLineErrors, TyperCommand):
     """A typer command whose help renders flags as flags and a conventional usage line.
     ``required_args``: arguments optional for the parser (the command checks them itself, to
-    give a better message) but required in the usage line."""
+    give a better message) but required in the usage line. Parser errors are one line."""
 
     required_args: tuple[str, ...] = ()
 
@@ -61,7 +89,7 @@ class FpCommand(TyperCommand):
         return _usage_pieces(self, ctx)
 
 
-class FpGroup(TyperGroup):
+class FpGroup(_OneLineErrors, TyperGroup):
     """The same for command groups (``fp``, ``fp model``)."""
 
     def get_params(self, ctx):
