@@ -6,7 +6,7 @@ Environment knobs (read by ``load`` in the server process):
 - ``FP_FAKE_PIECES`` / ``FP_FAKE_STEP_S``: answer pieces and seconds per decode step.
 - ``FP_FAKE_TRACE``: a file that gets one line per event: ``load PID``, ``child PID``,
   ``start N`` (a generation of N prompt tokens began), ``stop N K`` (it ended after K pieces,
-  raised from on_text), ``done N K``.
+  raised from on_text), ``done N K``, ``args ...`` (the engine settings it was given, if any).
 - ``FP_FAKE_ENGINE_NAME``: the engine's ``name`` (e.g. ``sglang``: a server that says it runs SGLang).
 - ``FP_FAKE_CHILD=1``: the engine starts a ``sleep`` child (like SGLang's scheduler) and leaks it
   (``close`` leaves it running): ``fp stop`` must still leave no process behind.
@@ -62,6 +62,8 @@ class SlowFakeEngine(FakeEngine):
 def load(engine="auto", model=None, profile=None, progress=None, **kwargs) -> SlowFakeEngine:
     time.sleep(float(os.environ.get("FP_FAKE_LOAD_S", "0")))
     _trace(f"load {os.getpid()}")
+    if kwargs.get("engine_args"):
+        _trace("args " + " ".join(kwargs["engine_args"]))
     eng = SlowFakeEngine(pieces=int(os.environ.get("FP_FAKE_PIECES", "5")),
                          step_s=float(os.environ.get("FP_FAKE_STEP_S", "0.05")),
                          profile=getattr(profile, "name", str(profile)),

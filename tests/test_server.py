@@ -197,6 +197,24 @@ def test_non_loopback_host_is_refused(runner):
         assert r.exit_code == 2 and f"--host {host}: only a loopback address is allowed" in r.stderr, r.stderr
 
 
+def test_detached_server_gets_fp_options_before_the_engine_settings():
+    """``fp start -- --tp 2``: the server's command line parses back to engine settings ``--tp 2``
+    alone, with ``--log`` read by fp serve, not passed to the engine."""
+    import typer
+
+    from fpcli.cli import app
+    from fpcli.server.lifecycle import StartRequest, serve_command
+
+    cmd = serve_command(StartRequest(serve_args=["--profile", "bf16"], engine_args=["--tp", "2"]), "/tmp/x/server.log")
+    assert cmd[3] == "serve"
+    group = typer.main.get_command(app)
+    serve = group.commands["serve"]
+    ctx = serve.make_context("serve", cmd[4:], parent=group.make_context("fp", ["serve"], resilient_parsing=True))
+    assert ctx.args == ["--tp", "2"] and ctx.params["log"] == "/tmp/x/server.log"
+    plain = serve_command(StartRequest(serve_args=["--profile", "bf16"]), "/tmp/x/server.log")
+    assert "--" not in plain and plain[-2:] == ["--log", "/tmp/x/server.log"]
+
+
 # -- lifecycle with the real embedded model ----------------------------------------------------------
 
 

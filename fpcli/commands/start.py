@@ -59,8 +59,6 @@ def start(
         args += ["--model", os.path.abspath(model) if os.path.exists(model) else model]
     if idle_s:
         args += ["--idle", f"{idle_s}s"]
-    if ctx.args:
-        args += ["--", *ctx.args]
     want_hash = profile_hash(prof)
 
     def differences(state) -> list[str]:
@@ -78,7 +76,8 @@ def start(
             status.update(f"starting the resident engine ({waited:.0f} s){': ' + escape(line[:80]) if line else ''}")
 
         try:
-            outcome, state = start_server(paths, StartRequest(serve_args=args, timeout_s=timeout), lock_timeout_s=timeout + 30,
+            outcome, state = start_server(paths, StartRequest(serve_args=args, engine_args=list(ctx.args),
+                                                                           timeout_s=timeout), lock_timeout_s=timeout + 30,
                                           matches=differences, replace=replace, on_wait=waiting)
         except (LifecycleError, TimeoutError) as exc:
             fail(str(exc))
