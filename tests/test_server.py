@@ -356,6 +356,21 @@ def test_second_start_with_another_profile_says_what_runs(servers):
     assert json.loads(a.stdout)["summary"]["server"] is None and "runs profile dense" in a.stderr
 
 
+@pytest.mark.parametrize("extra,expected", [
+    (["--bogus"], "No such option: --bogus"),
+    (["stray"], "unexpected extra argument(s) (stray)"),
+    (["--engine", "transformers", "--", "--tp", "2"], "engine settings after --: the transformers engine takes no extra engine settings (got --tp 2)"),
+])
+def test_start_refuses_bad_arguments_before_launching(servers, extra, expected):
+    """Only what follows -- is engine settings; anything else unknown, or engine settings for the
+    transformers engine, is a usage error before a server is launched."""
+    s = servers
+    r = s.fp("start", "--model", s.model, "--timeout", "60", *extra)
+    assert r.returncode == 2, r.stderr
+    assert expected in " ".join(r.stderr.split()), r.stderr
+    assert s.state() is None and s.traced("load") == []
+
+
 def _remote(s: Servers):
     from fpcli.server.client import ClientConfig, RemoteEngine, probe
     from fpcli.server.state import ServerState

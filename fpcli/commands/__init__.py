@@ -61,6 +61,22 @@ class FpCommand(TyperCommand):
         return _usage_pieces(self, ctx)
 
 
+class EngineArgsCommand(FpCommand):
+    """An ``FpCommand`` whose engine settings all follow ``--``: before it, an unknown option or a
+    stray argument is a usage error (exit 2, before anything starts); after it, every word goes to
+    ``ctx.args`` untouched."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        args = list(args)
+        engine_args: list[str] = []
+        if "--" in args:
+            i = args.index("--")
+            args, engine_args = args[:i], args[i + 1:]
+        rest = super().parse_args(ctx, args)
+        ctx.args = engine_args
+        return rest
+
+
 class FpGroup(TyperGroup):
     """The same for command groups (``fp``, ``fp model``)."""
 

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from fpcli.commands import (FpCommand, check_model_or_exit, fail, load_profile_or_exit, parse_duration_or_exit,
+from fpcli.commands import (EngineArgsCommand, check_model_or_exit, fail, load_profile_or_exit, parse_duration_or_exit,
                             stderr_console)
 from fpcli.commands.ask import EngineChoice
 from fpcli.server import START_TIMEOUT_S
@@ -17,8 +17,7 @@ app = typer.Typer()
 
 @app.command(
     "start",
-    cls=FpCommand,
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    cls=EngineArgsCommand,
 )
 def start(
     ctx: typer.Context,
@@ -46,11 +45,17 @@ def start(
     except (PathsError, OSError) as exc:
         fail(f"cannot prepare the runtime folder: {exc}")
     try:
-        from fpcli.engine import resolve_request
+        from fpcli.engine import check_engine_args, resolve_request
         from fpcli.models import resolve_model
 
-        _, resolved_model, prof = resolve_request(engine.value, model, prof)  # the server applies the same defaults
+        resolved_engine, resolved_model, prof = resolve_request(engine.value, model, prof)  # the server applies the same defaults
+        try:
+            check_engine_args(resolved_engine, ctx.args)
+        except ValueError as exc:
+            fail(f"engine settings after --: {exc}", code=2)
         model_path = str(resolve_model(resolved_model, progress=err))  # fetch/convert here, with progress
+    except typer.Exit:
+        raise
     except Exception as exc:  # noqa: BLE001
         fail(f"cannot load the model: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
 
