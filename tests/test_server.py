@@ -371,6 +371,25 @@ def test_start_refuses_bad_arguments_before_launching(servers, extra, expected):
     assert s.state() is None and s.traced("load") == []
 
 
+def test_start_with_context_matches_an_ask_with_the_same_context(servers):
+    s = servers
+    st = _start(s, "--context", "2k")
+    assert st["context"] == 2048
+    a = _ask(s, "--context", "2k")
+    assert a.returncode == 0, a.stderr
+    assert json.loads(a.stdout)["summary"]["server"]["pid"] == st["pid"]
+    # the same profile at another context: the note says it is the context that differs
+    b = _ask(s)
+    assert b.returncode == 0, b.stderr
+    assert json.loads(b.stdout)["summary"]["server"] is None
+    note = " ".join(b.stderr.split())
+    assert "profile bf16 at context 2,048 tokens (this command: the model's own context)" in note, b.stderr
+    again = s.fp("start", "--model", s.model, "--context", "2k", "--timeout", "60")
+    assert again.returncode == 0 and "already runs" in again.stderr
+    other = s.fp("start", "--model", s.model, "--timeout", "60")
+    assert other.returncode == 1 and "another context" in other.stderr, other.stderr
+
+
 def _remote(s: Servers):
     from fpcli.server.client import ClientConfig, RemoteEngine, probe
     from fpcli.server.state import ServerState

@@ -147,6 +147,10 @@ def check_model_or_exit(model: str | None) -> None:
         fail(f"--model: {exc}", code=2)
 
 
+CONTEXT_HELP = ("Context to run the model at, in tokens (e.g. 32k, 128k, 131072): a cap within the model's own "
+                "context, YaRN beyond it (up to 8x). Default: the profile's engine.context_length, else the model's own.")
+
+
 def context_or_exit(text: str | None, profile, model: str | None):
     """``profile`` run at the context ``--context TEXT`` asks for (``128k``, ``131072``; the
     project's length parser), or ``profile`` itself without ``--context``. Exit 2 when ``TEXT``

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from fpcli.commands import (EngineArgsCommand, check_model_or_exit, fail, load_profile_or_exit, parse_duration_or_exit,
+from fpcli.commands import (CONTEXT_HELP, EngineArgsCommand, check_model_or_exit, context_or_exit, fail, load_profile_or_exit, parse_duration_or_exit,
                             stderr_console)
 from fpcli.commands.ask import EngineChoice
 from fpcli.server import START_TIMEOUT_S
@@ -22,6 +22,7 @@ app = typer.Typer()
 def start(
     ctx: typer.Context,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model (default: the embedded one); as for fp ask.")] = None,
+    context: Annotated[Optional[str], typer.Option("--context", "-c", help=CONTEXT_HELP, show_default=False)] = None,
     profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, fp8, dense, or a path to a profile .yaml.")] = "bf16",
     engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: SGLang when CUDA and sglang are present, else transformers.")] = EngineChoice.auto,
     idle: Annotated[Optional[str], typer.Option("--idle", help="End after this long without a request, e.g. 10m (default: never).")] = None,
@@ -40,6 +41,7 @@ def start(
     idle_s = parse_duration_or_exit("--idle", idle)
     prof = load_profile_or_exit(profile)
     check_model_or_exit(model)
+    prof = context_or_exit(context, prof, model)
     try:
         paths = default_paths().ensure()
     except (PathsError, OSError) as exc:
@@ -64,6 +66,8 @@ def start(
         args += ["--model", os.path.abspath(model) if os.path.exists(model) else model]
     if idle_s:
         args += ["--idle", f"{idle_s}s"]
+    if context is not None:
+        args += ["--context", context]
     want_hash = profile_hash(prof)
 
     def differences(state) -> list[str]:
@@ -71,7 +75,8 @@ def start(
         if state.model_path != model_path:
             out.append("model")
         if state.profile_hash != want_hash:
-            out.append("profile")
+            same_settings = state.settings_hash is not None and state.settings_hash == profile_hash(prof, context=False)
+            out.append("context" if same_settings else "profile")
         if engine.value not in ("auto", state.engine):
             out.append("engine")
         return out

@@ -57,6 +57,8 @@ class ServerInfo:
     context_length: int
     precision: str
     version: str
+    context: int | None = None  # the profile's engine.context_length (None: the model's own)
+    settings_hash: str | None = None  # profile_hash(profile, context=False)
 
 
 @dataclass

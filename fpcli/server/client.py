@@ -172,6 +172,11 @@ class RemoteEngine:
         self.close()
 
 
+def context_words(tokens: int | None) -> str:
+    """``context 2,048 tokens``, or ``the model's own context`` for ``None``."""
+    return "the model's own context" if tokens is None else f"context {int(tokens):,} tokens"
+
+
 def connect(model: str | None, profile, engine: str = "auto", paths: ServerPaths | None = None,
             config: ClientConfig = ClientConfig(), warn: Callable[[str], None] | None = None,
             note: Callable[[str], None] | None = None) -> RemoteEngine | None:
@@ -207,7 +212,11 @@ def connect(model: str | None, profile, engine: str = "auto", paths: ServerPaths
     if wanted != state.model_path:
         differs.append(f"model {state.model}")
     if profile_hash(profile) != state.profile_hash:
-        differs.append(f"profile {state.profile}")
+        if state.settings_hash is not None and profile_hash(profile, context=False) == state.settings_hash:
+            differs.append(f"profile {state.profile} at {context_words(state.context)} "
+                           f"(this command: {context_words(profile.engine.context_length)})")
+        else:
+            differs.append(f"profile {state.profile}")
     if engine not in ("auto", state.engine):
         differs.append(f"engine {state.engine}")
     if differs:
