@@ -444,6 +444,17 @@ def test_busy_engine_queues_and_a_disconnect_cancels_only_its_request(servers):
     assert h["requests_cancelled"] == 1 and h["requests_served"] == 1 and h["busy"] == 0
 
 
+def test_a_disconnect_during_the_prefill_stops_it_before_decoding(servers):
+    s = servers
+    _start(s, env={"FP_FAKE_PREFILL_STEPS": "200", "FP_FAKE_STEP_S": "0.05"})  # a 10 s prefill
+    ask = s.popen("ask", DOC.as_posix(), "Who runs the harbor?", "--model", s.model, "--json")
+    _wait(lambda: s.traced("start"), 30, "the request to start")
+    ask.send_signal(signal.SIGINT)  # Ctrl-C
+    assert ask.wait(30) == 130
+    _wait(lambda: s.traced("stop") or s.traced("done"), 30, "the request to end")
+    assert s.traced("done") == [] and s.traced("stop")[0][1] == "0"  # stopped in the prefill, no decode step
+
+
 def test_stop_leaves_no_process(servers):
     s = servers
     st = _start(s, env={"FP_FAKE_CHILD": "1"})

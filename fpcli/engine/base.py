@@ -180,7 +180,9 @@ class Engine(Protocol):
         """Greedy when ``temperature == 0``; streams decoded text pieces to ``on_text``.
 
         ``on_progress(done, total)`` is called during the prefill where the engine can observe it
-        (``done`` of ``total`` units, e.g. decoder layers; engines that cannot may never call it)."""
+        (``done`` of ``total`` units, e.g. decoder layers; engines that cannot may never call it).
+        An exception raised by ``on_text`` or ``on_progress`` (a cancelled request) stops the
+        generation at that step and propagates."""
 
     def close(self) -> None: ...
 

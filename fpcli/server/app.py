@@ -233,13 +233,18 @@ def create_app(engine, info: ServerInfo, token: str | None = None, idle_s: float
                 raise GenerationCancelled("the client disconnected")
             loop.call_soon_threadsafe(pieces.put_nowait, ("text", piece))
 
+        def on_progress(done: int, total: int) -> None:  # prefill steps: a cancel stops the prefill too
+            if cancel.is_set():
+                raise GenerationCancelled("the client disconnected during the prefill")
+
         def work():
             counters.queued -= 1
             if cancel.is_set():
                 raise GenerationCancelled("the client disconnected while queued")
             counters.busy += 1
             try:
-                return engine.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, on_text=on_text)
+                return engine.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, on_text=on_text,
+                                       on_progress=on_progress)
             finally:
                 counters.busy -= 1
                 counters.last_activity = time.monotonic()
