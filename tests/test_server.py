@@ -455,6 +455,26 @@ def test_a_disconnect_during_the_prefill_stops_it_before_decoding(servers):
     assert s.traced("done") == [] and s.traced("stop")[0][1] == "0"  # stopped in the prefill, no decode step
 
 
+def test_time_in_the_queue_is_reported_as_queued(servers):
+    """An ask behind another request: its wait in the server's queue is ``stages_s.queued`` (and in
+    the time row), not ``other``; the parts still add up to the wall time."""
+    s = servers
+    _start(s, env={"FP_FAKE_PIECES": "100", "FP_FAKE_STEP_S": "0.1"})  # a 10 s answer holds the engine
+    first_piece = threading.Event()
+    holder = threading.Thread(target=lambda: _remote(s).generate([1] * 11, max_new_tokens=100,
+                                                                 on_text=lambda p: first_piece.set()))
+    holder.start()
+    assert first_piece.wait(30)
+    a = s.fp("ask", DOC.as_posix(), "Who runs the harbor?", "--model", s.model, "--json", "-n", "3")
+    holder.join(60)
+    assert a.returncode == 0, a.stderr
+    summary = json.loads(a.stdout)["summary"]
+    st = summary["stages_s"]
+    assert summary["server"] is not None and st["queued"] > 0
+    assert st["queued"] > st["other"]  # the wait is the bulk of what was "other"
+    assert sum(st.values()) == pytest.approx(summary["wall_s"], abs=1e-6)
+
+
 def test_stop_leaves_no_process(servers):
     s = servers
     st = _start(s, env={"FP_FAKE_CHILD": "1"})

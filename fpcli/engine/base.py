@@ -104,6 +104,9 @@ class GenerationResult:
     ``cached_tokens``: prompt tokens served from the KV cache of an earlier request (a shared
     token prefix, e.g. the same documents with another question); only the other
     ``prompt_tokens - cached_tokens`` were prefilled.
+
+    ``queued_s``: seconds the request waited in the resident engine's queue before its engine took
+    it (set by the server; 0 in-process). ``ttft_s`` and ``total_s`` start when the engine took it.
     """
 
     text: str
@@ -119,6 +122,7 @@ class GenerationResult:
     finish_reason: str = "length"
     precision: str = "bf16"
     cached_tokens: int = 0
+    queued_s: float = 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:

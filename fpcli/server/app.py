@@ -239,17 +239,21 @@ def create_app(engine, info: ServerInfo, token: str | None = None, idle_s: float
 
         def work():
             counters.queued -= 1
+            queued_s = time.perf_counter() - t_queued
             if cancel.is_set():
                 raise GenerationCancelled("the client disconnected while queued")
             counters.busy += 1
             try:
-                return engine.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, on_text=on_text,
-                                       on_progress=on_progress)
+                result = engine.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                         on_text=on_text, on_progress=on_progress)
+                result.queued_s = queued_s
+                return result
             finally:
                 counters.busy -= 1
                 counters.last_activity = time.monotonic()
 
         counters.queued += 1
+        t_queued = time.perf_counter()
         future = loop.run_in_executor(worker, work)
         future.add_done_callback(lambda f: pieces.put_nowait(("done", None)))
         try:
