@@ -475,6 +475,19 @@ def test_time_in_the_queue_is_reported_as_queued(servers):
     assert sum(st.values()) == pytest.approx(summary["wall_s"], abs=1e-6)
 
 
+def test_a_server_killed_mid_answer_is_said_in_fps_words(servers):
+    s = servers
+    st = _start(s, env={"FP_FAKE_PIECES": "200", "FP_FAKE_STEP_S": "0.05"})
+    ask = s.popen("ask", DOC.as_posix(), "Who runs the harbor?", "--model", s.model)
+    _wait(lambda: s.traced("start"), 30, "the request to start")
+    os.kill(st["pid"], signal.SIGKILL)
+    _, err = ask.communicate(timeout=60)
+    assert ask.returncode == 1, err
+    last = err.strip().splitlines()[-1]
+    assert f"the resident engine (pid {st['pid']}) stopped during the answer" in last and "fp start" in last, err
+    assert "peer closed" not in err and "chunked" not in err
+
+
 def test_stop_leaves_no_process(servers):
     s = servers
     st = _start(s, env={"FP_FAKE_CHILD": "1"})
