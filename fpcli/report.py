@@ -15,9 +15,10 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
                                  # (fp chat: from reading the question to the end of its answer);
                                  # null when not measured
         "engine_start_s",        # part of wall_s spent loading/starting the engine (0: it was running)
-        "stages_s",              # wall_s split: {"read", "fit", "engine_start", "ttft", "decode", "other"}
-                                 # (read: ingestion; fit: prompt building; other: the rest, process start
-                                 # and imports included); null when wall_s is not measured
+        "stages_s",              # wall_s split: {"read", "fit", "engine_start", "queued", "ttft", "decode",
+                                 # "other"} (read: ingestion; fit: prompt building; queued: waiting in the
+                                 # resident engine's queue behind other requests; other: the rest, process
+                                 # start and imports included); null when wall_s is not measured
         "finish_reason", "engine", "model", "profile",
         "precision",             # attention precision that RAN: bf16/fp16/fp32, or "fp8 (sparse layers)"
         "precision_requested",   # the profile's precision (bf16 / fp8)
@@ -175,7 +176,7 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
         "wall_s": wall_s,
         "engine_start_s": engine_start_s,
         "stages_s": stages(wall_s, result.ttft_s, result.total_s, read_s=read_s, fit_s=fit_s,
-                           engine_start_s=engine_start_s),
+                           engine_start_s=engine_start_s, queued_s=getattr(result, "queued_s", 0.0)),
         "finish_reason": result.finish_reason,
         "engine": result.engine,
         "model": result.model,
@@ -214,9 +215,11 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
 
 
 def stages(wall_s: float | None, ttft_s: float, total_s: float, *, read_s: float | None = None,
-           fit_s: float | None = None, engine_start_s: float | None = None) -> dict | None:
+           fit_s: float | None = None, engine_start_s: float | None = None,
+           queued_s: float | None = None) -> dict | None:
     """Where the wall time of one answer went, in seconds: ``{"read", "fit", "engine_start",
-    "ttft", "decode", "other"}``; ``other`` = ``wall_s`` less the rest (process start, imports,
+    "queued", "ttft", "decode", "other"}``; ``queued``: waiting in the resident engine's queue
+    (``GenerationResult.queued_s``); ``other`` = ``wall_s`` less the rest (process start, imports,
     connecting, output), never negative. ``None`` when ``wall_s`` is ``None``.
 
     Example: wall 9.0, read 1.0, fit 0.5, engine start 5.0, TTFT 0.5, generation 2.0 (decode
@@ -225,7 +228,7 @@ def stages(wall_s: float | None, ttft_s: float, total_s: float, *, read_s: float
     if wall_s is None:
         return None
     parts = {"read": float(read_s or 0.0), "fit": float(fit_s or 0.0), "engine_start": float(engine_start_s or 0.0),
-             "ttft": float(ttft_s), "decode": max(0.0, float(total_s) - float(ttft_s))}
+             "queued": float(queued_s or 0.0), "ttft": float(ttft_s), "decode": max(0.0, float(total_s) - float(ttft_s))}
     parts["other"] = max(0.0, float(wall_s) - sum(parts.values()))
     return parts
 
@@ -312,7 +315,8 @@ def prompt_tokens_text(s: dict) -> str:
 
 def time_row(s: dict) -> tuple[str, str]:
     """The summary's time row: ``total time`` is the whole command (``wall_s``) with its parts
-    (engine start, TTFT, decode, and the rest: reading, prompt building, output); without a
+    (engine start, time queued in the resident engine, TTFT, decode, and the rest: reading, prompt
+    building, output); without a
     measured ``wall_s`` the row is the generation's own time, labelled as such, never a total."""
     gen = s["total_s"]
     decode = max(0.0, gen - s["ttft_s"])
@@ -321,7 +325,8 @@ def time_row(s: dict) -> tuple[str, str]:
     st = s.get("stages_s") or stages(s["wall_s"], s["ttft_s"], gen, engine_start_s=s.get("engine_start_s"))
     measured = [("read", "read"), ("fit", "fit")]
     head = "".join(f"{label} {st[key]:.3f} s, " for key, label in measured if st.get(key))
-    return "total time", (f"{s['wall_s']:.3f} s ({head}engine start {st['engine_start']:.3f} s, TTFT {st['ttft']:.3f} s, "
+    queued = f"queued {st['queued']:.3f} s, " if st.get("queued") else ""
+    return "total time", (f"{s['wall_s']:.3f} s ({head}engine start {st['engine_start']:.3f} s, {queued}TTFT {st['ttft']:.3f} s, "
                           f"decode {st['decode']:.3f} s, other {st['other']:.3f} s)")
 
 

@@ -4,9 +4,11 @@ Environment knobs (read by ``load`` in the server process):
 
 - ``FP_FAKE_LOAD_S``: seconds the "model load" takes (to make two ``fp start`` overlap).
 - ``FP_FAKE_PIECES`` / ``FP_FAKE_STEP_S``: answer pieces and seconds per decode step.
+- ``FP_FAKE_PREFILL_STEPS``: prefill steps (``on_progress(i, n)`` after each, like the
+  transformers engine's per-layer calls), ``FP_FAKE_STEP_S`` seconds each (default 0: none).
 - ``FP_FAKE_TRACE``: a file that gets one line per event: ``load PID``, ``child PID``,
   ``start N`` (a generation of N prompt tokens began), ``stop N K`` (it ended after K pieces,
-  raised from on_text), ``done N K``.
+  raised from on_text), ``done N K``, ``args ...`` (the engine settings it was given, if any).
 - ``FP_FAKE_ENGINE_NAME``: the engine's ``name`` (e.g. ``sglang``: a server that says it runs SGLang).
 - ``FP_FAKE_CHILD=1``: the engine starts a ``sleep`` child (like SGLang's scheduler) and leaks it
   (``close`` leaves it running): ``fp stop`` must still leave no process behind.
@@ -32,9 +34,9 @@ class SlowFakeEngine(FakeEngine):
     """``FakeEngine`` whose ``generate`` takes ``step_s`` per piece and calls ``on_text`` every step
     (so a raising ``on_text`` stops it, as in the real engines)."""
 
-    def __init__(self, pieces: int, step_s: float, **kw) -> None:
+    def __init__(self, pieces: int, step_s: float, prefill_steps: int = 0, **kw) -> None:
         super().__init__(**kw)
-        self.pieces, self.step_s = pieces, step_s
+        self.pieces, self.step_s, self.prefill_steps = pieces, step_s, prefill_steps
         self.child = None
 
     def generate(self, prompt_ids, max_new_tokens=256, temperature=0.0, on_text=None, on_progress=None) -> GenerationResult:
@@ -43,6 +45,10 @@ class SlowFakeEngine(FakeEngine):
         t0 = time.perf_counter()
         out = []
         try:
+            for i in range(self.prefill_steps):
+                time.sleep(self.step_s)
+                if on_progress is not None:
+                    on_progress(i + 1, self.prefill_steps)
             for i in range(min(self.pieces, max_new_tokens)):
                 time.sleep(self.step_s)
                 out.append(f"w{i} ")
@@ -62,8 +68,11 @@ class SlowFakeEngine(FakeEngine):
 def load(engine="auto", model=None, profile=None, progress=None, **kwargs) -> SlowFakeEngine:
     time.sleep(float(os.environ.get("FP_FAKE_LOAD_S", "0")))
     _trace(f"load {os.getpid()}")
+    if kwargs.get("engine_args"):
+        _trace("args " + " ".join(kwargs["engine_args"]))
     eng = SlowFakeEngine(pieces=int(os.environ.get("FP_FAKE_PIECES", "5")),
                          step_s=float(os.environ.get("FP_FAKE_STEP_S", "0.05")),
+                         prefill_steps=int(os.environ.get("FP_FAKE_PREFILL_STEPS", "0")),
                          profile=getattr(profile, "name", str(profile)),
                          model_name=os.path.basename(str(model)) if model else "fake-model")
     eng.name = os.environ.get("FP_FAKE_ENGINE_NAME", eng.name)

@@ -51,6 +51,14 @@ def test_chat_no_history_sends_the_same_prefix_and_only_the_question(runner, fak
     assert "Earlier question" not in users[1]
 
 
+def test_chat_takes_context_as_ask_does(runner, fake_engine, doc):
+    r = invoke(runner, ["chat", str(doc), "--context", "2k", "--no-server"], input="What is the code?\n")
+    assert r.exit_code == 0, r.stderr
+    assert fake_engine().requested["profile"].engine.context_length == 2048
+    bad = invoke(runner, ["chat", str(doc), "--context", "lots"], input="")
+    assert bad.exit_code == 2 and "--context" in bad.stderr
+
+
 def test_chat_json_is_one_report_per_line(runner, fake_engine, doc):
     r = invoke(runner, ["chat", str(doc), "--json"], input="a?\nb?\n")
     assert r.exit_code == 0, r.stderr

@@ -130,13 +130,17 @@ def test_stages_split_the_wall_time():
     from fpcli.report import stages, time_row
 
     st = stages(9.0, 0.5, 2.0, read_s=1.0, fit_s=0.5, engine_start_s=5.0)
-    assert st == pytest.approx({"read": 1.0, "fit": 0.5, "engine_start": 5.0, "ttft": 0.5, "decode": 1.5,
-                                "other": 0.5})
+    assert st == pytest.approx({"read": 1.0, "fit": 0.5, "engine_start": 5.0, "queued": 0.0, "ttft": 0.5,
+                                "decode": 1.5, "other": 0.5})
     assert stages(None, 0.5, 2.0) is None
     assert stages(1.0, 0.5, 2.0)["other"] == 0.0  # never negative
     s = {"total_s": 2.0, "ttft_s": 0.5, "wall_s": 9.0, "engine_start_s": 5.0, "stages_s": st}
     assert time_row(s)[1] == ("9.000 s (read 1.000 s, fit 0.500 s, engine start 5.000 s, TTFT 0.500 s, "
                               "decode 1.500 s, other 0.500 s)")
+    waited = stages(9.0, 0.5, 2.0, engine_start_s=0.0, queued_s=6.0)  # behind another request
+    assert waited["queued"] == 6.0 and waited["other"] == pytest.approx(1.0)
+    row = time_row({"total_s": 2.0, "ttft_s": 0.5, "wall_s": 9.0, "engine_start_s": 0.0, "stages_s": waited})[1]
+    assert row == "9.000 s (engine start 0.000 s, queued 6.000 s, TTFT 0.500 s, decode 1.500 s, other 1.000 s)"
 
 
 def test_fp_ask_reports_stages_and_reads_a_repeat_from_the_cache(runner, fake_engine, tmp_path):
@@ -152,7 +156,7 @@ def test_fp_ask_reports_stages_and_reads_a_repeat_from_the_cache(runner, fake_en
         assert r.exit_code == 0, r.output
         out.append(json.loads(r.stdout))
     s = out[0]["summary"]
-    assert set(s["stages_s"]) == {"read", "fit", "engine_start", "ttft", "decode", "other"}
+    assert set(s["stages_s"]) == {"read", "fit", "engine_start", "queued", "ttft", "decode", "other"}
     assert s["stages_s"]["read"] > 0 and s["stages_s"]["fit"] > 0
     assert sum(s["stages_s"].values()) == pytest.approx(s["wall_s"], abs=1e-6)
     docs = [o["ingestion"]["documents"][0] for o in out]

@@ -197,6 +197,24 @@ def test_non_loopback_host_is_refused(runner):
         assert r.exit_code == 2 and f"--host {host}: only a loopback address is allowed" in r.stderr, r.stderr
 
 
+def test_detached_server_gets_fp_options_before_the_engine_settings():
+    """``fp start -- --tp 2``: the server's command line parses back to engine settings ``--tp 2``
+    alone, with ``--log`` read by fp serve, not passed to the engine."""
+    import typer
+
+    from fpcli.cli import app
+    from fpcli.server.lifecycle import StartRequest, serve_command
+
+    cmd = serve_command(StartRequest(serve_args=["--profile", "bf16"], engine_args=["--tp", "2"]), "/tmp/x/server.log")
+    assert cmd[3] == "serve"
+    group = typer.main.get_command(app)
+    serve = group.commands["serve"]
+    ctx = serve.make_context("serve", cmd[4:], parent=group.make_context("fp", ["serve"], resilient_parsing=True))
+    assert ctx.args == ["--tp", "2"] and ctx.params["log"] == "/tmp/x/server.log"
+    plain = serve_command(StartRequest(serve_args=["--profile", "bf16"]), "/tmp/x/server.log")
+    assert "--" not in plain and plain[-2:] == ["--log", "/tmp/x/server.log"]
+
+
 # -- lifecycle with the real embedded model ----------------------------------------------------------
 
 
@@ -338,6 +356,40 @@ def test_second_start_with_another_profile_says_what_runs(servers):
     assert json.loads(a.stdout)["summary"]["server"] is None and "runs profile dense" in a.stderr
 
 
+@pytest.mark.parametrize("extra,expected", [
+    (["--bogus"], "No such option: --bogus"),
+    (["stray"], "unexpected extra argument(s) (stray)"),
+    (["--engine", "transformers", "--", "--tp", "2"], "engine settings after --: the transformers engine takes no extra engine settings (got --tp 2)"),
+])
+def test_start_refuses_bad_arguments_before_launching(servers, extra, expected):
+    """Only what follows -- is engine settings; anything else unknown, or engine settings for the
+    transformers engine, is a usage error before a server is launched."""
+    s = servers
+    r = s.fp("start", "--model", s.model, "--timeout", "60", *extra)
+    assert r.returncode == 2, r.stderr
+    assert expected in " ".join(r.stderr.split()), r.stderr
+    assert s.state() is None and s.traced("load") == []
+
+
+def test_start_with_context_matches_an_ask_with_the_same_context(servers):
+    s = servers
+    st = _start(s, "--context", "2k")
+    assert st["context"] == 2048
+    a = _ask(s, "--context", "2k")
+    assert a.returncode == 0, a.stderr
+    assert json.loads(a.stdout)["summary"]["server"]["pid"] == st["pid"]
+    # the same profile at another context: the note says it is the context that differs
+    b = _ask(s)
+    assert b.returncode == 0, b.stderr
+    assert json.loads(b.stdout)["summary"]["server"] is None
+    note = " ".join(b.stderr.split())
+    assert "profile bf16 at context 2,048 tokens (this command: the model's own context)" in note, b.stderr
+    again = s.fp("start", "--model", s.model, "--context", "2k", "--timeout", "60")
+    assert again.returncode == 0 and "already runs" in again.stderr
+    other = s.fp("start", "--model", s.model, "--timeout", "60")
+    assert other.returncode == 1 and "another context" in other.stderr, other.stderr
+
+
 def _remote(s: Servers):
     from fpcli.server.client import ClientConfig, RemoteEngine, probe
     from fpcli.server.state import ServerState
@@ -390,6 +442,50 @@ def test_busy_engine_queues_and_a_disconnect_cancels_only_its_request(servers):
     assert dones == [["22", "40"]]
     h = probe(state)
     assert h["requests_cancelled"] == 1 and h["requests_served"] == 1 and h["busy"] == 0
+
+
+def test_a_disconnect_during_the_prefill_stops_it_before_decoding(servers):
+    s = servers
+    _start(s, env={"FP_FAKE_PREFILL_STEPS": "200", "FP_FAKE_STEP_S": "0.05"})  # a 10 s prefill
+    ask = s.popen("ask", DOC.as_posix(), "Who runs the harbor?", "--model", s.model, "--json")
+    _wait(lambda: s.traced("start"), 30, "the request to start")
+    ask.send_signal(signal.SIGINT)  # Ctrl-C
+    assert ask.wait(30) == 130
+    _wait(lambda: s.traced("stop") or s.traced("done"), 30, "the request to end")
+    assert s.traced("done") == [] and s.traced("stop")[0][1] == "0"  # stopped in the prefill, no decode step
+
+
+def test_time_in_the_queue_is_reported_as_queued(servers):
+    """An ask behind another request: its wait in the server's queue is ``stages_s.queued`` (and in
+    the time row), not ``other``; the parts still add up to the wall time."""
+    s = servers
+    _start(s, env={"FP_FAKE_PIECES": "100", "FP_FAKE_STEP_S": "0.1"})  # a 10 s answer holds the engine
+    first_piece = threading.Event()
+    holder = threading.Thread(target=lambda: _remote(s).generate([1] * 11, max_new_tokens=100,
+                                                                 on_text=lambda p: first_piece.set()))
+    holder.start()
+    assert first_piece.wait(30)
+    a = s.fp("ask", DOC.as_posix(), "Who runs the harbor?", "--model", s.model, "--json", "-n", "3")
+    holder.join(60)
+    assert a.returncode == 0, a.stderr
+    summary = json.loads(a.stdout)["summary"]
+    st = summary["stages_s"]
+    assert summary["server"] is not None and st["queued"] > 0
+    assert st["queued"] > st["other"]  # the wait is the bulk of what was "other"
+    assert sum(st.values()) == pytest.approx(summary["wall_s"], abs=1e-6)
+
+
+def test_a_server_killed_mid_answer_is_said_in_fps_words(servers):
+    s = servers
+    st = _start(s, env={"FP_FAKE_PIECES": "200", "FP_FAKE_STEP_S": "0.05"})
+    ask = s.popen("ask", DOC.as_posix(), "Who runs the harbor?", "--model", s.model)
+    _wait(lambda: s.traced("start"), 30, "the request to start")
+    os.kill(st["pid"], signal.SIGKILL)
+    _, err = ask.communicate(timeout=60)
+    assert ask.returncode == 1, err
+    last = err.strip().splitlines()[-1]
+    assert f"the resident engine (pid {st['pid']}) stopped during the answer" in last and "fp start" in last, err
+    assert "peer closed" not in err and "chunked" not in err
 
 
 def test_stop_leaves_no_process(servers):

@@ -413,6 +413,30 @@ def test_engine_stops_when_on_text_raises(model_dir):
         assert len(pieces) == 1 and len(forwards) == 1  # the prefill only, no decode step after it
 
 
+def test_engine_stops_in_the_prefill_when_on_progress_raises(model_dir):
+    """A cancel seen at a prefill step (the resident engine's on_progress raises) stops the prefill
+    at that layer, before any decode step; the exception reaches the caller and the engine answers
+    the next request from a clean cache."""
+
+    class Cancelled(Exception):
+        pass
+
+    with TransformersEngine(model_dir, profile("dense"), model_name="tiny") as eng:
+        prompt = eng.encode_chat(None, " ".join(WORDS[i % 200] for i in range(300)))
+        assert eng.n_layers >= 2  # (no earlier request: a repeated prompt would prefill one token)
+        steps, pieces = [], []
+
+        def on_progress(done, total):
+            steps.append((done, total))
+            raise Cancelled
+
+        with pytest.raises(Cancelled):
+            eng.generate(prompt, max_new_tokens=4, on_text=pieces.append, on_progress=on_progress)
+        assert steps == [(1, eng.n_layers)] and pieces == []  # the first layer's prefill, no decode step
+        after = eng.generate(prompt, max_new_tokens=4)  # no half-filled cache kept from the cancelled prefill
+        assert after.cached_tokens == 0 and after.prompt_tokens == len(prompt) and after.output_tokens >= 1
+
+
 def test_dense_profile_reports_dense_equivalent_flops(model_dir):
     """The dense profile skips nothing, but its dense-equivalent FLOPs are known and reported
     (the summary printed "0 of 0 dense-equivalent")."""

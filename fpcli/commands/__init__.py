@@ -89,6 +89,22 @@ class FpCommand(_OneLineErrors, TyperCommand):
         return _usage_pieces(self, ctx)
 
 
+class EngineArgsCommand(FpCommand):
+    """An ``FpCommand`` whose engine settings all follow ``--``: before it, an unknown option or a
+    stray argument is a usage error (exit 2, before anything starts); after it, every word goes to
+    ``ctx.args`` untouched."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        args = list(args)
+        engine_args: list[str] = []
+        if "--" in args:
+            i = args.index("--")
+            args, engine_args = args[:i], args[i + 1:]
+        rest = super().parse_args(ctx, args)
+        ctx.args = engine_args
+        return rest
+
+
 class FpGroup(_OneLineErrors, TyperGroup):
     """The same for command groups (``fp``, ``fp model``)."""
 
@@ -157,6 +173,10 @@ def check_model_or_exit(model: str | None) -> None:
         check_model(model)
     except ModelError as exc:
         fail(f"--model: {exc}", code=2)
+
+
+CONTEXT_HELP = ("Context to run the model at, in tokens (e.g. 32k, 128k, 131072): a cap within the model's own "
+                "context, YaRN beyond it (up to 8x). Default: the profile's engine.context_length, else the model's own.")
 
 
 def context_or_exit(text: str | None, profile, model: str | None):

@@ -15,6 +15,7 @@ from fpcli.commands import (
     check_max_new_tokens_or_exit,
     check_model_or_exit,
     check_output_path_or_exit,
+    CONTEXT_HELP,
     context_or_exit,
     context_source,
     fail,
@@ -67,7 +68,7 @@ def ask(
     ] = None,
     context: Annotated[
         Optional[str],
-        typer.Option("--context", "-c", help="Context to run the model at, in tokens (e.g. 32k, 128k, 131072): a cap within the model's own context, YaRN beyond it (up to 8x). Default: the profile's engine.context_length, else the model's own.", show_default=False),
+        typer.Option("--context", "-c", help=CONTEXT_HELP, show_default=False),
     ] = None,
     profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, fp8, dense, or a path to a profile .yaml.")] = "bf16",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Longest answer, in tokens.")] = 256,

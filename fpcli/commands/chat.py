@@ -16,10 +16,13 @@ import typer
 from rich.markup import escape
 
 from fpcli.commands import (
+    CONTEXT_HELP,
     StdoutStream,
     FpCommand,
     check_max_new_tokens_or_exit,
     check_model_or_exit,
+    context_or_exit,
+    context_source,
     obtain_engine,
     fail,
     load_profile_or_exit,
@@ -49,6 +52,7 @@ def chat(
         Optional[str],
         typer.Option("--model", "-m", help="Hugging Face folder or cached id, or a .gguf file. Default: the embedded SmolLM2-135M-Instruct."),
     ] = None,
+    context: Annotated[Optional[str], typer.Option("--context", "-c", help=CONTEXT_HELP, show_default=False)] = None,
     profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, fp8, dense, or a path to a profile .yaml.")] = "bf16",
     engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: SGLang when CUDA and sglang are present, else transformers.")] = EngineChoice.auto,
     history: Annotated[bool, typer.Option("--history/--no-history", help="Put earlier questions and answers after the documents (the oldest are dropped when they no longer fit).")] = True,
@@ -68,11 +72,11 @@ def chat(
 
     with third_party_output(verbose):
         _chat(list(files or []), model, profile, engine, history, max_new_tokens, temperature, password, cut, json_out,
-              verbose, no_server)
+              verbose, no_server, context)
 
 
 def _chat(files, model, profile, engine, history, max_new_tokens, temperature, password, cut, json_out, verbose,
-          no_server) -> None:
+          no_server, context=None) -> None:
     from fpcli.ingest import check_paths, ingest
     from fpcli.prompt import PromptError, build_prompt
     from fpcli.report import render_cuts, render_ingestion
@@ -87,6 +91,7 @@ def _chat(files, model, profile, engine, history, max_new_tokens, temperature, p
         raise typer.Exit(2)
     prof = load_profile_or_exit(profile)
     check_model_or_exit(model)
+    prof = context_or_exit(context, prof, model)
     check_max_new_tokens_or_exit(max_new_tokens, model, prof)
 
     from fpcli.doccache import DiskCache, default_config, fit_cache_for
@@ -100,10 +105,14 @@ def _chat(files, model, profile, engine, history, max_new_tokens, temperature, p
     if not usable:
         fail("no readable document remains (see the reasons above)" if len(docs) > 1 else "no readable document (see the reason above)")
 
+    from fpcli.engine.context import ContextError
+
     try:
         eng = obtain_engine(engine.value, model, prof, err, no_server, err, verbose=verbose)
     except typer.Exit:
         raise
+    except ContextError as exc:
+        fail(f"{context_source(prof, context)}: {exc}", code=2)
     except Exception as exc:  # noqa: BLE001 - one line for any load failure
         fail(f"cannot load the model: {_one_line(exc)}")
     warn_precision(err, prof, eng)

@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from fpcli.commands import (FpCommand, check_model_or_exit, engine_loader, fail, load_profile_or_exit,
+from fpcli.commands import (CONTEXT_HELP, FpCommand, check_model_or_exit, context_or_exit, context_source,
+                            engine_loader, fail, load_profile_or_exit,
                             parse_duration_or_exit, stderr_console)
 from fpcli.commands.ask import EngineChoice
 from fpcli.server import LOOPBACK
@@ -24,6 +25,7 @@ app = typer.Typer()
 def serve(
     ctx: typer.Context,
     model: Annotated[Optional[str], typer.Option("--model", "-m", "--model-path", help="Model (default: the embedded one); as for fp ask.")] = None,
+    context: Annotated[Optional[str], typer.Option("--context", "-c", help=CONTEXT_HELP, show_default=False)] = None,
     profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, fp8, dense, or a path; sets the backend and engine defaults.")] = "bf16",
     engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: SGLang when CUDA and sglang are present, else transformers.")] = EngineChoice.auto,
     port: Annotated[Optional[int], typer.Option("--port", min=0, max=65535, help="Listen on this TCP port of 127.0.0.1 (0: any free port) with a bearer token, instead of the private Unix socket.")] = None,
@@ -52,11 +54,14 @@ def serve(
     idle_s = parse_duration_or_exit("--idle", idle)
     prof = load_profile_or_exit(profile)
     check_model_or_exit(model)
+    prof = context_or_exit(context, prof, model)
     try:
         paths = default_paths().ensure()
     except (PathsError, OSError) as exc:
         fail(f"cannot prepare the runtime folder: {exc}")
     engine_args = list(ctx.args)
+    from fpcli.engine.context import ContextError
+
     try:
         from fpcli.engine import resolve_request
         from fpcli.models import resolve_model
@@ -68,12 +73,15 @@ def serve(
         eng = load(engine.value, model, prof, progress=err, **kwargs)
     except typer.Exit:
         raise
+    except ContextError as exc:
+        fail(f"{context_source(prof, context)}: {exc}", code=2)
     except Exception as exc:  # noqa: BLE001 - one line for any load failure
         lines = str(exc).strip().splitlines()
         fail(f"cannot load the model: {lines[0] if lines else type(exc).__name__}")
     info = ServerInfo(model=eng.model_name, model_path=model_path, profile=prof.name, profile_hash=profile_hash(prof),
                       engine=eng.name, context_length=int(eng.context_length), precision=str(eng.precision),
-                      version=__version__)
+                      version=__version__, context=prof.engine.context_length,
+                      settings_hash=profile_hash(prof, context=False))
 
     def ready(state) -> None:
         err.print(f"fp: serving {escape(info.model)} ({info.engine} engine, profile {escape(info.profile)}) at "

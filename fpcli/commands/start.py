@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from fpcli.commands import (FpCommand, check_model_or_exit, fail, load_profile_or_exit, parse_duration_or_exit,
+from fpcli.commands import (CONTEXT_HELP, EngineArgsCommand, check_model_or_exit, context_or_exit, fail, load_profile_or_exit, parse_duration_or_exit,
                             stderr_console)
 from fpcli.commands.ask import EngineChoice
 from fpcli.server import START_TIMEOUT_S
@@ -17,12 +17,12 @@ app = typer.Typer()
 
 @app.command(
     "start",
-    cls=FpCommand,
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    cls=EngineArgsCommand,
 )
 def start(
     ctx: typer.Context,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model (default: the embedded one); as for fp ask.")] = None,
+    context: Annotated[Optional[str], typer.Option("--context", "-c", help=CONTEXT_HELP, show_default=False)] = None,
     profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, fp8, dense, or a path to a profile .yaml.")] = "bf16",
     engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: SGLang when CUDA and sglang are present, else transformers.")] = EngineChoice.auto,
     idle: Annotated[Optional[str], typer.Option("--idle", help="End after this long without a request, e.g. 10m (default: never).")] = None,
@@ -41,16 +41,23 @@ def start(
     idle_s = parse_duration_or_exit("--idle", idle)
     prof = load_profile_or_exit(profile)
     check_model_or_exit(model)
+    prof = context_or_exit(context, prof, model)
     try:
         paths = default_paths().ensure()
     except (PathsError, OSError) as exc:
         fail(f"cannot prepare the runtime folder: {exc}")
     try:
-        from fpcli.engine import resolve_request
+        from fpcli.engine import check_engine_args, resolve_request
         from fpcli.models import resolve_model
 
-        _, resolved_model, prof = resolve_request(engine.value, model, prof)  # the server applies the same defaults
+        resolved_engine, resolved_model, prof = resolve_request(engine.value, model, prof)  # the server applies the same defaults
+        try:
+            check_engine_args(resolved_engine, ctx.args)
+        except ValueError as exc:
+            fail(f"engine settings after --: {exc}", code=2)
         model_path = str(resolve_model(resolved_model, progress=err))  # fetch/convert here, with progress
+    except typer.Exit:
+        raise
     except Exception as exc:  # noqa: BLE001
         fail(f"cannot load the model: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
 
@@ -59,8 +66,8 @@ def start(
         args += ["--model", os.path.abspath(model) if os.path.exists(model) else model]
     if idle_s:
         args += ["--idle", f"{idle_s}s"]
-    if ctx.args:
-        args += ["--", *ctx.args]
+    if context is not None:
+        args += ["--context", context]
     want_hash = profile_hash(prof)
 
     def differences(state) -> list[str]:
@@ -68,7 +75,8 @@ def start(
         if state.model_path != model_path:
             out.append("model")
         if state.profile_hash != want_hash:
-            out.append("profile")
+            same_settings = state.settings_hash is not None and state.settings_hash == profile_hash(prof, context=False)
+            out.append("context" if same_settings else "profile")
         if engine.value not in ("auto", state.engine):
             out.append("engine")
         return out
@@ -78,7 +86,8 @@ def start(
             status.update(f"starting the resident engine ({waited:.0f} s){': ' + escape(line[:80]) if line else ''}")
 
         try:
-            outcome, state = start_server(paths, StartRequest(serve_args=args, timeout_s=timeout), lock_timeout_s=timeout + 30,
+            outcome, state = start_server(paths, StartRequest(serve_args=args, engine_args=list(ctx.args),
+                                                                           timeout_s=timeout), lock_timeout_s=timeout + 30,
                                           matches=differences, replace=replace, on_wait=waiting)
         except (LifecycleError, TimeoutError) as exc:
             fail(str(exc))

@@ -100,6 +100,20 @@ def resolve_request(engine: str = "auto", model: str | None = None, profile=None
     return engine, model, profile
 
 
+def check_engine_args(engine: str, engine_args: Sequence[str]) -> None:
+    """Engine settings (``fp start -- --tp 2``) are SGLang options: none for the transformers engine.
+
+    Args:
+        engine: the resolved engine (``"sglang"`` or ``"transformers"``).
+
+    Raises:
+        ValueError: ``engine_args`` given with the transformers engine (names them).
+    """
+    if engine_args and engine != "sglang":
+        raise ValueError(f"the transformers engine takes no extra engine settings (got {' '.join(engine_args)}); "
+                         "they are SGLang options, for --engine sglang")
+
+
 def load_engine(engine: str = "auto", model: str | None = None, profile=None, progress=None,
                 engine_args: Sequence[str] = (), verbose: bool = False, timing: bool = False,
                 compare_fp8: bool = False, max_requests: int | None = None) -> Engine:
@@ -161,9 +175,7 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
                                compare_fp8=compare_fp8, max_requests=max_requests)
         eng.model_name = name
         return eng
-    if engine_args:
-        raise ValueError(f"the transformers engine takes no extra engine settings (got {' '.join(engine_args)}); "
-                         "they are SGLang options, for --engine sglang")
+    check_engine_args(engine, engine_args)
     from .transformers_engine import TransformersEngine
 
     if ui is not None:

@@ -104,6 +104,9 @@ class GenerationResult:
     ``cached_tokens``: prompt tokens served from the KV cache of an earlier request (a shared
     token prefix, e.g. the same documents with another question); only the other
     ``prompt_tokens - cached_tokens`` were prefilled.
+
+    ``queued_s``: seconds the request waited in the resident engine's queue before its engine took
+    it (set by the server; 0 in-process). ``ttft_s`` and ``total_s`` start when the engine took it.
     """
 
     text: str
@@ -119,6 +122,7 @@ class GenerationResult:
     finish_reason: str = "length"
     precision: str = "bf16"
     cached_tokens: int = 0
+    queued_s: float = 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -180,7 +184,9 @@ class Engine(Protocol):
         """Greedy when ``temperature == 0``; streams decoded text pieces to ``on_text``.
 
         ``on_progress(done, total)`` is called during the prefill where the engine can observe it
-        (``done`` of ``total`` units, e.g. decoder layers; engines that cannot may never call it)."""
+        (``done`` of ``total`` units, e.g. decoder layers; engines that cannot may never call it).
+        An exception raised by ``on_text`` or ``on_progress`` (a cancelled request) stops the
+        generation at that step and propagates."""
 
     def close(self) -> None: ...
 

@@ -57,6 +57,8 @@ class ServerInfo:
     context_length: int
     precision: str
     version: str
+    context: int | None = None  # the profile's engine.context_length (None: the model's own)
+    settings_hash: str | None = None  # profile_hash(profile, context=False)
 
 
 @dataclass
@@ -231,18 +233,27 @@ def create_app(engine, info: ServerInfo, token: str | None = None, idle_s: float
                 raise GenerationCancelled("the client disconnected")
             loop.call_soon_threadsafe(pieces.put_nowait, ("text", piece))
 
+        def on_progress(done: int, total: int) -> None:  # prefill steps: a cancel stops the prefill too
+            if cancel.is_set():
+                raise GenerationCancelled("the client disconnected during the prefill")
+
         def work():
             counters.queued -= 1
+            queued_s = time.perf_counter() - t_queued
             if cancel.is_set():
                 raise GenerationCancelled("the client disconnected while queued")
             counters.busy += 1
             try:
-                return engine.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, on_text=on_text)
+                result = engine.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                         on_text=on_text, on_progress=on_progress)
+                result.queued_s = queued_s
+                return result
             finally:
                 counters.busy -= 1
                 counters.last_activity = time.monotonic()
 
         counters.queued += 1
+        t_queued = time.perf_counter()
         future = loop.run_in_executor(worker, work)
         future.add_done_callback(lambda f: pieces.put_nowait(("done", None)))
         try:

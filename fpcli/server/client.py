@@ -9,6 +9,7 @@ the prefill length.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -159,8 +160,20 @@ class RemoteEngine:
             raise ServerUnavailable(f"the resident engine at {self.state.address} was silent for "
                                     f"{self.config.stream_read_s:.0f} s") from None
         except httpx.HTTPError as exc:
-            raise ServerUnavailable(f"the resident engine at {self.state.address} went away ({exc})") from None
-        raise ServerUnavailable(f"the resident engine at {self.state.address} closed the stream before the result")
+            raise ServerUnavailable(self._lost(str(exc) or type(exc).__name__)) from None
+        raise ServerUnavailable(self._lost("the stream ended before the result"))
+
+    def _lost(self, detail: str) -> str:
+        """What to say when the stream broke: the server process ended (waits up to
+        ``config.connect_s`` for it to be gone), or it lives and closed the connection."""
+        deadline = time.monotonic() + self.config.connect_s
+        while pid_alive(self.state.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not pid_alive(self.state.pid):
+            return (f"the resident engine (pid {self.state.pid}) stopped during the answer; run the command again "
+                    "(it will run in-process) or `fp start` again")
+        return (f"the resident engine (pid {self.state.pid}, {self.state.address}) closed the connection during the "
+                f"answer ({detail}); run the command again, or see `fp status`")
 
     def close(self) -> None:
         self._http.close()
@@ -170,6 +183,11 @@ class RemoteEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def context_words(tokens: int | None) -> str:
+    """``context 2,048 tokens``, or ``the model's own context`` for ``None``."""
+    return "the model's own context" if tokens is None else f"context {int(tokens):,} tokens"
 
 
 def connect(model: str | None, profile, engine: str = "auto", paths: ServerPaths | None = None,
@@ -207,7 +225,11 @@ def connect(model: str | None, profile, engine: str = "auto", paths: ServerPaths
     if wanted != state.model_path:
         differs.append(f"model {state.model}")
     if profile_hash(profile) != state.profile_hash:
-        differs.append(f"profile {state.profile}")
+        if state.settings_hash is not None and profile_hash(profile, context=False) == state.settings_hash:
+            differs.append(f"profile {state.profile} at {context_words(state.context)} "
+                           f"(this command: {context_words(profile.engine.context_length)})")
+        else:
+            differs.append(f"profile {state.profile}")
     if engine not in ("auto", state.engine):
         differs.append(f"engine {state.engine}")
     if differs:

@@ -29,12 +29,15 @@ class StartRequest:
     """What ``fp start`` asks for: ``fp serve`` arguments of the detached server.
 
     Attributes:
-        serve_args: the ``fp serve`` options (``--model``, ``--profile``, ``--engine``,
-            ``--idle``, then engine settings) as a list of strings.
+        serve_args: fp's own ``fp serve`` options (``--model``, ``--profile``, ``--engine``,
+            ``--idle``, ...) as a list of strings.
+        engine_args: engine settings for SGLang (e.g. ``["--tp", "2"]``); they follow ``--``,
+            after every fp option.
         timeout_s: how long to wait for the server to be ready.
     """
 
     serve_args: list[str] = field(default_factory=list)
+    engine_args: list[str] = field(default_factory=list)
     timeout_s: float = START_TIMEOUT_S
 
 
@@ -67,8 +70,11 @@ def probe_status(paths: ServerPaths, config: ClientConfig = ClientConfig()) -> S
         return Status("hung", state, detail=f"pid {state.pid} lives but {state.address} does not answer ({exc})")
 
 
-def _serve_command(request: StartRequest) -> list[str]:
-    return [sys.executable, "-m", "fpcli", "serve", *request.serve_args]
+def serve_command(request: StartRequest, log: str) -> list[str]:
+    """The ``fp serve`` command line of a detached server: fp's options (``--log`` included)
+    first, then ``--`` and the engine settings, if any."""
+    engine = ["--", *request.engine_args] if request.engine_args else []
+    return [sys.executable, "-m", "fpcli", "serve", *request.serve_args, "--log", log, *engine]
 
 
 def spawn(paths: ServerPaths, request: StartRequest, on_wait: Callable[[float, str], None] | None = None,
@@ -86,7 +92,7 @@ def spawn(paths: ServerPaths, request: StartRequest, on_wait: Callable[[float, s
     log = open(paths.log, "w", encoding="utf-8")
     os.chmod(paths.log, 0o600)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(_serve_command(request) + ["--log", str(paths.log)], stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen(serve_command(request, str(paths.log)), stdin=subprocess.DEVNULL,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, close_fds=True)
     log.close()
     t0 = time.monotonic()

@@ -33,6 +33,10 @@ class ServerState:
         token_file: file holding the bearer token (TCP only), else ``None``.
         log: the log file of a detached server, else ``None``.
         idle_s: seconds without a request after which the server ends (``None``: never).
+        context: the profile's ``engine.context_length`` the server runs (``--context``, or the
+            default model's), in tokens; ``None``: the model's own.
+        settings_hash: ``profile_hash(profile, context=False)``: a client whose profile differs
+            only in context is told so.
     """
 
     pid: int
@@ -47,6 +51,8 @@ class ServerState:
     token_file: str | None = None
     log: str | None = None
     idle_s: float | None = None
+    context: int | None = None
+    settings_hash: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,12 +70,16 @@ class ServerState:
         return state
 
 
-def profile_hash(profile) -> str:
+def profile_hash(profile, context: bool = True) -> str:
     """sha256 (16 hex digits) of a profile's settings (``Profile.to_dict`` without its name,
-    description and source file): two profiles with the same settings match whatever they are called."""
+    description and source file): two profiles with the same settings match whatever they are called.
+    ``context=False`` also leaves out ``engine.context_length`` (``--context``): two profiles that
+    differ only in context then match."""
     data = dict(profile.to_dict())
     for key in ("name", "description", "source"):
         data.pop(key, None)
+    if not context:
+        data["engine"] = {k: v for k, v in data.get("engine", {}).items() if k != "context_length"}
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
