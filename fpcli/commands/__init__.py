@@ -284,6 +284,23 @@ def check_output_path_or_exit(option: str, path) -> None:
         fail(f"{option} {path}: cannot be written ({exc.strerror or exc})", code=2)
 
 
+def print_bad_paths(console: Console, problems: list[str], prefix: str = "") -> None:
+    """One ``fp: error:`` line per bad path (``fpcli.ingest.check_paths``), e.g. ``--haystack: ``
+    as ``prefix``; the caller exits 2 (after its own hints)."""
+    for p in problems:
+        console.print(f"[bold red]fp: error:[/] {escape(prefix + p)}", highlight=False, soft_wrap=True)
+
+
+def save_report_or_exit(path, data: dict) -> None:
+    """``fpcli.report.save_report``, or exit 1 with one line naming the file."""
+    from fpcli.report import save_report
+
+    try:
+        save_report(path, data)
+    except OSError as exc:
+        fail(f"cannot write the report {path}: {exc.strerror or exc}")
+
+
 def warn_precision(console: Console, profile, engine) -> None:
     """One line on stderr when the profile asks for FP8 attention and the engine will not run it
     (FP8 applies to the sparse prefill: a dense profile, or a resident engine started with another

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.markup import escape
 
 from fpcli.commands import (
     StdoutStream,
@@ -28,6 +27,8 @@ from fpcli.commands import (
     server_of,
     stderr_console,
     warn_precision,
+    print_bad_paths,
+    save_report_or_exit,
 )
 
 app = typer.Typer()
@@ -107,7 +108,7 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
     from fpcli.prefill_progress import PrefillDisplay
     from fpcli.doccache import fit_cache_for
     from fpcli.prompt import NoRoomError, PromptError, build_prompt
-    from fpcli.report import ask_report, dumps, render_cuts, render_ingestion, render_summary, save_report
+    from fpcli.report import ask_report, dumps, render_cuts, render_ingestion, render_summary
 
     err = stderr_console()
     files = list(files or [])
@@ -121,8 +122,7 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
         fail("the question is empty", code=2)
     problems = check_paths(files)
     if problems:  # before loading anything: name every bad path
-        for p in problems:
-            err.print(f"[bold red]fp: error:[/] {escape(p)}", highlight=False, soft_wrap=True)
+        print_bad_paths(err, problems)
         misplaced = [f for f in files if looks_like_question(f) and not is_file(f)]
         if misplaced and question != "-" and is_file(question):
             err.print(
@@ -222,10 +222,7 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
         sys.stdout.write("\n")
     sys.stdout.flush()
     if report is not None:
-        try:
-            save_report(report, data)
-        except OSError as exc:
-            fail(f"cannot write the report {report}: {exc.strerror or exc}")
+        save_report_or_exit(report, data)
     if not quiet:
         render_summary(err, data)
         render_answered_by(err, eng)

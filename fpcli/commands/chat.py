@@ -13,7 +13,6 @@ import time
 from typing import Annotated, Optional
 
 import typer
-from rich.markup import escape
 
 from fpcli.commands import (
     CONTEXT_HELP,
@@ -28,6 +27,7 @@ from fpcli.commands import (
     load_profile_or_exit,
     stderr_console,
     warn_precision,
+    print_bad_paths,
 )
 from fpcli.commands.ask import CutChoice, EngineChoice, _one_line
 
@@ -86,8 +86,7 @@ def _chat(files, model, profile, engine, history, max_new_tokens, temperature, p
         fail("missing FILE (usage: fp chat FILE...)", code=2)
     problems = check_paths(files)
     if problems:
-        for p in problems:
-            err.print(f"[bold red]fp: error:[/] {escape(p)}", highlight=False, soft_wrap=True)
+        print_bad_paths(err, problems)
         raise typer.Exit(2)
     prof = load_profile_or_exit(profile)
     check_model_or_exit(model)

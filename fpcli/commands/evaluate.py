@@ -18,6 +18,8 @@ from fpcli.commands import (
     load_profile_or_exit,
     model_context,
     stderr_console,
+    print_bad_paths,
+    save_report_or_exit,
 )
 from fpcli.commands.bench import parse_lengths
 
@@ -166,12 +168,7 @@ def evaluate(
         sys.stdout.write(dumps(data) + "\n")
         sys.stdout.flush()
     if report is not None:
-        from fpcli.report import save_report
-
-        try:
-            save_report(report, data)
-        except OSError as exc:
-            fail(f"cannot write the report {report}: {exc.strerror or exc}")
+        save_report_or_exit(report, data)
     if not quiet:
         from fpcli.console import print_table
         from fpcli.ruler.render import dense_notes, eval_table
@@ -214,8 +211,7 @@ def _haystack_or_exit(files: list[str], err, quiet: bool):
 
     problems = check_paths(files)
     if problems:
-        for p in problems:
-            err.print(f"[bold red]fp: error:[/] --haystack: {escape(p)}", highlight=False, soft_wrap=True)
+        print_bad_paths(err, problems, prefix="--haystack: ")
         raise typer.Exit(2)
     docs = ingest(files)
     if not quiet:
