@@ -284,6 +284,23 @@ def check_output_path_or_exit(option: str, path) -> None:
         fail(f"{option} {path}: cannot be written ({exc.strerror or exc})", code=2)
 
 
+def resident_setup_or_exit(profile: str, model: str | None, context: str | None, idle: str | None):
+    """What ``fp start`` and ``fp serve`` check before anything starts: ``--idle``, the profile, the
+    model, ``--context``, and the private runtime folder. Returns ``(profile, idle_s, paths)``;
+    exits 2 on bad input, 1 when the folder cannot be prepared."""
+    from fpcli.server.paths import PathsError, default_paths
+
+    idle_s = parse_duration_or_exit("--idle", idle)
+    prof = load_profile_or_exit(profile)
+    check_model_or_exit(model)
+    prof = context_or_exit(context, prof, model)
+    try:
+        paths = default_paths().ensure()
+    except (PathsError, OSError) as exc:
+        fail(f"cannot prepare the runtime folder: {exc}")
+    return prof, idle_s, paths
+
+
 def print_bad_paths(console: Console, problems: list[str], prefix: str = "") -> None:
     """One ``fp: error:`` line per bad path (``fpcli.ingest.check_paths``), e.g. ``--haystack: ``
     as ``prefix``; the caller exits 2 (after its own hints)."""

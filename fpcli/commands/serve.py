@@ -8,9 +8,8 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from fpcli.commands import (CONTEXT_HELP, FpCommand, check_model_or_exit, context_or_exit, context_source,
-                            engine_loader, fail, load_profile_or_exit,
-                            parse_duration_or_exit, stderr_console)
+from fpcli.commands import (CONTEXT_HELP, FpCommand, context_source, engine_loader, fail, resident_setup_or_exit,
+                            stderr_console)
 from fpcli.commands.ask import EngineChoice
 from fpcli.server import LOOPBACK
 
@@ -39,7 +38,6 @@ def serve(
     """
     from fpcli import __version__
     from fpcli.server.app import ServerInfo
-    from fpcli.server.paths import PathsError, default_paths
     from fpcli.server.serve import ServeConfig, ServeError, check_host, run_server
     from fpcli.server.state import profile_hash
 
@@ -51,14 +49,7 @@ def serve(
             fail(str(exc), code=2)
     elif host != LOOPBACK:
         fail(f"--host {host}: only with --port (without it fp serve listens on a private Unix socket)", code=2)
-    idle_s = parse_duration_or_exit("--idle", idle)
-    prof = load_profile_or_exit(profile)
-    check_model_or_exit(model)
-    prof = context_or_exit(context, prof, model)
-    try:
-        paths = default_paths().ensure()
-    except (PathsError, OSError) as exc:
-        fail(f"cannot prepare the runtime folder: {exc}")
+    prof, idle_s, paths = resident_setup_or_exit(profile, model, context, idle)
     engine_args = list(ctx.args)
     from fpcli.engine.context import ContextError
 

@@ -7,8 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from fpcli.commands import (CONTEXT_HELP, EngineArgsCommand, check_model_or_exit, context_or_exit, fail, load_profile_or_exit, parse_duration_or_exit,
-                            stderr_console)
+from fpcli.commands import CONTEXT_HELP, EngineArgsCommand, fail, resident_setup_or_exit, stderr_console
 from fpcli.commands.ask import EngineChoice
 from fpcli.server import START_TIMEOUT_S
 
@@ -34,18 +33,10 @@ def start(
     Extra arguments after -- are engine settings for SGLang, e.g. fp start --engine sglang -- --tp 2. See fp status and fp stop.
     """
     from fpcli.server.lifecycle import LifecycleError, StartRequest, start_server
-    from fpcli.server.paths import PathsError, default_paths
     from fpcli.server.state import profile_hash
 
     err = stderr_console()
-    idle_s = parse_duration_or_exit("--idle", idle)
-    prof = load_profile_or_exit(profile)
-    check_model_or_exit(model)
-    prof = context_or_exit(context, prof, model)
-    try:
-        paths = default_paths().ensure()
-    except (PathsError, OSError) as exc:
-        fail(f"cannot prepare the runtime folder: {exc}")
+    prof, idle_s, paths = resident_setup_or_exit(profile, model, context, idle)
     try:
         from fpcli.engine import check_engine_args, resolve_request
         from fpcli.models import resolve_model
