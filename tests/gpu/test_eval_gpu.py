@@ -7,24 +7,18 @@ device-run notes. Accuracy targets (issue's 32K / 128K comparison) are a measure
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
-pytest.importorskip("sglang")
-MODELS = Path(os.environ.get("FPDEV_MODELS", "/nonexistent"))
-QWEN = MODELS / "qwen2.5-coder-0.5b-instruct"
-if not (QWEN / "config.json").is_file():
-    pytest.skip(f"staged models not found under FPDEV_MODELS={MODELS}", allow_module_level=True)
+from staged import QWEN, require_sglang_and  # noqa: E402
+
+require_sglang_and(QWEN)
 
 
 def test_fp_eval_8k_dense_and_bf16_on_sglang():

@@ -15,26 +15,18 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
-if torch.cuda.get_device_capability() < (8, 9):
-    pytest.skip("FP8 needs compute capability >= 8.9", allow_module_level=True)
-pytest.importorskip("sglang")
-MODELS = Path(os.environ.get("FPDEV_MODELS", "/nonexistent"))
-QWEN = MODELS / "qwen2.5-coder-0.5b-instruct"
-if not (QWEN / "config.json").is_file():
-    pytest.skip(f"staged Qwen not found under FPDEV_MODELS={MODELS}", allow_module_level=True)
+from staged import QWEN, require_sglang_and  # noqa: E402
+
+require_sglang_and(QWEN, min_capability=(8, 9))  # FP8 tensor cores
 
 from fpcli.engine.sglang_engine import SGLangEngine  # noqa: E402
 from fpcli.profiles import load_profile  # noqa: E402

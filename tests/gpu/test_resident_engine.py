@@ -17,14 +17,9 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
-pytest.importorskip("sglang")
-MODELS = Path(os.environ.get("FPDEV_MODELS", "/nonexistent"))
-QWEN = MODELS / "qwen2.5-coder-0.5b-instruct"
-if not (QWEN / "config.json").is_file():
-    pytest.skip(f"staged Qwen model not found under FPDEV_MODELS={MODELS}", allow_module_level=True)
+from staged import QWEN, require_sglang_and  # noqa: E402
+
+require_sglang_and(QWEN)
 
 ROOT = Path(__file__).resolve().parents[2]
 

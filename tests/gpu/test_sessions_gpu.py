@@ -7,7 +7,6 @@ first): the second prompt must be >= 95% served from the cache, and still answer
 """
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -15,17 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
-pytest.importorskip("sglang")
-MODELS = Path(os.environ.get("FPDEV_MODELS", "/nonexistent"))
-QWEN = MODELS / "qwen2.5-coder-0.5b-instruct"
-if not (QWEN / "config.json").is_file():
-    pytest.skip(f"staged Qwen not found under FPDEV_MODELS={MODELS}", allow_module_level=True)
+from staged import QWEN, require_sglang_and  # noqa: E402
+
+require_sglang_and(QWEN)
 
 from fpcli.ttft import answered, needle_document  # noqa: E402
 from fpcli.engine.sglang_engine import SGLangEngine  # noqa: E402
