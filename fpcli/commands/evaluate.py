@@ -159,7 +159,7 @@ def evaluate(
     except Exception as exc:  # noqa: BLE001
         fail(f"evaluation failed: {_one_line(exc)}")
 
-    data = eval_report(run, seed=seeds, samples_per_cell=samples, tasks=[t.name for t in task_list],
+    data = eval_report(run, seeds=seeds, samples_per_cell=samples, tasks=[t.name for t in task_list],
                        lengths=lengths, haystack=stack.name,
                        profile_sources={p.name: str(p.source) if p.source else None for p in profs})
     if json_out:

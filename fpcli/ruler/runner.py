@@ -166,7 +166,7 @@ def averages(cell_list: Sequence[dict]) -> list[dict]:
     return out
 
 
-def eval_report(run: EvalRun, *, seed: int | Sequence[int], samples_per_cell: int, tasks: Sequence[str], lengths: Sequence[int],
+def eval_report(run: EvalRun, *, seeds: Sequence[int], samples_per_cell: int, tasks: Sequence[str], lengths: Sequence[int],
                 haystack: str, profile_sources: dict[str, str | None] | None = None) -> dict:
     """The ``fp.eval/1`` JSON object.
 
@@ -180,7 +180,7 @@ def eval_report(run: EvalRun, *, seed: int | Sequence[int], samples_per_cell: in
     """
     cell_list = cells(run)
     sources = profile_sources or {}
-    seeds = [seed] if isinstance(seed, int) else list(seed)
+    seeds = list(seeds)
     return {
         "schema": SCHEMA,
         "model": run.profiles[0].model if run.profiles else None,

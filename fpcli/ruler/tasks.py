@@ -351,17 +351,15 @@ def _cwe_repeats(draft: Draft, tokenizer: ChatEncoding, target: int) -> int:
     return int(min(CWE_MAX_REPEATS, max(CWE_MIN_REPEATS, entries / (2 * CWE_COMMON))))
 
 
-def make_samples(tasks: Sequence[Task], lengths: Sequence[int], samples: int, seed: int | Sequence[int],
+def make_samples(tasks: Sequence[Task], lengths: Sequence[int], samples: int, seeds: Sequence[int],
                  haystack: Haystack, tokenizer: ChatEncoding, context_length: int,
                  on_sample: Callable[[Sample], None] | None = None) -> list[Sample]:
-    """``samples`` samples per (task, length) and seed, in task, length, seed, index order.
-
-    ``seed``: one seed or several (each gives its own ``samples`` samples per cell).
+    """``samples`` samples per (task, length) and seed, in task, length, seed, index order (each
+    seed gives its own ``samples`` samples per cell).
 
     Raises:
         TaskError: a length too short for a task.
     """
-    seeds = [seed] if isinstance(seed, int) else list(seed)
     out = []
     for task in tasks:
         for length in lengths:
