@@ -118,13 +118,14 @@ def child(name: str, model: str, out: Path) -> None:
     t["imports"] = time.time()
     profile = with_context_length(load_profile("bf16"), CONTEXT)
     kwargs: dict = {"log_level": "info"}
-    if name in ("new", "warm"):
-        kwargs["max_requests"] = 1  # as fpcli.commands.obtain_engine loads it for fp ask
+    if name in ("new", "warm", "nowarm"):
+        kwargs["max_requests"] = 1
+        kwargs["warmup"] = name != "nowarm"  # "nowarm": the first real request is the warm-up  # as fpcli.commands.obtain_engine loads it for fp ask
     elif name == "old":  # the settings before: SGLang sizes the pool from mem_fraction_static alone
         kwargs["server_overrides"] = {"max_total_tokens": None, "max_running_requests": None,
                                       "skip_tokenizer_init": False}
     else:
-        raise SystemExit(f"unknown configuration {name!r} (new, old, warm)")
+        raise SystemExit(f"unknown configuration {name!r} (new, old, warm, nowarm)")
     t["engine_call"] = time.time()
     eng = se.SGLangEngine(model, profile, **kwargs)
     t["engine_object"] = t["engine_call"] + eng.startup_s + eng.start_phases.get("tokenizer", 0.0)
@@ -156,7 +157,7 @@ def child(name: str, model: str, out: Path) -> None:
 def run_child(name: str, model: str, outdir: Path, limit: float) -> dict:
     rec_path, log_path = outdir / f"cold_start_{name}.child.json", outdir / f"cold_start_{name}.log"
     env = dict(os.environ, SGLANG_LOG_MS="1", PYTHONUNBUFFERED="1")
-    if name != "warm":  # "warm": Triton's own cache, as a user's machine has it after the first run
+    if name not in ("warm", "nowarm"):  # "warm": Triton's own cache, as a user's machine has it after the first run
         env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"triton-{name}-")
     spawned = time.time()
     with open(log_path, "w") as log:
@@ -210,7 +211,7 @@ def run_ask(model: str, outdir: Path, limit: float, triton_cache: str | None) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=os.path.join(os.environ.get("FPDEV_MODELS", ""), QWEN))
-    ap.add_argument("--configs", default="new,old", help="comma list of new, old, warm (new with Triton's default, already warm cache)")
+    ap.add_argument("--configs", default="new,old", help="comma list of new, old, warm (new with Triton's default, already warm cache), nowarm (warm without the start-up warm-up)")
     ap.add_argument("--no-ask", action="store_true", help="skip the fp ask --no-server run")
     ap.add_argument("--budget", type=float, default=230.0, help="seconds for the whole script")
     ap.add_argument("--child")

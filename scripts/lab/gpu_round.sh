@@ -70,7 +70,7 @@ PY
       t fp eval --len ${EVAL_LENS:-32k,128k} --task ${EVAL_TASKS:-niah_single,niah_multikey,vt} --samples ${EVAL_N:-2} \
         --seed ${EVAL_SEEDS:-0,1} --profiles dense,bf16,fp8 --no-server --json --report "$OUT/eval.json" \
         > /dev/null 2> "$OUT/eval.err"; tail -25 "$OUT/eval.err" | tee -a "$SUM" ;;
-    cold) t python scripts/lab/cold_start.py --configs ${COLD_CONFIGS:-warm} --budget ${COLD_BUDGET:-200} > "$OUT/cold.log" 2>&1; tail -30 "$OUT/cold.log" | tee -a "$SUM" ;;
+    cold) t python scripts/lab/cold_start.py --configs ${COLD_CONFIGS:-warm,nowarm} --budget ${COLD_BUDGET:-240} > "$OUT/cold.log" 2>&1; tail -30 "$OUT/cold.log" | tee -a "$SUM" ;;
     bench) t fp bench --len ${BENCH_LENS:-8k,32k,128k} ${BENCH_ARGS:-} --json > "$OUT/bench.json" 2> "$OUT/bench.err"; tail -30 "$OUT/bench.err" ;;
   esac
 done
