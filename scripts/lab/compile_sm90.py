@@ -16,6 +16,7 @@ that subtracts, no correction, dense) with float32 or 16-bit means where the lau
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import os
 import re
@@ -30,7 +31,7 @@ from triton.compiler import ASTSource
 from flashprefill.impl.triton import attention_fp8_kernels as fk
 from flashprefill.impl.triton import attention_kernels as ak
 from flashprefill.impl.triton import index_kernels as ik
-from flashprefill.impl.triton.tiles import IndexConfig, get_config
+from flashprefill.impl.triton.tiles import AttnConfig, IndexConfig, get_config
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -119,21 +120,25 @@ def compile_attention(sass_dir=None, shard=(0, 1)):
                     consts, floats=("scale_log2",), num_warps=t.num_warps, num_stages=t.num_stages, sass_dir=sass_dir)
 
 
-def compile_attention_fp8(sass_dir=None, shard=(0, 1)):
-    """``_attn_fwd_fp8`` as ``host_fp8.launch_attention_fp8`` launches it (e4m3 pre-pass buffers)."""
+def compile_attention_fp8(sass_dir=None, shard=(0, 1), attn=None):
+    """``_attn_fwd_fp8`` as ``host_fp8.launch_attention_fp8`` launches it (e4m3 pre-pass buffers).
+    ``attn``: a function ``AttnConfig -> AttnConfig`` applied to each shipped config (a lab variant)."""
     cases = [(d, B, g, mode) for d in (64, 128, 256) for mode in ("bits", "nomc", "dense") for B, g in ((128, 4),)]
     cases += [(128, 64, 7, "bits")]
     for i, (d, B, g, mode) in enumerate(cases):
         if i % shard[1] != shard[0]:
             continue
         t = get_config(d, torch.bfloat16, B, precision="fp8").attn
+        if attn is not None:
+            t = attn(t)
         ptrs = {n: "*i32" for n in ("cu_seqlens_k", "seq_lens", "cu_seqlens_q", "tile_request", "tile_local",
                                     "block_ptr", "row_ptr", "col_idx", "sel_bits")}
         ptrs.update(q_ptr="*bf16", k8="*fp8e4nv", v8t="*fp8e4nv", k_mean8="*fp8e4nv", v_mean8t="*fp8e4nv",
                     k_scale="*fp32", v_scale="*fp32", out_ptr="*bf16", lse_ptr="*fp32")
         consts = dict(GROUP=g, HEAD_DIM=d, TILE_ROWS=128, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_SIZE=B,
                       BLOCK_U=t.block_u, SPARSE=mode != "dense", MEAN_CORR=mode == "bits",
-                      MAIN_STAGES=t.num_stages, MC_STAGES=t.mc_stages or t.num_stages)
+                      MAIN_STAGES=t.num_stages, MC_STAGES=t.mc_stages or t.num_stages, EXP=fk.EXP_IMPLS.index(t.exp_impl), FOLD_SCALE=t.fold_scale,
+                      INLINE_ASM=True)
         compile_one(f"attn fp8 d{d} B{B} g{g} {mode}", fk._attn_fwd_fp8, ptrs, consts, floats=("scale_log2",),
                     num_warps=t.num_warps, num_stages=t.num_stages, sass_dir=sass_dir)
 
@@ -180,14 +185,22 @@ def main(argv=None) -> None:
     ap.add_argument("only", nargs="?", default="", choices=["", "attn", "index", "fp8"])
     ap.add_argument("--sass", default=None, help="write each configuration's SASS into this directory")
     ap.add_argument("--shard", default="0/1", help="K/N: this process compiles configurations K, K+N, ...")
+    ap.add_argument("--fp8-set", default="", metavar="FIELD=INT,...",
+                    help="fp8 only: AttnConfig fields replaced in every configuration (a lab variant), "
+                         "e.g. exp_impl=poly_half,num_stages=3")
     a = ap.parse_args(argv)
+    fields = dict(kv.split("=") for kv in a.fp8_set.split(",") if kv)
+    bad = set(fields) - {f.name for f in dataclasses.fields(AttnConfig)}
+    if bad:
+        raise SystemExit(f"--fp8-set: unknown AttnConfig fields {sorted(bad)}")
     k, n = (int(x) for x in a.shard.split("/"))
     if a.only in ("", "attn"):
         compile_attention(a.sass, (k, n))
     if a.only in ("", "index"):
         compile_index(a.sass, (k, n))
     if a.only in ("", "fp8"):
-        compile_attention_fp8(a.sass, (k, n))
+        compile_attention_fp8(a.sass, (k, n), lambda t: dataclasses.replace(
+            t, **{f: v if isinstance(getattr(t, f), str) else type(getattr(t, f))(int(v)) for f, v in fields.items()}))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
-"""FP8 attention tile variants against BF16 sparse on the GPU (lab, H200): one run, <= ~150 s.
+"""FP8 attention kernel variants against BF16 sparse on the GPU (lab, H200): one run, <= ~200 s cold.
 
     PYTHONPATH=kernels:. python scripts/lab/fp8_variants.py [--lens 32k 128k] [--out DIR]
 
 For each length (32 query / 8 KV heads, d 128, bf16, page 64, ``flashprefill.bench``'s synthetic
 inputs, default ``SparseConfig``): BF16 sparse total and attention-only time, then for each FP8
 variant (an ``AttnConfig`` of the e4m3 kernel, the index tiles unchanged) its total (index +
-pre-pass + attention, as ``host.attention``), the pre-pass alone, its attention alone (pre-pass
-buffers and index built beforehand: the time where an FP8 KV cache already exists) and the relative
-L2 of its output against the BF16 sparse output. Medians of ``triton.testing.do_bench``. Prints a
+pre-pass + attention, as ``host.attention``), its attention alone (pre-pass buffers and index built
+beforehand: the time where an FP8 KV cache already exists) and the relative L2 of its output against
+the BF16 sparse output; the pre-pass alone once per length (no variant changes it). Variants: the
+shipped tiles; ``exp_impl="f16"`` (``ex2.approx.f16x2``); ``exp_impl="poly_half"`` (half the exp2
+on the FMA pipes); ``fold_scale`` (logit scale fused into the exp2 argument's FFMA); the last two
+together, with 2 and 3 stages. Medians of ``triton.testing.do_bench``. Prints a
 table and writes ``fp8_variants.json`` into ``--out`` (default ``$OUT``, else the current
 directory). Each variant compiles once (<= 6 variants).
 """
@@ -36,9 +39,11 @@ def variants(block_size: int) -> dict:
     a = base.attn
     attn = {
         "shipped": a,
-        "bn128_st3": dataclasses.replace(a, block_n=128, num_stages=3, mc_stages=3),
-        "bn64_st3": dataclasses.replace(a, block_n=64, num_stages=3, mc_stages=3),
-        "bn64_st4": dataclasses.replace(a, block_n=64, num_stages=4, mc_stages=4),
+        "exp_f16": dataclasses.replace(a, exp_impl="f16"),
+        "poly_half": dataclasses.replace(a, exp_impl="poly_half"),
+        "fold": dataclasses.replace(a, fold_scale=True),
+        "poly_fold": dataclasses.replace(a, exp_impl="poly_half", fold_scale=True),
+        "poly_fold_st3": dataclasses.replace(a, exp_impl="poly_half", fold_scale=True, num_stages=3, mc_stages=3),
     }
     return {k: dataclasses.replace(base, attn=v) for k, v in attn.items()}
 
@@ -57,6 +62,7 @@ def run_length(L: int, config: SparseConfig) -> dict:
     out16 = host.attention(q, kc, vc, pt, sl, cu, config, scale, plan)[0]
     row["bf16_total_ms"] = time_ms(lambda: host.attention(q, kc, vc, pt, sl, cu, config, scale, plan))
     row["bf16_attn_ms"] = time_ms(lambda: host.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, index16))
+    row["prepass_ms"] = time_ms(lambda: host_fp8.kv_operands(kc, vc, pt, sl, plan))
     row["fp8"] = {}
     for name, kcfg in variants(config.block_size).items():
         r = {"attn_config": dataclasses.asdict(kcfg.attn)}
@@ -75,7 +81,6 @@ def run_length(L: int, config: SparseConfig) -> dict:
             r["finite"] = bool(torch.isfinite(out8).all())
             r["total_ms"] = time_ms(lambda: host.attention(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=kcfg,
                                                            precision="fp8"))
-            r["prepass_ms"] = time_ms(lambda: host_fp8.kv_operands(kc, vc, pt, sl, plan))
             r["attn_ms"] = time_ms(attn_only)
             r["speedup_total"] = row["bf16_total_ms"] / r["total_ms"]
             r["speedup_attn"] = row["bf16_attn_ms"] / r["attn_ms"]
@@ -89,17 +94,17 @@ def run_length(L: int, config: SparseConfig) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'L':>7} {'variant':>10} {'total ms':>9} {'x bf16':>7} {'attn ms':>8} {'x bf16':>7} "
+    lines = [f"{'L':>7} {'variant':>13} {'total ms':>9} {'x bf16':>7} {'attn ms':>8} {'x bf16':>7} "
              f"{'pre ms':>7} {'relL2':>7} {'density':>8}"]
     for row in rows:
-        lines.append(f"{row['L']:>7} {'bf16':>10} {row['bf16_total_ms']:9.3f} {'':>7} {row['bf16_attn_ms']:8.3f} "
-                     f"{'':>7} {'':>7} {'':>7} {row['bf16_density']:8.4f}")
+        lines.append(f"{row['L']:>7} {'bf16':>13} {row['bf16_total_ms']:9.3f} {'':>7} {row['bf16_attn_ms']:8.3f} "
+                     f"{'':>7} {row['prepass_ms']:7.3f} {'':>7} {row['bf16_density']:8.4f}")
         for name, r in row["fp8"].items():
             if "error" in r:
-                lines.append(f"{row['L']:>7} {name:>10} {r['error']}")
+                lines.append(f"{row['L']:>7} {name:>13} {r['error']}")
                 continue
-            lines.append(f"{row['L']:>7} {name:>10} {r['total_ms']:9.3f} {r['speedup_total']:7.2f} "
-                         f"{r['attn_ms']:8.3f} {r['speedup_attn']:7.2f} {r['prepass_ms']:7.3f} "
+            lines.append(f"{row['L']:>7} {name:>13} {r['total_ms']:9.3f} {r['speedup_total']:7.2f} "
+                         f"{r['attn_ms']:8.3f} {r['speedup_attn']:7.2f} {'':>7} "
                          f"{r['rel_l2_vs_bf16']:7.4f} {r['density']:8.4f}")
     return "\n".join(lines)
 

@@ -38,16 +38,88 @@ TMA_ALIGN = tl.constexpr(_TMA_ALIGN)
 P_SCALE_LOG2 = tl.constexpr(float(quant.P_SCALE_LOG2))
 
 
+# The softmax's exp2 (``AttnConfig.exp_impl``, constexpr ``EXP``): index into this tuple.
+EXP_IMPLS = ("mufu", "f16", "poly_half")
+# Lower clamp of the half-precision exp2's argument: 2^-30 is below fp16's smallest subnormal
+# (2^-24), so masked (-inf) logits become exactly the p = 0 they stand for, never fp16 garbage.
+EXP_F16_FLOOR = tl.constexpr(-30.0)
+# Lower clamp of the polynomial exp2's argument: 2^-100 is a normal float32 (the exponent field
+# arithmetic below stays in range) and 0 after the e4m3 cast.
+EXP_POLY_FLOOR = tl.constexpr(-100.0)
+# 1.5 * 2^23: x + this rounds x to the nearest integer n, held in the low mantissa bits.
+ROUND_MAGIC = tl.constexpr(12582912.0)
+# 2^f on [-1/2, 1/2], degree 3, least squares in relative error: max relative error 7.7e-5
+# (e4m3's rounding step of P is 2^-3, its bound 2^-4; docs/fp8.md section 4).
+C0 = tl.constexpr(0.9999289048020072)
+C1 = tl.constexpr(0.6932762833525732)
+C2 = tl.constexpr(0.2426046562099919)
+C3 = tl.constexpr(0.05508876707445849)
+
+
 @triton.jit
-def _fp8_step(acc, m_i, l_i, s, vt):
+def _exp2_f16(x, INLINE_ASM: tl.constexpr):
+    """``2^x`` of fp32 ``x`` (``x <= P_SCALE_LOG2``; ``-inf`` = masked) in half precision: fp16, same
+    shape. ``INLINE_ASM``: ``ex2.approx.f16x2``; else ``tl.exp2`` of the same fp16 argument rounded
+    to fp16 (the interpreter has no inline PTX). sm_90 runs it as two ``MUFU.EX2.F16``: no fewer
+    MUFU operations than fp32, plus the conversions."""
+    h = tl.maximum(x, EXP_F16_FLOOR).to(tl.float16)
+    if INLINE_ASM:
+        p = tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [h], dtype=tl.float16,
+                                      is_pure=True, pack=2)
+    else:
+        p = tl.exp2(h.to(tl.float32)).to(tl.float16)
+    return p
+
+
+@triton.jit
+def _exp2_poly(x):
+    """``2^x`` of fp32 ``x`` (``x <= P_SCALE_LOG2``; ``-inf`` = masked) on the FMA / integer pipes,
+    no MUFU: ``n = round(x)``, ``2^(x-n)`` by a degree-3 polynomial, ``n`` added to the exponent
+    field. fp32, same shape; relative error <= 7.7e-5 down to ``2^-100`` (below: ``~2^-100``)."""
+    x = tl.maximum(x, EXP_POLY_FLOOR)
+    t = x + ROUND_MAGIC
+    f = x - (t - ROUND_MAGIC)                                   # in [-1/2, 1/2]
+    p = tl.fma(tl.fma(tl.fma(f, C3, C2), f, C1), f, C0)
+    n_shifted = t.to(tl.int32, bitcast=True) << 23              # n in the exponent field (mod 2^32)
+    return (p.to(tl.int32, bitcast=True) + n_shifted).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exp2_p(x, EXP: tl.constexpr, INLINE_ASM: tl.constexpr):
+    """``p·256 = 2^x`` of log2-unit ``x`` ``[M, N]`` by ``EXP_IMPLS[EXP]``; fp32 or fp16 (``f16``)."""
+    if EXP == 1:
+        p = _exp2_f16(x, INLINE_ASM)
+    elif EXP == 2:
+        # even columns on MUFU, odd ones by the polynomial: a thread of the wgmma accumulator
+        # layout holds column pairs, so the split and join move no data between threads
+        M: tl.constexpr = x.shape[0]
+        N: tl.constexpr = x.shape[1]
+        a, b = tl.split(tl.reshape(x, [M, N // 2, 2]))
+        p = tl.reshape(tl.join(tl.exp2(a), _exp2_poly(b)), [M, N])
+    else:
+        p = tl.exp2(x)
+    return p
+
+
+@triton.jit
+def _fp8_step(acc, m_i, l_i, s, vt, scale2, EXP: tl.constexpr, INLINE_ASM: tl.constexpr, FOLD: tl.constexpr):
     """One online-softmax step on log2-unit logits ``s`` ``[M, N]`` (``-inf`` = masked) and the
-    transposed e4m3 values ``vt`` ``[d, N]``: ``p·256`` in fp32 into ``l``, its e4m3 cast into the
-    ``P V`` product."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    transposed e4m3 values ``vt`` ``[d, N]``: ``p·256`` (``_exp2_p``) summed in fp32 into ``l``,
+    its e4m3 cast into the ``P V`` product. ``FOLD``: ``s`` is the raw ``Σ q8 k8`` and the logit
+    scale ``scale2`` (> 0: the Q / K scales are never 0) is applied to the row max and, in one
+    FFMA with the max subtraction, to the exp2 argument; else ``scale2`` is unused."""
+    if FOLD:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale2)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - (m_safe - P_SCALE_LOG2)[:, None])          # p * 256, in (0, 256]
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if FOLD:
+        x = tl.fma(s, scale2, (P_SCALE_LOG2 - m_safe)[:, None])
+    else:
+        x = s - (m_safe - P_SCALE_LOG2)[:, None]
+    p = _exp2_p(x, EXP, INLINE_ASM)                              # p * 256, in (0, 256]
+    l_i = l_i * alpha + tl.sum(p.to(tl.float32), axis=1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(tl.float8e4nv), tl.trans(vt), acc)
     return acc, m_new, l_i
@@ -56,7 +128,8 @@ def _fp8_step(acc, m_i, l_i, s, vt):
 @triton.jit
 def _fp8_inner(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, lo, hi, P, lk, kv0, tok, scale2, total_k,
                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-               SPARSE: tl.constexpr, MASK: tl.constexpr, STAGES: tl.constexpr):
+               SPARSE: tl.constexpr, MASK: tl.constexpr, STAGES: tl.constexpr, EXP: tl.constexpr,
+               INLINE_ASM: tl.constexpr, FOLD: tl.constexpr):
     """Exact keys of blocks ``col_idx[lo:hi]`` (``SPARSE``) or ``lo..hi-1``; ``MASK`` as in
     ``attention_kernels._attn_inner``. ``k8_h`` / ``v8t_h``: the KV head's slice of the pre-pass
     buffers; ``kv0``: the request's first token slot (int64)."""
@@ -83,18 +156,21 @@ def _fp8_inner(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, lo, hi, P, lk, kv0, tok,
                 # V8^T masked in groups of TMA_ALIGN tokens (16-byte copies): the slots in
                 # [lk, lk_al) are the pre-pass's zero gap, their logits are -inf below
                 vt = tl.load(v_ptrs, mask=(pos < lk_al)[None, :], other=0.0)
-            s = tl.dot(q8, tl.trans(k)) * scale2
+            s = tl.dot(q8, tl.trans(k))
+            if not FOLD:
+                s = s * scale2
             if MASK == 1:
                 allowed = (pos[None, :] <= P + tok[:, None]) & (pos < lk)[None, :]
                 s = tl.where(allowed, s, float("-inf"))
-            acc, m_i, l_i = _fp8_step(acc, m_i, l_i, s, vt)
+            acc, m_i, l_i = _fp8_step(acc, m_i, l_i, s, vt, scale2, EXP, INLINE_ASM, FOLD)
     return acc, m_i, l_i
 
 
 @triton.jit
 def _fp8_means(acc, m_i, l_i, q8, k_mean8, v_mean8t_h, bits_row, n_words, n_u, blk0, h, lk, scale2,
                stride_mb, stride_mh, n_blocks_pad,
-               HEAD_DIM: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_SIZE: tl.constexpr, STAGES: tl.constexpr):
+               HEAD_DIM: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_SIZE: tl.constexpr, STAGES: tl.constexpr,
+               EXP: tl.constexpr, INLINE_ASM: tl.constexpr):
     """The pruned candidates ``j < n_u``, ``j ∉ S`` (selection bitmask, as
     ``attention_kernels._mean_bits``) as ``n_j`` e4m3 mean tokens."""
     tl.static_assert(BLOCK_U == 64)
@@ -115,7 +191,7 @@ def _fp8_means(acc, m_i, l_i, q8, k_mean8, v_mean8t_h, bits_row, n_words, n_u, b
         use = cand & (((word >> (rel_j % 32)) & 1) == 0)
         bias = tl.where(use, log2_n, float("-inf"))
         s = tl.fma(tl.dot(q8, tl.trans(km)), scale2, bias[None, :])
-        acc, m_i, l_i = _fp8_step(acc, m_i, l_i, s, vmt)
+        acc, m_i, l_i = _fp8_step(acc, m_i, l_i, s, vmt, scale2, EXP, INLINE_ASM, False)
     return acc, m_i, l_i
 
 
@@ -138,6 +214,9 @@ def _attn_fwd_fp8(
     MEAN_CORR: tl.constexpr,
     MAIN_STAGES: tl.constexpr,
     MC_STAGES: tl.constexpr,
+    EXP: tl.constexpr,
+    INLINE_ASM: tl.constexpr,
+    FOLD_SCALE: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M == TILE_ROWS)       # the Q scale is the whole tile's
     tl.static_assert(BLOCK_SIZE % BLOCK_N == 0)
@@ -179,16 +258,17 @@ def _attn_fwd_fp8(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # ---------------------------------------------------------------- exact keys
     acc, m_i, l_i = _fp8_inner(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, start, split, P, lk, kv0, tok, scale2,
-                               total_k, HEAD_DIM, BLOCK_N, BLOCK_SIZE, SPARSE, 0, MAIN_STAGES)
+                               total_k, HEAD_DIM, BLOCK_N, BLOCK_SIZE, SPARSE, 0, MAIN_STAGES, EXP, INLINE_ASM, FOLD_SCALE)
     acc, m_i, l_i = _fp8_inner(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, split, end, P, lk, kv0, tok, scale2,
-                               total_k, HEAD_DIM, BLOCK_N, BLOCK_SIZE, SPARSE, 1, MAIN_STAGES)
+                               total_k, HEAD_DIM, BLOCK_N, BLOCK_SIZE, SPARSE, 1, MAIN_STAGES, EXP, INLINE_ASM, FOLD_SCALE)
     # ---------------------------------------------------------------- mean correction
     if SPARSE and MEAN_CORR:
         n_u = _n_fully_seen(P + t_first + 1, lk, BLOCK_SIZE)
         n_u = tl.where(end - start >= n_vis, 0, n_u)
         acc, m_i, l_i = _fp8_means(acc, m_i, l_i, q8, k_mean8, v_mean8t + h.to(tl.int64) * HEAD_DIM * n_blocks_pad,
                                    sel_bits + seg.to(tl.int64) * n_words, n_words, n_u, blk0, h, lk, scale2,
-                                   stride_mb, stride_mh, n_blocks_pad, HEAD_DIM, BLOCK_U, BLOCK_SIZE, MC_STAGES)
+                                   stride_mb, stride_mh, n_blocks_pad, HEAD_DIM, BLOCK_U, BLOCK_SIZE, MC_STAGES,
+                                   EXP, INLINE_ASM)
     # ---------------------------------------------------------------- epilogue
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)

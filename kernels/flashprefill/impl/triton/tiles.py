@@ -33,6 +33,14 @@ class AttnConfig:
             by the launcher when the means are float32 (twice the bytes per stage).
         pair_softmax: with two sub-tiles per key block (``block_n = B / 2``), one online-softmax
             update per key block instead of one per sub-tile.
+        exp_impl: FP8 kernel only (``attention_fp8_kernels.EXP_IMPLS``): the softmax's ``exp2``.
+            ``"mufu"``: fp32 ``exp2`` (one MUFU op per element); ``"f16"``: ``ex2.approx.f16x2``
+            (``P`` cast to e4m3 from fp16); ``"poly_half"``: half the elements by a degree-3
+            polynomial on the FMA pipes (relative error 7.7e-5). The row sum stays fp32. Ignored
+            by the 16-bit kernels.
+        fold_scale: FP8 kernel only: the exact-key loops apply the logit scale to the row max
+            and, fused with the max subtraction, in one FFMA per logit (instead of a separate
+            FMUL per logit). Ignored by the 16-bit kernels.
     """
 
     block_m: int
@@ -42,6 +50,8 @@ class AttnConfig:
     num_stages: int
     mc_stages: int = 0
     pair_softmax: bool = False
+    exp_impl: str = "mufu"
+    fold_scale: bool = False
 
 
 @dataclass(frozen=True)
