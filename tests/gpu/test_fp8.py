@@ -130,3 +130,46 @@ def test_fp8_e4m3_cache_with_descales_equals_internal_quantisation():
     assert rel(got, ref) < 1e-2
     with pytest.raises(ValueError, match="k_descale"):
         flashprefill.flashprefill_attention(q, codes[0], codes[1], pt, sl, cu, SPARSE, plan=plan, precision="fp8")
+
+
+# The FP8 kernel's variant fields (``AttnConfig.exp_impl`` / ``fold_scale``): each must meet the
+# same budgets as the shipped kernel. poly_half's exp2 is off by <= 7.7e-5 relative, f16's by
+# fp16 rounding (2^-11): both far inside e4m3's rounding of P (2^-4), so the budgets do not change.
+VARIANT_FIELDS = {
+    "exp_f16": dict(exp_impl="f16"),
+    "poly_half": dict(exp_impl="poly_half"),
+    "fold": dict(fold_scale=True),
+    "poly_fold": dict(exp_impl="poly_half", fold_scale=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANT_FIELDS))
+@pytest.mark.parametrize("name", ["kv129_g7_ps64", "kv4095_g8_ps64", "kv4097_prefix_g3_d64", "kv4096_g1_d256",
+                                  "large_logits_g8"])
+def test_fp8_kernel_variants_meet_the_same_budgets(name, variant):
+    from flashprefill.impl.triton import host
+    from flashprefill.impl.triton.tiles import get_config
+
+    cpu = _inputs(name)
+    gpu = _cuda(cpu)
+    g = cpu[0].shape[1] // cpu[1].shape[2]
+    d = cpu[0].shape[2]
+    plan = make_plan(gpu[4], gpu[5], g, SPARSE.block_size)
+    index = flashprefill.build_index(*gpu, SPARSE, plan=plan, precision="fp8")
+    base = get_config(d, torch.bfloat16, SPARSE.block_size, precision="fp8")
+    kcfg = dataclasses.replace(base, attn=dataclasses.replace(base.attn, **VARIANT_FIELDS[variant]))
+    scale = d ** -0.5
+    out = host.sparse_attention(*gpu, SPARSE, scale, plan, index, kernels=kcfg, precision="fp8")[0]
+    shipped = host.sparse_attention(*gpu, SPARSE, scale, plan, index, kernels=base, precision="fp8")[0]
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert not torch.equal(out, torch.zeros_like(out))
+    cidx = dataclasses.replace(index, **{f.name: getattr(index, f.name).cpu() for f in dataclasses.fields(index)
+                                         if isinstance(getattr(index, f.name), torch.Tensor)})
+    cplan = make_plan(cpu[4], cpu[5], g, SPARSE.block_size)
+    want, _ = R.sparse_attention(*cpu, SPARSE, scale, cplan, cidx, precision="fp8")
+    want16, _ = R.sparse_attention(*cpu, SPARSE, scale, cplan, cidx)
+    e = rel(want, want16)
+    assert rel(out.cpu(), want16) <= TRACK_FACTOR * e + BF16_FLOOR
+    assert rel(out.cpu(), want) <= SAME_FACTOR * e + BF16_FLOOR
+    assert rel(out, shipped) <= SAME_FACTOR * e + BF16_FLOOR
