@@ -202,6 +202,7 @@ def fake_load_engine(engine: str = "auto", model: str | None = None, profile=Non
         model_name=model or "fake-model",
     )
     fake.requested = {"engine": engine, "model": model, "profile": profile}
+    fake.load_kwargs = dict(kwargs)  # what the command asked of the loader (max_requests, warmup, ...)
     if getattr(profile, "precision", "bf16") == "fp8" and not getattr(profile, "is_dense", False):
         from fpcli.engine.base import ran_precision
 

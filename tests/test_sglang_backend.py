@@ -763,6 +763,51 @@ def test_in_process_commands_load_a_one_request_engine(monkeypatch):
     monkeypatch.setattr(commands, "engine_loader", lambda: loader)
     assert commands.obtain_engine("sglang", None, "bf16", False, True, stderr_console()) == "engine"
     assert seen["max_requests"] == 1
+    assert "warmup" not in seen  # the loader's default: the engine warms up
+
+
+@pytest.mark.parametrize("command,one_prompt", [
+    (["ask", "{doc}", "What is the code?", "--no-server"], True),
+    (["profile", "{doc}", "What is the code?", "--no-server"], True),
+])
+def test_one_prompt_commands_skip_the_engine_warmup(runner, fake_engine, tmp_path, command, one_prompt):
+    """fp ask / fp profile send one prompt: their in-process engine skips the start-up warm-up
+    (the request is its own warm-up)."""
+    from fpcli.cli import app
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("Quarterly report.\nThe secret code is PLUM7.\nRevenue grew.\n", encoding="utf-8")
+    r = runner.invoke(app, [a.format(doc=doc) for a in command], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert fake_engine().load_kwargs.get("warmup", True) is not one_prompt
+
+
+def test_chat_keeps_the_engine_warmup(runner, fake_engine, tmp_path):
+    from fpcli.cli import app
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("Quarterly report.\nThe secret code is PLUM7.\nRevenue grew.\n", encoding="utf-8")
+    r = runner.invoke(app, ["chat", str(doc), "--no-server"], input="What is the code?\n", env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert fake_engine().load_kwargs.get("warmup", True) is True
+
+
+@pytest.mark.parametrize("warmup", [False, True])
+def test_load_engine_passes_warmup_to_the_sglang_engine(monkeypatch, tmp_path, warmup):
+    import fpcli.engine as engine_mod
+    import fpcli.engine.sglang_engine as se
+    from fpcli.profiles import load_profile
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, path, profile, **kw):
+            seen.update(kw)
+
+    monkeypatch.setattr(se, "SGLangEngine", Recorder)
+    monkeypatch.setattr(engine_mod, "resolve_request", lambda e, m, p: ("sglang", m, load_profile("bf16")))
+    engine_mod.load_engine("sglang", str(_model_dir(tmp_path)), "bf16", progress=False, warmup=warmup)
+    assert seen["warmup"] is warmup and seen["max_requests"] is None
 
 
 def test_engine_warmup_lengths_use_the_plan(monkeypatch):

@@ -373,7 +373,8 @@ def parse_duration_or_exit(option: str, text: str | None) -> float | None:
 
 
 def obtain_engine(engine: str, model: str | None, profile, progress, no_server: bool, console: Console,
-                  verbose: bool = False, timing: bool = False, compare_fp8: bool = False):
+                  verbose: bool = False, timing: bool = False, compare_fp8: bool = False,
+                  one_request: bool = False):
     """The engine for a command: the resident engine when one runs with the same model, profile
     and engine (``fpcli.server.client.connect``; warnings on ``console`` when it is stale or does
     not answer), else an in-process engine from ``engine_loader()``. ``no_server`` skips the
@@ -381,6 +382,8 @@ def obtain_engine(engine: str, model: str | None, profile, progress, no_server: 
     (the resident engine runs as it was started); ``compare_fp8``: an in-process engine also reports
     the FP8-vs-BF16 output error per layer (the resident engine does not). An in-process engine runs
     one request at a time (``max_requests=1``: one decode CUDA graph, a KV pool of one context).
+    ``one_request``: the command sends a single prompt (``fp ask``, ``fp profile``), so an
+    in-process engine skips its start-up warm-up (``load_engine(warmup=False)``).
     The caller handles load errors (``fail``)."""
     if not no_server:
         from fpcli.server.client import connect
@@ -393,6 +396,8 @@ def obtain_engine(engine: str, model: str | None, profile, progress, no_server: 
         if remote is not None:
             return remote
     extra = {"compare_fp8": True} if compare_fp8 else {}
+    if one_request:
+        extra["warmup"] = False
     # in-process, this command is the engine's only client, one request at a time
     return engine_loader()(engine, model, profile, progress=progress, verbose=verbose, timing=timing,
                            max_requests=1, **extra)

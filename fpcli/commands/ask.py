@@ -163,7 +163,8 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
 
     t_load = time.perf_counter()
     try:
-        eng = obtain_engine(engine.value, model, prof, False if quiet else err, no_server, err, verbose=verbose)
+        eng = obtain_engine(engine.value, model, prof, False if quiet else err, no_server, err, verbose=verbose,
+                            one_request=True)
     except typer.Exit:
         raise
     except ContextError as exc:

@@ -75,7 +75,7 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
 
     try:
         eng = obtain_engine(engine.value, model, prof, err, no_server, err, verbose=verbose, timing=True,
-                            compare_fp8=fp8)
+                            compare_fp8=fp8, one_request=True)
     except typer.Exit:
         raise
     except ContextError as exc:

@@ -116,7 +116,7 @@ def check_engine_args(engine: str, engine_args: Sequence[str]) -> None:
 
 def load_engine(engine: str = "auto", model: str | None = None, profile=None, progress=None,
                 engine_args: Sequence[str] = (), verbose: bool = False, timing: bool = False,
-                compare_fp8: bool = False, max_requests: int | None = None) -> Engine:
+                compare_fp8: bool = False, max_requests: int | None = None, warmup: bool = True) -> Engine:
     """Resolve ``model`` and load it with ``engine``.
 
     Args:
@@ -140,6 +140,11 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
         max_requests: requests the SGLang engine runs at once (``None``: the profile's
             ``engine.max_requests``; 1 for a command asking one question in-process: one decode
             CUDA graph, a KV pool of one context). The transformers engine runs one at a time.
+        warmup: the SGLang engine runs its start-up warm-up (``SGLangEngine.warmup``: every kernel
+            variant up to the context compiled, so a first long request is as fast as the next).
+            ``False`` for a command that sends one prompt: its request is then its own warm-up
+            (on the H200 at 100K tokens: a 1.6 s warm-up against a first TTFT 0.3 s slower;
+            docs/benchmarks.md). The transformers engine has no warm-up.
 
     Raises:
         EngineUnavailable: ``engine="sglang"`` where SGLang or CUDA is missing (names what to
@@ -167,12 +172,13 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
         overrides = server_overrides_from_argv(engine_args) if engine_args else None
         log_level = "info" if verbose else None
         if ui is not None:
-            with ui.status(f"starting SGLang with {name} (weights, CUDA graphs, kernel compilation, warm-up)"):
+            what = "weights, CUDA graphs, kernel compilation" + (", warm-up" if warmup else "")
+            with ui.status(f"starting SGLang with {name} ({what})"):
                 eng = SGLangEngine(path, profile, server_overrides=overrides, log_level=log_level, timing=timing,
-                                   compare_fp8=compare_fp8, max_requests=max_requests)
+                                   compare_fp8=compare_fp8, max_requests=max_requests, warmup=warmup)
         else:
             eng = SGLangEngine(path, profile, server_overrides=overrides, log_level=log_level, timing=timing,
-                               compare_fp8=compare_fp8, max_requests=max_requests)
+                               compare_fp8=compare_fp8, max_requests=max_requests, warmup=warmup)
         eng.model_name = name
         return eng
     check_engine_args(engine, engine_args)

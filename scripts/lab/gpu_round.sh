@@ -22,7 +22,7 @@ for m in qwen2.5-coder-0.5b-instruct smollm2-135m-instruct; do
     [ -f "$src/fp-model.json" ] || echo '{"source": "staged by the device loader"}' > "$src/fp-model.json"
   fi
 done
-t() { local s=$(date +%s%N); "$@"; local rc=$?; local e=$(date +%s%N); echo "$* rc=$rc wall=$(( (e - s) / 1000000 ))ms" | tee -a "$SUM"; return $rc; }
+t() { local s=$(date +%s%N); "$@"; local rc=$?; local e=$(date +%s%N); echo "$* rc=$rc wall=$(( (e - s) / 1000000 ))ms" >> "$SUM"; return $rc; }  # not to stdout: a caller may redirect it into a JSON file
 pyt() { local name=$1 lim=$2; shift 2
   timeout -k 5 "$lim" python -m pytest -q -p no:cacheprovider -rfE "$@" > "$OUT/$name.log" 2>&1
   say "$name: rc=$? $(grep -E '(passed|failed|error)' "$OUT/$name.log" | tail -1)"
