@@ -108,10 +108,14 @@ def test_sample_fits_its_length_and_holds_its_answer(tokenizer, task, length):
 
 @pytest.mark.slow
 def test_length_leaves_room_for_the_answer(tokenizer):
-    """--len equal to the context: the prompt is shortened by the task's answer budget."""
+    """--len equal to the context: the prompt is shortened by the answer room (the task's answer
+    budget, at least ANSWER_ROOM)."""
+    from fpcli.ruler.tasks import ANSWER_ROOM
+
     ctx = tokenizer.context_length
     s = make_sample(TASKS["niah_single"], ctx, 0, 0, GeneratedHaystack(), tokenizer, ctx)
-    assert s.target_tokens == ctx - TASKS["niah_single"].max_new_tokens
+    assert TASKS["niah_single"].max_new_tokens < ANSWER_ROOM
+    assert s.target_tokens == ctx - ANSWER_ROOM
     assert s.target_tokens - FIT_TOLERANCE <= s.prompt_tokens <= s.target_tokens
     _check_derivable(s)
 
@@ -325,3 +329,21 @@ def test_eval_one_sample_is_said_in_the_singular(runner, fake_engine, monkeypatc
     err = " ".join(r.stderr.split())
     assert "1 sample built" in err and "1 samples" not in err
     assert "a prompt of " in err and not re.search(r"(\d[\d,]*)-\1 tokens", err)
+
+
+def test_eval_warns_when_the_engine_generated_no_answer_token(runner, fake_engine, monkeypatch):
+    """An empty answer scores 0 without saying anything about attention: the cells count them and
+    stderr says so (seen on the H200 with 32 tokens of room below a 131,072-token context)."""
+    monkeypatch.setenv("FP_FAKE_CONTEXT", "8192")
+    monkeypatch.setenv("FP_FAKE_ANSWER", "")  # the engine generates no token
+    r = runner.invoke(app, ["eval", "--len", "2k", "--task", "vt", "--samples", "2", "--profiles", "dense", "--json"])
+    assert r.exit_code == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert [c["empty_answers"] for c in data["cells"]] == [2]
+    assert data["averages"][0]["empty_answers"] == 2 and data["averages"][0]["samples"] == 2
+    err = " ".join(r.stderr.split())
+    assert "at 2k 2 of 2 dense answers were empty (the engine generated no token)" in err
+    monkeypatch.setenv("FP_FAKE_ANSWER", "The value is 1.")
+    r = runner.invoke(app, ["eval", "--len", "2k", "--task", "vt", "--samples", "2", "--profiles", "dense", "--json"])
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["cells"][0]["empty_answers"] == 0 and "were empty" not in r.stderr

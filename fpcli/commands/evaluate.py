@@ -171,12 +171,14 @@ def evaluate(
         save_report_or_exit(report, data)
     if not quiet:
         from fpcli.console import print_table
-        from fpcli.ruler.render import dense_notes, eval_table
+        from fpcli.ruler.render import dense_notes, empty_notes, eval_table
 
         table = eval_table(data)
         print_table(table, stderr=True)
         for line in dense_notes(data):
             err.print(f"[yellow]note:[/] {escape(line)}", highlight=False, soft_wrap=True)
+        for line in empty_notes(data):
+            err.print(f"[yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
         if report is not None:
             err.print(f"[dim]report saved to {report}[/]", highlight=False)
 

@@ -1,6 +1,6 @@
 """The ``fp eval`` table (stderr): one row per (task, length), then the per-length averages; for
 each profile three columns: score (points 0-100), mean TTFT (s) and mean density (%); and the
-lines said under it (``dense_notes``)."""
+lines said under it (``dense_notes``, ``empty_notes``)."""
 from __future__ import annotations
 
 from rich.table import Table
@@ -80,6 +80,19 @@ def dense_notes(report: dict) -> list[str]:
         msl = max(a["min_sparse_len"] for a in dense)
         notes.append(f"at {_len(length)} {who} ran dense: prompts below min_sparse_len {msl:,}; "
                      f"use --len {_len(_longer_than(msl))} or more")
+    return notes
+
+
+def empty_notes(report: dict) -> list[str]:
+    """One line per (length, profile) average with answers on which the engine generated no token
+    (``empty_answers``), e.g. "at 128k 8 of 8 dense answers were empty (the engine generated no
+    token): their score of 0 measures nothing". Empty when every answer has a token."""
+    notes = []
+    for a in report["averages"]:
+        n = a.get("empty_answers", 0)
+        if n:
+            notes.append(f"at {_len(a['length'])} {n} of {a.get('samples', n)} {a['profile']} answers were empty "
+                         "(the engine generated no token): their score of 0 measures nothing")
     return notes
 
 

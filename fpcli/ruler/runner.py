@@ -117,7 +117,8 @@ def cells(run: EvalRun) -> list[dict]:
     and ``density`` (means), ``samples`` (all seeds), ``prompt_tokens`` (mean), ``min_sparse_len``
     (the profile's, ``None`` for a dense profile) and ``ran_dense``: ``True`` when a sparse profile
     ran no sparse layer on any sample because every prompt was shorter than its ``min_sparse_len``
-    (density 1.0: the cell measured dense attention)."""
+    (density 1.0: the cell measured dense attention); ``empty_answers``: samples on which the
+    engine generated no token (their score of 0 measures nothing about attention)."""
     groups: dict[tuple[str, int], list[Sample]] = {}
     for s in run.samples:
         groups.setdefault((s.task, s.length), []).append(s)
@@ -141,6 +142,7 @@ def cells(run: EvalRun) -> list[dict]:
                 "prompt_tokens": fmean(s.prompt_tokens for s in group),
                 "min_sparse_len": p.min_sparse_len,
                 "ran_dense": below and all(not r.stats.sparse_layers and r.stats.density == 1.0 for r in results),
+                "empty_answers": sum(1 for r in results if r.output_tokens == 0),
             })
     return out
 
@@ -150,7 +152,8 @@ def averages(cell_list: Sequence[dict]) -> list[dict]:
     density; ``score_by_seed`` (the same mean over one seed's samples) and ``seed_spread`` (its
     max - min over the seeds, points; 0 with one seed); ``min_sparse_len`` (the profile's) and
     ``ran_dense`` (every task's cell ran dense, see ``cells``: this average measured dense
-    attention although the profile is sparse)."""
+    attention although the profile is sparse); ``empty_answers`` and ``samples`` (sums over the
+    tasks' cells)."""
     groups: dict[tuple[int, str], list[dict]] = {}
     for c in cell_list:
         groups.setdefault((c["length"], c["profile"]), []).append(c)
@@ -162,7 +165,9 @@ def averages(cell_list: Sequence[dict]) -> list[dict]:
                     "score_by_seed": by_seed, "seed_spread": max(by_seed.values()) - min(by_seed.values()),
                     "ttft_s": fmean(c["ttft_s"] for c in cs), "density": fmean(c["density"] for c in cs),
                     "tasks": len(cs), "min_sparse_len": cs[0].get("min_sparse_len"),
-                    "ran_dense": all(c.get("ran_dense", False) for c in cs)})
+                    "ran_dense": all(c.get("ran_dense", False) for c in cs),
+                    "empty_answers": sum(c.get("empty_answers", 0) for c in cs),
+                    "samples": sum(c.get("samples", 0) for c in cs)})
     return out
 
 
