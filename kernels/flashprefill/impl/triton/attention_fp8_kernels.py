@@ -115,7 +115,7 @@ def _fp8_step(acc, m_i, l_i, s, vt, scale2, EXP: tl.constexpr, INLINE_ASM: tl.co
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     if FOLD:
-        x = tl.fma(s, scale2, (P_SCALE_LOG2 - m_safe)[:, None])
+        x = tl.fma(s, scale2, P_SCALE_LOG2 - m_safe[:, None])     # (a constexpr indexed fails in the interpreter)
     else:
         x = s - (m_safe - P_SCALE_LOG2)[:, None]
     p = _exp2_p(x, EXP, INLINE_ASM)                              # p * 256, in (0, 256]
