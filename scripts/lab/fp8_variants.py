@@ -1,6 +1,6 @@
 """FP8 attention kernel variants against BF16 sparse on the GPU (lab, H200): one run, <= ~200 s cold.
 
-    PYTHONPATH=kernels:. python scripts/lab/fp8_variants.py [--lens 32k 128k] [--out DIR]
+    PYTHONPATH=kernels:. python scripts/lab/fp8_variants.py [--lens 32k,128k] [--variants NAME,...] [--out DIR]
 
 For each length (32 query / 8 KV heads, d 128, bf16, page 64, ``flashprefill.bench``'s synthetic
 inputs, default ``SparseConfig``): BF16 sparse total and attention-only time, then for each FP8
@@ -10,9 +10,12 @@ beforehand: the time where an FP8 KV cache already exists) and the relative L2 o
 the BF16 sparse output; the pre-pass alone once per length (no variant changes it). Variants: the
 shipped tiles; ``exp_impl="f16"`` (``ex2.approx.f16x2``); ``exp_impl="poly_half"`` (half the exp2
 on the FMA pipes); ``fold_scale`` (logit scale fused into the exp2 argument's FFMA); the last two
-together, with 2 and 3 stages. Medians of ``triton.testing.do_bench``. Prints a
-table and writes ``fp8_variants.json`` into ``--out`` (default ``$OUT``, else the current
-directory). Each variant compiles once (<= 6 variants).
+together, with 2 and 3 stages; ``pipeline`` (the hand software-pipelined exact-key loop) alone
+(``pipe``), with ``fold_scale`` (``pipe_fold``) and with 3 stages (``pipe_fold_st3``). ``--variants``
+narrows the set (timed in the order given), ``--lens`` the lengths; e.g. ``--lens 128k --variants
+shipped,fold,pipe,pipe_fold`` compiles four attention kernels (<= 100 s with a cold Triton cache).
+Medians of ``triton.testing.do_bench``. Prints a table and writes ``fp8_variants.json`` into ``--out`` (default ``$OUT``, else the current
+directory). Each variant compiles once (the kernel for each variant and mode).
 """
 from __future__ import annotations
 
@@ -44,6 +47,9 @@ def variants(block_size: int) -> dict:
         "fold": dataclasses.replace(a, fold_scale=True),
         "poly_fold": dataclasses.replace(a, exp_impl="poly_half", fold_scale=True),
         "poly_fold_st3": dataclasses.replace(a, exp_impl="poly_half", fold_scale=True, num_stages=3, mc_stages=3),
+        "pipe": dataclasses.replace(a, pipeline=True),
+        "pipe_fold": dataclasses.replace(a, pipeline=True, fold_scale=True),
+        "pipe_fold_st3": dataclasses.replace(a, pipeline=True, fold_scale=True, num_stages=3, mc_stages=3),
     }
     return {k: dataclasses.replace(base, attn=v) for k, v in attn.items()}
 
@@ -52,7 +58,7 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def run_length(L: int, config: SparseConfig) -> dict:
+def run_length(L: int, config: SparseConfig, names: list[str]) -> dict:
     q, kc, vc, pt, sl, cu, _, _ = synthetic_inputs(L, HQ, HKV, D, torch.bfloat16, 64, 1)
     scale = 1.0 / math.sqrt(D)
     plan = make_plan(sl, cu, HQ // HKV, config.block_size)
@@ -64,7 +70,9 @@ def run_length(L: int, config: SparseConfig) -> dict:
     row["bf16_attn_ms"] = time_ms(lambda: host.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, index16))
     row["prepass_ms"] = time_ms(lambda: host_fp8.kv_operands(kc, vc, pt, sl, plan))
     row["fp8"] = {}
-    for name, kcfg in variants(config.block_size).items():
+    all_variants = variants(config.block_size)
+    for name in names:
+        kcfg = all_variants[name]
         r = {"attn_config": dataclasses.asdict(kcfg.attn)}
         try:
             index8 = host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=kcfg, precision="fp8")
@@ -111,13 +119,21 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lens", nargs="+", default=["32k", "128k"])
+    ap.add_argument("--lens", default="32k,128k", help="comma-separated lengths (e.g. 128k)")
+    ap.add_argument("--variants", default=",".join(variants(SparseConfig().block_size)),
+                    help="comma-separated variant names (default: all)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="directory of fp8_variants.json")
     a = ap.parse_args(argv)
+    config = SparseConfig()
+    known = variants(config.block_size)
+    names = [n for n in a.variants.split(",") if n]
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise SystemExit(f"--variants: expected names from {sorted(known)}, got {a.variants!r}")
+    lens = [parse_length(x) for x in a.lens.replace(" ", ",").split(",") if x]
     if not torch.cuda.is_available():
         raise SystemExit("fp8_variants.py needs a CUDA GPU with FP8 tensor cores (sm_89+)")
-    config = SparseConfig()
-    rows = [run_length(parse_length(x), config) for x in a.lens]
+    rows = [run_length(L, config, names) for L in lens]
     print(table(rows))
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "fp8_variants.json")

@@ -132,7 +132,7 @@ def test_fp8_e4m3_cache_with_descales_equals_internal_quantisation():
         flashprefill.flashprefill_attention(q, codes[0], codes[1], pt, sl, cu, SPARSE, plan=plan, precision="fp8")
 
 
-# The FP8 kernel's variant fields (``AttnConfig.exp_impl`` / ``fold_scale``): each must meet the
+# The FP8 kernel's variant fields (``AttnConfig.exp_impl`` / ``fold_scale`` / ``pipeline``): each must meet the
 # same budgets as the shipped kernel. poly_half's exp2 is off by <= 7.7e-5 relative, f16's by
 # fp16 rounding (2^-11): both far inside e4m3's rounding of P (2^-4), so the budgets do not change.
 VARIANT_FIELDS = {
@@ -140,6 +140,9 @@ VARIANT_FIELDS = {
     "poly_half": dict(exp_impl="poly_half"),
     "fold": dict(fold_scale=True),
     "poly_fold": dict(exp_impl="poly_half", fold_scale=True),
+    # the hand software-pipelined exact-key loop: the same operations per step as the shipped loop
+    "pipe": dict(pipeline=True),
+    "pipe_fold": dict(pipeline=True, fold_scale=True),
 }
 
 
@@ -173,3 +176,36 @@ def test_fp8_kernel_variants_meet_the_same_budgets(name, variant):
     assert rel(out.cpu(), want16) <= TRACK_FACTOR * e + BF16_FLOOR
     assert rel(out.cpu(), want) <= SAME_FACTOR * e + BF16_FLOOR
     assert rel(out, shipped) <= SAME_FACTOR * e + BF16_FLOOR
+
+
+@pytest.mark.parametrize("fold", [False, True])
+@pytest.mark.parametrize("name", ["kv127_g1_ps16", "kv129_g7_ps64", "kv4095_g8_ps64", "kv4097_prefix_g3_d64",
+                                  "kv4096_g1_d256", "large_logits_g8"])
+def test_fp8_pipelined_loop_equals_the_shipped_loop(name, fold):
+    """``AttnConfig.pipeline`` reorders the issue of the same products (docs/fp8.md): output and LSE
+    as the unpipelined loop's up to fp32 rounding order (bf16 output: a few units of its 2^-8)."""
+    from flashprefill.impl.triton import host
+    from flashprefill.impl.triton.tiles import get_config
+
+    gpu = _cuda(_inputs(name))
+    g = gpu[0].shape[1] // gpu[1].shape[2]
+    d = gpu[0].shape[2]
+    plan = make_plan(gpu[4], gpu[5], g, SPARSE.block_size)
+    index = flashprefill.build_index(*gpu, SPARSE, plan=plan, precision="fp8")
+    base = get_config(d, torch.bfloat16, SPARSE.block_size, precision="fp8")
+    plain = dataclasses.replace(base, attn=dataclasses.replace(base.attn, fold_scale=fold))
+    piped = dataclasses.replace(base, attn=dataclasses.replace(base.attn, fold_scale=fold, pipeline=True))
+    scale = d ** -0.5
+    for sparse in (True, False):
+        if sparse:
+            o1, l1 = host.sparse_attention(*gpu, SPARSE, scale, plan, index, kernels=piped, precision="fp8")[:2]
+            o2, l2 = host.sparse_attention(*gpu, SPARSE, scale, plan, index, kernels=plain, precision="fp8")[:2]
+        else:
+            o1, l1 = host.dense_attention(*gpu, scale, plan, kernels=piped, precision="fp8")[:2]
+            o2, l2 = host.dense_attention(*gpu, scale, plan, kernels=plain, precision="fp8")[:2]
+        torch.cuda.synchronize()
+        assert torch.isfinite(o1).all() and not torch.equal(o1, torch.zeros_like(o1))
+        assert rel(o1, o2) <= 2e-3, (sparse, rel(o1, o2))
+        fin = torch.isfinite(l2)
+        assert torch.equal(torch.isfinite(l1), fin)
+        assert float((l1[fin] - l2[fin]).abs().max()) <= 1e-4

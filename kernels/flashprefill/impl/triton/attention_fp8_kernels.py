@@ -115,7 +115,7 @@ def _fp8_step(acc, m_i, l_i, s, vt, scale2, EXP: tl.constexpr, INLINE_ASM: tl.co
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     if FOLD:
-        x = tl.fma(s, scale2, (P_SCALE_LOG2 - m_safe)[:, None])
+        x = tl.fma(s, scale2, P_SCALE_LOG2 - m_safe[:, None])     # (a constexpr indexed fails in the interpreter)
     else:
         x = s - (m_safe - P_SCALE_LOG2)[:, None]
     p = _exp2_p(x, EXP, INLINE_ASM)                              # p * 256, in (0, 256]
@@ -157,6 +157,83 @@ def _fp8_inner(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, lo, hi, P, lk, kv0, tok,
                 # [lk, lk_al) are the pre-pass's zero gap, their logits are -inf below
                 vt = tl.load(v_ptrs, mask=(pos < lk_al)[None, :], other=0.0)
             s = tl.dot(q8, tl.trans(k))
+            if not FOLD:
+                s = s * scale2
+            if MASK == 1:
+                allowed = (pos[None, :] <= P + tok[:, None]) & (pos < lk)[None, :]
+                s = tl.where(allowed, s, float("-inf"))
+            acc, m_i, l_i = _fp8_step(acc, m_i, l_i, s, vt, scale2, EXP, INLINE_ASM, FOLD)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _fp8_step_pos(t, lo, col_idx, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPARSE: tl.constexpr):
+    """Key positions ``[BLOCK_N]`` (int32, request-relative) of step ``t`` of ``_fp8_inner_pipe``:
+    sub-tile ``t % SUBS`` of key block ``col_idx[lo + t // SUBS]`` (``SPARSE``) or ``lo + t // SUBS``,
+    ``SUBS = BLOCK_SIZE // BLOCK_N``."""
+    SUBS: tl.constexpr = BLOCK_SIZE // BLOCK_N
+    e = lo + t // SUBS
+    if SPARSE:
+        j = tl.load(col_idx + e)
+    else:
+        j = e
+    return j * BLOCK_SIZE + (t % SUBS) * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
+def _fp8_k_tile(k8_h, kv0, pos, lk, HEAD_DIM: tl.constexpr, MASK: tl.constexpr):
+    """e4m3 ``[BLOCK_N, d]`` K tile at request positions ``pos`` (past ``lk`` zero when ``MASK``)."""
+    dims = tl.arange(0, HEAD_DIM)
+    k_ptrs = k8_h + (kv0 + pos)[:, None] * HEAD_DIM + dims[None, :]
+    if MASK == 0:
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=(pos < lk)[:, None], other=0.0)
+    return k
+
+
+@triton.jit
+def _fp8_v_tile(v8t_h, kv0, pos, lk_al, total_k, HEAD_DIM: tl.constexpr, MASK: tl.constexpr):
+    """e4m3 ``[d, BLOCK_N]`` V^T tile at request positions ``pos`` (``MASK``: zero from ``lk_al``,
+    the request's length rounded up to ``TMA_ALIGN``, as ``_fp8_inner``)."""
+    dims = tl.arange(0, HEAD_DIM)
+    v_ptrs = v8t_h + dims[:, None].to(tl.int64) * total_k + (kv0 + pos)[None, :]
+    if MASK == 0:
+        vt = tl.load(v_ptrs)
+    else:
+        vt = tl.load(v_ptrs, mask=(pos < lk_al)[None, :], other=0.0)
+    return vt
+
+
+@triton.jit
+def _fp8_inner_pipe(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, lo, hi, P, lk, kv0, tok, scale2, total_k,
+                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    SPARSE: tl.constexpr, MASK: tl.constexpr, STAGES: tl.constexpr, EXP: tl.constexpr,
+                    INLINE_ASM: tl.constexpr, FOLD: tl.constexpr):
+    """``_fp8_inner`` software-pipelined by hand (``AttnConfig.pipeline``): the loop carries the raw
+    ``Σ q8 k8`` tile of the next step, so step ``t`` issues ``S_{t+1} = Q8 K8_{t+1}ᵀ`` before its
+    own softmax and ``P V``; the prologue computes ``S_0``. Same operations on the same values per
+    step as ``_fp8_inner`` (scale, mask, ``_fp8_step``); the last step recomputes its own logits as
+    the unused "next" ones (no extra masks on the loop's loads).
+
+    What Triton 3.6 makes of it (sm_90, ``docs/fp8.md``): the ``S_{t+1}`` wgmma is still waited
+    for where it is issued (its result feeds the next step's softmax, which is not a wgmma), but
+    that wait now also covers step ``t - 1``'s ``P V`` wgmma, which no longer has its own: ``P V``
+    runs under the first part of the next step's softmax."""
+    SUBS: tl.constexpr = BLOCK_SIZE // BLOCK_N
+    lk_al = tl.multiple_of((lk + TMA_ALIGN - 1) // TMA_ALIGN * TMA_ALIGN, TMA_ALIGN)
+    n_steps = (hi - lo) * SUBS
+    last = tl.maximum(n_steps - 1, 0)
+    if n_steps > 0:
+        k = _fp8_k_tile(k8_h, kv0, _fp8_step_pos(0, lo, col_idx, BLOCK_N, BLOCK_SIZE, SPARSE), lk, HEAD_DIM, MASK)
+        s_next = tl.dot(q8, tl.trans(k))
+        for t in tl.range(0, n_steps, num_stages=STAGES):
+            s = s_next
+            pos = _fp8_step_pos(t, lo, col_idx, BLOCK_N, BLOCK_SIZE, SPARSE)
+            vt = _fp8_v_tile(v8t_h, kv0, pos, lk_al, total_k, HEAD_DIM, MASK)
+            pos_next = _fp8_step_pos(tl.minimum(t + 1, last), lo, col_idx, BLOCK_N, BLOCK_SIZE, SPARSE)
+            k = _fp8_k_tile(k8_h, kv0, pos_next, lk, HEAD_DIM, MASK)
+            s_next = tl.dot(q8, tl.trans(k))
             if not FOLD:
                 s = s * scale2
             if MASK == 1:
@@ -217,6 +294,7 @@ def _attn_fwd_fp8(
     EXP: tl.constexpr,
     INLINE_ASM: tl.constexpr,
     FOLD_SCALE: tl.constexpr,
+    PIPELINE: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M == TILE_ROWS)       # the Q scale is the whole tile's
     tl.static_assert(BLOCK_SIZE % BLOCK_N == 0)
@@ -257,10 +335,18 @@ def _attn_fwd_fp8(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # ---------------------------------------------------------------- exact keys
-    acc, m_i, l_i = _fp8_inner(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, start, split, P, lk, kv0, tok, scale2,
-                               total_k, HEAD_DIM, BLOCK_N, BLOCK_SIZE, SPARSE, 0, MAIN_STAGES, EXP, INLINE_ASM, FOLD_SCALE)
-    acc, m_i, l_i = _fp8_inner(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, split, end, P, lk, kv0, tok, scale2,
-                               total_k, HEAD_DIM, BLOCK_N, BLOCK_SIZE, SPARSE, 1, MAIN_STAGES, EXP, INLINE_ASM, FOLD_SCALE)
+    if PIPELINE:
+        acc, m_i, l_i = _fp8_inner_pipe(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, start, split, P, lk, kv0, tok,
+                                        scale2, total_k, HEAD_DIM, BLOCK_N, BLOCK_SIZE, SPARSE, 0, MAIN_STAGES, EXP,
+                                        INLINE_ASM, FOLD_SCALE)
+        acc, m_i, l_i = _fp8_inner_pipe(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, split, end, P, lk, kv0, tok,
+                                        scale2, total_k, HEAD_DIM, BLOCK_N, BLOCK_SIZE, SPARSE, 1, MAIN_STAGES, EXP,
+                                        INLINE_ASM, FOLD_SCALE)
+    else:
+        acc, m_i, l_i = _fp8_inner(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, start, split, P, lk, kv0, tok, scale2,
+                                   total_k, HEAD_DIM, BLOCK_N, BLOCK_SIZE, SPARSE, 0, MAIN_STAGES, EXP, INLINE_ASM, FOLD_SCALE)
+        acc, m_i, l_i = _fp8_inner(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, split, end, P, lk, kv0, tok, scale2,
+                                   total_k, HEAD_DIM, BLOCK_N, BLOCK_SIZE, SPARSE, 1, MAIN_STAGES, EXP, INLINE_ASM, FOLD_SCALE)
     # ---------------------------------------------------------------- mean correction
     if SPARSE and MEAN_CORR:
         n_u = _n_fully_seen(P + t_first + 1, lk, BLOCK_SIZE)

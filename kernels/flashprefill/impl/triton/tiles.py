@@ -52,6 +52,7 @@ class AttnConfig:
     pair_softmax: bool = False
     exp_impl: str = "mufu"
     fold_scale: bool = False
+    pipeline: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,138 @@
+"""The FP8 attention kernel's hand-pipelined exact-key loop (``AttnConfig.pipeline``,
+``attention_fp8_kernels._fp8_inner_pipe``) under ``TRITON_INTERPRET=1`` on small shapes: against the
+shipped loop (same operations on the same values per step: equal up to fp32 rounding order), alone
+and with ``fold_scale``, and against the FP8 CPU reference (``docs/fp8.md``: the budget of
+``tests/gpu/test_fp8.py``). Cases cover one and two sub-steps per key block, the masked (diagonal /
+partial) blocks, a request shorter than one block, the mean correction and the dense mode.
+
+Run in a subprocess (this file with ``--worker``) that switches the interpreter on before Triton
+compiles anything, as ``test_triton_interpret.py``."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CASES = {  # name: (q_lens, kv_lens, Hq, Hkv, d, page_size, block_size, block_n)
+    "d64_B64_two_requests_ps16": ([80, 9], [900, 9], 4, 2, 64, 16, 64, 64),
+    "d64_B64_two_substeps_ps1": ([70], [705], 2, 1, 64, 1, 64, 32),
+    "d128_B64_g4_prefix": ([40], [800], 4, 1, 128, 16, 64, 64),
+}
+VARIANTS = {  # name: AttnConfig fields replaced in the case's tiles
+    "shipped": {},
+    "fold": dict(fold_scale=True),
+    "pipe": dict(pipeline=True),
+    "pipe_fold": dict(pipeline=True, fold_scale=True),
+}
+# The kernel against the FP8 reference, relative to the FP8 method's own error e on the same inputs:
+# tests/gpu/test_fp8.py's SAME_FACTOR * e + BF16_FLOOR, doubled because Triton 3.6's interpreter casts
+# P to e4m3 by truncation (relative error up to 2^-3, twice rounding's 2^-4; test_fp8_quant_interpret.py).
+SAME_FACTOR = 2 ** 0.5
+INTERP_FACTOR = 2.0
+FLOOR = 0.005
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _run_case(name):
+    import dataclasses
+
+    import torch
+
+    from fp_brute import make_inputs
+    from flashprefill import SparseConfig, make_plan
+    from flashprefill.impl import reference as R
+    from flashprefill.impl.triton import host_fp8
+    from flashprefill.impl.triton.tiles import get_config
+
+    q_lens, kv_lens, hq, hkv, d, ps, B, bn = CASES[name]
+    q, k, v, pt, sl, cu = make_inputs(q_lens, kv_lens, hq, hkv, d, ps, dtype=torch.float32, seed=5,
+                                      structured=True)
+    q, k, v = q.half(), k.half(), v.half()
+    cfg = SparseConfig(block_size=B, sink_tokens=B, window_tokens=B, dense_tail_tokens=1, alpha=0.3)
+    scale = d ** -0.5
+    plan = make_plan(sl, cu, hq // hkv, B)
+    index = R.build_index(q, k, v, pt, sl, cu, cfg, scale, plan)
+    kv = host_fp8.kv_operands(k, v, pt, sl, plan)
+    base = dataclasses.replace(get_config(d, torch.float16, B, precision="fp8").attn, block_n=bn)
+    want8, _ = R.sparse_attention(q, k, v, pt, sl, cu, cfg, scale, plan, index, precision="fp8")
+    want16, _ = R.sparse_attention(q, k, v, pt, sl, cu, cfg, scale, plan, index)
+    res = {"case": name, "e": _rel(want8, want16), "pruned": int(index.nnz) < int(index.n_visible.sum())}
+    outs = {}
+    for mode in ("sparse", "dense"):
+        for vname, fields in VARIANTS.items():
+            tiles = dataclasses.replace(base, **fields)
+            o, lse = host_fp8.launch_attention_fp8(q, kv, sl, cu, scale, plan, tiles, sparse=mode == "sparse",
+                                                   mean_correction=True, block_size=B, index=index)
+            outs[mode, vname] = (o, lse)
+            res[f"{mode}_{vname}_finite"] = bool(torch.isfinite(o).all() and not torch.isnan(lse).any())
+            if mode == "sparse":
+                res[f"{vname}_vs_ref8"] = _rel(o, want8)
+        for vname, other in (("pipe", "shipped"), ("pipe_fold", "fold")):
+            (o1, l1), (o2, l2) = outs[mode, vname], outs[mode, other]
+            res[f"{mode}_{vname}_vs_{other}"] = _rel(o1, o2)
+            fin = torch.isfinite(l2)
+            res[f"{mode}_{vname}_lse_max"] = float((l1[fin] - l2[fin]).abs().max())
+            res[f"{mode}_{vname}_lse_inf_same"] = bool(torch.equal(torch.isfinite(l1), fin))
+    return res
+
+
+def _worker() -> None:
+    from test_triton_interpret import _patch_interpreter     # numpy >= 2.3: the interpreter's range()
+
+    _patch_interpreter()
+    for name in CASES:
+        try:
+            res = _run_case(name)
+        except Exception as e:  # reported; the test names the case
+            import traceback
+            res = {"case": name, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+        print(json.dumps(res), flush=True)
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "kernels"), str(ROOT), str(ROOT / "tests"),
+                                         env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True, text=True,
+                          timeout=900)
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            out[r["case"]] = r
+    if not out:
+        pytest.fail(f"interpreter worker produced no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return out
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pipelined_loop_matches_shipped_loop_and_fp8_reference(results, name):
+    r = results[name]
+    assert "error" not in r, r.get("trace", r.get("error"))
+    assert r["pruned"], "the case must prune blocks (the mean correction runs)"
+    for key, value in r.items():
+        if key.endswith("_finite"):
+            assert value, key
+    for mode in ("sparse", "dense"):
+        for vname in ("pipe", "pipe_fold"):
+            other = "shipped" if vname == "pipe" else "fold"
+            # the same operations on the same values (fp32 sums in the same order under the interpreter)
+            assert r[f"{mode}_{vname}_vs_{other}"] <= 1e-6, (mode, vname, r)
+            assert r[f"{mode}_{vname}_lse_max"] <= 1e-6, (mode, vname, r)
+            assert r[f"{mode}_{vname}_lse_inf_same"], (mode, vname)
+    for vname in VARIANTS:
+        assert r[f"{vname}_vs_ref8"] <= INTERP_FACTOR * SAME_FACTOR * r["e"] + FLOOR, (vname, r)
