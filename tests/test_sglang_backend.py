@@ -707,12 +707,38 @@ def test_server_kwargs_capture_few_decode_graphs(tmp_path):
 def test_kv_pool_is_sized_from_the_context_and_the_requests():
     from fpcli.engine.sglang_engine import kv_pool_tokens
 
-    assert kv_pool_tokens(131072, 1, 64) == 131072 + 64  # one request at the full context, one spare page
-    assert kv_pool_tokens(131072, 8, 64) == 8 * 131072 + 64
-    assert kv_pool_tokens(1000, 1, 64) == 1024 + 64  # whole pages
+    assert kv_pool_tokens(131072, 1, 64) == 131072 + 2 * 64  # one request at the full context, two spare pages
+    assert kv_pool_tokens(131072, 8, 64) == 8 * 131072 + 2 * 64
+    assert kv_pool_tokens(1000, 1, 64) == 1024 + 2 * 64  # whole pages
     assert kv_pool_tokens(131072, 8, 64, override=300000) == 300000  # the profile's kv_cache_tokens wins
     with pytest.raises(ValueError, match="max_requests"):
         kv_pool_tokens(131072, 0, 64)
+
+
+def sglang_answer_cap(pool: int, context: int, page: int, prompt: int, asked: int) -> int:
+    """SGLang 0.5.17's cap on a request's new tokens (``Scheduler.init_req_max_new_tokens``, one
+    rank): ``min(asked, max_req_len - prompt - 1, pool - ceil_page(prompt) - page - 1)``, at least 0,
+    where ``max_req_len = min(context - 1, pool - 1)``."""
+    max_req_len = min(context - 1, pool - 1)
+    paged = -(-prompt // page) * page
+    return max(0, min(asked, max_req_len - prompt - 1, pool - paged - page - 1))
+
+
+@pytest.mark.parametrize("context,page,requests", [(131072, 64, 1), (131072, 64, 8), (32768, 16, 1), (8192, 1, 1),
+                                                   (4000, 64, 2)])
+def test_kv_pool_leaves_every_prompt_its_answer(context, page, requests):
+    """Every prompt that leaves ``n`` tokens of its context free (plus SGLang's own 2: its
+    ``max_req_len`` is context - 1, minus one more) gets its ``n`` answer tokens from SGLang's cap.
+    With one spare page (the pool before) a 131,038-token prompt asking 32 got 0 (seen on the H200)."""
+    from fpcli.engine.sglang_engine import kv_pool_tokens
+
+    pool = kv_pool_tokens(context, requests, page)
+    for n in (1, 2, 32, 256):
+        for prompt in range(context - n - 2 - 3 * page, context - n - 1):  # every page phase at the edge
+            assert sglang_answer_cap(pool, context, page, prompt, n) == n, (prompt, n)
+    one_spare = -(-context // page) * page + page
+    if context == 131072 and page == 64:
+        assert sglang_answer_cap(one_spare, context, page, 131038, 32) == 0  # the failure seen
 
 
 def test_server_kwargs_for_one_request_capture_one_graph_and_one_context(tmp_path):
@@ -724,10 +750,10 @@ def test_server_kwargs_for_one_request_capture_one_graph_and_one_context(tmp_pat
     prof = with_context_length(load_profile("bf16"), 131072)
     one = build_server_kwargs(_model_dir(tmp_path), prof, max_requests=1)
     assert one["max_running_requests"] == 1 and one["cuda_graph_bs_decode"] == [1]
-    assert one["max_total_tokens"] == 131072 + 64 and one["skip_tokenizer_init"] is True
+    assert one["max_total_tokens"] == 131072 + 2 * 64 and one["skip_tokenizer_init"] is True
     resident = build_server_kwargs(tmp_path / "model", prof)  # the profile's max_requests: 8
     assert resident["max_running_requests"] == 8 and resident["cuda_graph_bs_decode"] == [1, 2, 4, 8]
-    assert resident["max_total_tokens"] == 8 * 131072 + 64
+    assert resident["max_total_tokens"] == 8 * 131072 + 2 * 64
     fixed = prof.replace(engine=dataclasses.replace(prof.engine, kv_cache_tokens=200000, max_requests=3))
     kw = build_server_kwargs(tmp_path / "model", fixed)
     assert kw["max_total_tokens"] == 200000 and kw["cuda_graph_bs_decode"] == [1, 2, 3]

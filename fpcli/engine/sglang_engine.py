@@ -139,15 +139,25 @@ def decode_graph_batch_sizes(max_bs: int) -> list[int]:
     return sizes + [int(max_bs)]
 
 
+POOL_SPARE_PAGES = 2
+"""Pages the KV pool holds beyond ``max_requests`` whole contexts (``kv_pool_tokens``)."""
+
+
 def kv_pool_tokens(context_length: int, max_requests: int, page_size: int, override: int | None = None) -> int:
     """KV cache pool size in tokens (SGLang ``max_total_tokens``): ``override`` (the profile's
     ``engine.kv_cache_tokens``) when given, else room for ``max_requests`` requests at the full
-    context, in whole pages plus one. SGLang takes the smaller of this and what
+    context in whole pages, plus ``POOL_SPARE_PAGES``. SGLang takes the smaller of this and what
     ``mem_fraction_static`` leaves, so it only ever shrinks the pool.
+
+    Why two spare pages: SGLang's scheduler (0.5.17, ``Scheduler.init_req_max_new_tokens``) caps a
+    request's answer at ``max_total_tokens - ceil_page(prompt) - page_size - 1`` tokens. For a
+    prompt ``p`` and an answer ``n`` with ``p + n <= context``, ``ceil_page(p) <= p + page_size - 1``,
+    so a pool of ``ceil_page(context) + 2 page_size`` leaves the full ``n``; with one spare page a
+    prompt near the context got no answer token at all (H200, 131,038 tokens + 32: docs/benchmarks.md).
 
     Example (Qwen2.5-Coder-0.5B at 131,072 tokens, one request, pages of 64)::
 
-        131072 x 1 -> 2048 pages + 1 = 133,120 tokens; 24 layers x 2 KV heads x 64 dims x 2 (K, V)
+        131072 x 1 -> 2048 pages + 2 = 131,200 tokens; 24 layers x 2 KV heads x 64 dims x 2 (K, V)
         x 2 bytes = 12,288 bytes a token -> 1.6 GB (mem_fraction_static 0.85 alone: ~110 GB on an H200)
 
     Raises:
@@ -158,7 +168,7 @@ def kv_pool_tokens(context_length: int, max_requests: int, page_size: int, overr
     if context_length < 1 or max_requests < 1 or page_size < 1:
         raise ValueError(f"kv_pool_tokens: context_length, max_requests and page_size must be >= 1, got "
                          f"{context_length}, {max_requests}, {page_size}")
-    pages = -(-int(context_length) * int(max_requests) // int(page_size)) + 1
+    pages = -(-int(context_length) * int(max_requests) // int(page_size)) + POOL_SPARE_PAGES
     return pages * int(page_size)
 
 

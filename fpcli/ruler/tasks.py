@@ -272,18 +272,10 @@ TASKS: dict[str, Task] = {
 # -- fitting to a length --------------------------------------------------------------------------
 
 
-ANSWER_ROOM = 256
-"""Tokens kept free below the context for the answer, at least (``fp ask``'s default answer
-budget): on the H200 (SGLang 0.5.17, Qwen at 131,072 tokens) prompts of 131,030-131,039 tokens
-with a task's 32 tokens of room came back with no answer token at all, while ``fp ask``'s
-130,568-token prompt with 256 tokens of room answered (docs/benchmarks.md)."""
-
-
 def target_tokens(task: Task, length: int, context_length: int) -> int:
-    """The prompt length a sample of ``task`` aims at: ``--len``, or less when the answer room
-    (``max(task.max_new_tokens, ANSWER_ROOM)``) would not fit the context (e.g. ``--len 32k`` on a
-    32,768-token model: 32,512)."""
-    return min(length, context_length - max(task.max_new_tokens, ANSWER_ROOM))
+    """The prompt length a sample of ``task`` aims at: ``--len``, or less when the answer budget
+    would not fit the context (e.g. ``--len 32k`` on a 32,768-token model)."""
+    return min(length, context_length - task.max_new_tokens)
 
 
 def fit_units(measure: Callable[[int], int], target: int, first_guess: int = 64) -> tuple[int, int]:
