@@ -9,6 +9,7 @@ import pytest
 
 MODELS = Path(os.environ.get("FPDEV_MODELS", "/nonexistent"))
 QWEN = MODELS / "qwen2.5-coder-0.5b-instruct"
+SMOL = MODELS / "smollm2-135m-instruct"
 
 
 def require_sglang_and(*models: Path, min_capability: tuple[int, int] | None = None) -> None:

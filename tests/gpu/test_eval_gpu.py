@@ -16,15 +16,20 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-from staged import QWEN, require_sglang_and  # noqa: E402
+from staged import QWEN, SMOL, require_sglang_and  # noqa: E402
 
 require_sglang_and(QWEN)
 
 
-def test_fp_eval_8k_dense_and_bf16_on_sglang():
+def _fp() -> str:
     exe = Path(sys.executable).with_name("fp")
     fp = str(exe) if exe.exists() else shutil.which("fp")
     assert fp, "the `fp` entry point is not installed (pip install -e .)"
+    return fp
+
+
+def test_fp_eval_8k_dense_and_bf16_on_sglang():
+    fp = _fp()
     proc = subprocess.run(
         [fp, "eval", "--model", str(QWEN), "--engine", "sglang", "--len", "8k", "--task", "niah_single,vt,cwe",
          "--samples", "2", "--profiles", "dense,bf16", "--json"],
@@ -45,3 +50,22 @@ def test_fp_eval_8k_dense_and_bf16_on_sglang():
     # a 0.5B model finds a single needle at 8K: the dense baseline must score
     dense_niah = next(c for c in data["cells"] if c["task"] == "niah_single" and c["profile"] == "dense")
     assert dense_niah["score"] > 0
+
+
+@pytest.mark.skipif(not (SMOL / "config.json").is_file(), reason=f"staged model {SMOL.name} not found")
+def test_prompts_at_the_full_context_get_their_answer_tokens():
+    """SmolLM2 (8,192-token context) at --len 8k: prompts ~8,160 tokens with the task's 32 tokens of
+    answer room, on an in-process engine for one request (its KV pool: one context + spare pages).
+    With one spare page SGLang capped these answers at 0 tokens (seen at 128K on Qwen)."""
+    proc = subprocess.run(
+        [_fp(), "eval", "--model", str(SMOL), "--engine", "sglang", "--len", "8k", "--task", "niah_single",
+         "--samples", "2", "--profiles", "dense", "--json"],
+        capture_output=True, text=True, timeout=900,
+    )
+    sys.stderr.write(proc.stderr[-3000:])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    assert data["context_length"] == 8192
+    assert all(8192 - 32 - 48 <= s["prompt_tokens"] <= 8192 - 32 for s in data["samples"])
+    assert [c["empty_answers"] for c in data["cells"]] == [0]
+    assert all(r["output_tokens"] > 0 for s in data["samples"] for r in s["results"].values())
