@@ -9,10 +9,12 @@ SmolLM2-135M on transformers). Engines are imported lazily: ``import fpcli.engin
 from __future__ import annotations
 
 import importlib.util
+import time
 from typing import Sequence
 
 from .base import Engine, GenerationResult, PrefillStats
 from .sglang_engine import EngineUnavailable
+from .start_times import last_start_s, record_start_s, start_key, start_message
 
 ENGINES = ("auto", "sglang", "transformers")
 GPU_INSTALL = "pip install -e .[gpu]"
@@ -166,28 +168,39 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
     if ctx is not None:  # the sparse threshold fits the model: min(min_sparse_len, context / 2)
         profile = profile.fit_to_context(min(ctx, profile.engine.context_length or ctx))
     ui = _console(progress)
+    key = start_key(engine, path, profile.engine.context_length)
     if engine == "sglang":
         from .sglang_engine import SGLangEngine, server_overrides_from_argv
 
         overrides = server_overrides_from_argv(engine_args) if engine_args else None
         log_level = "info" if verbose else None
-        if ui is not None:
-            what = "weights, CUDA graphs, kernel compilation" + (", warm-up" if warmup else "")
-            with ui.status(f"starting SGLang with {name} ({what})"):
-                eng = SGLangEngine(path, profile, server_overrides=overrides, log_level=log_level, timing=timing,
-                                   compare_fp8=compare_fp8, max_requests=max_requests, warmup=warmup)
-        else:
-            eng = SGLangEngine(path, profile, server_overrides=overrides, log_level=log_level, timing=timing,
-                               compare_fp8=compare_fp8, max_requests=max_requests, warmup=warmup)
+        what = "weights, CUDA graphs, kernel compilation" + (", warm-up" if warmup else "")
+        eng = _timed_start(ui, f"starting SGLang with {name} ({what})", key, lambda: SGLangEngine(
+            path, profile, server_overrides=overrides, log_level=log_level, timing=timing, compare_fp8=compare_fp8,
+            max_requests=max_requests, warmup=warmup))
         eng.model_name = name
         return eng
     check_engine_args(engine, engine_args)
     from .transformers_engine import TransformersEngine
 
-    if ui is not None:
-        with ui.status(f"loading {name} (transformers engine)"):
-            return TransformersEngine(path, profile, model_name=name, timing=timing, compare_fp8=compare_fp8)
-    return TransformersEngine(path, profile, model_name=name, timing=timing, compare_fp8=compare_fp8)
+    return _timed_start(ui, f"loading {name} (transformers engine)", key, lambda: TransformersEngine(
+        path, profile, model_name=name, timing=timing, compare_fp8=compare_fp8))
+
+
+def _timed_start(ui, action: str, key: str, start):
+    """``start()`` under a spinner on ``ui`` (``None``: silent) that says how long the last start of
+    ``key`` took (``start_times``); records this one's seconds when it succeeds."""
+    from fpcli.models import cache_dir
+
+    cache = cache_dir()
+    t0 = time.perf_counter()
+    if ui is None:
+        eng = start()
+    else:
+        with ui.status(start_message(action, last_start_s(cache, key))):
+            eng = start()
+    record_start_s(cache, key, time.perf_counter() - t0)
+    return eng
 
 
 def _console(progress):
