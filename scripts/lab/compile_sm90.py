@@ -131,14 +131,14 @@ def compile_attention_fp8(sass_dir=None, shard=(0, 1), attn=None):
         t = get_config(d, torch.bfloat16, B, precision="fp8").attn
         if attn is not None:
             t = attn(t)
-        ptrs = {n: "*i32" for n in ("cu_seqlens_k", "seq_lens", "cu_seqlens_q", "tile_request", "tile_local",
+        ptrs = {n: "*i32" for n in ("cu_seqlens_k", "mean_cols", "seq_lens", "cu_seqlens_q", "tile_request", "tile_local",
                                     "block_ptr", "row_ptr", "col_idx", "sel_bits")}
         ptrs.update(q_ptr="*bf16", k8="*fp8e4nv", v8t="*fp8e4nv", k_mean8="*fp8e4nv", v_mean8t="*fp8e4nv",
                     k_scale="*fp32", v_scale="*fp32", out_ptr="*bf16", lse_ptr="*fp32")
         consts = dict(GROUP=g, HEAD_DIM=d, TILE_ROWS=128, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_SIZE=B,
                       BLOCK_U=t.block_u, SPARSE=mode != "dense", MEAN_CORR=mode == "bits",
                       MAIN_STAGES=t.num_stages, MC_STAGES=t.mc_stages or t.num_stages, EXP=fk.EXP_IMPLS.index(t.exp_impl), FOLD_SCALE=t.fold_scale,
-                      PIPELINE=t.pipeline,
+                      PIPELINE=t.pipeline, MEAN_VEC=t.mean_vec,
                       INLINE_ASM=True)
         compile_one(f"attn fp8 d{d} B{B} g{g} {mode}", fk._attn_fwd_fp8, ptrs, consts, floats=("scale_log2",),
                     num_warps=t.num_warps, num_stages=t.num_stages, sass_dir=sass_dir)

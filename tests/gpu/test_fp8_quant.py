@@ -46,7 +46,7 @@ def test_prepass_bit_exact(name):
     gq, gk, gv, gpt, gsl, gcu = (t.to(dev) for t in (q, k, v, pt, sl, cu))
     gplan = make_plan(gsl, gcu, 2, 128)
     kv = QK.quantize_kv(gk, gv, gpt, gsl, gplan)
-    k8m, v8mt = QK.quantize_means(index.k_mean.to(dev), index.v_mean.to(dev), kv, gplan)
+    k8m, v8mt, _ = QK.quantize_means(index.k_mean.to(dev), index.v_mean.to(dev), kv, gplan)
     torch.cuda.synchronize()
     nb = index.k_mean.shape[0]
     assert torch.equal(kv.k_scale.cpu(), want["k_scale"]) and torch.equal(kv.v_scale.cpu(), want["v_scale"])

@@ -258,18 +258,49 @@ def block_requests(plan: BatchPlan, device) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(plan.batch, device=device), counts)
 
 
-def quantize_means(k_mean: torch.Tensor, v_mean: torch.Tensor, kv: Fp8KV, plan: BatchPlan):
+def mean_columns(plan: BatchPlan, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Columns of the pooled key blocks in ``v_mean8t`` with each request's first column a multiple
+    of ``TMA_ALIGN`` (its block count rounded up; the gap columns stay zero), from the plan's host
+    lengths (no sync).
+
+    Example: ``B = 128``, ``Lk = (300, 5000)`` -> blocks ``(3, 40)``; ``cu = [0, 16, 64]``; the
+    blocks' columns ``0 1 2 16 17 ... 55``.
+
+    Returns:
+        ``(cols int64 [n_blocks], cu int32 [batch + 1], n_cols)``: block row ``r`` of request ``b``
+        (``BlockIndex.k_mean`` row) at column ``cu[b] + r - block_ptr[b]``; ``n_cols = cu[-1]``.
+    """
+    counts = [-(-lk // plan.block_size) for lk in plan.kv_lens]
+    cu, cols = [0], []
+    for nb in counts:
+        cols.extend(range(cu[-1], cu[-1] + nb))
+        cu.append(cu[-1] + -(-nb // TMA_ALIGN) * TMA_ALIGN)
+    return (torch.tensor(cols, dtype=torch.int64, device=device), torch.tensor(cu, dtype=torch.int32, device=device),
+            cu[-1])
+
+
+def quantize_means(k_mean: torch.Tensor, v_mean: torch.Tensor, kv: Fp8KV, plan: BatchPlan, aligned: bool = False):
     """The block means' codes with their request's K / V scales (``docs/fp8.md`` section 3).
 
     Args:
         k_mean, v_mean: float32 ``[n_blocks, Hkv, d]`` (``BlockIndex.k_mean`` / ``v_mean``).
+        aligned: lay out ``v_mean8t``'s columns by ``mean_columns`` (each request's first column a
+            multiple of ``TMA_ALIGN``); else column = block row (``plan.block_ptr``).
     Returns:
-        ``(k_mean8 e4m3 [n_blocks, Hkv, d], v_mean8t e4m3 [Hkv, d, n_blocks_padded])``, the second
-        transposed for the ``P_m v̄`` product and zero-padded to a multiple of ``TMA_ALIGN``.
+        ``(k_mean8 e4m3 [n_blocks, Hkv, d], v_mean8t e4m3 [Hkv, d, n_cols], cu_cols int32
+        [batch + 1])``: ``v_mean8t`` transposed for the ``P_m v̄`` product, ``n_cols`` a multiple of
+        ``TMA_ALIGN``, zero where no block is; request ``b``'s first column ``cu_cols[b]``.
     """
     req = block_requests(plan, k_mean.device)
     k8 = quant.quantize(k_mean, kv.k_inv_scale[req][:, :, None])
     n_blocks, hkv, d = v_mean.shape
-    v8t = torch.zeros(hkv, d, -(-n_blocks // TMA_ALIGN) * TMA_ALIGN, dtype=quant.E4M3, device=v_mean.device)
-    v8t[:, :, :n_blocks] = quant.quantize(v_mean, kv.v_inv_scale[req][:, :, None]).permute(1, 2, 0)
-    return k8, v8t
+    codes = quant.quantize(v_mean, kv.v_inv_scale[req][:, :, None]).permute(1, 2, 0)
+    if aligned:
+        cols, cu_cols, n_cols = mean_columns(plan, v_mean.device)
+        v8t = torch.zeros(hkv, d, n_cols, dtype=quant.E4M3, device=v_mean.device)
+        v8t.view(torch.uint8)[:, :, cols] = codes.view(torch.uint8)   # byte views: float8 index_put
+    else:
+        v8t = torch.zeros(hkv, d, -(-n_blocks // TMA_ALIGN) * TMA_ALIGN, dtype=quant.E4M3, device=v_mean.device)
+        v8t[:, :, :n_blocks] = codes
+        cu_cols = plan.block_ptr
+    return k8, v8t, cu_cols

@@ -41,6 +41,13 @@ class AttnConfig:
         fold_scale: FP8 kernel only: the exact-key loops apply the logit scale to the row max
             and, fused with the max subtraction, in one FFMA per logit (instead of a separate
             FMUL per logit). Ignored by the 16-bit kernels.
+        pipeline: FP8 kernel only: the hand software-pipelined exact-key loop
+            (``attention_fp8_kernels._fp8_inner_pipe``). Ignored by the 16-bit kernels.
+        mean_vec: FP8 kernel only: each request's columns of the transposed V-mean codes
+            ``v_mean8t`` start at a multiple of ``quant_kernels.TMA_ALIGN`` (zero gaps between
+            requests, ``quant_kernels.mean_columns``), so the mean-correction loop loads its
+            ``[d, block_u]`` tile with 16-byte copies instead of one-byte loads. Ignored by the
+            16-bit kernels.
     """
 
     block_m: int
@@ -53,6 +60,7 @@ class AttnConfig:
     exp_impl: str = "mufu"
     fold_scale: bool = False
     pipeline: bool = False
+    mean_vec: bool = False
 
 
 @dataclass(frozen=True)
