@@ -31,6 +31,7 @@ from triton.compiler import ASTSource
 from flashprefill.impl.triton import attention_fp8_kernels as fk
 from flashprefill.impl.triton import attention_kernels as ak
 from flashprefill.impl.triton import index_kernels as ik
+from flashprefill.impl.triton import quant_kernels as qk
 from flashprefill.impl.triton.tiles import AttnConfig, IndexConfig, get_config
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -48,12 +49,13 @@ def _sig(fn, ptrs: dict, consts: dict, floats=()):
     return {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names}
 
 
-def compile_one(label, fn, ptrs, consts, floats=(), num_warps=4, num_stages=2, sass_dir=None):
+def compile_one(label, fn, ptrs, consts, floats=(), num_warps=4, num_stages=2, sass_dir=None, div16=()):
     sig = _sig(fn, ptrs, consts, floats)
     # what a real launch specializes: pointers 16-byte aligned, strides divisible by 16 get
-    # tt.divisibility 16 -- without it every load compiles to 2-byte scalars
+    # tt.divisibility 16 -- without it every load compiles to 2-byte scalars; ``div16``: other
+    # integer arguments a real launch passes as multiples of 16
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if sig[n].startswith("*") or (sig[n] == "i32" and n.startswith("stride"))}
+             if sig[n].startswith("*") or (sig[n] == "i32" and (n.startswith("stride") or n in div16))}
     k = triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET,
                        options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
@@ -175,8 +177,26 @@ def compile_index(sass_dir=None, shard=(0, 1)):
         p16 = PTR[dtype]
         ptrs = dict(x_ptr=p16, page_table="*i32", seq_lens="*i32", block_ptr="*i32", x_mean="*fp32", x_lowp=p16)
         compile_one(f"means d{d} {str(dtype)[6:]} B{B} ps{ps}", ik._block_means_kernel, ptrs,
-                    dict(HEAD_DIM=d, BLOCK_SIZE=B, TOKENS=min(t.means_tokens, B), PAGE_SIZE=ps, WRITE_LOWP=True),
+                    dict(HEAD_DIM=d, BLOCK_SIZE=B, TOKENS=min(t.means_tokens, B), PAGE_SIZE=ps, WRITE_LOWP=True,
+                         amax=None, AMAX=False),
                     num_warps=t.means_warps, sass_dir=sass_dir)
+    # the FP8 index of bf16 caches: means without the 16-bit copy, with (IndexConfig.fused_amax)
+    # and without the fused amax, then the pre-pass kernels (quant_kernels)
+    for amax in (False, True):
+        ptrs = dict(x_ptr="*bf16", page_table="*i32", seq_lens="*i32", block_ptr="*i32", x_mean="*fp32",
+                    x_lowp="*fp32", amax="*i32")
+        compile_one(f"means fp8 d128 bfloat16 B128 ps64 amax{int(amax)}", ik._block_means_kernel, ptrs,
+                    dict(HEAD_DIM=128, BLOCK_SIZE=128, TOKENS=min(t.means_tokens, 128), PAGE_SIZE=64,
+                         WRITE_LOWP=False, AMAX=amax, **({} if amax else {"amax": None})),
+                    num_warps=t.means_warps, sass_dir=sass_dir)
+    qptrs = dict(k_ptr="*bf16", v_ptr="*bf16", page_table_ptr="*i32", seq_lens_ptr="*i32", amax_ptr="*i32",
+                 cu_k_ptr="*i32", inv_ptr="*fp32", k8_ptr="*fp8e4nv", v8t_ptr="*fp8e4nv")
+    qconsts = dict(HKV=8, PAGE_SIZE=64, D=128, BLOCK_T=qk.BLOCK_T)
+    strides = ("k_stride_page", "k_stride_slot", "k_stride_head", "v_stride_page", "v_stride_slot", "v_stride_head")
+    compile_one("prepass amax d128 bfloat16 ps64", qk._kv_amax_kernel, qptrs, qconsts, sass_dir=sass_dir,
+                div16=strides)
+    compile_one("prepass quant d128 bfloat16 ps64", qk._kv_quant_kernel, qptrs, qconsts, sass_dir=sass_dir,
+                div16=strides + ("total_k",))
     compile_one("expand", ik._expand_kernel, dict(bits="*i32", row_ptr="*i32", n_visible="*i32", col_idx="*i32"),
                 dict(WORDS=t.expand_words), sass_dir=sass_dir)
 

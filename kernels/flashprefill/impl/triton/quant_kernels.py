@@ -32,6 +32,7 @@ from ...plan import BatchPlan
 # kernel loads it with 16-byte cp.async (TMA needs the same row stride). Unaligned starts compile to
 # one-byte global loads outside the software pipeline.
 TMA_ALIGN = 16
+_TMA_ALIGN_C = tl.constexpr(TMA_ALIGN)
 # Tokens per program of both kernels.
 BLOCK_T = 64
 
@@ -138,22 +139,28 @@ def _kv_quant_kernel(k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, cu_k_ptr, inv_p
     t0 = tl.program_id(2) * BLOCK_T
     lk = tl.load(seq_lens_ptr + b)
     if t0 < lk:
-        start = tl.load(cu_k_ptr + b).to(tl.int64)
-        dst = start + t0 + tl.arange(0, BLOCK_T).to(tl.int64)  # token slot in the batch
+        # the request's first slot and its length rounded up are multiples of TMA_ALIGN: the stores
+        # are masked in whole 16-token groups (16-byte V8^T stores, not one byte each); the slots in
+        # [lk, lk_al) get the codes of the masked loads' zeros, i.e. the zero gap
+        start = tl.multiple_of(tl.load(cu_k_ptr + b), _TMA_ALIGN_C).to(tl.int64)
+        lk_al = tl.multiple_of((lk + _TMA_ALIGN_C - 1) // _TMA_ALIGN_C * _TMA_ALIGN_C, _TMA_ALIGN_C)
+        pos = t0 + tl.arange(0, BLOCK_T)
+        dst = start + pos.to(tl.int64)                          # token slot in the batch
+        in_al = pos < lk_al
         dims = tl.arange(0, D)
-        k, valid = _load_tokens(k_ptr, page_table_ptr, b, h, t0, lk, stride_pt, k_stride_page, k_stride_slot,
-                                k_stride_head, PAGE_SIZE, D, BLOCK_T)
+        k, _ = _load_tokens(k_ptr, page_table_ptr, b, h, t0, lk, stride_pt, k_stride_page, k_stride_slot,
+                            k_stride_head, PAGE_SIZE, D, BLOCK_T)
         y = k * tl.load(inv_ptr + b * HKV + h)
         y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))          # saturate, NaN kept
         k8_row = k8_ptr + h.to(tl.int64) * total_k * D + dst[:, None] * D + dims[None, :]
-        tl.store(k8_row, _e4m3_rne(y).to(tl.float8e4nv), mask=valid[:, None])
+        tl.store(k8_row, _e4m3_rne(y).to(tl.float8e4nv), mask=in_al[:, None])
         v, _ = _load_tokens(v_ptr, page_table_ptr, b, h, t0, lk, stride_pt, v_stride_page, v_stride_slot,
                             v_stride_head, PAGE_SIZE, D, BLOCK_T)
         y = v * tl.load(inv_ptr + n_pairs + b * HKV + h)
         y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))
         # V transposed: element (token, dim) goes to v8t[h, dim, token]
         v8_col = v8t_ptr + h.to(tl.int64) * D * total_k + dims[None, :].to(tl.int64) * total_k + dst[:, None]
-        tl.store(v8_col, _e4m3_rne(y).to(tl.float8e4nv), mask=valid[:, None])
+        tl.store(v8_col, _e4m3_rne(y).to(tl.float8e4nv), mask=in_al[:, None])
 
 
 def _cu_seqlens_k(plan: BatchPlan, device) -> tuple[torch.Tensor, int]:
@@ -190,13 +197,16 @@ def kv_amax_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: tor
 
 
 def quantize_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
-                plan: BatchPlan) -> Fp8KV:
+                plan: BatchPlan, amax: torch.Tensor | None = None) -> Fp8KV:
     """Quantise a batch's K and V for the FP8 attention (``docs/fp8.md`` sections 2, 3, 7).
 
     Args:
         k_cache, v_cache: ``[num_pages, page_size, Hkv, d]`` bf16 / fp16, ``d`` a power of two.
         page_table: int32 ``[batch, max_pages]``; seq_lens: int32 ``[batch]`` (``Lk``).
         plan: the batch plan (its host ``kv_lens``: no sync here).
+        amax: float32 ``[2, batch, Hkv]``, ``max |K|`` (0) and ``max |V|`` (1) per (request, KV head)
+            already reduced (``BlockIndex.kv_amax``, written by the block-means kernels), or None:
+            one ``kv_amax_scales`` launch. Same scales either way (a max is exact).
     Returns:
         ``Fp8KV`` (fresh tensors).
     """
@@ -205,7 +215,10 @@ def quantize_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.
     cu_k, total_k = _cu_seqlens_k(plan, dev)
     k8 = torch.zeros(hkv, total_k, d, dtype=quant.E4M3, device=dev)
     v8t = torch.zeros(hkv, d, total_k, dtype=quant.E4M3, device=dev)
-    scale, inv = kv_amax_scales(k_cache, v_cache, page_table, seq_lens, plan)
+    if amax is None:
+        scale, inv = kv_amax_scales(k_cache, v_cache, page_table, seq_lens, plan)
+    else:
+        scale, inv = quant.amax_scales(amax)
     grid, strides = _launch_shape(k_cache, v_cache, page_table, plan)
     if total_k:
         _kv_quant_kernel[grid](k_cache, v_cache, page_table, seq_lens, cu_k, inv.contiguous(), k8, v8t, *strides,

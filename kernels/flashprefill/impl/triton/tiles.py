@@ -79,6 +79,10 @@ class IndexConfig:
         means_warps: warps of the block-means kernel.
         expand_words: int32 bitmask words turned into CSR entries per step of the expand kernel
             (8 = 256 key blocks).
+        fused_amax: FP8 index of 16-bit caches only: the block-means kernels also reduce
+            ``max |K|`` / ``max |V|`` per (request, KV head) (``BlockIndex.kv_amax``), so neither the
+            selection's K scale nor the attention's pre-pass reads K and V in a launch of their own
+            (``quant_kernels._kv_amax_kernel``). Same scales. Ignored by the 16-bit index.
     """
 
     select_block_j: int = 64
@@ -88,6 +92,7 @@ class IndexConfig:
     means_tokens: int = 64
     means_warps: int = 4
     expand_words: int = 8
+    fused_amax: bool = False
 
 
 @dataclass(frozen=True)
