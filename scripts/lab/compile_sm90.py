@@ -159,17 +159,19 @@ def compile_index(sass_dir=None, shard=(0, 1)):
                                         "counts", "row_ptr", "n_visible", "bits")}
             ptrs.update(q_ptr=p16, k_mean="*fp32", k_lowp=p16, scratch="*fp32", k_scale="*fp32")
             consts = dict(GROUP=4, HEAD_DIM=d, TILE_ROWS=128, BLOCK_SIZE=B, BLOCK_J=t.select_block_j,
-                          KEEP_ALL_SCORED=keep, FP8=False)
+                          KEEP_ALL_SCORED=keep, FP8=False, HW_CVT=False)
             compile_one(f"select d{d} {str(dtype)[6:]} B{B} keepall{int(keep)}", ik._select_kernel, ptrs, consts,
                         floats=("scale_log2", "log2_alpha"), num_warps=t.select_num_warps,
                         num_stages=t.select_num_stages, sass_dir=sass_dir)
-    for d in (64, 128, 256):          # the FP8 selection: e4m3 Q tile and k_mean8
+    # the FP8 selection: e4m3 Q tile and k_mean8; the Q codes by the fp32 emulation, and at d 128 also
+    # by the hardware cast (IndexConfig.hw_cvt)
+    for d, hw in ((64, False), (128, False), (256, False), (128, True)):
         ptrs = {n: "*i32" for n in ("tile_request", "tile_local", "cu_seqlens_q", "seq_lens", "block_ptr",
                                     "counts", "row_ptr", "n_visible", "bits")}
         ptrs.update(q_ptr="*bf16", k_mean="*fp32", k_lowp="*fp8e4nv", scratch="*fp32", k_scale="*fp32")
         consts = dict(GROUP=4, HEAD_DIM=d, TILE_ROWS=128, BLOCK_SIZE=128, BLOCK_J=t.select_block_j,
-                      KEEP_ALL_SCORED=False, FP8=True)
-        compile_one(f"select fp8 d{d} bfloat16 B128", ik._select_kernel, ptrs, consts,
+                      KEEP_ALL_SCORED=False, FP8=True, HW_CVT=hw)
+        compile_one(f"select fp8 d{d} bfloat16 B128" + (" hwcvt" if hw else ""), ik._select_kernel, ptrs, consts,
                     floats=("scale_log2", "log2_alpha"), num_warps=t.select_num_warps,
                     num_stages=t.select_num_stages, sass_dir=sass_dir)
     for d, dtype, B, ps in ((128, torch.bfloat16, 128, 64), (128, torch.bfloat16, 128, 1), (64, torch.float16, 64, 16),
@@ -195,8 +197,9 @@ def compile_index(sass_dir=None, shard=(0, 1)):
     strides = ("k_stride_page", "k_stride_slot", "k_stride_head", "v_stride_page", "v_stride_slot", "v_stride_head")
     compile_one("prepass amax d128 bfloat16 ps64", qk._kv_amax_kernel, qptrs, qconsts, sass_dir=sass_dir,
                 div16=strides)
-    compile_one("prepass quant d128 bfloat16 ps64", qk._kv_quant_kernel, qptrs, qconsts, sass_dir=sass_dir,
-                div16=strides + ("total_k",))
+    for hw in (False, True):
+        compile_one("prepass quant d128 bfloat16 ps64" + (" hwcvt" if hw else ""), qk._kv_quant_kernel, qptrs,
+                    dict(qconsts, HW_CVT=hw), sass_dir=sass_dir, div16=strides + ("total_k",))
     compile_one("expand", ik._expand_kernel, dict(bits="*i32", row_ptr="*i32", n_visible="*i32", col_idx="*i32"),
                 dict(WORDS=t.expand_words), sass_dir=sass_dir)
 

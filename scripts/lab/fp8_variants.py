@@ -15,8 +15,10 @@ on the FMA pipes); ``fold_scale`` (logit scale fused into the exp2 argument's FF
 together, with 2 and 3 stages; ``pipeline`` (the hand software-pipelined exact-key loop) alone
 (``pipe``), with ``fold_scale`` (``pipe_fold``) and with 3 stages (``pipe_fold_st3``); ``mean_vec``
 (``meanvec``: the mean-correction loop's V-mean tile as 16-byte copies); ``IndexConfig.fused_amax``
-(``fusedidx``: the K / V amax reduced by the block-means kernels, no amax launch in the selection
-or the pre-pass); ``pipe_fold_meanvec`` and all of them (``pipe_fold_meanvec_fusedidx``). ``--variants``
+(``fusedidx``: ``IndexConfig.fused_amax`` -- the K / V amax reduced by the block-means kernels, no
+amax launch in the selection or the pre-pass -- and ``IndexConfig.hw_cvt`` -- the selection's Q codes
+and the pre-pass's K / V codes by the hardware cast, no fp32 rounding emulation); ``fusedamax``
+(``fused_amax`` alone); ``pipe_fold_meanvec`` and all of them (``pipe_fold_meanvec_fusedidx``). ``--variants``
 narrows the set (timed in the order given), ``--lens`` the lengths; e.g. ``--lens 128k --variants
 shipped,fold,pipe,pipe_fold`` compiles four attention kernels (<= 100 s with a cold Triton cache).
 Medians of ``triton.testing.do_bench``. Prints a table and writes ``fp8_variants.json`` into ``--out`` (default ``$OUT``, else the current
@@ -57,11 +59,13 @@ def variants(block_size: int) -> dict:
         "pipe_fold_st3": dataclasses.replace(a, pipeline=True, fold_scale=True, num_stages=3, mc_stages=3),
         "meanvec": dataclasses.replace(a, mean_vec=True),
         "fusedidx": a,
+        "fusedamax": a,
         "pipe_fold_meanvec": dataclasses.replace(a, pipeline=True, fold_scale=True, mean_vec=True),
         "pipe_fold_meanvec_fusedidx": dataclasses.replace(a, pipeline=True, fold_scale=True, mean_vec=True),
     }
-    fused = dataclasses.replace(base.index, fused_amax=True)
-    return {k: dataclasses.replace(base, attn=v, index=fused if k.endswith("fusedidx") else base.index)
+    index = {"fusedidx": dataclasses.replace(base.index, fused_amax=True, hw_cvt=True),
+             "fusedamax": dataclasses.replace(base.index, fused_amax=True)}
+    return {k: dataclasses.replace(base, attn=v, index=index.get(k.rsplit("_", 1)[-1], base.index))
             for k, v in attn.items()}
 
 
@@ -88,7 +92,7 @@ def run_length(L: int, config: SparseConfig, names: list[str]) -> dict:
         r = {"attn_config": dataclasses.asdict(kcfg.attn)}
         try:
             index8 = host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=kcfg, precision="fp8")
-            kv = host_fp8.kv_operands(kc, vc, pt, sl, plan, amax=index8.kv_amax)
+            kv = host_fp8.kv_operands(kc, vc, pt, sl, plan, amax=index8.kv_amax, hw_cvt=kcfg.index.hw_cvt)
 
             def attn_only():
                 return host_fp8.launch_attention_fp8(q, kv, sl, cu, scale, plan, kcfg.attn, sparse=True,
@@ -104,7 +108,8 @@ def run_length(L: int, config: SparseConfig, names: list[str]) -> dict:
             r["attn_ms"] = time_ms(attn_only)
             r["index_ms"] = time_ms(lambda: host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=kcfg,
                                                              precision="fp8"))
-            r["prepass_ms"] = time_ms(lambda: host_fp8.kv_operands(kc, vc, pt, sl, plan, amax=index8.kv_amax))
+            r["prepass_ms"] = time_ms(lambda: host_fp8.kv_operands(kc, vc, pt, sl, plan, amax=index8.kv_amax,
+                                                                   hw_cvt=kcfg.index.hw_cvt))
             r["speedup_total"] = row["bf16_total_ms"] / r["total_ms"]
             r["speedup_attn"] = row["bf16_attn_ms"] / r["attn_ms"]
         except Exception as e:  # a variant that does not fit (shared memory) is reported, not fatal

@@ -218,7 +218,8 @@ def test_fp8_pipelined_loop_equals_the_shipped_loop(name, fold):
                                   "kv4096_g1_d256", "large_logits_g8"])
 def test_fp8_fused_amax_and_mean_vec_equal_the_shipped_path(name):
     """``IndexConfig.fused_amax`` reduces the same max |K| / |V| in the block-means kernels (a max is
-    exact in any order): the same scales, selection, pre-pass buffers and output bit for bit.
+    exact in any order): the same scales, selection, pre-pass buffers and output bit for bit; with
+    ``hw_cvt`` too (the same codes by the hardware cast).
     ``AttnConfig.mean_vec`` loads extra V-mean columns (the request's later blocks or the zero gap)
     whose logits are -inf: P = 0 against finite codes adds exact zeros, so the output and LSE are the
     shipped kernel's bit for bit; alone and with pipeline + fold_scale."""
@@ -235,6 +236,11 @@ def test_fp8_fused_amax_and_mean_vec_equal_the_shipped_path(name):
     fused = dataclasses.replace(base, index=dataclasses.replace(base.index, fused_amax=True))
     i0 = host.build_index(*gpu, SPARSE, scale, plan, kernels=base, precision="fp8")
     i1 = host.build_index(*gpu, SPARSE, scale, plan, kernels=fused, precision="fp8")
+    # IndexConfig.hw_cvt: the selection's Q codes and the pre-pass's codes by the hardware cast alone
+    hw = dataclasses.replace(base, index=dataclasses.replace(base.index, fused_amax=True, hw_cvt=True))
+    i2 = host.build_index(*gpu, SPARSE, scale, plan, kernels=hw, precision="fp8")
+    assert torch.equal(i0.row_ptr, i2.row_ptr) and torch.equal(i0.col_idx, i2.col_idx)
+    o4, l4 = host.sparse_attention(*gpu, SPARSE, scale, plan, i2, kernels=hw, precision="fp8")
     assert i0.kv_amax is None and i1.kv_amax is not None
     want = qk.kv_amax_scales(gpu[1], gpu[2], gpu[3], gpu[4], plan)
     got = quant.amax_scales(i1.kv_amax)
@@ -249,6 +255,7 @@ def test_fp8_fused_amax_and_mean_vec_equal_the_shipped_path(name):
     o1, l1 = host.sparse_attention(*gpu, SPARSE, scale, plan, i1, kernels=fused, precision="fp8")
     assert torch.isfinite(o1).all() and not torch.equal(o1, torch.zeros_like(o1))
     assert torch.equal(o0, o1) and torch.equal(l0, l1)
+    assert torch.equal(o0, o4) and torch.equal(l0, l4)
     for fields in (dict(), dict(pipeline=True, fold_scale=True)):
         plain = dataclasses.replace(base, attn=dataclasses.replace(base.attn, **fields))
         vec = dataclasses.replace(base, attn=dataclasses.replace(base.attn, mean_vec=True, **fields))

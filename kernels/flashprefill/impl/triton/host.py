@@ -190,7 +190,8 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
     index holds float32 means only (no 16-bit copies). ``tiles.fused_amax`` (16-bit caches): the
     block-means kernels also write ``max |K|`` / ``max |V|`` per (request, KV head) into
     ``BlockIndex.kv_amax``: K's scale without a separate launch, and the attention's pre-pass
-    (``sparse_attention``) skips its own amax launch.
+    (``sparse_attention``) skips its own amax launch. ``tiles.hw_cvt``: the selection's Q-tile
+    codes (and, in ``sparse_attention``, the pre-pass's K / V codes) by the hardware cast.
 
     Raises:
         ValueError: ``plan.block_size != config.block_size``, or a head dim / dtype the kernels
@@ -258,7 +259,7 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
             n_tiles, n_seg, n_prog, scale * ik.LOG2E, log2_alpha,
             config.sink_tokens, config.window_tokens, config.dense_tail_tokens, config.min_sparse_len, k_scale,
             GROUP=g, HEAD_DIM=d, TILE_ROWS=plan.tile_rows, BLOCK_SIZE=B, BLOCK_J=block_j,
-            KEEP_ALL_SCORED=alpha == 0.0, FP8=fp8,
+            KEEP_ALL_SCORED=alpha == 0.0, FP8=fp8, HW_CVT=fp8 and tiles.hw_cvt and q.is_cuda,
             num_warps=tiles.select_num_warps, num_stages=tiles.select_num_stages,
         )
         if dev.type == "cuda" and occ_key not in _SELECT_OCC:
@@ -413,7 +414,7 @@ def sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, co
     mc = bool(config.mean_correction)
     if _is_fp8(precision):
         kv = host_fp8.kv_operands(k_cache, v_cache, page_table, seq_lens, plan, k_descale, v_descale,
-                                  amax=index.kv_amax)
+                                  amax=index.kv_amax, hw_cvt=_kernels(q, index.block_size, kernels, precision).index.hw_cvt)
         return host_fp8.launch_attention_fp8(q, kv, seq_lens, cu_seqlens_q, scale, plan, tiles, sparse=True,
                                              mean_correction=mc, block_size=index.block_size, index=index)
     km, vm = _correction_means(q, plan, index) if mc else (None, None)

@@ -16,13 +16,13 @@ from .tiles import AttnConfig
 
 
 def kv_operands(k_cache, v_cache, page_table, seq_lens, plan: BatchPlan, k_descale=None, v_descale=None,
-                amax: torch.Tensor | None = None) -> qk.Fp8KV:
+                amax: torch.Tensor | None = None, hw_cvt: bool = False) -> qk.Fp8KV:
     """The e4m3 K / V of a batch: quantised by the pre-pass (bf16 / fp16 caches) or the e4m3 caches'
     codes as they are, with their descales (``docs/fp8.md`` sections 5 and 7). ``amax``: float32
-    ``[2, batch, Hkv]`` (``BlockIndex.kv_amax``) or None: see ``quant_kernels.quantize_kv``."""
+    ``[2, batch, Hkv]`` (``BlockIndex.kv_amax``) or None, ``hw_cvt``: see ``quant_kernels.quantize_kv``."""
     if k_cache.dtype == quant.E4M3:
         return qk.gather_e4m3_kv(k_cache, v_cache, page_table, plan, k_descale, v_descale)
-    return qk.quantize_kv(k_cache, v_cache, page_table, seq_lens, plan, amax=amax)
+    return qk.quantize_kv(k_cache, v_cache, page_table, seq_lens, plan, amax=amax, hw_cvt=hw_cvt)
 
 
 def mean_bits(index: BlockIndex, plan: BatchPlan) -> torch.Tensor:

@@ -206,6 +206,7 @@ def _select_kernel(
     BLOCK_J: tl.constexpr,
     KEEP_ALL_SCORED: tl.constexpr,   # alpha == 0
     FP8: tl.constexpr = False,       # e4m3 scores (docs/fp8.md): k_lowp holds k_mean8, k_scale the K scales
+    HW_CVT: tl.constexpr = False,    # FP8: the Q tile's codes by the hardware cast (quant_kernels._to_e4m3)
 ):
     """Selection of every segment (pass A: block energies, pass B: rules + threshold), see the
     module docstring. ``k_mean`` (float32 means) is not read: the scores use ``k_lowp``; it stays
@@ -237,7 +238,7 @@ def _select_kernel(
         q_off = (q_start + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
         q = tl.load(q_ptr + q_off[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
         if FP8:
-            q, s_q = _quantize_tile(q.to(tl.float32))
+            q, s_q = _quantize_tile(q.to(tl.float32), HW_CVT)
             seg_scale = scale_log2 * s_q * tl.load(k_scale + b * (n_segments // n_tiles) + h)
         else:
             seg_scale = scale_log2

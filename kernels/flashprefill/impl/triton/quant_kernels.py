@@ -72,12 +72,26 @@ E4M3_MAX = tl.constexpr(quant.E4M3_MAX)
 
 
 @triton.jit
-def _quantize_tile(x):
+def _to_e4m3(y, HW_CVT: tl.constexpr = False):
+    """e4m3 codes of fp32 ``y`` already clamped to [-448, 448] (NaN kept), rounded to nearest, ties
+    to even. ``HW_CVT``: Triton's cast alone, ``cvt.rn.satfinite.e4m3x2.f32`` on sm_89+ (one
+    ``F2FP`` per two values; the same codes by the PTX rounding rule, checked on the device by
+    ``tests/gpu/test_fp8_quant.py``); else ``_e4m3_rne`` in fp32 first (about 15 integer / float
+    operations per value), which the interpreter needs: its cast neither rounds nor saturates."""
+    if HW_CVT:
+        codes = y.to(tl.float8e4nv)
+    else:
+        codes = _e4m3_rne(y).to(tl.float8e4nv)
+    return codes
+
+
+@triton.jit
+def _quantize_tile(x, HW_CVT: tl.constexpr = False):
     """One quantisation group in registers (a Q tile: ``docs/fp8.md`` section 3): ``(codes, scale)``.
 
     ``x``: fp32 ``[M, d]`` (masked rows zero). ``codes``: e4m3 ``[M, d]`` with ``inv_scale =
     448 / amax`` (``div_rn``, NaN ignored in ``amax``, ``amax < AMAX_FLOOR`` -> 1); ``scale``: fp32
-    scalar ``amax / 448``. The codes equal ``quant.quantize`` bit for bit (``_e4m3_rne``)."""
+    scalar ``amax / 448``. The codes equal ``quant.quantize`` bit for bit (``_to_e4m3``)."""
     a = tl.abs(x)
     a = tl.where(a == a, a, 0.0)
     amax = tl.max(tl.max(a, axis=1), axis=0)
@@ -87,7 +101,7 @@ def _quantize_tile(x):
     inv = tl.where(tiny, 1.0, tl.math.div_rn(E4M3_MAX, safe))
     y = x * inv
     y = tl.where(y > E4M3_MAX, E4M3_MAX, tl.where(y < -E4M3_MAX, -E4M3_MAX, y))     # saturate, NaN kept
-    return _e4m3_rne(y).to(tl.float8e4nv), scale
+    return _to_e4m3(y, HW_CVT), scale
 
 
 @triton.jit
@@ -132,8 +146,10 @@ def _kv_amax_kernel(k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, amax_ptr,
 def _kv_quant_kernel(k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, cu_k_ptr, inv_ptr, k8_ptr, v8t_ptr,
                      stride_pt, k_stride_page, k_stride_slot, k_stride_head,
                      v_stride_page, v_stride_slot, v_stride_head, n_pairs, total_k,
-                     HKV: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
-    # setup: program (request b, KV head h, token chunk c); inv_ptr is float32 [2, batch, Hkv] (K, V)
+                     HKV: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                     HW_CVT: tl.constexpr = False):
+    # setup: program (request b, KV head h, token chunk c); inv_ptr is float32 [2, batch, Hkv] (K, V);
+    # HW_CVT: codes by the hardware cast (_to_e4m3)
     b = tl.program_id(0)
     h = tl.program_id(1)
     t0 = tl.program_id(2) * BLOCK_T
@@ -153,14 +169,14 @@ def _kv_quant_kernel(k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, cu_k_ptr, inv_p
         y = k * tl.load(inv_ptr + b * HKV + h)
         y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))          # saturate, NaN kept
         k8_row = k8_ptr + h.to(tl.int64) * total_k * D + dst[:, None] * D + dims[None, :]
-        tl.store(k8_row, _e4m3_rne(y).to(tl.float8e4nv), mask=in_al[:, None])
+        tl.store(k8_row, _to_e4m3(y, HW_CVT), mask=in_al[:, None])
         v, _ = _load_tokens(v_ptr, page_table_ptr, b, h, t0, lk, stride_pt, v_stride_page, v_stride_slot,
                             v_stride_head, PAGE_SIZE, D, BLOCK_T)
         y = v * tl.load(inv_ptr + n_pairs + b * HKV + h)
         y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))
         # V transposed: element (token, dim) goes to v8t[h, dim, token]
         v8_col = v8t_ptr + h.to(tl.int64) * D * total_k + dims[None, :].to(tl.int64) * total_k + dst[:, None]
-        tl.store(v8_col, _e4m3_rne(y).to(tl.float8e4nv), mask=in_al[:, None])
+        tl.store(v8_col, _to_e4m3(y, HW_CVT), mask=in_al[:, None])
 
 
 def _cu_seqlens_k(plan: BatchPlan, device) -> tuple[torch.Tensor, int]:
@@ -197,7 +213,7 @@ def kv_amax_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: tor
 
 
 def quantize_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
-                plan: BatchPlan, amax: torch.Tensor | None = None) -> Fp8KV:
+                plan: BatchPlan, amax: torch.Tensor | None = None, hw_cvt: bool = False) -> Fp8KV:
     """Quantise a batch's K and V for the FP8 attention (``docs/fp8.md`` sections 2, 3, 7).
 
     Args:
@@ -207,6 +223,7 @@ def quantize_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.
         amax: float32 ``[2, batch, Hkv]``, ``max |K|`` (0) and ``max |V|`` (1) per (request, KV head)
             already reduced (``BlockIndex.kv_amax``, written by the block-means kernels), or None:
             one ``kv_amax_scales`` launch. Same scales either way (a max is exact).
+        hw_cvt: the codes by the hardware cast (``_to_e4m3``; CUDA tensors only, else ignored).
     Returns:
         ``Fp8KV`` (fresh tensors).
     """
@@ -222,7 +239,8 @@ def quantize_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.
     grid, strides = _launch_shape(k_cache, v_cache, page_table, plan)
     if total_k:
         _kv_quant_kernel[grid](k_cache, v_cache, page_table, seq_lens, cu_k, inv.contiguous(), k8, v8t, *strides,
-                               total_k, HKV=hkv, PAGE_SIZE=page_size, D=d, BLOCK_T=BLOCK_T)
+                               total_k, HKV=hkv, PAGE_SIZE=page_size, D=d, BLOCK_T=BLOCK_T,
+                               HW_CVT=hw_cvt and k_cache.is_cuda)
     return Fp8KV(k8=k8, v8t=v8t, k_scale=scale[0], v_scale=scale[1], k_inv_scale=inv[0], v_inv_scale=inv[1],
                  cu_seqlens_k=cu_k)
 

@@ -83,6 +83,10 @@ class IndexConfig:
             ``max |K|`` / ``max |V|`` per (request, KV head) (``BlockIndex.kv_amax``), so neither the
             selection's K scale nor the attention's pre-pass reads K and V in a launch of their own
             (``quant_kernels._kv_amax_kernel``). Same scales. Ignored by the 16-bit index.
+        hw_cvt: FP8 only: the selection's Q-tile codes and the pre-pass's K / V codes by the
+            hardware's ``cvt.rn.satfinite`` (``quant_kernels._to_e4m3``) instead of the fp32
+            rounding emulation (kept for the interpreter, CPU tensors: there it is ignored). The
+            same codes. Ignored by the 16-bit index.
     """
 
     select_block_j: int = 64
@@ -93,6 +97,7 @@ class IndexConfig:
     means_warps: int = 4
     expand_words: int = 8
     fused_amax: bool = False
+    hw_cvt: bool = False
 
 
 @dataclass(frozen=True)
