@@ -301,13 +301,14 @@ def mean_columns(plan: BatchPlan, device) -> tuple[torch.Tensor, torch.Tensor, i
         ``(cols int64 [n_blocks], cu int32 [batch + 1], n_cols)``: block row ``r`` of request ``b``
         (``BlockIndex.k_mean`` row) at column ``cu[b] + r - block_ptr[b]``; ``n_cols = cu[-1]``.
     """
-    counts = [-(-lk // plan.block_size) for lk in plan.kv_lens]
-    cu, cols = [0], []
-    for nb in counts:
-        cols.extend(range(cu[-1], cu[-1] + nb))
+    cu = [0]
+    for lk in plan.kv_lens:
+        nb = -(-lk // plan.block_size)                      # the request's key blocks
         cu.append(cu[-1] + -(-nb // TMA_ALIGN) * TMA_ALIGN)
-    return (torch.tensor(cols, dtype=torch.int64, device=device), torch.tensor(cu, dtype=torch.int32, device=device),
-            cu[-1])
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
+    req = block_requests(plan, device)
+    cols = torch.arange(plan.n_blocks, device=device) + (cu_t[req] - plan.block_ptr.to(device)[req]).long()
+    return cols, cu_t, cu[-1]
 
 
 def quantize_means(k_mean: torch.Tensor, v_mean: torch.Tensor, kv: Fp8KV, plan: BatchPlan, aligned: bool = False):
