@@ -5,6 +5,8 @@ ptxas and cuobjdump). No device needed.
     PYTHONPATH=kernels python scripts/lab/compile_sm90.py [attn|index] [--sass DIR] [--shard K/N]
 
 ``fp8`` compiles the FP8 attention kernel only (its SASS line counts ``QGMMA``: e4m3 wgmma).
+``index`` also compiles the FP8 index's block means (with / without the fused amax), the FP8
+selection with ``HW_CVT`` and the pre-pass kernels (``quant_kernels``).
 ``--sass DIR`` also writes each configuration's SASS to ``DIR/<label>.sass``: compare two trees
 (``diff -r``) to check that a change left the compiled kernels byte-identical. ``--shard K/N``:
 only every N-th configuration from the K-th (run N processes on a machine with N cores). The
