@@ -44,7 +44,7 @@ def _run_case(name):
     plan = make_plan(sl, cu, 2, 128)
     index = R.build_index(q, k, v, pt, sl, cu, None, None, plan)
     kv = QK.quantize_kv(k, v, pt, sl, plan)
-    k8m, v8mt = QK.quantize_means(index.k_mean, index.v_mean, kv, plan)
+    k8m, v8mt, _ = QK.quantize_means(index.k_mean, index.v_mean, kv, plan)
     want = expected_prepass(k, v, pt, plan.kv_lens, 128, index.k_mean, index.v_mean)
     nb = index.k_mean.shape[0]
     bits = lambda t: t.contiguous().view(torch.uint8)

@@ -45,6 +45,10 @@ class BlockIndex:
             selected ones out again). It must describe the same selection as ``row_ptr`` / ``col_idx``: a
             ``BlockIndex`` built with another CSR (``dataclasses.replace``) must set it to
             ``None``.
+        kv_amax: optional float32 ``[2, batch, Hkv]``; ``max |K|`` (0) and ``max |V|`` (1) of each
+            (request, KV head), NaN ignored: the FP8 pre-pass's scales (``docs/fp8.md`` section 7),
+            reduced by the Triton block-means kernels (``IndexConfig.fused_amax``, 16-bit caches).
+            ``None`` otherwise (the pre-pass reduces them itself).
     """
 
     row_ptr: torch.Tensor
@@ -60,6 +64,7 @@ class BlockIndex:
     k_mean_lowp: torch.Tensor | None = None
     v_mean_lowp: torch.Tensor | None = None
     sel_bits: torch.Tensor | None = None
+    kv_amax: torch.Tensor | None = None
 
     @property
     def n_kv_heads(self) -> int:

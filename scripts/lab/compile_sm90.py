@@ -5,6 +5,8 @@ ptxas and cuobjdump). No device needed.
     PYTHONPATH=kernels python scripts/lab/compile_sm90.py [attn|index] [--sass DIR] [--shard K/N]
 
 ``fp8`` compiles the FP8 attention kernel only (its SASS line counts ``QGMMA``: e4m3 wgmma).
+``index`` also compiles the FP8 index's block means (with / without the fused amax), the FP8
+selection with ``HW_CVT`` and the pre-pass kernels (``quant_kernels``).
 ``--sass DIR`` also writes each configuration's SASS to ``DIR/<label>.sass``: compare two trees
 (``diff -r``) to check that a change left the compiled kernels byte-identical. ``--shard K/N``:
 only every N-th configuration from the K-th (run N processes on a machine with N cores). The
@@ -31,6 +33,7 @@ from triton.compiler import ASTSource
 from flashprefill.impl.triton import attention_fp8_kernels as fk
 from flashprefill.impl.triton import attention_kernels as ak
 from flashprefill.impl.triton import index_kernels as ik
+from flashprefill.impl.triton import quant_kernels as qk
 from flashprefill.impl.triton.tiles import AttnConfig, IndexConfig, get_config
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -48,12 +51,13 @@ def _sig(fn, ptrs: dict, consts: dict, floats=()):
     return {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names}
 
 
-def compile_one(label, fn, ptrs, consts, floats=(), num_warps=4, num_stages=2, sass_dir=None):
+def compile_one(label, fn, ptrs, consts, floats=(), num_warps=4, num_stages=2, sass_dir=None, div16=()):
     sig = _sig(fn, ptrs, consts, floats)
     # what a real launch specializes: pointers 16-byte aligned, strides divisible by 16 get
-    # tt.divisibility 16 -- without it every load compiles to 2-byte scalars
+    # tt.divisibility 16 -- without it every load compiles to 2-byte scalars; ``div16``: other
+    # integer arguments a real launch passes as multiples of 16
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if sig[n].startswith("*") or (sig[n] == "i32" and n.startswith("stride"))}
+             if sig[n].startswith("*") or (sig[n] == "i32" and (n.startswith("stride") or n in div16))}
     k = triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET,
                        options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
@@ -131,14 +135,14 @@ def compile_attention_fp8(sass_dir=None, shard=(0, 1), attn=None):
         t = get_config(d, torch.bfloat16, B, precision="fp8").attn
         if attn is not None:
             t = attn(t)
-        ptrs = {n: "*i32" for n in ("cu_seqlens_k", "seq_lens", "cu_seqlens_q", "tile_request", "tile_local",
+        ptrs = {n: "*i32" for n in ("cu_seqlens_k", "mean_cols", "seq_lens", "cu_seqlens_q", "tile_request", "tile_local",
                                     "block_ptr", "row_ptr", "col_idx", "sel_bits")}
         ptrs.update(q_ptr="*bf16", k8="*fp8e4nv", v8t="*fp8e4nv", k_mean8="*fp8e4nv", v_mean8t="*fp8e4nv",
                     k_scale="*fp32", v_scale="*fp32", out_ptr="*bf16", lse_ptr="*fp32")
         consts = dict(GROUP=g, HEAD_DIM=d, TILE_ROWS=128, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_SIZE=B,
                       BLOCK_U=t.block_u, SPARSE=mode != "dense", MEAN_CORR=mode == "bits",
                       MAIN_STAGES=t.num_stages, MC_STAGES=t.mc_stages or t.num_stages, EXP=fk.EXP_IMPLS.index(t.exp_impl), FOLD_SCALE=t.fold_scale,
-                      PIPELINE=t.pipeline,
+                      PIPELINE=t.pipeline, MEAN_VEC=t.mean_vec,
                       INLINE_ASM=True)
         compile_one(f"attn fp8 d{d} B{B} g{g} {mode}", fk._attn_fwd_fp8, ptrs, consts, floats=("scale_log2",),
                     num_warps=t.num_warps, num_stages=t.num_stages, sass_dir=sass_dir)
@@ -157,17 +161,19 @@ def compile_index(sass_dir=None, shard=(0, 1)):
                                         "counts", "row_ptr", "n_visible", "bits")}
             ptrs.update(q_ptr=p16, k_mean="*fp32", k_lowp=p16, scratch="*fp32", k_scale="*fp32")
             consts = dict(GROUP=4, HEAD_DIM=d, TILE_ROWS=128, BLOCK_SIZE=B, BLOCK_J=t.select_block_j,
-                          KEEP_ALL_SCORED=keep, FP8=False)
+                          KEEP_ALL_SCORED=keep, FP8=False, HW_CVT=False)
             compile_one(f"select d{d} {str(dtype)[6:]} B{B} keepall{int(keep)}", ik._select_kernel, ptrs, consts,
                         floats=("scale_log2", "log2_alpha"), num_warps=t.select_num_warps,
                         num_stages=t.select_num_stages, sass_dir=sass_dir)
-    for d in (64, 128, 256):          # the FP8 selection: e4m3 Q tile and k_mean8
+    # the FP8 selection: e4m3 Q tile and k_mean8; the Q codes by the fp32 emulation, and at d 128 also
+    # by the hardware cast (IndexConfig.hw_cvt)
+    for d, hw in ((64, False), (128, False), (256, False), (128, True)):
         ptrs = {n: "*i32" for n in ("tile_request", "tile_local", "cu_seqlens_q", "seq_lens", "block_ptr",
                                     "counts", "row_ptr", "n_visible", "bits")}
         ptrs.update(q_ptr="*bf16", k_mean="*fp32", k_lowp="*fp8e4nv", scratch="*fp32", k_scale="*fp32")
         consts = dict(GROUP=4, HEAD_DIM=d, TILE_ROWS=128, BLOCK_SIZE=128, BLOCK_J=t.select_block_j,
-                      KEEP_ALL_SCORED=False, FP8=True)
-        compile_one(f"select fp8 d{d} bfloat16 B128", ik._select_kernel, ptrs, consts,
+                      KEEP_ALL_SCORED=False, FP8=True, HW_CVT=hw)
+        compile_one(f"select fp8 d{d} bfloat16 B128" + (" hwcvt" if hw else ""), ik._select_kernel, ptrs, consts,
                     floats=("scale_log2", "log2_alpha"), num_warps=t.select_num_warps,
                     num_stages=t.select_num_stages, sass_dir=sass_dir)
     for d, dtype, B, ps in ((128, torch.bfloat16, 128, 64), (128, torch.bfloat16, 128, 1), (64, torch.float16, 64, 16),
@@ -175,8 +181,27 @@ def compile_index(sass_dir=None, shard=(0, 1)):
         p16 = PTR[dtype]
         ptrs = dict(x_ptr=p16, page_table="*i32", seq_lens="*i32", block_ptr="*i32", x_mean="*fp32", x_lowp=p16)
         compile_one(f"means d{d} {str(dtype)[6:]} B{B} ps{ps}", ik._block_means_kernel, ptrs,
-                    dict(HEAD_DIM=d, BLOCK_SIZE=B, TOKENS=min(t.means_tokens, B), PAGE_SIZE=ps, WRITE_LOWP=True),
+                    dict(HEAD_DIM=d, BLOCK_SIZE=B, TOKENS=min(t.means_tokens, B), PAGE_SIZE=ps, WRITE_LOWP=True,
+                         amax=None, AMAX=False),
                     num_warps=t.means_warps, sass_dir=sass_dir)
+    # the FP8 index of bf16 caches: means without the 16-bit copy, with (IndexConfig.fused_amax)
+    # and without the fused amax, then the pre-pass kernels (quant_kernels)
+    for amax in (False, True):
+        ptrs = dict(x_ptr="*bf16", page_table="*i32", seq_lens="*i32", block_ptr="*i32", x_mean="*fp32",
+                    x_lowp="*fp32", amax="*i32")
+        compile_one(f"means fp8 d128 bfloat16 B128 ps64 amax{int(amax)}", ik._block_means_kernel, ptrs,
+                    dict(HEAD_DIM=128, BLOCK_SIZE=128, TOKENS=min(t.means_tokens, 128), PAGE_SIZE=64,
+                         WRITE_LOWP=False, AMAX=amax, **({} if amax else {"amax": None})),
+                    num_warps=t.means_warps, sass_dir=sass_dir)
+    qptrs = dict(k_ptr="*bf16", v_ptr="*bf16", page_table_ptr="*i32", seq_lens_ptr="*i32", amax_ptr="*i32",
+                 cu_k_ptr="*i32", inv_ptr="*fp32", k8_ptr="*fp8e4nv", v8t_ptr="*fp8e4nv")
+    qconsts = dict(HKV=8, PAGE_SIZE=64, D=128, BLOCK_T=qk.BLOCK_T)
+    strides = ("k_stride_page", "k_stride_slot", "k_stride_head", "v_stride_page", "v_stride_slot", "v_stride_head")
+    compile_one("prepass amax d128 bfloat16 ps64", qk._kv_amax_kernel, qptrs, qconsts, sass_dir=sass_dir,
+                div16=strides)
+    for hw in (False, True):
+        compile_one("prepass quant d128 bfloat16 ps64" + (" hwcvt" if hw else ""), qk._kv_quant_kernel, qptrs,
+                    dict(qconsts, HW_CVT=hw), sass_dir=sass_dir, div16=strides + ("total_k",))
     compile_one("expand", ik._expand_kernel, dict(bits="*i32", row_ptr="*i32", n_visible="*i32", col_idx="*i32"),
                 dict(WORDS=t.expand_words), sass_dir=sass_dir)
 

@@ -3,15 +3,22 @@
     PYTHONPATH=kernels:. python scripts/lab/fp8_variants.py [--lens 32k,128k] [--variants NAME,...] [--out DIR]
 
 For each length (32 query / 8 KV heads, d 128, bf16, page 64, ``flashprefill.bench``'s synthetic
-inputs, default ``SparseConfig``): BF16 sparse total and attention-only time, then for each FP8
-variant (an ``AttnConfig`` of the e4m3 kernel, the index tiles unchanged) its total (index +
-pre-pass + attention, as ``host.attention``), its attention alone (pre-pass buffers and index built
-beforehand: the time where an FP8 KV cache already exists) and the relative L2 of its output against
-the BF16 sparse output; the pre-pass alone once per length (no variant changes it). Variants: the
+inputs, default ``SparseConfig``): BF16 sparse total, index and attention-only time, then for each
+FP8 variant (a ``KernelConfig``: the e4m3 kernel's ``AttnConfig`` and the ``IndexConfig``) its
+total (index + pre-pass + attention, as ``host.attention``), its index alone (``host.build_index``),
+its pre-pass alone (``host_fp8.kv_operands`` as ``sparse_attention`` calls it, with the index's
+``kv_amax``), its attention alone (pre-pass buffers and index built beforehand: the time where an
+FP8 KV cache already exists) and the relative L2 of its output against the BF16 sparse output; the
+shipped pre-pass once per length (the ``bf16`` line's "pre ms"). Variants: the
 shipped tiles; ``exp_impl="f16"`` (``ex2.approx.f16x2``); ``exp_impl="poly_half"`` (half the exp2
 on the FMA pipes); ``fold_scale`` (logit scale fused into the exp2 argument's FFMA); the last two
 together, with 2 and 3 stages; ``pipeline`` (the hand software-pipelined exact-key loop) alone
-(``pipe``), with ``fold_scale`` (``pipe_fold``) and with 3 stages (``pipe_fold_st3``). ``--variants``
+(``pipe``), with ``fold_scale`` (``pipe_fold``) and with 3 stages (``pipe_fold_st3``); ``mean_vec``
+(``meanvec``: the mean-correction loop's V-mean tile as 16-byte copies); ``IndexConfig.fused_amax``
+(``fusedidx``: ``IndexConfig.fused_amax`` -- the K / V amax reduced by the block-means kernels, no
+amax launch in the selection or the pre-pass -- and ``IndexConfig.hw_cvt`` -- the selection's Q codes
+and the pre-pass's K / V codes by the hardware cast, no fp32 rounding emulation); ``fusedamax``
+(``fused_amax`` alone); ``pipe_fold_meanvec`` and all of them (``pipe_fold_meanvec_fusedidx``). ``--variants``
 narrows the set (timed in the order given), ``--lens`` the lengths; e.g. ``--lens 128k --variants
 shipped,fold,pipe,pipe_fold`` compiles four attention kernels (<= 100 s with a cold Triton cache).
 Medians of ``triton.testing.do_bench``. Prints a table and writes ``fp8_variants.json`` into ``--out`` (default ``$OUT``, else the current
@@ -50,8 +57,16 @@ def variants(block_size: int) -> dict:
         "pipe": dataclasses.replace(a, pipeline=True),
         "pipe_fold": dataclasses.replace(a, pipeline=True, fold_scale=True),
         "pipe_fold_st3": dataclasses.replace(a, pipeline=True, fold_scale=True, num_stages=3, mc_stages=3),
+        "meanvec": dataclasses.replace(a, mean_vec=True),
+        "fusedidx": a,
+        "fusedamax": a,
+        "pipe_fold_meanvec": dataclasses.replace(a, pipeline=True, fold_scale=True, mean_vec=True),
+        "pipe_fold_meanvec_fusedidx": dataclasses.replace(a, pipeline=True, fold_scale=True, mean_vec=True),
     }
-    return {k: dataclasses.replace(base, attn=v) for k, v in attn.items()}
+    index = {"fusedidx": dataclasses.replace(base.index, fused_amax=True, hw_cvt=True),
+             "fusedamax": dataclasses.replace(base.index, fused_amax=True)}
+    return {k: dataclasses.replace(base, attn=v, index=index.get(k.rsplit("_", 1)[-1], base.index))
+            for k, v in attn.items()}
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -68,6 +83,7 @@ def run_length(L: int, config: SparseConfig, names: list[str]) -> dict:
     out16 = host.attention(q, kc, vc, pt, sl, cu, config, scale, plan)[0]
     row["bf16_total_ms"] = time_ms(lambda: host.attention(q, kc, vc, pt, sl, cu, config, scale, plan))
     row["bf16_attn_ms"] = time_ms(lambda: host.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, index16))
+    row["bf16_index_ms"] = time_ms(lambda: host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan))
     row["prepass_ms"] = time_ms(lambda: host_fp8.kv_operands(kc, vc, pt, sl, plan))
     row["fp8"] = {}
     all_variants = variants(config.block_size)
@@ -76,7 +92,7 @@ def run_length(L: int, config: SparseConfig, names: list[str]) -> dict:
         r = {"attn_config": dataclasses.asdict(kcfg.attn)}
         try:
             index8 = host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=kcfg, precision="fp8")
-            kv = host_fp8.kv_operands(kc, vc, pt, sl, plan)
+            kv = host_fp8.kv_operands(kc, vc, pt, sl, plan, amax=index8.kv_amax, hw_cvt=kcfg.index.hw_cvt)
 
             def attn_only():
                 return host_fp8.launch_attention_fp8(q, kv, sl, cu, scale, plan, kcfg.attn, sparse=True,
@@ -90,6 +106,10 @@ def run_length(L: int, config: SparseConfig, names: list[str]) -> dict:
             r["total_ms"] = time_ms(lambda: host.attention(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=kcfg,
                                                            precision="fp8"))
             r["attn_ms"] = time_ms(attn_only)
+            r["index_ms"] = time_ms(lambda: host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=kcfg,
+                                                             precision="fp8"))
+            r["prepass_ms"] = time_ms(lambda: host_fp8.kv_operands(kc, vc, pt, sl, plan, amax=index8.kv_amax,
+                                                                   hw_cvt=kcfg.index.hw_cvt))
             r["speedup_total"] = row["bf16_total_ms"] / r["total_ms"]
             r["speedup_attn"] = row["bf16_attn_ms"] / r["attn_ms"]
         except Exception as e:  # a variant that does not fit (shared memory) is reported, not fatal
@@ -102,17 +122,17 @@ def run_length(L: int, config: SparseConfig, names: list[str]) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'L':>7} {'variant':>13} {'total ms':>9} {'x bf16':>7} {'attn ms':>8} {'x bf16':>7} "
-             f"{'pre ms':>7} {'relL2':>7} {'density':>8}"]
+    lines = [f"{'L':>7} {'variant':>26} {'total ms':>9} {'x bf16':>7} {'attn ms':>8} {'x bf16':>7} "
+             f"{'index ms':>8} {'pre ms':>7} {'relL2':>7} {'density':>8}"]
     for row in rows:
-        lines.append(f"{row['L']:>7} {'bf16':>13} {row['bf16_total_ms']:9.3f} {'':>7} {row['bf16_attn_ms']:8.3f} "
-                     f"{'':>7} {row['prepass_ms']:7.3f} {'':>7} {row['bf16_density']:8.4f}")
+        lines.append(f"{row['L']:>7} {'bf16':>26} {row['bf16_total_ms']:9.3f} {'':>7} {row['bf16_attn_ms']:8.3f} "
+                     f"{'':>7} {row['bf16_index_ms']:8.3f} {row['prepass_ms']:7.3f} {'':>7} {row['bf16_density']:8.4f}")
         for name, r in row["fp8"].items():
             if "error" in r:
-                lines.append(f"{row['L']:>7} {name:>13} {r['error']}")
+                lines.append(f"{row['L']:>7} {name:>26} {r['error']}")
                 continue
-            lines.append(f"{row['L']:>7} {name:>13} {r['total_ms']:9.3f} {r['speedup_total']:7.2f} "
-                         f"{r['attn_ms']:8.3f} {r['speedup_attn']:7.2f} {'':>7} "
+            lines.append(f"{row['L']:>7} {name:>26} {r['total_ms']:9.3f} {r['speedup_total']:7.2f} "
+                         f"{r['attn_ms']:8.3f} {r['speedup_attn']:7.2f} {r['index_ms']:8.3f} {r['prepass_ms']:7.3f} "
                          f"{r['rel_l2_vs_bf16']:7.4f} {r['density']:8.4f}")
     return "\n".join(lines)
 

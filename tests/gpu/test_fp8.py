@@ -143,6 +143,9 @@ VARIANT_FIELDS = {
     # the hand software-pipelined exact-key loop: the same operations per step as the shipped loop
     "pipe": dict(pipeline=True),
     "pipe_fold": dict(pipeline=True, fold_scale=True),
+    # the mean-correction loop's V-mean tile from request-aligned columns (16-byte copies)
+    "meanvec": dict(mean_vec=True),
+    "pipe_fold_meanvec": dict(pipeline=True, fold_scale=True, mean_vec=True),
 }
 
 
@@ -209,3 +212,54 @@ def test_fp8_pipelined_loop_equals_the_shipped_loop(name, fold):
         fin = torch.isfinite(l2)
         assert torch.equal(torch.isfinite(l1), fin)
         assert float((l1[fin] - l2[fin]).abs().max()) <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["kv127_g1_ps16", "kv129_g7_ps64", "kv4095_g8_ps64", "kv4097_prefix_g3_d64",
+                                  "kv4096_g1_d256", "large_logits_g8"])
+def test_fp8_fused_amax_and_mean_vec_equal_the_shipped_path(name):
+    """``IndexConfig.fused_amax`` reduces the same max |K| / |V| in the block-means kernels (a max is
+    exact in any order): the same scales, selection, pre-pass buffers and output bit for bit; with
+    ``hw_cvt`` too (the same codes by the hardware cast).
+    ``AttnConfig.mean_vec`` loads extra V-mean columns (the request's later blocks or the zero gap)
+    whose logits are -inf: P = 0 against finite codes adds exact zeros, so the output and LSE are the
+    shipped kernel's bit for bit; alone and with pipeline + fold_scale."""
+    from flashprefill.impl.triton import host, host_fp8
+    from flashprefill.impl.triton import quant_kernels as qk
+    from flashprefill.impl.triton.tiles import get_config
+
+    gpu = _cuda(_inputs(name))
+    g = gpu[0].shape[1] // gpu[1].shape[2]
+    d = gpu[0].shape[2]
+    scale = d ** -0.5
+    plan = make_plan(gpu[4], gpu[5], g, SPARSE.block_size)
+    base = get_config(d, torch.bfloat16, SPARSE.block_size, precision="fp8")
+    fused = dataclasses.replace(base, index=dataclasses.replace(base.index, fused_amax=True))
+    i0 = host.build_index(*gpu, SPARSE, scale, plan, kernels=base, precision="fp8")
+    i1 = host.build_index(*gpu, SPARSE, scale, plan, kernels=fused, precision="fp8")
+    # IndexConfig.hw_cvt: the selection's Q codes and the pre-pass's codes by the hardware cast alone
+    hw = dataclasses.replace(base, index=dataclasses.replace(base.index, fused_amax=True, hw_cvt=True))
+    i2 = host.build_index(*gpu, SPARSE, scale, plan, kernels=hw, precision="fp8")
+    assert torch.equal(i0.row_ptr, i2.row_ptr) and torch.equal(i0.col_idx, i2.col_idx)
+    o4, l4 = host.sparse_attention(*gpu, SPARSE, scale, plan, i2, kernels=hw, precision="fp8")
+    assert i0.kv_amax is None and i1.kv_amax is not None
+    want = qk.kv_amax_scales(gpu[1], gpu[2], gpu[3], gpu[4], plan)
+    got = quant.amax_scales(i1.kv_amax)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(i0.row_ptr, i1.row_ptr) and torch.equal(i0.col_idx, i1.col_idx)
+    assert torch.equal(i0.k_mean, i1.k_mean) and torch.equal(i0.v_mean, i1.v_mean)
+    kv0 = host_fp8.kv_operands(gpu[1], gpu[2], gpu[3], gpu[4], plan)
+    kv1 = host_fp8.kv_operands(gpu[1], gpu[2], gpu[3], gpu[4], plan, amax=i1.kv_amax)
+    assert torch.equal(kv0.k8.view(torch.uint8), kv1.k8.view(torch.uint8))
+    assert torch.equal(kv0.v8t.view(torch.uint8), kv1.v8t.view(torch.uint8))
+    o0, l0 = host.sparse_attention(*gpu, SPARSE, scale, plan, i0, kernels=base, precision="fp8")
+    o1, l1 = host.sparse_attention(*gpu, SPARSE, scale, plan, i1, kernels=fused, precision="fp8")
+    assert torch.isfinite(o1).all() and not torch.equal(o1, torch.zeros_like(o1))
+    assert torch.equal(o0, o1) and torch.equal(l0, l1)
+    assert torch.equal(o0, o4) and torch.equal(l0, l4)
+    for fields in (dict(), dict(pipeline=True, fold_scale=True)):
+        plain = dataclasses.replace(base, attn=dataclasses.replace(base.attn, **fields))
+        vec = dataclasses.replace(base, attn=dataclasses.replace(base.attn, mean_vec=True, **fields))
+        o2, l2 = host.sparse_attention(*gpu, SPARSE, scale, plan, i0, kernels=plain, precision="fp8")
+        o3, l3 = host.sparse_attention(*gpu, SPARSE, scale, plan, i0, kernels=vec, precision="fp8")
+        torch.cuda.synchronize()
+        assert torch.equal(o2, o3) and torch.equal(l2, l3), (fields, rel(o3, o2))

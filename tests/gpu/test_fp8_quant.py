@@ -2,7 +2,8 @@
 bit for bit: K8 / V8^T codes, scales, mean codes, through the page table (docs/fp8.md section 7).
 
 Run on the device: ``PYTHONPATH=kernels:.:tests pytest tests/gpu/test_fp8_quant.py -q -x``.
-Here the cast after ``_e4m3_rne`` is the hardware ``cvt.rn.satfinite``; the ``edge`` cases check
+Here the cast after ``_e4m3_rne`` is the hardware ``cvt.rn.satfinite`` (and with ``hw_cvt`` that cast
+alone, ``IndexConfig.hw_cvt``); the ``edge`` cases check
 every rounding tie, -0 and the saturation edge; ``nan`` checks that a NaN input stays NaN and does
 not set the scale (the interpreter cannot run that case).
 """
@@ -31,8 +32,10 @@ def bits(t):
     return t.contiguous().view(torch.uint8)
 
 
+@pytest.mark.parametrize("hw_cvt", [False, True])
 @pytest.mark.parametrize("name", list(CASES))
-def test_prepass_bit_exact(name):
+def test_prepass_bit_exact(name, hw_cvt):
+    """``hw_cvt``: the codes by the hardware cast alone (``quant_kernels._to_e4m3``), the same bits."""
     q_lens, kv_lens, hkv, d, ps, dtype, edge = CASES[name]
     q, k, v, pt, sl, cu = make_inputs(q_lens, kv_lens, 2 * hkv, hkv, d, ps, dtype=torch.float32, seed=4)
     if edge:
@@ -45,8 +48,8 @@ def test_prepass_bit_exact(name):
     dev = "cuda"
     gq, gk, gv, gpt, gsl, gcu = (t.to(dev) for t in (q, k, v, pt, sl, cu))
     gplan = make_plan(gsl, gcu, 2, 128)
-    kv = QK.quantize_kv(gk, gv, gpt, gsl, gplan)
-    k8m, v8mt = QK.quantize_means(index.k_mean.to(dev), index.v_mean.to(dev), kv, gplan)
+    kv = QK.quantize_kv(gk, gv, gpt, gsl, gplan, hw_cvt=hw_cvt)
+    k8m, v8mt, _ = QK.quantize_means(index.k_mean.to(dev), index.v_mean.to(dev), kv, gplan)
     torch.cuda.synchronize()
     nb = index.k_mean.shape[0]
     assert torch.equal(kv.k_scale.cpu(), want["k_scale"]) and torch.equal(kv.v_scale.cpu(), want["v_scale"])
@@ -57,12 +60,13 @@ def test_prepass_bit_exact(name):
     assert torch.equal(bits(v8mt[:, :, :nb].cpu()), bits(want["v_mean8t"]))
 
 
-def test_prepass_nan_stays_nan_and_does_not_set_the_scale():
+@pytest.mark.parametrize("hw_cvt", [False, True])
+def test_prepass_nan_stays_nan_and_does_not_set_the_scale(hw_cvt):
     q, k, v, pt, sl, cu = make_inputs([16], [300], 2, 1, 64, 16, dtype=torch.bfloat16, seed=7)
     p0 = int(pt[0, 0])
     k[p0, 3, 0, 5] = math.nan
     plan = make_plan(sl.cuda(), cu.cuda(), 2, 128)
-    kv = QK.quantize_kv(k.cuda(), v.cuda(), pt.cuda(), sl.cuda(), plan)
+    kv = QK.quantize_kv(k.cuda(), v.cuda(), pt.cuda(), sl.cuda(), plan, hw_cvt=hw_cvt)
     want = expected_prepass(k, v, pt, plan.kv_lens, 128)
     assert torch.equal(kv.k_scale.cpu(), want["k_scale"]) and math.isfinite(float(kv.k_scale[0, 0]))
     got = kv.k8.cpu().float()

@@ -17,8 +17,9 @@ compiled code is untouched by it); same grid, program order, tile geometry, loop
   (``tl.multiple_of``): the tile's rows are then 16-byte cp.async copies in the software pipeline,
   where an unaligned start compiles to one-byte synchronous loads (64 per thread per step at d 128);
 - mean correction from the selection bitmask only: ``k_mean8 [n_blocks, Hkv, d]`` and
-  ``v_mean8t [Hkv, d, n_blocks_padded]`` (both with their request's K / V scale), logit
-  ``τ q·k̄ + ln n_j``.
+  ``v_mean8t [Hkv, d, n_cols]`` (both with their request's K / V scale), logit
+  ``τ q·k̄ + ln n_j``; request ``b``'s first ``v_mean8t`` column is ``mean_cols[b]`` (``MEAN_VEC``:
+  a multiple of ``TMA_ALIGN``, 16-byte loads; else ``block_ptr[b]``, one-byte loads).
 
 Keys past ``Lk`` are masked (never read: the last request's block may end past ``total_k``).
 """
@@ -244,23 +245,32 @@ def _fp8_inner_pipe(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, lo, hi, P, lk, kv0,
 
 
 @triton.jit
-def _fp8_means(acc, m_i, l_i, q8, k_mean8, v_mean8t_h, bits_row, n_words, n_u, blk0, h, lk, scale2,
+def _fp8_means(acc, m_i, l_i, q8, k_mean8, v_mean8t_h, bits_row, n_words, n_u, blk0, col0, h, lk, scale2,
                stride_mb, stride_mh, n_blocks_pad,
                HEAD_DIM: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_SIZE: tl.constexpr, STAGES: tl.constexpr,
-               EXP: tl.constexpr, INLINE_ASM: tl.constexpr):
+               EXP: tl.constexpr, INLINE_ASM: tl.constexpr, MEAN_VEC: tl.constexpr):
     """The pruned candidates ``j < n_u``, ``j ∉ S`` (selection bitmask, as
-    ``attention_kernels._mean_bits``) as ``n_j`` e4m3 mean tokens."""
+    ``attention_kernels._mean_bits``) as ``n_j`` e4m3 mean tokens. ``blk0``: the request's first
+    row of ``k_mean8``; ``col0``: its first column of ``v_mean8t`` (``MEAN_VEC``: a multiple of
+    ``TMA_ALIGN``, and the ``[d, BLOCK_U]`` tile is masked in groups of ``TMA_ALIGN`` columns: those
+    past ``n_u`` are the request's later blocks or the zero gap, their logits ``-inf``)."""
     tl.static_assert(BLOCK_U == 64)
     j_part, log2_part, log2_full = _count_logs(lk, BLOCK_SIZE)
     dims = tl.arange(0, HEAD_DIM)
+    n_u_al = tl.multiple_of((n_u + TMA_ALIGN - 1) // TMA_ALIGN * TMA_ALIGN, TMA_ALIGN)
     for u0 in tl.range(0, n_u, BLOCK_U, num_stages=STAGES):
         rel_j = tl.arange(0, BLOCK_U)
         cand = rel_j < n_u - u0
         blk = (blk0 + u0).to(tl.int64) + rel_j
         km = tl.load(k_mean8 + blk[:, None] * stride_mb + h * stride_mh + dims[None, :], mask=cand[:, None],
                      other=0.0)
-        vmt = tl.load(v_mean8t_h + dims[:, None].to(tl.int64) * n_blocks_pad + blk[None, :], mask=cand[None, :],
-                      other=0.0)
+        if MEAN_VEC:
+            col = tl.multiple_of(col0 + u0, TMA_ALIGN).to(tl.int64) + rel_j
+            vmt = tl.load(v_mean8t_h + dims[:, None].to(tl.int64) * n_blocks_pad + col[None, :],
+                          mask=(rel_j < tl.multiple_of(n_u_al - u0, TMA_ALIGN))[None, :], other=0.0)
+        else:
+            vmt = tl.load(v_mean8t_h + dims[:, None].to(tl.int64) * n_blocks_pad + blk[None, :], mask=cand[None, :],
+                          other=0.0)
         log2_n = tl.where(rel_j == j_part - u0, log2_part, log2_full)
         w0 = tl.load(bits_row + u0 // 32)
         w1 = tl.load(bits_row + u0 // 32 + 1, mask=u0 // 32 + 1 < n_words, other=0)
@@ -275,7 +285,7 @@ def _fp8_means(acc, m_i, l_i, q8, k_mean8, v_mean8t_h, bits_row, n_words, n_u, b
 @triton.jit
 def _attn_fwd_fp8(
     q_ptr, k8, v8t, k_mean8, v_mean8t, k_scale, v_scale, cu_seqlens_k,
-    seq_lens, cu_seqlens_q, tile_request, tile_local, block_ptr,
+    mean_cols, seq_lens, cu_seqlens_q, tile_request, tile_local, block_ptr,
     row_ptr, col_idx, sel_bits, out_ptr, lse_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
     stride_mb, stride_mh, n_words, total_k, n_blocks_pad,
@@ -295,6 +305,7 @@ def _attn_fwd_fp8(
     INLINE_ASM: tl.constexpr,
     FOLD_SCALE: tl.constexpr,
     PIPELINE: tl.constexpr,
+    MEAN_VEC: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M == TILE_ROWS)       # the Q scale is the whole tile's
     tl.static_assert(BLOCK_SIZE % BLOCK_N == 0)
@@ -351,10 +362,14 @@ def _attn_fwd_fp8(
     if SPARSE and MEAN_CORR:
         n_u = _n_fully_seen(P + t_first + 1, lk, BLOCK_SIZE)
         n_u = tl.where(end - start >= n_vis, 0, n_u)
+        col0 = blk0
+        if MEAN_VEC:
+            col0 = tl.multiple_of(tl.load(mean_cols + b), TMA_ALIGN)
         acc, m_i, l_i = _fp8_means(acc, m_i, l_i, q8, k_mean8, v_mean8t + h.to(tl.int64) * HEAD_DIM * n_blocks_pad,
-                                   sel_bits + seg.to(tl.int64) * n_words, n_words, n_u, blk0, h, lk, scale2,
-                                   stride_mb, stride_mh, n_blocks_pad, HEAD_DIM, BLOCK_U, BLOCK_SIZE, MC_STAGES,
-                                   EXP, INLINE_ASM)
+                                   sel_bits + seg.to(tl.int64) * n_words, n_words, n_u, blk0,
+                                   col0, h, lk,
+                                   scale2, stride_mb, stride_mh, n_blocks_pad, HEAD_DIM, BLOCK_U, BLOCK_SIZE,
+                                   MC_STAGES, EXP, INLINE_ASM, MEAN_VEC)
     # ---------------------------------------------------------------- epilogue
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)

@@ -123,20 +123,24 @@ def _alloc_means(cache, plan: BatchPlan, lowp_dtype=None):
     return mean, lowp
 
 
-def launch_means(cache, page_table, seq_lens, plan: BatchPlan, block_size: int, tiles: IndexConfig, out):
+def launch_means(cache, page_table, seq_lens, plan: BatchPlan, block_size: int, tiles: IndexConfig, out,
+                 amax: torch.Tensor | None = None):
     """Block means of one cache (K or V) into ``out = (mean, lowp)`` (``_alloc_means``): float32
     ``[n_blocks, Hkv, d]`` and, when ``lowp`` is not None, the same rounded to its 16-bit dtype.
-    Grid ``(max blocks per request, Hkv, batch)``: no per-block request table. Returns ``out``."""
+    Grid ``(max blocks per request, Hkv, batch)``: no per-block request table. ``amax``: int32
+    ``[batch, Hkv]``, zeroed: also ``max |x|`` per (request, KV head) as float32 bits (the FP8
+    scales, ``IndexConfig.fused_amax``). Returns ``out``."""
     _, page_size, hkv, d = cache.shape
     mean, lowp = out
     max_nb = plan.max_blocks(block_size)
+    extra = {} if amax is None else dict(amax=amax, AMAX=True)
     if plan.n_blocks and max_nb:
         ik._block_means_kernel[(max_nb, hkv, plan.batch)](
             cache, page_table, seq_lens, plan.block_ptr, mean, lowp if lowp is not None else mean,
             cache.stride(0), cache.stride(1), cache.stride(2),
             page_table.stride(0), mean.stride(0), mean.stride(1),
             HEAD_DIM=d, BLOCK_SIZE=block_size, TOKENS=min(tiles.means_tokens, block_size), PAGE_SIZE=page_size,
-            WRITE_LOWP=lowp is not None, num_warps=tiles.means_warps,
+            WRITE_LOWP=lowp is not None, num_warps=tiles.means_warps, **extra,
         )
     return mean, lowp
 
@@ -183,7 +187,11 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
     ``precision="fp8"`` (``docs/fp8.md``): the selection scores e4m3 Q tiles against the e4m3 key
     means (K's per (request, KV head) scale: one ``quant_kernels.kv_amax_scales`` launch, or the
     descales of e4m3 caches ``k_cache`` / ``v_cache`` with ``k_descale`` / ``v_descale``); the
-    index holds float32 means only (no 16-bit copies).
+    index holds float32 means only (no 16-bit copies). ``tiles.fused_amax`` (16-bit caches): the
+    block-means kernels also write ``max |K|`` / ``max |V|`` per (request, KV head) into
+    ``BlockIndex.kv_amax``: K's scale without a separate launch, and the attention's pre-pass
+    (``sparse_attention``) skips its own amax launch. ``tiles.hw_cvt``: the selection's Q-tile
+    codes (and, in ``sparse_attention``, the pre-pass's K / V codes) by the hardware cast.
 
     Raises:
         ValueError: ``plan.block_size != config.block_size``, or a head dim / dtype the kernels
@@ -223,7 +231,12 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
         scratch_cols = max(block_j, triton.cdiv(max_nb, block_j) * block_j)
         scratch = torch.empty(n_prog, scratch_cols, dtype=torch.float32, device=dev)
         log2_alpha = math.log2(alpha) if alpha > 0 else 0.0
-    k_mean, k_lowp = launch_means(k_cache, page_table, seq_lens, plan, B, tiles, k_out)
+    # FP8 of 16-bit caches with fused_amax: the means kernels also write max |K|, max |V| per
+    # (request, KV head) (int32 float bits), so the pre-pass needs no amax launch of its own
+    amax = (torch.zeros(2, plan.batch, hkv, dtype=torch.int32, device=dev)
+            if fp8 and not e4m3 and tiles.fused_amax else None)
+    k_mean, k_lowp = launch_means(k_cache, page_table, seq_lens, plan, B, tiles, k_out,
+                                  None if amax is None else amax[0])
     k_scale = k_mean                    # not read by the 16-bit selection
     if e4m3:
         _descale_means(k_mean, k_descale, plan)
@@ -231,6 +244,8 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
         if e4m3:
             k_scale = qk.descale_grid(k_descale, plan.batch, hkv)
             k_inv = 1.0 / k_scale
+        elif amax is not None:
+            k_scale, k_inv = quant.amax_scales(amax[0].view(torch.float32))
         else:
             scale2, inv2 = qk.kv_amax_scales(k_cache, v_cache, page_table, seq_lens, plan)
             k_scale, k_inv = scale2[0].contiguous(), inv2[0]
@@ -244,7 +259,7 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
             n_tiles, n_seg, n_prog, scale * ik.LOG2E, log2_alpha,
             config.sink_tokens, config.window_tokens, config.dense_tail_tokens, config.min_sparse_len, k_scale,
             GROUP=g, HEAD_DIM=d, TILE_ROWS=plan.tile_rows, BLOCK_SIZE=B, BLOCK_J=block_j,
-            KEEP_ALL_SCORED=alpha == 0.0, FP8=fp8,
+            KEEP_ALL_SCORED=alpha == 0.0, FP8=fp8, HW_CVT=fp8 and tiles.hw_cvt and q.is_cuda,
             num_warps=tiles.select_num_warps, num_stages=tiles.select_num_stages,
         )
         if dev.type == "cuda" and occ_key not in _SELECT_OCC:
@@ -257,7 +272,8 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
     # The one host sync, for nnz: its copy and event are queued first, then V's means (not needed
     # by the selection), so the GPU computes them while the host waits and launches the expand.
     nnz_ready = _queue_nnz_copy(row_ptr) if n_seg else None
-    v_mean, v_lowp = launch_means(v_cache, page_table, seq_lens, plan, B, tiles, v_out)
+    v_mean, v_lowp = launch_means(v_cache, page_table, seq_lens, plan, B, tiles, v_out,
+                                  None if amax is None else amax[1])
     if e4m3:
         _descale_means(v_mean, v_descale, plan)
     if fp8:
@@ -285,6 +301,7 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
         k_mean_lowp=k_lowp,
         v_mean_lowp=v_lowp,
         sel_bits=bits,
+        kv_amax=None if amax is None else amax.view(torch.float32),
     )
 
 
@@ -396,7 +413,8 @@ def sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, co
     scale = _scale(softmax_scale, q.shape[2])
     mc = bool(config.mean_correction)
     if _is_fp8(precision):
-        kv = host_fp8.kv_operands(k_cache, v_cache, page_table, seq_lens, plan, k_descale, v_descale)
+        kv = host_fp8.kv_operands(k_cache, v_cache, page_table, seq_lens, plan, k_descale, v_descale,
+                                  amax=index.kv_amax, hw_cvt=_kernels(q, index.block_size, kernels, precision).index.hw_cvt)
         return host_fp8.launch_attention_fp8(q, kv, seq_lens, cu_seqlens_q, scale, plan, tiles, sparse=True,
                                              mean_correction=mc, block_size=index.block_size, index=index)
     km, vm = _correction_means(q, plan, index) if mc else (None, None)

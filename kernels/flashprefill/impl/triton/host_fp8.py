@@ -15,12 +15,14 @@ from .attention_kernels import LOG2E
 from .tiles import AttnConfig
 
 
-def kv_operands(k_cache, v_cache, page_table, seq_lens, plan: BatchPlan, k_descale=None, v_descale=None) -> qk.Fp8KV:
+def kv_operands(k_cache, v_cache, page_table, seq_lens, plan: BatchPlan, k_descale=None, v_descale=None,
+                amax: torch.Tensor | None = None, hw_cvt: bool = False) -> qk.Fp8KV:
     """The e4m3 K / V of a batch: quantised by the pre-pass (bf16 / fp16 caches) or the e4m3 caches'
-    codes as they are, with their descales (``docs/fp8.md`` sections 5 and 7)."""
+    codes as they are, with their descales (``docs/fp8.md`` sections 5 and 7). ``amax``: float32
+    ``[2, batch, Hkv]`` (``BlockIndex.kv_amax``) or None, ``hw_cvt``: see ``quant_kernels.quantize_kv``."""
     if k_cache.dtype == quant.E4M3:
         return qk.gather_e4m3_kv(k_cache, v_cache, page_table, plan, k_descale, v_descale)
-    return qk.quantize_kv(k_cache, v_cache, page_table, seq_lens, plan)
+    return qk.quantize_kv(k_cache, v_cache, page_table, seq_lens, plan, amax=amax, hw_cvt=hw_cvt)
 
 
 def mean_bits(index: BlockIndex, plan: BatchPlan) -> torch.Tensor:
@@ -46,7 +48,8 @@ def launch_attention_fp8(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale:
     [total_q, Hq] float32, natural log)``.
 
     ``index``: the batch's ``BlockIndex`` (``sparse``); its float32 means are quantised with
-    their request's K / V scale (``qk.quantize_means``) for the correction.
+    their request's K / V scale (``qk.quantize_means``; ``tiles.mean_vec``: ``v_mean8t``'s request
+    columns aligned, ``qk.mean_columns``) for the correction.
     """
     total_q, hq, d = q.shape
     hkv = kv.k8.shape[0]
@@ -63,15 +66,16 @@ def launch_attention_fp8(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale:
     else:
         row_ptr = col_idx = bits = plan.tile_ptr            # unused placeholders (dense mode)
     if mc:
-        k_mean8, v_mean8t = qk.quantize_means(index.k_mean, index.v_mean, kv, plan)
+        k_mean8, v_mean8t, mean_cols = qk.quantize_means(index.k_mean, index.v_mean, kv, plan, aligned=tiles.mean_vec)
     else:
         k_mean8 = torch.zeros(1, hkv, d, dtype=quant.E4M3, device=q.device)
         v_mean8t = torch.zeros(hkv, d, qk.TMA_ALIGN, dtype=quant.E4M3, device=q.device)
+        mean_cols = plan.block_ptr                          # unused placeholder
     n_prog = plan.n_tiles
     grid = (n_prog * hkv,)
     fk._attn_fwd_fp8[grid](
         q, kv.k8, kv.v8t, k_mean8, v_mean8t, kv.k_scale.contiguous(), kv.v_scale.contiguous(), kv.cu_seqlens_k,
-        seq_lens, cu_seqlens_q, plan.tile_request, plan.tile_local, plan.block_ptr,
+        mean_cols, seq_lens, cu_seqlens_q, plan.tile_request, plan.tile_local, plan.block_ptr,
         row_ptr, col_idx, bits, out, lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         k_mean8.stride(0), k_mean8.stride(1), bits.shape[1] if mc else 0,
@@ -80,7 +84,8 @@ def launch_attention_fp8(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale:
         GROUP=plan.group_size, HEAD_DIM=d, TILE_ROWS=plan.tile_rows, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_SIZE=block_size, BLOCK_U=tiles.block_u,
         SPARSE=sparse, MEAN_CORR=mc, MAIN_STAGES=tiles.num_stages, MC_STAGES=tiles.mc_stages or tiles.num_stages,
-        EXP=fk.EXP_IMPLS.index(tiles.exp_impl), FOLD_SCALE=tiles.fold_scale, PIPELINE=tiles.pipeline, INLINE_ASM=q.is_cuda,     # CPU tensors: the Triton interpreter (no PTX)
+        EXP=fk.EXP_IMPLS.index(tiles.exp_impl), FOLD_SCALE=tiles.fold_scale, PIPELINE=tiles.pipeline,
+        MEAN_VEC=tiles.mean_vec, INLINE_ASM=q.is_cuda,     # CPU tensors: the Triton interpreter (no PTX)
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out, lse

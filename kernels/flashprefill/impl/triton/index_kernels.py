@@ -69,10 +69,16 @@ def _block_means_kernel(
     TOKENS: tl.constexpr,          # tokens summed per step (BLOCK_SIZE % TOKENS == 0)
     PAGE_SIZE: tl.constexpr,
     WRITE_LOWP: tl.constexpr,      # also write the mean rounded to x_lowp's 16-bit dtype
+    amax=None,                     # int32 [batch, Hkv] (zeroed) when AMAX
+    AMAX: tl.constexpr = False,    # also max |x| per (request, KV head) into amax (FP8 scales)
 ):
     """Mean of one cache (K or V) per key block and KV head. Grid ``(max blocks per request,
     Hkv, batch)``: programs past a request's last block exit. One launch per cache, so the V
-    means can run while the host waits for the selection's ``nnz``."""
+    means can run while the host waits for the selection's ``nnz``.
+
+    ``AMAX``: the FP8 pre-pass's ``max |x|`` of the request and KV head from the same loads (NaN
+    ignored, an int32 ``atomic_max`` on the float bits, as ``quant_kernels._kv_amax_kernel``):
+    ``amax`` int32 ``[batch, Hkv]``, read as float32 once the launch is done."""
     tl.static_assert(BLOCK_SIZE % TOKENS == 0)
     # --- setup: (local block, head, request) -> pooled block
     j = tl.program_id(0)
@@ -86,6 +92,8 @@ def _block_means_kernel(
     n_valid = tl.minimum(BLOCK_SIZE, lk - j * BLOCK_SIZE)
     dims = tl.arange(0, HEAD_DIM)
     x_sum = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    if AMAX:
+        x_max = tl.zeros([HEAD_DIM], dtype=tl.float32)
     # --- loop: fp32 sums of the valid tokens
     for s in tl.static_range(BLOCK_SIZE // TOKENS):
         pos = j * BLOCK_SIZE + s * TOKENS + tl.arange(0, TOKENS)
@@ -96,12 +104,18 @@ def _block_means_kernel(
         off = page * stride_xp + slot * stride_xs + h * stride_xh
         x = tl.load(x_ptr + off[:, None] + dims[None, :], mask=ok[:, None], other=0.0)
         x_sum += tl.sum(x.to(tl.float32), axis=0)
+        if AMAX:
+            a = tl.abs(x.to(tl.float32))
+            x_max = tl.maximum(x_max, tl.max(tl.where(a == a, a, 0.0), axis=0))   # NaN ignored
     # --- epilogue: divide by n_j (never by B)
     mean = x_sum * (1.0 / n_valid.to(tl.float32))
     out = gb.to(tl.int64) * stride_mb + h * stride_mh + dims
     tl.store(x_mean + out, mean)
     if WRITE_LOWP:
         tl.store(x_lowp + out, mean.to(x_lowp.dtype.element_ty))
+    if AMAX:
+        # non-negative floats compare like their int32 bits
+        tl.atomic_max(amax + b * tl.num_programs(1) + h, tl.max(x_max, axis=0).to(tl.int32, bitcast=True))
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,6 +206,7 @@ def _select_kernel(
     BLOCK_J: tl.constexpr,
     KEEP_ALL_SCORED: tl.constexpr,   # alpha == 0
     FP8: tl.constexpr = False,       # e4m3 scores (docs/fp8.md): k_lowp holds k_mean8, k_scale the K scales
+    HW_CVT: tl.constexpr = False,    # FP8: the Q tile's codes by the hardware cast (quant_kernels._to_e4m3)
 ):
     """Selection of every segment (pass A: block energies, pass B: rules + threshold), see the
     module docstring. ``k_mean`` (float32 means) is not read: the scores use ``k_lowp``; it stays
@@ -223,7 +238,7 @@ def _select_kernel(
         q_off = (q_start + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
         q = tl.load(q_ptr + q_off[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
         if FP8:
-            q, s_q = _quantize_tile(q.to(tl.float32))
+            q, s_q = _quantize_tile(q.to(tl.float32), HW_CVT)
             seg_scale = scale_log2 * s_q * tl.load(k_scale + b * (n_segments // n_tiles) + h)
         else:
             seg_scale = scale_log2

@@ -32,6 +32,7 @@ from ...plan import BatchPlan
 # kernel loads it with 16-byte cp.async (TMA needs the same row stride). Unaligned starts compile to
 # one-byte global loads outside the software pipeline.
 TMA_ALIGN = 16
+_TMA_ALIGN_C = tl.constexpr(TMA_ALIGN)
 # Tokens per program of both kernels.
 BLOCK_T = 64
 
@@ -71,12 +72,26 @@ E4M3_MAX = tl.constexpr(quant.E4M3_MAX)
 
 
 @triton.jit
-def _quantize_tile(x):
+def _to_e4m3(y, HW_CVT: tl.constexpr = False):
+    """e4m3 codes of fp32 ``y`` already clamped to [-448, 448] (NaN kept), rounded to nearest, ties
+    to even. ``HW_CVT``: Triton's cast alone, ``cvt.rn.satfinite.e4m3x2.f32`` on sm_89+ (one
+    ``F2FP`` per two values; the same codes by the PTX rounding rule, checked on the device by
+    ``tests/gpu/test_fp8_quant.py``); else ``_e4m3_rne`` in fp32 first (about 15 integer / float
+    operations per value), which the interpreter needs: its cast neither rounds nor saturates."""
+    if HW_CVT:
+        codes = y.to(tl.float8e4nv)
+    else:
+        codes = _e4m3_rne(y).to(tl.float8e4nv)
+    return codes
+
+
+@triton.jit
+def _quantize_tile(x, HW_CVT: tl.constexpr = False):
     """One quantisation group in registers (a Q tile: ``docs/fp8.md`` section 3): ``(codes, scale)``.
 
     ``x``: fp32 ``[M, d]`` (masked rows zero). ``codes``: e4m3 ``[M, d]`` with ``inv_scale =
     448 / amax`` (``div_rn``, NaN ignored in ``amax``, ``amax < AMAX_FLOOR`` -> 1); ``scale``: fp32
-    scalar ``amax / 448``. The codes equal ``quant.quantize`` bit for bit (``_e4m3_rne``)."""
+    scalar ``amax / 448``. The codes equal ``quant.quantize`` bit for bit (``_to_e4m3``)."""
     a = tl.abs(x)
     a = tl.where(a == a, a, 0.0)
     amax = tl.max(tl.max(a, axis=1), axis=0)
@@ -86,7 +101,7 @@ def _quantize_tile(x):
     inv = tl.where(tiny, 1.0, tl.math.div_rn(E4M3_MAX, safe))
     y = x * inv
     y = tl.where(y > E4M3_MAX, E4M3_MAX, tl.where(y < -E4M3_MAX, -E4M3_MAX, y))     # saturate, NaN kept
-    return _e4m3_rne(y).to(tl.float8e4nv), scale
+    return _to_e4m3(y, HW_CVT), scale
 
 
 @triton.jit
@@ -131,29 +146,37 @@ def _kv_amax_kernel(k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, amax_ptr,
 def _kv_quant_kernel(k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, cu_k_ptr, inv_ptr, k8_ptr, v8t_ptr,
                      stride_pt, k_stride_page, k_stride_slot, k_stride_head,
                      v_stride_page, v_stride_slot, v_stride_head, n_pairs, total_k,
-                     HKV: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
-    # setup: program (request b, KV head h, token chunk c); inv_ptr is float32 [2, batch, Hkv] (K, V)
+                     HKV: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                     HW_CVT: tl.constexpr = False):
+    # setup: program (request b, KV head h, token chunk c); inv_ptr is float32 [2, batch, Hkv] (K, V);
+    # HW_CVT: codes by the hardware cast (_to_e4m3)
     b = tl.program_id(0)
     h = tl.program_id(1)
     t0 = tl.program_id(2) * BLOCK_T
     lk = tl.load(seq_lens_ptr + b)
     if t0 < lk:
-        start = tl.load(cu_k_ptr + b).to(tl.int64)
-        dst = start + t0 + tl.arange(0, BLOCK_T).to(tl.int64)  # token slot in the batch
+        # the request's first slot and its length rounded up are multiples of TMA_ALIGN: the stores
+        # are masked in whole 16-token groups (16-byte V8^T stores, not one byte each); the slots in
+        # [lk, lk_al) get the codes of the masked loads' zeros, i.e. the zero gap
+        start = tl.multiple_of(tl.load(cu_k_ptr + b), _TMA_ALIGN_C).to(tl.int64)
+        lk_al = tl.multiple_of((lk + _TMA_ALIGN_C - 1) // _TMA_ALIGN_C * _TMA_ALIGN_C, _TMA_ALIGN_C)
+        pos = t0 + tl.arange(0, BLOCK_T)
+        dst = start + pos.to(tl.int64)                          # token slot in the batch
+        in_al = pos < lk_al
         dims = tl.arange(0, D)
-        k, valid = _load_tokens(k_ptr, page_table_ptr, b, h, t0, lk, stride_pt, k_stride_page, k_stride_slot,
-                                k_stride_head, PAGE_SIZE, D, BLOCK_T)
+        k, _ = _load_tokens(k_ptr, page_table_ptr, b, h, t0, lk, stride_pt, k_stride_page, k_stride_slot,
+                            k_stride_head, PAGE_SIZE, D, BLOCK_T)
         y = k * tl.load(inv_ptr + b * HKV + h)
         y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))          # saturate, NaN kept
         k8_row = k8_ptr + h.to(tl.int64) * total_k * D + dst[:, None] * D + dims[None, :]
-        tl.store(k8_row, _e4m3_rne(y).to(tl.float8e4nv), mask=valid[:, None])
+        tl.store(k8_row, _to_e4m3(y, HW_CVT), mask=in_al[:, None])
         v, _ = _load_tokens(v_ptr, page_table_ptr, b, h, t0, lk, stride_pt, v_stride_page, v_stride_slot,
                             v_stride_head, PAGE_SIZE, D, BLOCK_T)
         y = v * tl.load(inv_ptr + n_pairs + b * HKV + h)
         y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))
         # V transposed: element (token, dim) goes to v8t[h, dim, token]
         v8_col = v8t_ptr + h.to(tl.int64) * D * total_k + dims[None, :].to(tl.int64) * total_k + dst[:, None]
-        tl.store(v8_col, _e4m3_rne(y).to(tl.float8e4nv), mask=valid[:, None])
+        tl.store(v8_col, _to_e4m3(y, HW_CVT), mask=in_al[:, None])
 
 
 def _cu_seqlens_k(plan: BatchPlan, device) -> tuple[torch.Tensor, int]:
@@ -190,13 +213,17 @@ def kv_amax_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: tor
 
 
 def quantize_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
-                plan: BatchPlan) -> Fp8KV:
+                plan: BatchPlan, amax: torch.Tensor | None = None, hw_cvt: bool = False) -> Fp8KV:
     """Quantise a batch's K and V for the FP8 attention (``docs/fp8.md`` sections 2, 3, 7).
 
     Args:
         k_cache, v_cache: ``[num_pages, page_size, Hkv, d]`` bf16 / fp16, ``d`` a power of two.
         page_table: int32 ``[batch, max_pages]``; seq_lens: int32 ``[batch]`` (``Lk``).
         plan: the batch plan (its host ``kv_lens``: no sync here).
+        amax: float32 ``[2, batch, Hkv]``, ``max |K|`` (0) and ``max |V|`` (1) per (request, KV head)
+            already reduced (``BlockIndex.kv_amax``, written by the block-means kernels), or None:
+            one ``kv_amax_scales`` launch. Same scales either way (a max is exact).
+        hw_cvt: the codes by the hardware cast (``_to_e4m3``; CUDA tensors only, else ignored).
     Returns:
         ``Fp8KV`` (fresh tensors).
     """
@@ -205,11 +232,15 @@ def quantize_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.
     cu_k, total_k = _cu_seqlens_k(plan, dev)
     k8 = torch.zeros(hkv, total_k, d, dtype=quant.E4M3, device=dev)
     v8t = torch.zeros(hkv, d, total_k, dtype=quant.E4M3, device=dev)
-    scale, inv = kv_amax_scales(k_cache, v_cache, page_table, seq_lens, plan)
+    if amax is None:
+        scale, inv = kv_amax_scales(k_cache, v_cache, page_table, seq_lens, plan)
+    else:
+        scale, inv = quant.amax_scales(amax)
     grid, strides = _launch_shape(k_cache, v_cache, page_table, plan)
     if total_k:
         _kv_quant_kernel[grid](k_cache, v_cache, page_table, seq_lens, cu_k, inv.contiguous(), k8, v8t, *strides,
-                               total_k, HKV=hkv, PAGE_SIZE=page_size, D=d, BLOCK_T=BLOCK_T)
+                               total_k, HKV=hkv, PAGE_SIZE=page_size, D=d, BLOCK_T=BLOCK_T,
+                               HW_CVT=hw_cvt and k_cache.is_cuda)
     return Fp8KV(k8=k8, v8t=v8t, k_scale=scale[0], v_scale=scale[1], k_inv_scale=inv[0], v_inv_scale=inv[1],
                  cu_seqlens_k=cu_k)
 
@@ -258,18 +289,50 @@ def block_requests(plan: BatchPlan, device) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(plan.batch, device=device), counts)
 
 
-def quantize_means(k_mean: torch.Tensor, v_mean: torch.Tensor, kv: Fp8KV, plan: BatchPlan):
+def mean_columns(plan: BatchPlan, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Columns of the pooled key blocks in ``v_mean8t`` with each request's first column a multiple
+    of ``TMA_ALIGN`` (its block count rounded up; the gap columns stay zero), from the plan's host
+    lengths (no sync).
+
+    Example: ``B = 128``, ``Lk = (300, 5000)`` -> blocks ``(3, 40)``; ``cu = [0, 16, 64]``; the
+    blocks' columns ``0 1 2 16 17 ... 55``.
+
+    Returns:
+        ``(cols int64 [n_blocks], cu int32 [batch + 1], n_cols)``: block row ``r`` of request ``b``
+        (``BlockIndex.k_mean`` row) at column ``cu[b] + r - block_ptr[b]``; ``n_cols = cu[-1]``.
+    """
+    cu = [0]
+    for lk in plan.kv_lens:
+        nb = -(-lk // plan.block_size)                      # the request's key blocks
+        cu.append(cu[-1] + -(-nb // TMA_ALIGN) * TMA_ALIGN)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
+    req = block_requests(plan, device)
+    cols = torch.arange(plan.n_blocks, device=device) + (cu_t[req] - plan.block_ptr.to(device)[req]).long()
+    return cols, cu_t, cu[-1]
+
+
+def quantize_means(k_mean: torch.Tensor, v_mean: torch.Tensor, kv: Fp8KV, plan: BatchPlan, aligned: bool = False):
     """The block means' codes with their request's K / V scales (``docs/fp8.md`` section 3).
 
     Args:
         k_mean, v_mean: float32 ``[n_blocks, Hkv, d]`` (``BlockIndex.k_mean`` / ``v_mean``).
+        aligned: lay out ``v_mean8t``'s columns by ``mean_columns`` (each request's first column a
+            multiple of ``TMA_ALIGN``); else column = block row (``plan.block_ptr``).
     Returns:
-        ``(k_mean8 e4m3 [n_blocks, Hkv, d], v_mean8t e4m3 [Hkv, d, n_blocks_padded])``, the second
-        transposed for the ``P_m v̄`` product and zero-padded to a multiple of ``TMA_ALIGN``.
+        ``(k_mean8 e4m3 [n_blocks, Hkv, d], v_mean8t e4m3 [Hkv, d, n_cols], cu_cols int32
+        [batch + 1])``: ``v_mean8t`` transposed for the ``P_m v̄`` product, ``n_cols`` a multiple of
+        ``TMA_ALIGN``, zero where no block is; request ``b``'s first column ``cu_cols[b]``.
     """
     req = block_requests(plan, k_mean.device)
     k8 = quant.quantize(k_mean, kv.k_inv_scale[req][:, :, None])
     n_blocks, hkv, d = v_mean.shape
-    v8t = torch.zeros(hkv, d, -(-n_blocks // TMA_ALIGN) * TMA_ALIGN, dtype=quant.E4M3, device=v_mean.device)
-    v8t[:, :, :n_blocks] = quant.quantize(v_mean, kv.v_inv_scale[req][:, :, None]).permute(1, 2, 0)
-    return k8, v8t
+    codes = quant.quantize(v_mean, kv.v_inv_scale[req][:, :, None]).permute(1, 2, 0)
+    if aligned:
+        cols, cu_cols, n_cols = mean_columns(plan, v_mean.device)
+        v8t = torch.zeros(hkv, d, n_cols, dtype=quant.E4M3, device=v_mean.device)
+        v8t.view(torch.uint8)[:, :, cols] = codes.view(torch.uint8)   # byte views: float8 index_put
+    else:
+        v8t = torch.zeros(hkv, d, -(-n_blocks // TMA_ALIGN) * TMA_ALIGN, dtype=quant.E4M3, device=v_mean.device)
+        v8t[:, :, :n_blocks] = codes
+        cu_cols = plan.block_ptr
+    return k8, v8t, cu_cols

@@ -41,6 +41,13 @@ class AttnConfig:
         fold_scale: FP8 kernel only: the exact-key loops apply the logit scale to the row max
             and, fused with the max subtraction, in one FFMA per logit (instead of a separate
             FMUL per logit). Ignored by the 16-bit kernels.
+        pipeline: FP8 kernel only: the hand software-pipelined exact-key loop
+            (``attention_fp8_kernels._fp8_inner_pipe``). Ignored by the 16-bit kernels.
+        mean_vec: FP8 kernel only: each request's columns of the transposed V-mean codes
+            ``v_mean8t`` start at a multiple of ``quant_kernels.TMA_ALIGN`` (zero gaps between
+            requests, ``quant_kernels.mean_columns``), so the mean-correction loop loads its
+            ``[d, block_u]`` tile with 16-byte copies instead of one-byte loads. Ignored by the
+            16-bit kernels.
     """
 
     block_m: int
@@ -53,6 +60,7 @@ class AttnConfig:
     exp_impl: str = "mufu"
     fold_scale: bool = False
     pipeline: bool = False
+    mean_vec: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,14 @@ class IndexConfig:
         means_warps: warps of the block-means kernel.
         expand_words: int32 bitmask words turned into CSR entries per step of the expand kernel
             (8 = 256 key blocks).
+        fused_amax: FP8 index of 16-bit caches only: the block-means kernels also reduce
+            ``max |K|`` / ``max |V|`` per (request, KV head) (``BlockIndex.kv_amax``), so neither the
+            selection's K scale nor the attention's pre-pass reads K and V in a launch of their own
+            (``quant_kernels._kv_amax_kernel``). Same scales. Ignored by the 16-bit index.
+        hw_cvt: FP8 only: the selection's Q-tile codes and the pre-pass's K / V codes by the
+            hardware's ``cvt.rn.satfinite`` (``quant_kernels._to_e4m3``) instead of the fp32
+            rounding emulation (kept for the interpreter, CPU tensors: there it is ignored). The
+            same codes. Ignored by the 16-bit index.
     """
 
     select_block_j: int = 64
@@ -80,6 +96,8 @@ class IndexConfig:
     means_tokens: int = 64
     means_warps: int = 4
     expand_words: int = 8
+    fused_amax: bool = False
+    hw_cvt: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,121 @@
+"""The FP8 index with the K / V amax fused into the block-means kernels (``IndexConfig.fused_amax``)
+under ``TRITON_INTERPRET=1``, against the shipped FP8 index (the separate ``_kv_amax_kernel`` launch
+in the selection and again in the pre-pass): the same scales bit for bit (``BlockIndex.kv_amax``
+through ``quant.amax_scales`` vs ``quant_kernels.kv_amax_scales``), the same selection and means,
+the same pre-pass buffers and the same attention output and LSE. Cases: two requests of unequal
+lengths (one shorter than a block), page sizes 1 and 16, ``g`` 1 and 4, K and V of different
+ranges (the two amax slots must not mix).
+
+Run in a subprocess (this file with ``--worker``) that switches the interpreter on before Triton
+compiles anything, as ``test_triton_interpret.py``."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CASES = {  # name: (q_lens, kv_lens, Hq, Hkv, d, page_size, block_size)
+    "d64_B64_two_requests_ps16": ([300, 9], [1500, 40], 2, 2, 64, 16, 64),
+    "d128_B64_g4_ps1": ([40], [500], 4, 1, 128, 1, 64),
+}
+
+
+def _run_case(name):
+    import dataclasses
+
+    import torch
+
+    from fp_brute import make_inputs
+    from flashprefill import SparseConfig, make_plan, quant
+    from flashprefill.impl.triton import host
+    from flashprefill.impl.triton import host_fp8
+    from flashprefill.impl.triton import quant_kernels as QK
+    from flashprefill.impl.triton.tiles import get_config
+
+    q_lens, kv_lens, hq, hkv, d, ps, B = CASES[name]
+    q, k, v, pt, sl, cu = make_inputs(q_lens, kv_lens, hq, hkv, d, ps, dtype=torch.float32, seed=11,
+                                      structured=True)
+    q, k, v = q.half(), k.half(), (3.0 * v).half()          # V's amax well above K's
+    cfg = SparseConfig(block_size=B, sink_tokens=B, window_tokens=B, dense_tail_tokens=1, alpha=0.3)
+    scale = d ** -0.5
+    plan = make_plan(sl, cu, hq // hkv, B)
+    base = get_config(d, torch.float16, B, precision="fp8")
+    fused = dataclasses.replace(base, index=dataclasses.replace(base.index, fused_amax=True))
+    i0 = host.build_index(q, k, v, pt, sl, cu, cfg, scale, plan, kernels=base, precision="fp8")
+    i1 = host.build_index(q, k, v, pt, sl, cu, cfg, scale, plan, kernels=fused, precision="fp8")
+    bits = lambda t: t.contiguous().view(torch.uint8)
+    want_scale, want_inv = QK.kv_amax_scales(k, v, pt, sl, plan)
+    got_scale, got_inv = quant.amax_scales(i1.kv_amax)
+    res = {"case": name, "unfused_no_amax": i0.kv_amax is None,
+           "amax_shape": list(i1.kv_amax.shape) == [2, plan.batch, hkv],
+           "k_v_amax_differ": bool((i1.kv_amax[0] != i1.kv_amax[1]).all()),
+           "scales_equal": torch.equal(got_scale, want_scale) and torch.equal(got_inv, want_inv),
+           "selection_equal": torch.equal(i0.row_ptr, i1.row_ptr) and torch.equal(i0.col_idx, i1.col_idx),
+           "pruned": int(i1.nnz) < int(i1.n_visible.sum()),
+           "means_equal": torch.equal(i0.k_mean, i1.k_mean) and torch.equal(i0.v_mean, i1.v_mean)}
+    kv0 = host_fp8.kv_operands(k, v, pt, sl, plan)
+    kv1 = host_fp8.kv_operands(k, v, pt, sl, plan, amax=i1.kv_amax)
+    res["prepass_equal"] = (torch.equal(bits(kv0.k8), bits(kv1.k8)) and torch.equal(bits(kv0.v8t), bits(kv1.v8t))
+                            and torch.equal(kv0.k_scale, kv1.k_scale) and torch.equal(kv0.v_scale, kv1.v_scale))
+    o0, l0 = host.sparse_attention(q, k, v, pt, sl, cu, cfg, scale, plan, i0, kernels=base, precision="fp8")
+    o1, l1 = host.sparse_attention(q, k, v, pt, sl, cu, cfg, scale, plan, i1, kernels=fused, precision="fp8")
+    res["finite"] = bool(torch.isfinite(o1).all())
+    res["out_equal"] = torch.equal(o0, o1) and torch.equal(l0, l1)
+    return res
+
+
+def _worker() -> None:
+    from test_triton_interpret import _patch_interpreter     # numpy >= 2.3: the interpreter's range()
+
+    _patch_interpreter()
+    for name in CASES:
+        try:
+            res = _run_case(name)
+        except Exception as e:  # reported; the test names the case
+            import traceback
+            res = {"case": name, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+        print(json.dumps(res), flush=True)
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "kernels"), str(ROOT), str(ROOT / "tests"),
+                                         env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True, text=True,
+                          timeout=900)
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            out[r["case"]] = r
+    if not out:
+        pytest.fail(f"interpreter worker produced no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fused_amax_same_scales_and_index(results, name):
+    r = results[name]
+    assert "error" not in r, r.get("trace", r)
+    assert r["unfused_no_amax"] and r["amax_shape"] and r["k_v_amax_differ"], r
+    assert r["scales_equal"], r
+    assert r["selection_equal"] and r["pruned"] and r["means_equal"], r
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fused_amax_same_prepass_and_output(results, name):
+    r = results[name]
+    assert "error" not in r, r.get("trace", r)
+    assert r["prepass_equal"], r
+    assert r["finite"] and r["out_equal"], r
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker()

@@ -1,0 +1,134 @@
+"""The FP8 attention kernel's aligned V-mean columns (``AttnConfig.mean_vec``,
+``quant_kernels.mean_columns``) under ``TRITON_INTERPRET=1``: the layout itself (each request's
+first column a multiple of ``TMA_ALIGN``, the codes those of the unaligned layout, zero gaps), and
+the kernel with ``mean_vec`` against the shipped kernel: bit for bit (the extra columns it loads
+carry ``p = 0`` against finite codes, adding exact zeros), alone and with ``pipeline`` +
+``fold_scale``. Cases: two and three requests whose block counts are not multiples of 16, candidate
+chunks that straddle a request's 16-column group, ``g`` 1 and 4, d 64 and 128.
+
+Run in a subprocess (this file with ``--worker``) that switches the interpreter on before Triton
+compiles anything, as ``test_triton_interpret.py``."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CASES = {  # name: (q_lens, kv_lens, Hq, Hkv, d, page_size, block_size)
+    "d64_B64_two_requests": ([70, 300], [900, 1500], 2, 2, 64, 16, 64),
+    "d128_B64_three_requests_g4": ([40, 9, 130], [1100, 9, 2200], 4, 1, 128, 16, 64),
+}
+PAIRS = {  # name: (AttnConfig fields of the variant, of the kernel it must equal bit for bit)
+    "meanvec": (dict(mean_vec=True), {}),
+    "pipe_fold_meanvec": (dict(mean_vec=True, pipeline=True, fold_scale=True), dict(pipeline=True, fold_scale=True)),
+}
+
+
+def _run_case(name):
+    import dataclasses
+
+    import torch
+
+    from fp_brute import make_inputs
+    from flashprefill import SparseConfig, make_plan
+    from flashprefill.impl import reference as R
+    from flashprefill.impl.triton import host_fp8
+    from flashprefill.impl.triton import quant_kernels as QK
+    from flashprefill.impl.triton.tiles import get_config
+
+    q_lens, kv_lens, hq, hkv, d, ps, B = CASES[name]
+    q, k, v, pt, sl, cu = make_inputs(q_lens, kv_lens, hq, hkv, d, ps, dtype=torch.float32, seed=7,
+                                      structured=True)
+    q, k, v = q.half(), k.half(), v.half()
+    cfg = SparseConfig(block_size=B, sink_tokens=B, window_tokens=B, dense_tail_tokens=1, alpha=0.3)
+    scale = d ** -0.5
+    plan = make_plan(sl, cu, hq // hkv, B)
+    index = R.build_index(q, k, v, pt, sl, cu, cfg, scale, plan)
+    kv = host_fp8.kv_operands(k, v, pt, sl, plan)
+    res = {"case": name, "pruned": int(index.nnz) < int(index.n_visible.sum())}
+    # the layout
+    k8a, v8a, cu_a = QK.quantize_means(index.k_mean, index.v_mean, kv, plan, aligned=True)
+    k8u, v8u, cu_u = QK.quantize_means(index.k_mean, index.v_mean, kv, plan)
+    cols, cu_cols, n_cols = QK.mean_columns(plan, "cpu")
+    bp = plan.block_ptr.tolist()
+    res["starts_aligned"] = all(c % QK.TMA_ALIGN == 0 for c in cu_a.tolist()) and n_cols == v8a.shape[2]
+    res["some_start_moved"] = cu_a.tolist() != bp
+    res["unaligned_cols_are_block_ptr"] = cu_u.tolist() == bp
+    res["k_codes_same"] = torch.equal(k8a.view(torch.uint8), k8u.view(torch.uint8))
+    res["v_codes_same"] = all(
+        torch.equal(v8a.view(torch.uint8)[:, :, cu_a[b]:cu_a[b] + bp[b + 1] - bp[b]],
+                    v8u.view(torch.uint8)[:, :, bp[b]:bp[b + 1]]) for b in range(plan.batch))
+    gap = torch.ones(n_cols, dtype=torch.bool)
+    gap[cols] = False
+    res["gaps_zero"] = bool((v8a.view(torch.uint8)[:, :, gap] == 0).all())
+    res["gap_count"] = int(gap.sum())
+    # the kernel
+    base = get_config(d, torch.float16, B, precision="fp8").attn
+    for pname, (fields, other) in PAIRS.items():
+        o1, l1 = host_fp8.launch_attention_fp8(q, kv, sl, cu, scale, plan, dataclasses.replace(base, **fields),
+                                               sparse=True, mean_correction=True, block_size=B, index=index)
+        o2, l2 = host_fp8.launch_attention_fp8(q, kv, sl, cu, scale, plan, dataclasses.replace(base, **other),
+                                               sparse=True, mean_correction=True, block_size=B, index=index)
+        res[f"{pname}_finite"] = bool(torch.isfinite(o1).all())
+        res[f"{pname}_out_equal"] = torch.equal(o1, o2)
+        res[f"{pname}_lse_equal"] = torch.equal(l1, l2)
+    return res
+
+
+def _worker() -> None:
+    from test_triton_interpret import _patch_interpreter     # numpy >= 2.3: the interpreter's range()
+
+    _patch_interpreter()
+    for name in CASES:
+        try:
+            res = _run_case(name)
+        except Exception as e:  # reported; the test names the case
+            import traceback
+            res = {"case": name, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+        print(json.dumps(res), flush=True)
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "kernels"), str(ROOT), str(ROOT / "tests"),
+                                         env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True, text=True,
+                          timeout=900)
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            out[r["case"]] = r
+    if not out:
+        pytest.fail(f"interpreter worker produced no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_aligned_mean_columns(results, name):
+    r = results[name]
+    assert "error" not in r, r.get("trace", r)
+    assert r["starts_aligned"] and r["some_start_moved"] and r["unaligned_cols_are_block_ptr"], r
+    assert r["k_codes_same"] and r["v_codes_same"], r
+    assert r["gaps_zero"] and r["gap_count"] > 0, r
+
+
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_mean_vec_bit_identical(results, name, pair):
+    r = results[name]
+    assert "error" not in r, r.get("trace", r)
+    assert r["pruned"], "the case must prune blocks (the correction loop runs)"
+    assert r[f"{pair}_finite"], r
+    assert r[f"{pair}_out_equal"] and r[f"{pair}_lse_equal"], r
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker()
