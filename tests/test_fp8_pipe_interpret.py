@@ -9,15 +9,12 @@ Run in a subprocess (this file with ``--worker``) that switches the interpreter 
 compiles anything, as ``test_triton_interpret.py``."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-from pathlib import Path
+
+from interpret_harness import interpreter_results, run_cases
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
 
 CASES = {  # name: (q_lens, kv_lens, Hq, Hkv, d, page_size, block_size, block_n)
     "d64_B64_two_requests_ps16": ([80, 9], [900, 9], 4, 2, 64, 16, 64, 64),
@@ -86,33 +83,12 @@ def _run_case(name):
 
 
 def _worker() -> None:
-    from test_triton_interpret import _patch_interpreter     # numpy >= 2.3: the interpreter's range()
-
-    _patch_interpreter()
-    for name in CASES:
-        try:
-            res = _run_case(name)
-        except Exception as e:  # reported; the test names the case
-            import traceback
-            res = {"case": name, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
-        print(json.dumps(res), flush=True)
+    run_cases(CASES, _run_case)
 
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "kernels"), str(ROOT), str(ROOT / "tests"),
-                                         env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True, text=True,
-                          timeout=900)
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            out[r["case"]] = r
-    if not out:
-        pytest.fail(f"interpreter worker produced no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return out
+    return interpreter_results(__file__, timeout_s=900)
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

@@ -9,15 +9,12 @@ so only exactly representable values reach the cast, and this test checks the ro
 bits); NaN inputs are not run here (the interpreter's cast maps NaN to a finite code)."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-from pathlib import Path
+
+from interpret_harness import interpreter_results, run_cases
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
 
 CASES = {  # name: (q_lens, kv_lens, Hkv, d, page_size, edge values)
     "two_requests_ps16": ([50, 7], [200, 70], 2, 64, 16, False),
@@ -60,30 +57,12 @@ def _run_case(name):
 
 
 def worker() -> None:
-    for name in CASES:
-        try:
-            res = _run_case(name)
-        except Exception as e:  # report, the test names the case
-            import traceback
-            res = {"case": name, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
-        print(json.dumps(res), flush=True)
+    run_cases(CASES, _run_case, patch_range=False)
 
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "kernels"), str(ROOT), str(ROOT / "tests"),
-                                         env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__, "--worker"], env=env, capture_output=True, text=True,
-                          timeout=600)
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            out[r["case"]] = r
-    if not out:
-        pytest.fail(f"interpreter worker produced no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return out
+    return interpreter_results(__file__, timeout_s=600)
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
