@@ -221,7 +221,7 @@ def test_ask_missing_question_is_named(runner, fake_engine, doc, tmp_path):
 
 
 @pytest.mark.parametrize("args, says", [
-    (["-n", "0"], "Invalid value for '--max-new-tokens' / '-n'"),
+    (["-n", "0"], "--max-new-tokens: expected an integer >= 1, got 0"),
     (["--no-such-option"], "No such option: --no-such-option"),
 ])
 def test_parser_errors_are_one_line_like_fps_own(runner, fake_engine, doc, args, says):
@@ -232,6 +232,28 @@ def test_parser_errors_are_one_line_like_fps_own(runner, fake_engine, doc, args,
     assert "fp ask -h" in lines[0] and "╭" not in r.stderr and "Traceback" not in r.stderr
     r = invoke(runner, ["no-such-command"])
     assert r.exit_code == 2 and r.stderr.startswith("fp: error: No such command") and len(r.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, says", [
+    (["ask", "DOC", "q?", "--cut", "start"], "fp: error: --cut: expected one of middle, end; got 'start'"),
+    (["ask", "DOC", "q?", "-n", "many"], "fp: error: --max-new-tokens: expected an integer >= 1, got 'many'"),
+    (["ask", "DOC", "q?", "--engine", "vllm"], "fp: error: --engine: expected one of auto, sglang, transformers; got 'vllm'"),
+    (["ask", "DOC", "q?", "--page-timeout", "0"], "fp: error: --page-timeout: expected a number >= 0.1, got 0"),
+    (["ask", "DOC", "q?", "--report", "."], "fp: error: --report: "),
+    (["chat", "DOC", "-t", "-1"], "fp: error: --temperature: expected a number >= 0, got -1"),
+    (["serve", "--port", "70000"], "fp: error: --port: expected an integer from 0 to 65535, got 70000"),
+    (["stop", "--wait", "soon"], "fp: error: --wait: expected a number >= 0, got 'soon'"),
+])
+def test_option_value_errors_name_the_option_expected_and_found(runner, fake_engine, doc, args, says):
+    r = invoke(runner, [str(doc) if a == "DOC" else a for a in args])
+    assert r.exit_code == 2 and r.stdout == "", r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(says), r.stderr
+    for internal in ("Invalid value", "Input should", "Value error"):
+        assert internal not in r.stderr
+    from fp_fakes import LAST_FAKE
+
+    assert LAST_FAKE == []
 
 
 def test_ask_question_first_gets_a_hint(runner, fake_engine, doc):

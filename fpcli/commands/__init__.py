@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import NoReturn
 
@@ -65,12 +67,49 @@ class _OneLineErrors:
             ctx = getattr(exc, "ctx", None)
             if ctx is not None:
                 hint = f" (see '{ctx.command_path} {(ctx.help_option_names or ['--help'])[0]}')"
-            message = " ".join(exc.format_message().split())
+            message = option_value_message(exc) or " ".join(exc.format_message().split())
             stderr_console().print(f"[bold red]fp: error:[/] {escape(message)}{escape(hint)}", soft_wrap=True,
                                    highlight=False)
             sys.exit(getattr(exc, "exit_code", 2))
         # not standalone: an Exit comes back as its code, a finished command as its return value
         sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def option_value_message(exc: Exception) -> str | None:
+    """fp's wording for a value the parser refused, named by its option: ``--cut: expected one of
+    middle, end; got 'start'``, ``--max-new-tokens: expected an integer >= 1, got 0`` (typer checks
+    each value with a pydantic adapter and words the failure like pydantic: reworded here from the
+    option's type and range), ``--report: file '/' is a directory``. ``None`` for a parser error
+    that is not about one value (its own message is kept)."""
+    param = getattr(exc, "param", None)
+    if param is None or not isinstance(getattr(exc, "message", None), str):
+        return None
+    opts = [o for o in param.opts if o.startswith("--")] or [param.metavar or (param.name or "").upper()]
+    name = max(opts, key=len)
+    errors = getattr(exc.__cause__, "errors", None)
+    expected = _expected_value(param) if callable(errors) and errors() else None
+    if expected is None:
+        return f"{name}: {exc.message.rstrip('.')}"
+    found = str(errors()[0].get("input"))
+    shown = found if re.fullmatch(r"[-+]?\d+(\.\d*)?([eE][-+]?\d+)?", found) else repr(found)
+    return f"{name}: expected {expected}{';' if ',' in expected else ','} got {shown}"
+
+
+def _expected_value(param) -> str | None:
+    """``one of a, b`` / ``an integer >= 1`` / ``a number from 0 to 1`` for an option of an Enum,
+    int or float type (its range from the option's ``min`` / ``max``); ``None`` for other types."""
+    annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    if isinstance(annotation, type) and issubclass(annotation, Enum):
+        return "one of " + ", ".join(str(m.value) for m in annotation)
+    if annotation is not int and annotation is not float:
+        return None
+    expected = "an integer" if annotation is int else "a number"
+    low, high = getattr(param, "min", None), getattr(param, "max", None)
+    if low is not None and high is not None:
+        return f"{expected} from {low:g} to {high:g}"
+    if low is not None:
+        return f"{expected} >= {low:g}"
+    return f"{expected} <= {high:g}" if high is not None else expected
 
 
 class FpCommand(_OneLineErrors, TyperCommand):
