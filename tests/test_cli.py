@@ -256,6 +256,35 @@ def test_option_value_errors_name_the_option_expected_and_found(runner, fake_eng
     assert LAST_FAKE == []
 
 
+def _raise_interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("where", ["fpcli.ingest.ingest", "fpcli.engine.load_engine", "fpcli.prompt.build_prompt",
+                                   "generate"])
+def test_ctrl_c_anywhere_in_ask_is_one_line_exit_130(runner, fake_engine, doc, monkeypatch, where):
+    import importlib
+
+    if where == "generate":
+        monkeypatch.setattr(FakeEngine, "generate", _raise_interrupt)
+    else:
+        module, name = where.rsplit(".", 1)
+        monkeypatch.setattr(importlib.import_module(module), name, _raise_interrupt)
+    r = invoke(runner, ["ask", str(doc), "q?"])
+    assert r.exit_code == 130, r.output
+    assert r.stderr.strip().splitlines()[-1] == "fp: error: interrupted", r.stderr
+    assert r.stderr.count("interrupted") == 1 and "Traceback" not in r.stderr
+
+
+def test_ctrl_c_in_eval_is_the_same_line(runner, fake_engine, monkeypatch):
+    import fpcli.ruler.runner
+
+    monkeypatch.setattr(fpcli.ruler.runner, "run_profiles", _raise_interrupt)
+    r = invoke(runner, ["eval", "--len", "1k", "-n", "1"])
+    assert r.exit_code == 130, r.output
+    assert r.stderr.strip().splitlines()[-1] == "fp: error: interrupted" and r.stderr.count("interrupted") == 1
+
+
 def test_ask_question_first_gets_a_hint(runner, fake_engine, doc):
     r = invoke(runner, ["ask", "What is the code word?", str(doc)])
     assert r.exit_code == 2

@@ -50,7 +50,15 @@ def _usage_pieces(command, ctx) -> list[str]:
 class _OneLineErrors:
     """``main`` for fp's commands and groups: a usage error the parser finds (a bad option value,
     an unknown option, a missing argument) is one line ``fp: error: ...`` on stderr, exit 2, like
-    the errors fp's commands find themselves, instead of typer's boxed panel."""
+    the errors fp's commands find themselves, instead of typer's boxed panel. ``invoke``: Ctrl-C
+    anywhere in a command (reading, fitting, loading, prefill, decode) is ``fp: error: interrupted``,
+    exit 130 (a command that ends a partial answer on stdout does so and re-raises)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            fail("interrupted", code=130)
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode: bool = True, **extra):
         if not standalone_mode:

@@ -206,9 +206,9 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
                     prompt.ids, max_new_tokens=max_new_tokens, temperature=temperature,
                     on_text=None if json_out else display.wrap(stream), on_progress=display.on_progress,
                 )
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # ends the partial answer; fp's one handler says "interrupted"
             sys.stdout.write("\n")
-            fail("interrupted", code=130)
+            raise
         except Exception as exc:  # noqa: BLE001
             sys.stdout.write("\n") if not json_out else None
             fail(f"generation failed: {_one_line(exc)}")

@@ -152,8 +152,6 @@ def evaluate(
         fail(str(exc), code=2)
     except _LoadFailed as exc:
         fail(str(exc))
-    except KeyboardInterrupt:
-        fail("interrupted", code=130)
     except typer.Exit:
         raise
     except Exception as exc:  # noqa: BLE001
