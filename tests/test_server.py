@@ -197,6 +197,61 @@ def test_non_loopback_host_is_refused(runner):
         assert r.exit_code == 2 and f"--host {host}: only a loopback address is allowed" in r.stderr, r.stderr
 
 
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _left_socket(path: Path, listening: bool):
+    """A Unix socket file at ``path``: closed without unlinking (what ``kill -9`` leaves), or
+    listening (a live server's); returns the open socket of the latter."""
+    import socket
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    if listening:
+        sock.listen(1)
+        return sock
+    sock.close()
+    return None
+
+
+@pytest.mark.parametrize("command", [["status"], ["stop"]])
+def test_a_killed_servers_socket_is_removed_with_its_state(runner, command):
+    from fpcli.cli import app
+    from fpcli.server.paths import default_paths
+    from fpcli.server.state import ServerState, write_state
+
+    paths = default_paths().ensure()
+    _left_socket(paths.socket, listening=False)
+    write_state(paths, ServerState(pid=_dead_pid(), address=f"unix:{paths.socket}", model="m", model_path="/m",
+                                   profile="bf16", profile_hash="0", engine="transformers", started_at=0.0,
+                                   version="0"))
+    r = runner.invoke(app, command)
+    assert r.exit_code == (3 if command == ["status"] else 0) and "gone" in r.stderr, r.output
+    assert not paths.state.exists() and not paths.socket.exists()
+    assert f"socket {paths.socket}" in r.stderr
+
+
+def test_a_stale_state_never_removes_a_socket_a_live_server_listens_on(runner):
+    from fpcli.cli import app
+    from fpcli.server.paths import default_paths
+    from fpcli.server.state import ServerState, write_state
+
+    paths = default_paths().ensure()
+    live = _left_socket(paths.socket, listening=True)
+    try:
+        write_state(paths, ServerState(pid=_dead_pid(), address=f"unix:{paths.socket}", model="m",
+                                       model_path="/m", profile="bf16", profile_hash="0", engine="transformers",
+                                       started_at=0.0, version="0"))
+        r = runner.invoke(app, ["status"])
+        assert r.exit_code == 3 and "stale" in r.stderr
+        assert not paths.state.exists() and paths.socket.is_socket()
+    finally:
+        live.close()
+
+
 def test_detached_server_gets_fp_options_before_the_engine_settings():
     """``fp start -- --tp 2``: the server's command line parses back to engine settings ``--tp 2``
     alone, with ``--log`` read by fp serve, not passed to the engine."""
@@ -304,7 +359,7 @@ def test_stale_state_is_cleaned(servers):
     _wait(lambda: not _alive(st["pid"]), 10, "the server to die")
     status = s.fp("status")
     assert status.returncode == 3 and "stale" in status.stderr and f"pid {st['pid']} is gone" in status.stderr
-    assert s.state() is None
+    assert s.state() is None and not s.paths.socket.exists()
     # and through fp ask: a state naming a dead pid is cleaned, the answer comes in-process
     s.paths.state.write_text(json.dumps({**st, "pid": st["pid"]}))
     a = _ask(s)

@@ -18,7 +18,7 @@ import httpx
 from fpcli.engine.base import GenerationResult
 
 from .paths import ServerPaths, default_paths
-from .state import ServerState, clear_state, pid_alive, profile_hash, read_state
+from .state import ServerState, clear_stale, pid_alive, profile_hash, read_state
 
 
 class ServerUnavailable(RuntimeError):
@@ -209,7 +209,7 @@ def connect(model: str | None, profile, engine: str = "auto", paths: ServerPaths
     if state is None:
         return None
     if not pid_alive(state.pid):
-        clear_state(paths, state.pid)
+        clear_stale(paths, state)
         warn(f"the resident engine (pid {state.pid}) is gone; removed its stale state file; running in-process")
         return None
     try:

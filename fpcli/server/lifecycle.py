@@ -16,7 +16,7 @@ from typing import Callable
 from . import START_TIMEOUT_S, STOP_WAIT_S
 from .client import ClientConfig, ServerUnavailable, probe, shutdown
 from .paths import ServerPaths
-from .state import ServerState, clear_state, pid_alive, read_state, start_lock
+from .state import ServerState, clear_stale, clear_state, pid_alive, read_state, start_lock
 
 
 class LifecycleError(RuntimeError):
@@ -62,12 +62,19 @@ def probe_status(paths: ServerPaths, config: ClientConfig = ClientConfig()) -> S
     if state is None:
         return Status("none")
     if not pid_alive(state.pid):
-        clear_state(paths, state.pid)
-        return Status("stale", state, detail=f"pid {state.pid} is gone; removed its state file {paths.state}")
+        removed = clear_stale(paths, state)
+        return Status("stale", state, detail=f"pid {state.pid} is gone; removed {_files(removed, paths)}")
     try:
         return Status("running", state, probe(state, config))
     except ServerUnavailable as exc:
         return Status("hung", state, detail=f"pid {state.pid} lives but {state.address} does not answer ({exc})")
+
+
+def _files(removed: list, paths: ServerPaths) -> str:
+    """``its state file /run/fp/engine.json and socket /run/fp/engine.sock`` for the status line."""
+    names = {paths.state: "state file", paths.socket: "socket"}
+    said = " and ".join(f"{names.get(p, 'file')} {p}" for p in removed)
+    return f"its {said}" if said else "nothing (already cleaned)"
 
 
 def serve_command(request: StartRequest, log: str) -> list[str]:
@@ -190,8 +197,8 @@ def stop_server(paths: ServerPaths, wait_s: float = STOP_WAIT_S, config: ClientC
     if state is None:
         return Status("none"), ""
     if not pid_alive(state.pid):
-        clear_state(paths, state.pid)
-        return Status("stale", state, detail=f"pid {state.pid} was already gone; removed its state file"), ""
+        removed = clear_stale(paths, state)
+        return Status("stale", state, detail=f"pid {state.pid} was already gone; removed {_files(removed, paths)}"), ""
     asked = shutdown(state, config)
     if asked and _wait_gone(state.pid, wait_s):
         how = "shutdown"
@@ -201,9 +208,10 @@ def stop_server(paths: ServerPaths, wait_s: float = STOP_WAIT_S, config: ClientC
         os.killpg(state.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    clear_state(paths, state.pid)
-    if state.address.startswith("unix:") and not pid_alive(state.pid):
-        paths.socket.unlink(missing_ok=True)
+    if not pid_alive(state.pid):
+        clear_stale(paths, state)
+    else:
+        clear_state(paths, state.pid)
     return Status("running", state), how
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from . import LOOPBACK
 from .app import ServerInfo, create_app
 from .paths import ServerPaths, write_private
-from .state import ServerState, clear_state, pid_alive, read_state, write_state
+from .state import ServerState, clear_stale, clear_state, pid_alive, read_state, write_state
 
 
 class ServeError(RuntimeError):
@@ -58,7 +58,7 @@ def running_state(paths: ServerPaths) -> ServerState | None:
     """The state of a live server, cleaning a stale one (dead pid) on the way."""
     state = read_state(paths)
     if state is not None and not pid_alive(state.pid):
-        clear_state(paths, state.pid)
+        clear_stale(paths, state)
         return None
     return state
 

@@ -9,6 +9,7 @@ import fcntl
 import hashlib
 import json
 import os
+import socket
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
@@ -108,6 +109,29 @@ def clear_state(paths: ServerPaths, pid: int | None = None) -> bool:
         return False
     paths.state.unlink(missing_ok=True)
     return True
+
+
+def clear_stale(paths: ServerPaths, state: ServerState) -> list[Path]:
+    """Clean what the dead server ``state`` left (its process is gone, e.g. ``kill -9``): its state
+    file, and its Unix socket when ``state.address`` names ``paths.socket`` and nothing listens on
+    it (a live server that bound the socket since keeps it). Returns the files removed."""
+    removed = [paths.state] if clear_state(paths, state.pid) else []
+    if state.address != f"unix:{paths.socket}" or not paths.socket.is_socket():
+        return removed
+    current = read_state(paths)
+    if current is not None and pid_alive(current.pid):  # another server runs now
+        return removed
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(paths.socket))
+        return removed  # a listener answers: a live server owns it
+    except ConnectionRefusedError:  # no listener: the dead server's leftover
+        paths.socket.unlink(missing_ok=True)
+        return [*removed, paths.socket]
+    except OSError:
+        return removed
+    finally:
+        probe.close()
 
 
 def pid_alive(pid: int) -> bool:
