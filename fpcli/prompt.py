@@ -122,6 +122,10 @@ class Prompt:
         cuts: one record per cut document (empty when everything fit).
         documents: the ``(name, text)`` pairs in the prompt, after cuts (reused by ``fp chat``
             for every question, so that the documents stay a shared token prefix).
+        question_room: tokens of the budget a cut kept for the question (``question_allowance``):
+            the prompt without the question was fitted to ``budget - question_room`` tokens, so
+            every question up to that length reuses the same cut documents; 0 when nothing was
+            cut or the documents were cut for this (longer) question.
     """
 
     system: str
@@ -132,6 +136,7 @@ class Prompt:
     doc_tokens: dict[str, int] = field(default_factory=dict)
     cuts: list[Cut] = field(default_factory=list)
     documents: list[tuple[str, str]] = field(default_factory=list)
+    question_room: int = 0
 
     @property
     def tokens(self) -> int:
@@ -160,6 +165,7 @@ class Prompt:
             "max_new_tokens": self.max_new_tokens,
             "budget": self.budget,
             "budget_note": self.budget_note,
+            "question_room": self.question_room,
             "doc_tokens": dict(self.doc_tokens),
             "truncated": bool(self.cuts),
             "cuts": [c.to_dict() for c in self.cuts],
@@ -302,13 +308,15 @@ def build_prompt(
         fitted = _fit(docs, starts_of(), engine, make, question, target, overhead, cut,
                       question_tokens=overhead_question() - overhead)
         entry["fit"] = None if fitted is None else {"documents": [list(p) for p in fitted.documents],
-                                                     "cuts": [c.to_dict() for c in fitted.cuts]}
+                                                     "cuts": [c.to_dict() for c in fitted.cuts],
+                                                     "question_room": budget - target}
         fresh = True
     _store(fit_cache, key, entry, fresh)
     if entry["fit"] is not None:
         prompt = fitted if fitted is not None else make([(n, t) for n, t in entry["fit"]["documents"]],
                                                         [Cut(**c) for c in entry["fit"]["cuts"]])
         if prompt.tokens <= budget:
+            prompt.question_room = entry["fit"]["question_room"] if prompt.cuts else 0
             return prompt
     # a question longer than the allowance: cut the documents for this question
     overhead = overhead_question()
@@ -381,7 +389,8 @@ def _valid_entry(entry: dict, docs) -> bool:
         fit = entry["fit"]
         whole = entry["whole_tokens"]
         return (set(entry["doc_tokens"]) == {d.name for d in docs} and (whole is None or isinstance(whole, int))
-                and (fit is None or (isinstance(fit["documents"], list) and isinstance(fit["cuts"], list))))
+                and (fit is None or (isinstance(fit["documents"], list) and isinstance(fit["cuts"], list)
+                                     and isinstance(fit["question_room"], int))))
     except (KeyError, TypeError):
         return False
 

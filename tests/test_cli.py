@@ -137,6 +137,9 @@ def test_ask_truncation_is_reported(runner, fake_engine, tmp_path):
     prompt = json.loads(r.stdout)["ingestion"]["prompt"]
     assert prompt["truncated"] and prompt["cuts"][0]["file"] == str(big)
     assert prompt["prompt_tokens"] <= prompt["budget"]
+    room = prompt["question_room"]  # the note says the room the fit keeps for the question
+    assert room > 0 and (f"fitted to {prompt['budget'] - room:,} tokens, keeping {room:,} for the question; cut:"
+                         in " ".join(r.stderr.split())), r.stderr
 
 
 def test_ask_encrypted_pdf_needs_password_others_survive(runner, fake_engine, doc, tmp_path):

@@ -55,6 +55,25 @@ def test_longest_document_cut_from_middle():
     assert p.user.rstrip().endswith("Question: Question here?")
 
 
+def test_a_cut_prompt_says_the_room_it_kept_for_the_question():
+    from fpcli.prompt import FILL_SLACK_TOKENS, question_allowance
+
+    eng = FakeEngine(context_length=8192)
+    docs = [Doc("long.txt", words("L", 20000))]
+    p = build_prompt(docs, "q?", eng, max_new_tokens=8)
+    assert p.cuts and p.question_room == question_allowance(p.budget) > 0
+    # the prompt used is the fit (budget - room, to within the slack) plus this short question
+    question = len(eng.encode_chat(None, format_user([("long.txt", "")], "q?"))) - len(
+        eng.encode_chat(None, format_user([("long.txt", "")], "")))
+    assert abs(p.tokens - question - (p.budget - p.question_room)) <= FILL_SLACK_TOKENS
+    assert p.to_dict()["question_room"] == p.question_room
+    whole = build_prompt([Doc("short.txt", words("S", 100))], "q?", eng, max_new_tokens=8)
+    assert not whole.cuts and whole.question_room == 0
+    # a question longer than the room gets the documents cut for it: no room kept
+    long_q = build_prompt(docs, words("Q", 1000) + "?", eng, max_new_tokens=8)
+    assert long_q.cuts and long_q.question_room == 0 and long_q.tokens <= long_q.budget
+
+
 def test_water_filling_cuts_both_long_documents():
     eng = FakeEngine(context_length=2000)
     docs = [Doc("a", words("A", 3000)), Doc("b", words("B", 2000)), Doc("c", words("C", 100))]

@@ -192,7 +192,7 @@ class _ChatLoop:
             )
             return None
         return Prompt(SYSTEM_PROMPT, user, ids, self.ctx, self.max_new_tokens, dict(self.fitted.doc_tokens),
-                      list(self.fitted.cuts), list(self.fitted.documents))
+                      list(self.fitted.cuts), list(self.fitted.documents), self.fitted.question_room)
 
     def answer(self, question: str) -> None:
         from fpcli.prefill_progress import PrefillDisplay
