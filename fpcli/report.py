@@ -11,7 +11,8 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
       "summary": {
         "prompt_tokens", "output_tokens", "ttft_s", "prefill_s", "total_s", "decode_tokens_per_s",
         "cached_tokens",         # prompt tokens served from the KV cache of an earlier request
-        "wall_s",                # the whole command, from the start of the fp process to its end
+        "wall_s",                # the whole command, from the start of the fp process (the OS's record) to
+                                 # the answer's end; the process's exit after the summary is not in it
                                  # (fp chat: from reading the question to the end of its answer);
                                  # null when not measured
         "engine_start_s",        # part of wall_s spent loading/starting the engine (0: it was running)
