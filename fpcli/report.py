@@ -21,6 +21,7 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
                                  # resident engine's queue behind other requests; other: the rest, process
                                  # start and imports included); null when wall_s is not measured
         "finish_reason", "engine", "model", "profile",
+        "device",                # where the attention ran: "cpu", "cuda", or null (not said)
         "precision",             # attention precision that RAN: bf16/fp16/fp32, or "fp8 (sparse layers)"
         "precision_requested",   # the profile's precision (bf16 / fp8)
         "attention",
@@ -181,6 +182,7 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
                            engine_start_s=engine_start_s, queued_s=getattr(result, "queued_s", 0.0)),
         "finish_reason": result.finish_reason,
         "engine": result.engine,
+        "device": getattr(result, "device", None),
         "model": result.model,
         "native_context": (context or {}).get("native_context"),
         "context": (context or {}).get("context"),
@@ -300,13 +302,15 @@ def render_summary(console: Console, report: dict) -> None:
 
 def flops_text(s: dict, scope: str) -> str:
     """The 'attention FLOPs skipped' row; when the engine counted no prefill attention because the
-    prompt came from the KV cache, say that instead of '0 of 0'."""
+    prompt came from the KV cache, say that instead of '0 of 0'. On the CPU (``device``) the sparse
+    path is the PyTorch reference, which computes every block: skipped FLOPs save no time there."""
     cached = s.get("cached_tokens") or 0
     if not s["attention_flops_dense"] and cached:
         return (f"none counted: {cached:,} of {s['prompt_tokens']:,} prompt tokens came from the KV cache "
                 "(their attention was computed by an earlier request)")
+    cpu = " (CPU reference: no time saved)" if s.get("device") == "cpu" and s["attention_flops_skipped"] else ""
     return (f"{format_flops(s['attention_flops_skipped'])} of {format_flops(s['attention_flops_dense'])} dense-equivalent "
-            f"({s['attention_flops_skipped_fraction']:.1%}, {scope})")
+            f"({s['attention_flops_skipped_fraction']:.1%}, {scope}){cpu}")
 
 
 def prompt_tokens_text(s: dict) -> str:

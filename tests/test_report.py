@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from rich.console import Console
 
 from fp_fakes import FakeEngine
@@ -144,3 +146,15 @@ def test_a_prompt_served_from_the_kv_cache_says_so_instead_of_zero_flops():
     row = [line for line in buf.getvalue().splitlines() if line.startswith("attention FLOPs skipped")]
     assert len(row) == 1 and "0 of 0" not in row[0] and "came from the KV cache" in row[0]
     assert f"{s['prompt_tokens'] - 1:,} of {s['prompt_tokens']:,}" in row[0]
+
+
+@pytest.mark.parametrize("device, skipped, says", [("cpu", 1e9, True), ("cuda", 1e9, False), (None, 1e9, False),
+                                                  ("cpu", 0.0, False)])
+def test_flops_skipped_on_the_cpu_say_no_time_was_saved(device, skipped, says):
+    report = _report()
+    report["summary"].update(device=device, attention_flops_dense=4e9, attention_flops_skipped=skipped,
+                             attention_flops_skipped_fraction=skipped / 4e9)
+    buf = io.StringIO()
+    render_summary(Console(file=buf, force_terminal=False, width=200, soft_wrap=True), report)
+    row = [line for line in buf.getvalue().splitlines() if line.startswith("attention FLOPs skipped")]
+    assert len(row) == 1 and ("(CPU reference: no time saved)" in row[0]) == says, row

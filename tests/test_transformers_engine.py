@@ -211,6 +211,18 @@ def test_engine_sparse_layers_report_density(model_dir):
         r = eng.generate(eng.encode_chat(None, " ".join(WORDS * 5)), max_new_tokens=2)
     assert r.stats.density < 1.0 and r.stats.attention_flops_skipped > 0
     assert all(len(h) == HKV for h in r.stats.density_per_layer_head)
+    # the CPU reference computes every block: the summary's skipped FLOPs say they saved no time
+    import io
+
+    from rich.console import Console
+
+    from fpcli.report import ask_report, render_summary
+
+    assert r.device == "cpu"
+    buf = io.StringIO()
+    render_summary(Console(file=buf, force_terminal=False, width=200, soft_wrap=True), ask_report(r, "q?", [], None, prof))
+    row = [line for line in buf.getvalue().splitlines() if line.startswith("attention FLOPs skipped")]
+    assert len(row) == 1 and row[0].endswith("(CPU reference: no time saved)"), row
 
 
 def test_engine_greedy_matches_transformers_generate(model_dir):

@@ -107,6 +107,9 @@ class GenerationResult:
 
     ``queued_s``: seconds the request waited in the resident engine's queue before its engine took
     it (set by the server; 0 in-process). ``ttft_s`` and ``total_s`` start when the engine took it.
+
+    ``device``: where the attention ran, ``"cpu"`` or ``"cuda"`` (``None``: the engine does not
+    say); on the CPU the sparse path is the PyTorch reference, which computes every block.
     """
 
     text: str
@@ -123,6 +126,7 @@ class GenerationResult:
     precision: str = "bf16"
     cached_tokens: int = 0
     queued_s: float = 0.0
+    device: str | None = None
 
     @property
     def decode_tokens_per_s(self) -> float:

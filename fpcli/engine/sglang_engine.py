@@ -723,6 +723,7 @@ class SGLangEngine:
             stats=stats,
             finish_reason=_finish_reason(meta),
             precision=precision,
+            device="cuda",
             cached_tokens=int(meta.get("cached_tokens", 0) or 0),
         )
         result.rid = rid
@@ -787,7 +788,7 @@ class SGLangEngine:
                 text=self.tokenizer.decode(ids, skip_special_tokens=True), prompt_tokens=int(meta.get("prompt_tokens", len(p))),
                 output_tokens=len(ids), ttft_s=total, prefill_s=prefill_s, total_s=total, engine=self.name,
                 model=self.model_name, profile=self.profile_name, stats=stats, finish_reason=_finish_reason(meta),
-                precision=precision,
+                precision=precision, device="cuda",
             )
             res.rid = rid
             results.append(res)

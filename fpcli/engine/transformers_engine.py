@@ -295,6 +295,7 @@ class TransformersEngine:
             finish_reason=finish,
             precision=precision,
             cached_tokens=cached,
+            device=self.device.type,
         )
 
     def _take_cache(self, prompt_ids: list[int]):
