@@ -75,7 +75,7 @@ SUMMARY_KEYS = {
     "cached_tokens", "wall_s", "engine_start_s", "stages_s",
     "engine", "model", "profile", "precision", "precision_requested", "attention", "min_sparse_len", "density", "density_per_layer_head",
     "attention_flops_dense", "attention_flops_skipped", "attention_flops_skipped_fraction", "index_ms", "attention_ms",
-    "native_context", "context", "rope_scaling", "engine_start_phases",
+    "native_context", "context", "rope_scaling", "engine_start_phases", "device",
     "cached_tokens", "server",
 }
 
