@@ -126,6 +126,8 @@ class Prompt:
             the prompt without the question was fitted to ``budget - question_room`` tokens, so
             every question up to that length reuses the same cut documents; 0 when nothing was
             cut or the documents were cut for this (longer) question.
+        reserved: tokens of the context the engine keeps from a request beyond its prompt and
+            answer (``engine_reserve``; SGLang: at least 2); ``budget`` leaves them free.
     """
 
     system: str
@@ -137,6 +139,7 @@ class Prompt:
     cuts: list[Cut] = field(default_factory=list)
     documents: list[tuple[str, str]] = field(default_factory=list)
     question_room: int = 0
+    reserved: int = 0
 
     @property
     def tokens(self) -> int:
@@ -144,7 +147,7 @@ class Prompt:
 
     @property
     def budget(self) -> int:
-        return self.context_length - self.max_new_tokens
+        return self.context_length - self.max_new_tokens - self.reserved
 
     @property
     def budget_note(self) -> str | None:
@@ -166,6 +169,7 @@ class Prompt:
             "budget": self.budget,
             "budget_note": self.budget_note,
             "question_room": self.question_room,
+            "reserved": self.reserved,
             "doc_tokens": dict(self.doc_tokens),
             "truncated": bool(self.cuts),
             "cuts": [c.to_dict() for c in self.cuts],
@@ -203,6 +207,14 @@ class FitCache:
     tokenizer_id: str
 
 
+def engine_reserve(engine, max_new_tokens: int) -> int:
+    """Tokens of the context ``engine`` keeps from a request beyond its prompt and its
+    ``max_new_tokens`` answer tokens (its ``context_reserve``, e.g. SGLang's; 0 for an engine
+    without one, like the transformers engine)."""
+    reserve = getattr(engine, "context_reserve", None)
+    return int(reserve(max_new_tokens)) if callable(reserve) else 0
+
+
 def build_prompt(
     docs: Sequence[DocLike],
     question: str,
@@ -213,7 +225,8 @@ def build_prompt(
     cut: str = "middle",
     fit_cache: FitCache | None = None,
 ) -> Prompt:
-    """Build the chat prompt and fit it to ``context_length - max_new_tokens`` tokens.
+    """Build the chat prompt and fit it to ``context_length - max_new_tokens`` tokens, less what
+    the engine keeps free (``engine_reserve``).
 
     Args:
         docs: documents with ``name`` and ``text`` (``fpcli.ingest.Document``; a ``page_of`` method
@@ -243,7 +256,8 @@ def build_prompt(
     if cut not in CUT_MODES:
         raise ValueError(f"cut must be one of {CUT_MODES}, got {cut!r}")
     ctx = min(engine.context_length, context_length) if context_length else engine.context_length
-    budget = ctx - max_new_tokens
+    reserved = engine_reserve(engine, max_new_tokens)
+    budget = ctx - max_new_tokens - reserved
     if max_new_tokens < 1 or budget <= 0:
         raise NoRoomError(
             f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's context of {ctx} tokens"
@@ -290,7 +304,7 @@ def build_prompt(
     def make(pairs_: Sequence[tuple[str, str]], cuts_: list[Cut], question_: str = question) -> Prompt:
         user = format_user(pairs_, question_)
         return Prompt(system or "", user, engine.encode_chat(system, user), ctx, max_new_tokens, doc_tokens, cuts_,
-                      list(pairs_))
+                      list(pairs_), reserved=reserved)
 
     if entry["whole_tokens"] is not None and entry["whole_tokens"] <= budget + WHOLE_MARGIN_TOKENS:
         prompt = make(pairs, [])

@@ -42,6 +42,7 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
         "prompt": {"prompt_tokens", "context_length", "max_new_tokens", "budget",
                    "budget_note",   # null, or why the documents got little room (the answer reserve)
                    "question_room", # tokens of the budget a cut kept for any question (0: not cut, or cut for this one)
+                   "reserved",      # tokens the engine keeps free beyond prompt and answer (SGLang: >= 2)
                    "doc_tokens",
                    "truncated", "cuts": [{"file", "tokens_total", "tokens_kept", "tokens_dropped",
                                           "where", "char_start", "char_end", "first_page", "last_page"}]}
@@ -414,12 +415,13 @@ def render_cuts(console: Console, prompt) -> None:
     """Say what was cut to fit the context (never silently)."""
     if not prompt.cuts:
         return
+    kept = f" - {prompt.reserved} kept by the engine" if prompt.reserved else ""
     room = (f"; fitted to {prompt.budget - prompt.question_room:,} tokens, keeping {prompt.question_room:,} "
             "for the question" if prompt.question_room else "")
     console.print(
         Text(
             f"note: the documents exceed the prompt budget of {prompt.budget:,} tokens "
-            f"(context {prompt.context_length:,} - {prompt.max_new_tokens:,} for the answer){room}; cut:",
+            f"(context {prompt.context_length:,} - {prompt.max_new_tokens:,} for the answer{kept}){room}; cut:",
             style="yellow",
         )
     )

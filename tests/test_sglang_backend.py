@@ -925,3 +925,31 @@ def test_sglang_engine_reports_the_precision_that_runs():
     fp16 = load_profile("bf16")
     fp16 = fp16.replace(engine=__import__("dataclasses").replace(fp16.engine, dtype="float16"))
     assert attention_precision(fp16) == "fp16"
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 5, 6, 32, 256])
+def test_a_fitted_prompt_gets_its_whole_answer_from_sglang(n):
+    """A document that fills the budget: SGLang (0.5.17) must accept the fitted prompt
+    (``validate_input_length``: prompt < max_req_len - 5, max_req_len = context - 1) and leave it
+    all ``n`` answer tokens (``sglang_answer_cap``); before, the budget was context - n, so the
+    answer got n - 2 tokens and a prompt for n <= 6 was refused."""
+    from fp_fakes import FakeEngine
+
+    from fpcli.engine.sglang_engine import SGLangEngine, kv_pool_tokens
+    from fpcli.prompt import SYSTEM_PROMPT, build_prompt, format_user
+
+    class SGLangSized(FakeEngine):  # the fake's tokenizer, the real SGLang engine's reserve
+        context_reserve = staticmethod(SGLangEngine.context_reserve)
+
+    context, page = 2048, 64
+    eng = SGLangSized(context_length=context)
+    doc = type("Doc", (), {"name": "a.txt", "text": ""})()
+    empty = len(eng.encode_chat(SYSTEM_PROMPT, format_user([("a.txt", "")], "Where?")))
+    doc.text = " ".join(f"w{i}" for i in range(context - n - empty))  # whole: exactly context - n tokens
+    assert len(eng.encode_chat(SYSTEM_PROMPT, format_user([("a.txt", doc.text)], "Where?"))) == context - n
+    prompt = build_prompt([doc], "Where?", eng, max_new_tokens=n)
+    max_req_len = context - 1
+    assert prompt.tokens < max_req_len - 5, prompt.tokens
+    pool = kv_pool_tokens(context, 1, page)
+    assert sglang_answer_cap(pool, context, page, prompt.tokens, n) == n
+    assert prompt.to_dict()["reserved"] == prompt.reserved >= 2

@@ -170,9 +170,10 @@ class _ChatLoop:
     def prompt_for(self, question: str):
         """The ``Prompt`` of ``question`` (documents, the turns that fit, the question), or ``None``
         after saying why it cannot fit."""
-        from fpcli.prompt import SYSTEM_PROMPT, Prompt, format_user
+        from fpcli.prompt import SYSTEM_PROMPT, Prompt, engine_reserve, format_user
 
-        budget = self.ctx - self.max_new_tokens
+        reserved = engine_reserve(self.eng, self.max_new_tokens)
+        budget = self.ctx - self.max_new_tokens - reserved
         turns = list(self.turns) if self.history else []
         while True:
             user = format_user(self.fitted.documents, question, turns)
@@ -192,7 +193,7 @@ class _ChatLoop:
             )
             return None
         return Prompt(SYSTEM_PROMPT, user, ids, self.ctx, self.max_new_tokens, dict(self.fitted.doc_tokens),
-                      list(self.fitted.cuts), list(self.fitted.documents), self.fitted.question_room)
+                      list(self.fitted.cuts), list(self.fitted.documents), self.fitted.question_room, reserved)
 
     def answer(self, question: str) -> None:
         from fpcli.prefill_progress import PrefillDisplay

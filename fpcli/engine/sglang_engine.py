@@ -139,6 +139,16 @@ def decode_graph_batch_sizes(max_bs: int) -> list[int]:
     return sizes + [int(max_bs)]
 
 
+def context_reserve(max_new_tokens: int) -> int:
+    """Tokens of the context SGLang (0.5.17) keeps from a request beyond its prompt and its
+    ``max_new_tokens``: a prompt must leave them free to get its whole answer. SGLang's
+    ``max_req_len`` is ``context - 1`` and ``Scheduler.init_req_max_new_tokens`` caps the answer
+    at ``max_req_len - prompt - 1`` (2 tokens); ``validate_input_length`` refuses a prompt of
+    ``max_req_len - 5`` tokens or more (a prompt is at most ``context - 7``: ``7 - max_new_tokens``
+    for an answer shorter than 5). Example: ``context_reserve(256) == 2``, ``context_reserve(1) == 6``."""
+    return max(2, 7 - int(max_new_tokens))
+
+
 POOL_SPARE_PAGES = 2
 """Pages the KV pool holds beyond ``max_requests`` whole contexts (``kv_pool_tokens``)."""
 
@@ -629,6 +639,11 @@ class SGLangEngine:
         return self.warmup_s
 
     # -- tokens --------------------------------------------------------------------------------
+    @staticmethod
+    def context_reserve(max_new_tokens: int) -> int:
+        """Tokens a prompt leaves free beyond the answer (module ``context_reserve``)."""
+        return context_reserve(max_new_tokens)
+
     def encode_chat(self, system: str | None, user: str) -> list[int]:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

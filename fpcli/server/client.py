@@ -111,6 +111,13 @@ class RemoteEngine:
             raise RuntimeError(f"the resident engine refused {path}: HTTP {r.status_code} {r.text[:200]}")
         return r.json()
 
+    def context_reserve(self, max_new_tokens: int) -> int:
+        """Tokens a prompt leaves free beyond the answer: the resident SGLang engine's
+        (``fpcli.engine.sglang_engine.context_reserve``), 0 for another engine."""
+        from fpcli.engine.sglang_engine import context_reserve
+
+        return context_reserve(max_new_tokens) if self.name == "sglang" else 0
+
     def encode_chat(self, system: str | None, user: str) -> list[int]:
         return [int(i) for i in self._post("/fp/encode_chat", {"system": system, "user": user})["ids"]]
 
