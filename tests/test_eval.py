@@ -117,6 +117,24 @@ def test_length_leaves_room_for_the_answer(tokenizer):
 
 
 @pytest.mark.slow
+def test_length_leaves_the_sglang_engine_its_reserve(tokenizer):
+    """--len equal to the context on the SGLang engine: the prompt also leaves the tokens SGLang
+    keeps beyond prompt and answer (its answer cap is context - 2 - prompt), so the task gets its
+    whole answer budget; before, the answer lost 2 tokens at the context's edge."""
+    from fpcli.engine.sglang_engine import SGLangEngine
+
+    class OnSGLang:  # the embedded model's tokenizer, the real SGLang engine's reserve
+        context_length = tokenizer.context_length
+        encode_chat = staticmethod(tokenizer.encode_chat)
+        context_reserve = staticmethod(SGLangEngine.context_reserve)
+
+    ctx, task = tokenizer.context_length, TASKS["niah_single"]
+    s = make_sample(task, ctx, 0, 0, GeneratedHaystack(), OnSGLang(), ctx)
+    assert s.target_tokens == ctx - task.max_new_tokens - SGLangEngine.context_reserve(task.max_new_tokens)
+    assert s.prompt_tokens + task.max_new_tokens <= ctx - 2  # SGLang: max_req_len (ctx - 1) - prompt - 1
+
+
+@pytest.mark.slow
 def test_seeds_are_deterministic_and_differ(tokenizer):
     def sample(seed, index=0, task="vt"):
         return make_sample(TASKS[task], 1024, index, seed, GeneratedHaystack(), tokenizer, 8192)

@@ -27,7 +27,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol, Sequence
 
-from fpcli.prompt import SYSTEM_PROMPT, format_user
+from fpcli.prompt import SYSTEM_PROMPT, engine_reserve, format_user
 from fpcli.ruler.haystack import Haystack, join_sentences
 
 DOCUMENT_NAME = "haystack.txt"
@@ -272,10 +272,11 @@ TASKS: dict[str, Task] = {
 # -- fitting to a length --------------------------------------------------------------------------
 
 
-def target_tokens(task: Task, length: int, context_length: int) -> int:
+def target_tokens(task: Task, length: int, context_length: int, reserve: int = 0) -> int:
     """The prompt length a sample of ``task`` aims at: ``--len``, or less when the answer budget
-    would not fit the context (e.g. ``--len 32k`` on a 32,768-token model)."""
-    return min(length, context_length - task.max_new_tokens)
+    and the ``reserve`` the engine keeps free (``fpcli.prompt.engine_reserve``) would not fit the
+    context (e.g. ``--len 32k`` on a 32,768-token model)."""
+    return min(length, context_length - task.max_new_tokens - reserve)
 
 
 def fit_units(measure: Callable[[int], int], target: int, first_guess: int = 64) -> tuple[int, int]:
@@ -308,14 +309,15 @@ def fit_units(measure: Callable[[int], int], target: int, first_guess: int = 64)
 
 def make_sample(task: Task, length: int, index: int, seed: int, haystack: Haystack, tokenizer: ChatEncoding,
                 context_length: int) -> Sample:
-    """One sample of ``task`` fitted to ``target_tokens(task, length, context_length)``.
+    """One sample of ``task`` fitted to ``target_tokens`` (with the reserve ``tokenizer``, the
+    engine, keeps free).
 
     Raises:
         TaskError: the length is too short for the task's fixed content (names the task and length).
     """
     rng = random.Random(f"fp.eval:{seed}:{task.name}:{length}:{index}")
     draft = task.draft(rng, haystack)
-    target = target_tokens(task, length, context_length)
+    target = target_tokens(task, length, context_length, engine_reserve(tokenizer, task.max_new_tokens))
     if isinstance(draft.document, _WordList):  # common-word repeats: as many as the length allows
         draft.document.repeats = _cwe_repeats(draft, tokenizer, target)
 
