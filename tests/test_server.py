@@ -252,6 +252,40 @@ def test_a_stale_state_never_removes_a_socket_a_live_server_listens_on(runner):
         live.close()
 
 
+def test_a_stale_state_cleaned_while_a_new_server_binds_leaves_its_socket(monkeypatch):
+    """A client that read a killed server's state cleans it (``clear_stale``) while a new server
+    binds the same path: it must not unlink the new server's socket between its bind and its
+    listen (a refused connect there looked like a leftover; the new server then listened on a
+    removed path, unreachable, and every client saw it 'hung')."""
+    import socket
+
+    from fpcli.server.serve import ServeConfig, bind
+    from fpcli.server.state import ServerState, clear_stale
+
+    paths = ServerPaths(Path(tempfile.mkdtemp(prefix="fp-")), Path(tempfile.mkdtemp(prefix="fp-log-")))
+    _left_socket(paths.socket, listening=False)  # what the killed server left
+    dead = ServerState(pid=_dead_pid(), address=f"unix:{paths.socket}", model="m", model_path="/m",
+                       profile="bf16", profile_hash="0", engine="transformers", started_at=0.0, version="0")
+    chmod = os.chmod
+
+    def chmod_then_clean(path, mode, *args, **kwargs):  # called by bind before it listens
+        chmod(path, mode, *args, **kwargs)
+        clear_stale(paths, dead)
+
+    monkeypatch.setattr(os, "chmod", chmod_then_clean)
+    sock, address, _ = bind(paths, ServeConfig())
+    monkeypatch.setattr(os, "chmod", chmod)
+    try:
+        assert address == f"unix:{paths.socket}" and paths.socket.is_socket()
+        assert stat.S_IMODE(paths.socket.stat().st_mode) == 0o600
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.connect(str(paths.socket))  # the new server's socket answers
+        client.close()
+        assert not [p for p in paths.runtime_dir.iterdir() if p != paths.socket]  # no temporary name left
+    finally:
+        sock.close()
+
+
 def test_detached_server_gets_fp_options_before_the_engine_settings():
     """``fp start -- --tp 2``: the server's command line parses back to engine settings ``--tp 2``
     alone, with ``--log`` read by fp serve, not passed to the engine."""

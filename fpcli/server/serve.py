@@ -64,17 +64,28 @@ def running_state(paths: ServerPaths) -> ServerState | None:
 
 
 def bind(paths: ServerPaths, config: ServeConfig) -> tuple[socket.socket, str, str | None]:
-    """(listening socket, address, token file) for ``config``; the Unix socket is 0600 from birth."""
+    """(listening socket, address, token file) for ``config``; the Unix socket is 0600 from birth.
+    It is bound and listening under a temporary name before it is renamed onto ``paths.socket``
+    (replacing a stale one: no live server, checked by the caller), so the path never names a
+    socket that refuses connections: a client cleaning a dead server's leftovers (``clear_stale``)
+    cannot take it for one."""
     if config.port is None:
-        paths.socket.unlink(missing_ok=True)  # a stale socket: no live server (checked by the caller)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        fresh = paths.socket.with_name(f".{paths.socket.name}.{os.getpid()}")
+        fresh.unlink(missing_ok=True)
         old = os.umask(0o177)
         try:
-            sock.bind(str(paths.socket))
+            sock.bind(str(fresh))
         finally:
             os.umask(old)
-        os.chmod(paths.socket, 0o600)
-        sock.listen(128)
+        try:
+            os.chmod(fresh, 0o600)
+            sock.listen(128)
+            os.replace(fresh, paths.socket)
+        except OSError:
+            sock.close()
+            fresh.unlink(missing_ok=True)
+            raise
         return sock, f"unix:{paths.socket}", None
     host = check_host(config.host)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
