@@ -796,11 +796,12 @@ def test_in_process_commands_load_a_one_request_engine(monkeypatch):
     (["ask", "{doc}", "What is the code?", "--no-server"], True),
     (["profile", "{doc}", "What is the code?", "--no-server"], True),
 ])
-def test_one_prompt_commands_skip_the_engine_warmup(runner, fake_engine, tmp_path, command, one_prompt):
+def test_one_prompt_commands_skip_the_engine_warmup(runner, fake_engine, tmp_path, monkeypatch, command, one_prompt):
     """fp ask / fp profile send one prompt: their in-process engine skips the start-up warm-up
     (the request is its own warm-up)."""
     from fpcli.cli import app
 
+    monkeypatch.chdir(tmp_path)  # fp profile writes its heatmap PNG into the working directory
     doc = tmp_path / "doc.txt"
     doc.write_text("Quarterly report.\nThe secret code is PLUM7.\nRevenue grew.\n", encoding="utf-8")
     r = runner.invoke(app, [a.format(doc=doc) for a in command], env={"COLUMNS": "200"})
