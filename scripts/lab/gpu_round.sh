@@ -3,7 +3,8 @@
 #   source .fpdev/bin/env.sh && bash scripts/lab/gpu_round.sh PART [PART...]
 # PARTs: kernels (operator GPU tests), fp8 (FP8 kernel tests), engines1 / engines2 / fp8engine (engine and CLI GPU
 # tests), user (fp start / fp ask x2 / fp status / fp stop / fp profile on real TeX manuals, as a user
-# runs them), eval (fp eval at 32K and 128K, dense / bf16 / fp8, two seeds), bench (fp bench). Logs and JSON land in $OUT; a short table is printed last.
+# runs them), eval (fp eval at 32K and 128K, dense / bf16 / fp8, two seeds), bench (fp bench), transformers (the
+# transformers engine's GPU tests), variants (scripts/lab/fp8_variants.py), cold (scripts/lab/cold_start.py). Logs and JSON land in $OUT; a short table is printed last.
 set -u
 OUT=${OUT:-$PWD/out-gpu}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/kernels:$PWD:${PYTHONPATH:-}
@@ -35,6 +36,10 @@ for part in "$@"; do
     engines2) pyt engines2 ${LIM:-540} tests/gpu/test_sglang_engine.py tests/gpu/test_sessions_gpu.py ;;
     fp8engine) pyt fp8engine ${LIM:-400} tests/gpu/test_fp8_engine.py ;;
     engines3) pyt engines3 ${LIM:-540} tests/gpu/test_cold_start.py tests/gpu/test_eval_gpu.py -s ;;
+    transformers) pyt transformers ${LIM:-300} tests/gpu/test_transformers_gpu.py -s ;;
+    variants) t python scripts/lab/fp8_variants.py --lens ${VARIANT_LENS:-128k,32k} \
+        --variants ${VARIANTS:-shipped,poly_fold,pipe_fold,meanvec,fusedidx,pipe_fold_meanvec_fusedidx} --out "$OUT" \
+        > "$OUT/variants.log" 2>&1; tail -${VARIANT_TAIL:-24} "$OUT/variants.log" | tee -a "$SUM" ;;
     user)
       DOC=.fpdocs/beameruserguide.pdf
       t fp start ${START_ARGS:-} > "$OUT/start.log" 2>&1; tail -3 "$OUT/start.log"
