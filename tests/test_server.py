@@ -487,6 +487,34 @@ def _remote(s: Servers):
     return RemoteEngine(state, probe(state), ClientConfig())
 
 
+@pytest.mark.parametrize("name,reserve", [("transformers", 5), ("sglang", 0)])
+def test_the_client_uses_the_reserve_the_server_reports(servers, name, reserve):
+    """The running engine's own reserve, whatever its name says (a name-based rule gave 0 and 2)."""
+    s = servers
+    _start(s, env={"FP_FAKE_ENGINE_NAME": name, "FP_FAKE_RESERVE": str(reserve)})
+    from fpcli.prompt import engine_reserve
+
+    with _remote(s) as eng:
+        assert eng.name == name
+        assert engine_reserve(eng, 256) == reserve and engine_reserve(eng, 1) == reserve
+
+
+def test_a_server_without_the_reserve_endpoint_gets_the_largest_reserve(servers):
+    """An older server (404 on ``/fp/context_reserve``): SGLang's reserve, the largest, for any engine."""
+    import httpx
+
+    from fpcli.engine.sglang_engine import context_reserve
+
+    s = servers
+    _start(s)
+    with _remote(s) as eng:
+        eng._http.close()
+        eng._http = httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(404)),
+                                 base_url="http://fp-engine")
+        assert eng.name != "sglang"
+        assert eng.context_reserve(256) == context_reserve(256) and eng.context_reserve(1) == context_reserve(1) == 6
+
+
 def test_busy_engine_queues_and_a_disconnect_cancels_only_its_request(servers):
     s = servers
     _start(s, env={"FP_FAKE_PIECES": "40", "FP_FAKE_STEP_S": "0.1"})

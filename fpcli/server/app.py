@@ -7,6 +7,8 @@ Endpoints for ``fpcli.server.client.RemoteEngine`` (JSON bodies):
 - ``POST /fp/encode_chat`` ``{system, user}`` -> ``{ids}``; ``POST /fp/count_tokens`` ``{text}``
   -> ``{tokens}``; ``POST /fp/token_starts`` ``{text}`` -> ``{starts}`` (character offset of each
   token); these run beside a generation, not queued behind it.
+- ``POST /fp/context_reserve`` ``{max_new_tokens}`` -> ``{tokens}``: the tokens of the context the
+  engine keeps from a request beyond its prompt and answer (``fpcli.prompt.engine_reserve``).
 - ``POST /fp/generate`` ``{prompt_ids, max_new_tokens, temperature}`` -> NDJSON stream: ``{"text":
   piece}`` lines, ``{}`` heartbeats every ``heartbeat_s`` while waiting or prefilling, then one
   ``{"result": GenerationResult.to_dict()}`` or ``{"error": message}`` line.
@@ -78,6 +80,10 @@ class EncodeChatBody(BaseModel):
 
 class CountTokensBody(BaseModel):
     text: str
+
+
+class ReserveBody(BaseModel):
+    max_new_tokens: int = Field(ge=1)
 
 
 class GenerateBody(BaseModel):
@@ -215,6 +221,12 @@ def create_app(engine, info: ServerInfo, token: str | None = None, idle_s: float
     def token_starts(body: CountTokensBody) -> dict:
         with tokenizing:
             return {"starts": [int(i) for i in engine.token_starts(body.text)]}
+
+    @app.post("/fp/context_reserve")
+    def context_reserve(body: ReserveBody) -> dict:
+        from fpcli.prompt import engine_reserve
+
+        return {"tokens": int(engine_reserve(engine, body.max_new_tokens))}
 
     @app.post("/fp/shutdown")
     async def shutdown() -> dict:
