@@ -7,6 +7,20 @@ from rich.console import Console
 WIDE = 200  # columns for tables when stderr is not a terminal (logs, pipes): never wrap a row
 
 
+def _console(stderr: bool) -> Console:
+    console = Console(stderr=stderr, highlight=False)
+    if console.is_terminal:
+        return console
+    return Console(stderr=stderr, highlight=False, soft_wrap=True, width=max(WIDE, console.width))
+
+
+def stdout_console() -> Console:
+    """A rich console on stdout (a command's result), with ``stderr_console``'s rules: off a
+    terminal, lines are never hard-wrapped and tables get at least ``WIDE`` columns (tables wider
+    than that: ``print_table``)."""
+    return _console(stderr=False)
+
+
 def stderr_console() -> Console:
     """A rich console on stderr (built per call: test runners swap ``sys.stderr``).
 
@@ -15,10 +29,7 @@ def stderr_console() -> Console:
     warning = one line, greppable), tables get a wide fixed width so rows do not wrap, and
     ``is_terminal`` is False, which callers use to skip progress bars.
     """
-    console = Console(stderr=True, highlight=False)
-    if console.is_terminal:
-        return console
-    return Console(stderr=True, highlight=False, soft_wrap=True, width=max(WIDE, console.width))
+    return _console(stderr=True)
 
 
 def print_table(table, stderr: bool = False) -> None:
@@ -26,7 +37,7 @@ def print_table(table, stderr: bool = False) -> None:
     otherwise shrink columns and cut cells with "…" (a narrow terminal wraps the line instead,
     which keeps every cell copyable)."""
     need = Console(width=10_000).measure(table).maximum
-    base = stderr_console() if stderr else Console()
+    base = _console(stderr)
     Console(stderr=stderr, width=max(base.width, need), highlight=False).print(table)
 
 

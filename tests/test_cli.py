@@ -638,6 +638,24 @@ def test_profile_heatmap_png_and_json(runner, fake_engine, doc, tmp_path):
     assert f"heatmap written to {png}" in r.stderr          # said with --json too (stdout stays JSON)
 
 
+def test_profile_tables_in_a_pipe_keep_each_row_on_one_line(runner, fake_engine, doc, tmp_path, monkeypatch):
+    """Off a terminal (CliRunner's stdout is a pipe) a heatmap of 40 KV heads (~130 columns) keeps
+    each layer's row whole: rich's 80-column default split it."""
+    from fp_fakes import FakeEngine
+
+    made = FakeEngine.__init__
+
+    def many_heads(self, *a, **kw):
+        made(self, *a, **{**kw, "num_kv_heads": 40})
+
+    monkeypatch.setattr(FakeEngine, "__init__", many_heads)
+    r = invoke(runner, ["profile", str(doc), "--png", str(tmp_path / "h.png")], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    rows = [ln.split() for ln in r.stdout.splitlines()]
+    layers = [row for row in rows if len(row) == 1 + 40 + 1 and row[-1].endswith("%")]  # layer, 40 cells, mean
+    assert [int(row[0]) for row in layers] == list(range(fake_engine().num_layers))
+
+
 def test_profile_fp8_error_unavailable_is_said(runner, fake_engine, doc, tmp_path):
     r = invoke(runner, ["profile", str(doc), "--fp8", "--png", str(tmp_path / "h.png")])
     assert r.exit_code == 0 and "FP8-vs-BF16 error per layer: unavailable" in r.stdout
