@@ -45,7 +45,7 @@ def profile_cmd(
 
 
 def _profile(file, question, fp8, png, model, profile, engine, password, json_out, verbose, context, no_server) -> None:
-    from fpcli.console import print_table, stdout_console
+    from fpcli.console import print_table, stdout_console, warning
     from fpcli.ingest import check_paths, ingest
     from fpcli.prompt import NoRoomError, PromptError, build_prompt
     from fpcli.report import density_grid, density_line, density_summary, heatmap_legend, heatmap_table, render_ingestion, write_heatmap_png
@@ -140,7 +140,7 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
             write_heatmap_png(png_path, grid, title=f"{Path(file).name}: {result.prompt_tokens:,} tokens, {result.model}, {prof.name}")
             data["png"] = str(png_path)
         except OSError as exc:
-            err.print(f"[yellow]warning: cannot write {png_path}: {exc.strerror or exc}[/]")
+            warning(err, f"cannot write {png_path}: {exc.strerror or exc}")
 
     if fp8_grid and any(fp8_grid) and data["png"]:
         from fpcli.report import FP8_ERROR_SCALE
@@ -151,7 +151,7 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
                               title=f"{Path(file).name}: FP8 vs BF16 output, relative L2 ({result.model}, {prof.name})")
             data["png_fp8"] = str(fp8_png)
         except OSError as exc:
-            err.print(f"[yellow]warning: cannot write {fp8_png}: {exc.strerror or exc}[/]")
+            warning(err, f"cannot write {fp8_png}: {exc.strerror or exc}")
     if data["png"]:
         err.print(f"heatmap written to {data['png']}", highlight=False, soft_wrap=True)
     if data["png_fp8"]:

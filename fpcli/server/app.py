@@ -159,7 +159,9 @@ def create_app(engine, info: ServerInfo, token: str | None = None, idle_s: float
         while True:
             await asyncio.sleep(min(1.0, idle_s / 4))
             if counters.busy == 0 and counters.queued == 0 and time.monotonic() - counters.last_activity >= idle_s:
-                print(f"fp: no request for {idle_s:g} s (the idle limit): stopping", file=sys.stderr, flush=True)
+                from fpcli.console import note, stderr_console
+
+                note(stderr_console(), f"no request for {idle_s:g} s (the idle limit): stopping")
                 stop()
                 return
 
