@@ -40,7 +40,8 @@ class SlowFakeEngine(FakeEngine):
         self.pieces, self.step_s, self.prefill_steps = pieces, step_s, prefill_steps
         self.child = None
 
-    def generate(self, prompt_ids, max_new_tokens=256, temperature=0.0, on_text=None, on_progress=None) -> GenerationResult:
+    def generate(self, prompt_ids, max_new_tokens=256, temperature=0.0, on_text=None, on_progress=None,
+                 on_cached=None) -> GenerationResult:
         n = len(prompt_ids)
         _trace(f"start {n}")
         t0 = time.perf_counter()

@@ -212,6 +212,7 @@ class _ChatLoop:
                 result = self.eng.generate(
                     prompt.ids, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                     on_text=None if self.json_out else display.wrap(stream), on_progress=display.on_progress,
+                    on_cached=display.on_cached,
                 )
         except KeyboardInterrupt:  # cancels this answer only; the session goes on
             sys.stdout.write("\n")

@@ -156,9 +156,11 @@ class RemoteEngine:
         temperature: float = 0.0,
         on_text: Callable[[str], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
+        on_cached: Callable[[int], None] | None = None,
     ) -> GenerationResult:
-        """As ``Engine.generate`` (``on_progress`` is not called: the prefill runs in the server's
-        process); waits in the server's queue while it is busy. Interrupting
+        """As ``Engine.generate``: ``on_cached`` and ``on_progress`` get what the server's engine
+        reports (its ``{"cached"}`` and ``{"progress"}`` lines; a server of an older fp sends
+        neither); waits in the server's queue while it is busy. Interrupting
         (KeyboardInterrupt) closes the connection, which cancels this request on the server.
 
         Raises:
@@ -181,6 +183,12 @@ class RemoteEngine:
                     if "text" in msg:
                         if on_text is not None:
                             on_text(msg["text"])
+                    elif "cached" in msg:
+                        if on_cached is not None:
+                            on_cached(int(msg["cached"]))
+                    elif "progress" in msg:
+                        if on_progress is not None:
+                            on_progress(*(int(x) for x in msg["progress"]))
                     elif "result" in msg:
                         return GenerationResult.from_dict(msg["result"])
                     elif "error" in msg:
