@@ -3,8 +3,23 @@ stdout carries answers and ``--json``)."""
 from __future__ import annotations
 
 from rich.console import Console
+from rich.text import Text
 
 WIDE = 200  # columns for tables when stderr is not a terminal (logs, pipes): never wrap a row
+
+
+def _console(stderr: bool) -> Console:
+    console = Console(stderr=stderr, highlight=False)
+    if console.is_terminal:
+        return console
+    return Console(stderr=stderr, highlight=False, soft_wrap=True, width=max(WIDE, console.width))
+
+
+def stdout_console() -> Console:
+    """A rich console on stdout (a command's result), with ``stderr_console``'s rules: off a
+    terminal, lines are never hard-wrapped and tables get at least ``WIDE`` columns (tables wider
+    than that: ``print_table``)."""
+    return _console(stderr=False)
 
 
 def stderr_console() -> Console:
@@ -15,10 +30,7 @@ def stderr_console() -> Console:
     warning = one line, greppable), tables get a wide fixed width so rows do not wrap, and
     ``is_terminal`` is False, which callers use to skip progress bars.
     """
-    console = Console(stderr=True, highlight=False)
-    if console.is_terminal:
-        return console
-    return Console(stderr=True, highlight=False, soft_wrap=True, width=max(WIDE, console.width))
+    return _console(stderr=True)
 
 
 def print_table(table, stderr: bool = False) -> None:
@@ -26,8 +38,49 @@ def print_table(table, stderr: bool = False) -> None:
     otherwise shrink columns and cut cells with "…" (a narrow terminal wraps the line instead,
     which keeps every cell copyable)."""
     need = Console(width=10_000).measure(table).maximum
-    base = stderr_console() if stderr else Console()
+    base = _console(stderr)
     Console(stderr=stderr, width=max(base.width, need), highlight=False).print(table)
+
+
+LEVELS = {"error": "bold red", "warning": "yellow", "note": "dim"}
+"""The levels of ``diagnostic`` and the style of each one's prefix."""
+
+
+def diagnostic_text(level: str, message: str) -> Text:
+    """``fp: <level>: <message>`` as a rich ``Text`` (``message`` is plain text: no markup).
+
+    Raises:
+        ValueError: ``level`` is not one of ``LEVELS``.
+    """
+    if level not in LEVELS:
+        raise ValueError(f"diagnostic level: expected one of {', '.join(LEVELS)}, got {level!r}")
+    return Text.assemble((f"fp: {level}:", LEVELS[level]), " ", message)
+
+
+def diagnostic(console: Console, level: str, message: str) -> None:
+    """Print one diagnostic on ``console`` (stderr) as ``fp: error: ...``, ``fp: warning: ...`` or
+    ``fp: note: ...``: the one form of every error, warning and note fp prints (never wrapped
+    off a terminal: one message, one greppable line).
+
+    Raises:
+        ValueError: ``level`` is not one of ``LEVELS``.
+    """
+    console.print(diagnostic_text(level, message), soft_wrap=not console.is_terminal, highlight=False)
+
+
+def error(console: Console, message: str) -> None:
+    """``diagnostic(console, "error", message)``."""
+    diagnostic(console, "error", message)
+
+
+def warning(console: Console, message: str) -> None:
+    """``diagnostic(console, "warning", message)``."""
+    diagnostic(console, "warning", message)
+
+
+def note(console: Console, message: str) -> None:
+    """``diagnostic(console, "note", message)``."""
+    diagnostic(console, "note", message)
 
 
 def step_progress(console: Console, *, disable: bool = False):

@@ -78,7 +78,7 @@ class Document:
         notes: one line each: facts worth knowing that are not problems (e.g. decrypted).
         warnings: one line each, for the user: the text may be incomplete or wrong.
         error: why the file was skipped, or ``None`` (the reason only: the CLI prints it after
-            "skipped: ").
+            "fp: warning: skipped ").
         from_cache: the text came from fp's document cache (``fpcli.doccache``), not a new read.
     """
 

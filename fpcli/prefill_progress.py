@@ -1,8 +1,12 @@
 """The live "prefilling N tokens" line on a terminal's stderr, gone before the answer streams.
 
 A spinner with the elapsed time from submission; when the engine reports progress (the
-transformers engine: decoder layers done of all layers) a bar, percentage and ETA. Only on a
-terminal: in a log or a pipe nothing is drawn (the command prints its one static line).
+transformers engine: decoder layers done of all layers) a bar, percentage and ETA. When the
+engine says before the prefill how many prompt tokens its KV cache serves (``on_cached``: the
+transformers engine, in-process or resident), the line counts only the others ("prefilling 40
+tokens (773 cached)"); an engine that learns it only after the prefill (SGLang) shows the whole
+prompt, and no ETA. Only on a terminal: in a log or a pipe nothing is drawn (the command prints
+its one static line).
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ class PrefillDisplay:
 
     Args:
         console: the stderr console.
-        tokens: prompt tokens to prefill (for the label).
+        tokens: the prompt's tokens (for the label, less the cached ones ``on_cached`` reports).
         enabled: draw at all (``False`` for ``--quiet`` / ``--json``).
     """
 
@@ -31,12 +35,12 @@ class PrefillDisplay:
     def __enter__(self) -> "PrefillDisplay":
         if self.enabled:
             self._progress = Progress(
-                SpinnerColumn(), TextColumn(f"prefilling {self.tokens:,} tokens"), BarColumn(),
+                SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                 TaskProgressColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
                 console=self.console, transient=True,
             )
             self._progress.start()
-            self._task = self._progress.add_task("prefill", total=None)
+            self._task = self._progress.add_task(self.label(), total=None)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -47,11 +51,28 @@ class PrefillDisplay:
         """Whether the live line is on screen."""
         return self._progress is not None
 
+    @property
+    def line(self) -> str | None:
+        """The live line's label now (``None``: not on screen)."""
+        return self._progress.tasks[0].description if self._progress is not None else None
+
     def stop(self) -> None:
         """Remove the line (idempotent)."""
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+    def label(self, cached: int = 0) -> str:
+        """``prefilling 813 tokens``, or with ``cached`` prompt tokens served by the KV cache
+        ``prefilling 40 tokens (773 cached)``."""
+        if cached <= 0:
+            return f"prefilling {self.tokens:,} tokens"
+        return f"prefilling {max(0, self.tokens - cached):,} tokens ({cached:,} cached)"
+
+    def on_cached(self, tokens: int) -> None:
+        """The engine's count of prompt tokens its KV cache serves (before the prefill)."""
+        if self._progress is not None:
+            self._progress.update(self._task, description=self.label(int(tokens)))
 
     def on_progress(self, done: int, total: int) -> None:
         if self._progress is not None:

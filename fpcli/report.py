@@ -61,6 +61,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from fpcli.console import note, warning
+
 SCHEMA = "fp.ask/1"
 
 
@@ -401,14 +403,15 @@ def density_line(d: dict, attention: str | None = None, prompt_tokens: int | Non
 
 
 def render_ingestion(console: Console, docs: Sequence) -> None:
-    """Warnings and errors of every document, one line each."""
+    """Notes, warnings and the reason a file was skipped, of every document: one ``fp: note:`` /
+    ``fp: warning:`` line each (``fpcli.console``)."""
     for d in docs:
         if d.error:
-            console.print(Text(f"skipped: {d.error}", style="red"))
+            warning(console, f"skipped {d.error}")  # the command goes on with the other files
         for n in getattr(d, "notes", []):
-            console.print(Text(f"note: {n}", style="dim"))
+            note(console, n)
         for w in d.warnings:
-            console.print(Text(f"warning: {w}", style="yellow"))
+            warning(console, w)
 
 
 def render_cuts(console: Console, prompt) -> None:
@@ -418,17 +421,12 @@ def render_cuts(console: Console, prompt) -> None:
     kept = f" - {prompt.reserved} kept by the engine" if prompt.reserved else ""
     room = (f"; fitted to {prompt.budget - prompt.question_room:,} tokens, keeping {prompt.question_room:,} "
             "for the question" if prompt.question_room else "")
-    console.print(
-        Text(
-            f"note: the documents exceed the prompt budget of {prompt.budget:,} tokens "
-            f"(context {prompt.context_length:,} - {prompt.max_new_tokens:,} for the answer{kept}){room}; cut:",
-            style="yellow",
-        )
-    )
+    note(console, f"the documents exceed the prompt budget of {prompt.budget:,} tokens "
+                  f"(context {prompt.context_length:,} - {prompt.max_new_tokens:,} for the answer{kept}){room}; cut:")
     for c in prompt.cuts:
         console.print(Text(f"  {c.describe()}", style="yellow"))
     if prompt.budget_note:
-        console.print(Text(f"warning: {prompt.budget_note}", style="yellow"))
+        warning(console, prompt.budget_note)
 
 
 # -- density heatmaps ----------------------------------------------------------------------------

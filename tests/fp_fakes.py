@@ -78,6 +78,7 @@ class FakeEngine:
         temperature: float = 0.0,
         on_text: Callable[[str], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
+        on_cached: Callable[[int], None] | None = None,  # no KV cache kept: never called, like SGLang
     ) -> GenerationResult:
         if len(prompt_ids) + max_new_tokens > self.context_length:
             raise ValueError(

@@ -10,6 +10,7 @@ Environment knobs (read by ``load`` in the server process):
   ``start N`` (a generation of N prompt tokens began), ``stop N K`` (it ended after K pieces,
   raised from on_text), ``done N K``, ``args ...`` (the engine settings it was given, if any).
 - ``FP_FAKE_ENGINE_NAME``: the engine's ``name`` (e.g. ``sglang``: a server that says it runs SGLang).
+- ``FP_FAKE_RESERVE``: the engine's ``context_reserve`` (tokens, any answer length); unset: none.
 - ``FP_FAKE_CHILD=1``: the engine starts a ``sleep`` child (like SGLang's scheduler) and leaks it
   (``close`` leaves it running): ``fp stop`` must still leave no process behind.
 """
@@ -39,7 +40,8 @@ class SlowFakeEngine(FakeEngine):
         self.pieces, self.step_s, self.prefill_steps = pieces, step_s, prefill_steps
         self.child = None
 
-    def generate(self, prompt_ids, max_new_tokens=256, temperature=0.0, on_text=None, on_progress=None) -> GenerationResult:
+    def generate(self, prompt_ids, max_new_tokens=256, temperature=0.0, on_text=None, on_progress=None,
+                 on_cached=None) -> GenerationResult:
         n = len(prompt_ids)
         _trace(f"start {n}")
         t0 = time.perf_counter()
@@ -76,6 +78,9 @@ def load(engine="auto", model=None, profile=None, progress=None, **kwargs) -> Sl
                          profile=getattr(profile, "name", str(profile)),
                          model_name=os.path.basename(str(model)) if model else "fake-model")
     eng.name = os.environ.get("FP_FAKE_ENGINE_NAME", eng.name)
+    if os.environ.get("FP_FAKE_RESERVE"):
+        reserve = int(os.environ["FP_FAKE_RESERVE"])
+        eng.context_reserve = lambda max_new_tokens: reserve
     if os.environ.get("FP_FAKE_CHILD") == "1":
         eng.child = subprocess.Popen(["sleep", "300"])
         _trace(f"child {eng.child.pid}")

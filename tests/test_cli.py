@@ -361,9 +361,9 @@ def test_stderr_lines_are_not_wrapped_when_not_a_terminal(runner, fake_engine, d
     long_name.write_bytes(b"<html><body>gone</body></html>")
     r = invoke(runner, ["ask", str(long_name), str(doc), "q?"], env={"COLUMNS": "80"})
     assert r.exit_code == 0, r.output
-    skipped = [line for line in r.stderr.splitlines() if line.startswith("skipped: ")]
+    skipped = [line for line in r.stderr.splitlines() if line.startswith("fp: warning: skipped ")]
     assert len(skipped) == 1 and str(long_name) in skipped[0]
-    assert skipped[0].count("skipped") == 1  # "skipped: NAME: not a PDF file ...", not "...; skipped" again
+    assert skipped[0].count("skipped") == 1  # "skipped NAME: not a PDF file ...", not "...; skipped" again
     density = [line for line in r.stderr.splitlines() if line.startswith("attention density")]
     assert len(density) == 1 and density[0].rstrip().endswith("(all 4 layers)")  # one table row, one line
 
@@ -395,7 +395,34 @@ def test_encrypted_empty_password_is_a_note(runner, fake_engine, tmp_path):
     encrypt_pdf(make_pdf(["The secret code is OPEN1"]), "", path)
     r = invoke(runner, ["ask", str(path), "q?"])
     assert r.exit_code == 0, r.output
-    assert "note: " in r.stderr and "empty password" in r.stderr and "warning:" not in r.stderr
+    assert "fp: note: " in r.stderr and "empty password" in r.stderr and "warning:" not in r.stderr
+
+
+DIAGNOSTIC_WORDS = ("error:", "warning:", "note:", "skipped")
+
+
+def _diagnostics(stderr: str) -> list[str]:
+    """The stderr lines that carry an error, warning, note or skipped file (not the summary rows)."""
+    return [ln for ln in stderr.splitlines() if any(w in ln for w in DIAGNOSTIC_WORDS)
+            and not ln.startswith(("attention FLOPs skipped", "  "))]
+
+
+def test_every_diagnostic_has_fps_prefix(runner, fake_engine, doc, tmp_path):
+    """Skipped files, notes, warnings and errors all read ``fp: <level>: ...`` (they read ``skipped:``,
+    ``note:``, ``warning:`` and ``fp: error:`` before)."""
+    bad = tmp_path / "broken.pdf"
+    bad.write_bytes(b"<html><body>gone</body></html>")
+    pw = tmp_path / "empty-pw.pdf"
+    encrypt_pdf(make_pdf(["The secret code is OPEN1"]), "", pw)
+    r = invoke(runner, ["ask", str(bad), str(pw), str(doc), "q?", "--profile", "fp8"], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    lines = _diagnostics(r.stderr)
+    levels = {ln.split(":")[1].strip() for ln in lines}
+    assert levels == {"warning", "note"}, r.stderr  # the skipped file, the password note
+    assert all(ln.startswith(("fp: warning: ", "fp: note: ")) for ln in lines), r.stderr
+    r = invoke(runner, ["ask", str(bad), "q?"])
+    lines = _diagnostics(r.stderr)
+    assert r.exit_code == 1 and lines and all(ln.startswith(("fp: warning: ", "fp: error: ")) for ln in lines), r.stderr
 
 
 def test_summary_labels_density_scope_and_dense_times(runner, fake_engine, doc):
@@ -636,6 +663,24 @@ def test_profile_heatmap_png_and_json(runner, fake_engine, doc, tmp_path):
     assert data["fp8_rel_l2_per_layer"] is None and data["png"] == str(png)  # the fake does not compare
     assert fake_engine().requested["profile"].precision == "fp8"
     assert f"heatmap written to {png}" in r.stderr          # said with --json too (stdout stays JSON)
+
+
+def test_profile_tables_in_a_pipe_keep_each_row_on_one_line(runner, fake_engine, doc, tmp_path, monkeypatch):
+    """Off a terminal (CliRunner's stdout is a pipe) a heatmap of 40 KV heads (~130 columns) keeps
+    each layer's row whole: rich's 80-column default split it."""
+    from fp_fakes import FakeEngine
+
+    made = FakeEngine.__init__
+
+    def many_heads(self, *a, **kw):
+        made(self, *a, **{**kw, "num_kv_heads": 40})
+
+    monkeypatch.setattr(FakeEngine, "__init__", many_heads)
+    r = invoke(runner, ["profile", str(doc), "--png", str(tmp_path / "h.png")], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    rows = [ln.split() for ln in r.stdout.splitlines()]
+    layers = [row for row in rows if len(row) == 1 + 40 + 1 and row[-1].endswith("%")]  # layer, 40 cells, mean
+    assert [int(row[0]) for row in layers] == list(range(fake_engine().num_layers))
 
 
 def test_profile_fp8_error_unavailable_is_said(runner, fake_engine, doc, tmp_path):

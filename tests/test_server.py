@@ -340,6 +340,49 @@ def test_lifecycle_with_the_real_engine(servers):
     assert again.returncode == 0 and "no resident engine runs" in again.stderr
 
 
+@pytest.mark.slow
+def test_the_prefill_line_counts_only_what_a_resident_engine_prefills(servers):
+    """A follow-up whose documents the resident transformers engine holds in its KV cache: the live
+    line says the tokens it prefills and the cached ones, before the prefill (it said the whole
+    prompt), and the engine's per-layer progress reaches the client (bar and ETA)."""
+    import io
+
+    from rich.console import Console
+
+    from fpcli.prefill_progress import PrefillDisplay
+
+    s = servers
+    env = {"FP_ENGINE_FACTORY": ""}  # the real loader
+    r = s.fp("start", "--engine", "transformers", "--timeout", "300", timeout=360, env=env)
+    assert r.returncode == 0, r.stderr
+    text = DOC.read_text(encoding="utf-8")[:1500]
+    seen = []
+    with _remote(s) as eng:
+        for question in ("Who runs the harbor?", "When will the new ferry terminal open?"):
+            ids = eng.encode_chat(None, f"{text}\n\n{question}")
+            console = Console(file=io.StringIO(), force_terminal=True, width=120)
+            events = []
+            with PrefillDisplay(console, len(ids)) as display:
+                def on_cached(n, display=display, events=events):
+                    display.on_cached(n)
+                    events.append(("cached", n, display.line))
+
+                def on_progress(done, total, display=display, events=events):
+                    display.on_progress(done, total)
+                    events.append(("progress", (done, total), display.line))
+
+                result = eng.generate(ids, max_new_tokens=2, on_cached=on_cached, on_progress=on_progress)
+            seen.append((len(ids), result, events))
+    (n0, first, ev0), (n1, second, ev1) = seen
+    assert ev0[0] == ("cached", 0, f"prefilling {n0:,} tokens") and first.cached_tokens == 0
+    c = second.cached_tokens
+    assert 0 < c < n1  # the documents' prefix was served by the KV cache
+    assert ev1[0] == ("cached", c, f"prefilling {n1 - c:,} tokens ({c:,} cached)")  # before any progress
+    progress = [e for e in ev1 if e[0] == "progress"]
+    assert progress and progress[-1][1][0] == progress[-1][1][1]  # every layer reported
+    assert all(e[2] == f"prefilling {n1 - c:,} tokens ({c:,} cached)" for e in progress)
+
+
 def _fake_sglang(root: Path) -> str:
     """A folder holding an importable-looking ``sglang`` package (empty): ``fp`` then believes SGLang
     is installed, as on a GPU host, and resolving ``--engine auto`` would probe CUDA (import torch)."""
@@ -485,6 +528,34 @@ def _remote(s: Servers):
 
     state = ServerState.from_dict(s.state())
     return RemoteEngine(state, probe(state), ClientConfig())
+
+
+@pytest.mark.parametrize("name,reserve", [("transformers", 5), ("sglang", 0)])
+def test_the_client_uses_the_reserve_the_server_reports(servers, name, reserve):
+    """The running engine's own reserve, whatever its name says (a name-based rule gave 0 and 2)."""
+    s = servers
+    _start(s, env={"FP_FAKE_ENGINE_NAME": name, "FP_FAKE_RESERVE": str(reserve)})
+    from fpcli.prompt import engine_reserve
+
+    with _remote(s) as eng:
+        assert eng.name == name
+        assert engine_reserve(eng, 256) == reserve and engine_reserve(eng, 1) == reserve
+
+
+def test_a_server_without_the_reserve_endpoint_gets_the_largest_reserve(servers):
+    """An older server (404 on ``/fp/context_reserve``): SGLang's reserve, the largest, for any engine."""
+    import httpx
+
+    from fpcli.engine.sglang_engine import context_reserve
+
+    s = servers
+    _start(s)
+    with _remote(s) as eng:
+        eng._http.close()
+        eng._http = httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(404)),
+                                 base_url="http://fp-engine")
+        assert eng.name != "sglang"
+        assert eng.context_reserve(256) == context_reserve(256) and eng.context_reserve(1) == context_reserve(1) == 6
 
 
 def test_busy_engine_queues_and_a_disconnect_cancels_only_its_request(servers):

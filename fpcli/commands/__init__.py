@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
-from fpcli.console import WIDE, stderr_console  # noqa: F401 - re-exported for the commands
+from fpcli.console import WIDE, error, note, stderr_console, warning  # noqa: F401 - re-exported for the commands
 
 ENGINE_FACTORY_ENV = "FP_ENGINE_FACTORY"  # "module:function" replacing fpcli.engine.load_engine (tests)
 
@@ -66,7 +66,7 @@ class _OneLineErrors:
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except typer.Abort:
-            stderr_console().print("[bold red]fp: error:[/] aborted", highlight=False)
+            error(stderr_console(), "aborted")
             sys.exit(1)
         except typer.TyperException as exc:  # the parser's errors (typer's ClickException and its kinds)
             if not hasattr(exc, "format_message"):
@@ -76,8 +76,7 @@ class _OneLineErrors:
             if ctx is not None:
                 hint = f" (see '{ctx.command_path} {(ctx.help_option_names or ['--help'])[0]}')"
             message = option_value_message(exc) or " ".join(exc.format_message().split())
-            stderr_console().print(f"[bold red]fp: error:[/] {escape(message)}{escape(hint)}", soft_wrap=True,
-                                   highlight=False)
+            error(stderr_console(), f"{message}{hint}")
             sys.exit(getattr(exc, "exit_code", 2))
         # not standalone: an Exit comes back as its code, a finished command as its return value
         sys.exit(rv if isinstance(rv, int) else 0)
@@ -177,7 +176,7 @@ class StdoutStream:
 
 def fail(message: str, code: int = 1) -> NoReturn:
     """Print ``fp: error: message`` (one line) on stderr and exit with ``code``."""
-    stderr_console().print(f"[bold red]fp: error:[/] {escape(message)}", soft_wrap=True)
+    error(stderr_console(), message)
     raise typer.Exit(code)
 
 
@@ -352,7 +351,7 @@ def print_bad_paths(console: Console, problems: list[str], prefix: str = "") -> 
     """One ``fp: error:`` line per bad path (``fpcli.ingest.check_paths``), e.g. ``--haystack: ``
     as ``prefix``; the caller exits 2 (after its own hints)."""
     for p in problems:
-        console.print(f"[bold red]fp: error:[/] {escape(prefix + p)}", highlight=False, soft_wrap=True)
+        error(console, prefix + p)
 
 
 def save_report_or_exit(path, data: dict) -> None:
@@ -377,11 +376,8 @@ def warn_precision(console: Console, profile, engine) -> None:
     if ran and profile.precision == "fp8" and precision_family(ran) != "fp8":
         why = ("FP8 applies to the sparse prefill and this profile is dense" if getattr(profile, "is_dense", False)
                else "this engine runs without it")
-        console.print(
-            f"[yellow]warning: fp8 attention was requested (profile {escape(profile.name)}) but {why}; "
-            f"{ran} runs, and the summary reports {ran}[/]",
-            soft_wrap=True,
-        )
+        warning(console, f"fp8 attention was requested (profile {profile.name}) but {why}; "
+                         f"{ran} runs, and the summary reports {ran}")
 
 
 def is_file(arg: str) -> bool:
@@ -437,8 +433,8 @@ def obtain_engine(engine: str, model: str | None, profile, progress, no_server: 
 
         remote = connect(
             model, profile, engine,
-            warn=lambda m: console.print(f"[yellow]warning: {escape(m)}[/]", soft_wrap=True),
-            note=lambda m: console.print(f"[dim]{escape(m)}[/]", soft_wrap=True, highlight=False),
+            warn=lambda m: warning(console, m),
+            note=lambda m: note(console, m),
         )
         if remote is not None:
             return remote

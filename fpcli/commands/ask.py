@@ -205,6 +205,7 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
                 result = eng.generate(
                     prompt.ids, max_new_tokens=max_new_tokens, temperature=temperature,
                     on_text=None if json_out else display.wrap(stream), on_progress=display.on_progress,
+                    on_cached=display.on_cached,
                 )
         except KeyboardInterrupt:  # ends the partial answer; fp's one handler says "interrupted"
             sys.stdout.write("\n")

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from fpcli.commands import FpCommand, check_model_or_exit, fail, load_profile_or_exit, stderr_console
+from fpcli.commands import FpCommand, check_model_or_exit, fail, load_profile_or_exit, note, stderr_console, warning
 
 app = typer.Typer()
 
@@ -107,7 +107,7 @@ def bench(
             if too_long:
                 fail(f"--cpu runs lengths up to {CPU_MAX_LEN} tokens; got {too_long} (use --len 2k for example)", code=2)
             if json_out:  # the table says it otherwise, once, in its header
-                err.print("[yellow]CPU reference run: correctness plumbing only, NOT representative of GPU speed[/]")
+                warning(err, "CPU reference run: correctness plumbing only, NOT representative of GPU speed")
         import torch
 
         from flashprefill.bench import run_operator_bench
@@ -151,7 +151,7 @@ def bench(
         if not (meta["kind"] == "operator" and rows and "inputs" in rows[0]):  # format_table prints its notes
             notes = {k: v for r in rows for k, v in (r.get("notes") or {}).items() if k != "cpu"}
             for k, v in notes.items():
-                err.print(f"note {k}: {v}", highlight=False, markup=False, soft_wrap=True)
+                note(err, f"{k}: {v}")
 
 
 def rows_table(rows: list[dict], title: str = ""):

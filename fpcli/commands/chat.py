@@ -25,6 +25,8 @@ from fpcli.commands import (
     obtain_engine,
     fail,
     load_profile_or_exit,
+    error,
+    note,
     stderr_console,
     warn_precision,
     print_bad_paths,
@@ -183,14 +185,10 @@ class _ChatLoop:
             turns.pop(0)
         dropped = len(self.turns) - len(turns) if self.history else 0
         if dropped:
-            self.err.print(f"[yellow]note: the {dropped} oldest earlier turn(s) no longer fit the context; "
-                           f"left out of this prompt[/]", highlight=False, soft_wrap=True)
+            note(self.err, f"the {dropped} oldest earlier turn(s) no longer fit the context; left out of this prompt")
         if len(ids) > budget:
-            self.err.print(
-                f"[bold red]fp: error:[/] this question needs {len(ids) - budget:,} tokens more than the prompt budget "
-                f"of {budget:,} (context {self.ctx:,} - {self.max_new_tokens:,} for the answer); ask a shorter one",
-                highlight=False, soft_wrap=True,
-            )
+            error(self.err, f"this question needs {len(ids) - budget:,} tokens more than the prompt budget "
+                            f"of {budget:,} (context {self.ctx:,} - {self.max_new_tokens:,} for the answer); ask a shorter one")
             return None
         return Prompt(SYSTEM_PROMPT, user, ids, self.ctx, self.max_new_tokens, dict(self.fitted.doc_tokens),
                       list(self.fitted.cuts), list(self.fitted.documents), self.fitted.question_room, reserved)
@@ -214,11 +212,12 @@ class _ChatLoop:
                 result = self.eng.generate(
                     prompt.ids, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                     on_text=None if self.json_out else display.wrap(stream), on_progress=display.on_progress,
+                    on_cached=display.on_cached,
                 )
         except KeyboardInterrupt:  # cancels this answer only; the session goes on
             sys.stdout.write("\n")
             sys.stdout.flush()
-            self.err.print("[yellow]interrupted; ask the next question, or /exit[/]", highlight=False)
+            note(self.err, "interrupted; ask the next question, or /exit")
             return
         except Exception as exc:  # noqa: BLE001
             if not self.json_out:

@@ -17,7 +17,9 @@ from fpcli.commands import (
     fail,
     load_profile_or_exit,
     model_context,
+    note,
     stderr_console,
+    warning,
     print_bad_paths,
     save_report_or_exit,
 )
@@ -90,11 +92,11 @@ def evaluate(
         seen[p.name] = n
     check_model_or_exit(model)
     caps = [c for c in [model_context(model, engine.value)] + [p.engine.context_length for p in profs] if c]
-    note = None
+    lens_note = None
     if lens is None and caps:  # the defaults that fit; an explicit --len is checked strictly below
         fitting = [n for n in lengths if n <= min(caps)] or [min(caps)]
         if fitting != lengths:
-            note = (f"--len not given: {', '.join(map(str, fitting))} (the defaults up to the model's "
+            lens_note = (f"--len not given: {', '.join(map(str, fitting))} (the defaults up to the model's "
                     f"context of {min(caps):,} tokens)")
         lengths = fitting
     try:
@@ -104,8 +106,8 @@ def evaluate(
     if report is not None:
         check_output_path_or_exit("--report", report)
     stack = _haystack_or_exit(haystack or [], err, quiet)
-    if note and not quiet:
-        err.print(f"[dim]{escape(note)}[/]", highlight=False)
+    if lens_note and not quiet:
+        note(err, lens_note)
 
     # -- the run -----------------------------------------------------------------------------------
     from fpcli.console import step_progress
@@ -174,9 +176,9 @@ def evaluate(
         table = eval_table(data)
         print_table(table, stderr=True)
         for line in dense_notes(data):
-            err.print(f"[yellow]note:[/] {escape(line)}", highlight=False, soft_wrap=True)
+            note(err, line)
         for line in empty_notes(data):
-            err.print(f"[yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
+            warning(err, line)
         if report is not None:
             err.print(f"[dim]report saved to {report}[/]", highlight=False)
 

@@ -45,8 +45,7 @@ def profile_cmd(
 
 
 def _profile(file, question, fp8, png, model, profile, engine, password, json_out, verbose, context, no_server) -> None:
-    from rich.console import Console
-
+    from fpcli.console import print_table, stdout_console, warning
     from fpcli.ingest import check_paths, ingest
     from fpcli.prompt import NoRoomError, PromptError, build_prompt
     from fpcli.report import density_grid, density_line, density_summary, heatmap_legend, heatmap_table, render_ingestion, write_heatmap_png
@@ -141,7 +140,7 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
             write_heatmap_png(png_path, grid, title=f"{Path(file).name}: {result.prompt_tokens:,} tokens, {result.model}, {prof.name}")
             data["png"] = str(png_path)
         except OSError as exc:
-            err.print(f"[yellow]warning: cannot write {png_path}: {exc.strerror or exc}[/]")
+            warning(err, f"cannot write {png_path}: {exc.strerror or exc}")
 
     if fp8_grid and any(fp8_grid) and data["png"]:
         from fpcli.report import FP8_ERROR_SCALE
@@ -152,7 +151,7 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
                               title=f"{Path(file).name}: FP8 vs BF16 output, relative L2 ({result.model}, {prof.name})")
             data["png_fp8"] = str(fp8_png)
         except OSError as exc:
-            err.print(f"[yellow]warning: cannot write {fp8_png}: {exc.strerror or exc}[/]")
+            warning(err, f"cannot write {fp8_png}: {exc.strerror or exc}")
     if data["png"]:
         err.print(f"heatmap written to {data['png']}", highlight=False, soft_wrap=True)
     if data["png_fp8"]:
@@ -160,10 +159,10 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
     if json_out:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
         return
-    out = Console()
+    out = stdout_console()
     if grid:
         out.print(f"[bold]attention density per layer x KV head[/] ({result.prompt_tokens:,} tokens, {result.model}, profile {prof.name})", soft_wrap=True)
-        out.print(heatmap_table(grid))
+        print_table(heatmap_table(grid))
         out.print(heatmap_legend())
     else:
         out.print(f"no density statistics from the {result.engine} engine (profile {prof.name}, attention {prof.attention})")
@@ -171,10 +170,10 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
     if d["overall"] is not None:
         msl = None if prof.attention == "dense" else int(prof.sparse.min_sparse_len)
         out.print(f"density {density_line(d, prof.attention, result.prompt_tokens, msl)}", soft_wrap=True)
-    out.print(_times_table(index_per_layer, attn_per_layer, stats.index_ms, stats.attention_ms))
+    print_table(_times_table(index_per_layer, attn_per_layer, stats.index_ms, stats.attention_ms))
     if fp8:
         if fp8_error:
-            out.print(_fp8_table(fp8_error, fp8_grid))
+            print_table(_fp8_table(fp8_error, fp8_grid))
         elif data["server"]:
             out.print("FP8-vs-BF16 error per layer: unavailable (the resident engine does not compare; "
                       "--no-server runs one in this process that does)")

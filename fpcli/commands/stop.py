@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from fpcli.commands import FpCommand, fail, stderr_console
+from fpcli.commands import FpCommand, error, fail, stderr_console, warning
 from fpcli.server import STOP_WAIT_S
 
 app = typer.Typer()
@@ -54,9 +54,9 @@ def status(
     if st.kind == "none":
         err.print("no resident engine runs (start one with fp start)", highlight=False)
     elif st.kind == "stale":
-        err.print(f"[yellow]the resident engine is gone (stale): {escape(st.detail)}[/]", soft_wrap=True)
+        warning(err, f"the resident engine is gone (stale): {st.detail}")
     elif st.kind == "hung":
-        err.print(f"[bold red]the resident engine hangs:[/] {escape(st.detail)}; end it with fp stop", soft_wrap=True)
+        error(err, f"the resident engine hangs: {st.detail}; end it with fp stop")
     else:
         h, s = st.health, st.state
         rows = [
@@ -92,7 +92,7 @@ def stop(
     if before.kind == "none":
         err.print("no resident engine runs", highlight=False)
     elif before.kind == "stale":
-        err.print(f"[yellow]the resident engine was already gone: {escape(before.detail)}[/]", soft_wrap=True)
+        warning(err, f"the resident engine was already gone: {before.detail}")
     else:
         s = before.state
         ended = "shut down" if how == "shutdown" else f"ended with {how}"

@@ -184,11 +184,16 @@ class Engine(Protocol):
         temperature: float = 0.0,
         on_text: Callable[[str], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
+        on_cached: Callable[[int], None] | None = None,
     ) -> GenerationResult:
         """Greedy when ``temperature == 0``; streams decoded text pieces to ``on_text``.
 
         ``on_progress(done, total)`` is called during the prefill where the engine can observe it
         (``done`` of ``total`` units, e.g. decoder layers; engines that cannot may never call it).
+        ``on_cached(tokens)`` is called once before the prefill by an engine that knows then how
+        many prompt tokens its KV cache serves (only ``len(prompt_ids) - tokens`` are prefilled);
+        an engine that learns it only after the prefill (SGLang) never calls it, and
+        ``GenerationResult.cached_tokens`` says it.
         An exception raised by ``on_text`` or ``on_progress`` (a cancelled request) stops the
         generation at that step and propagates."""
 

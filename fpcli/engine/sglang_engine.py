@@ -674,6 +674,7 @@ class SGLangEngine:
         temperature: float = 0.0,
         on_text: Callable[[str], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
+        on_cached: Callable[[int], None] | None = None,
         *,
         top_p: float = 1.0,
         top_k: int = -1,
@@ -682,8 +683,9 @@ class SGLangEngine:
         """Greedy when ``temperature == 0``; streams text deltas to ``on_text``. ``prompt_ids`` may
         be a string (tokenized here, no template). TTFT = submission to the first answer token.
         An exception raised by ``on_text`` (e.g. a cancelled client) aborts the request in SGLang
-        and propagates. ``on_progress`` is accepted for the contract and not called (SGLang's
-        scheduler runs the prefill in another process). ``cached_tokens``: prompt tokens SGLang's
+        and propagates. ``on_progress`` and ``on_cached`` are accepted for the contract and not
+        called (SGLang's scheduler runs the prefill in another process; the cached count arrives
+        with the answer). ``cached_tokens``: prompt tokens SGLang's
         radix cache served (``meta_info["cached_tokens"]``; on unless ``disable_radix_cache``)."""
         if self._closed:
             raise RuntimeError("SGLangEngine is closed")

@@ -220,9 +220,11 @@ class TransformersEngine:
         temperature: float = 0.0,
         on_text: Callable[[str], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
+        on_cached: Callable[[int], None] | None = None,
     ) -> GenerationResult:
-        """See ``Engine.generate``; ``on_progress(layers_done, n_layers)`` after each decoder
-        layer's prefill attention. An exception raised by ``on_text`` (e.g. a cancelled client)
+        """See ``Engine.generate``; ``on_cached(tokens)`` once the kept KV cache is matched (before
+        the prefill), ``on_progress(layers_done, n_layers)`` after each decoder layer's prefill
+        attention. An exception raised by ``on_text`` (e.g. a cancelled client)
         stops the generation before the next decode step and propagates.
 
         Raises:
@@ -240,6 +242,8 @@ class TransformersEngine:
         self.runtime.reset()
         cache, cached = self._take_cache(prompt_ids)  # the kept cache is ours until this call succeeds
         ids = torch.tensor([prompt_ids[cached:]], dtype=torch.long, device=self.device)
+        if on_cached is not None:
+            on_cached(cached)
         if on_progress is not None:
             self.runtime.on_layer = lambda layer: on_progress(layer + 1, self.n_layers)
         t0 = _now(self.device)

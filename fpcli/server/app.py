@@ -7,9 +7,13 @@ Endpoints for ``fpcli.server.client.RemoteEngine`` (JSON bodies):
 - ``POST /fp/encode_chat`` ``{system, user}`` -> ``{ids}``; ``POST /fp/count_tokens`` ``{text}``
   -> ``{tokens}``; ``POST /fp/token_starts`` ``{text}`` -> ``{starts}`` (character offset of each
   token); these run beside a generation, not queued behind it.
-- ``POST /fp/generate`` ``{prompt_ids, max_new_tokens, temperature}`` -> NDJSON stream: ``{"text":
-  piece}`` lines, ``{}`` heartbeats every ``heartbeat_s`` while waiting or prefilling, then one
-  ``{"result": GenerationResult.to_dict()}`` or ``{"error": message}`` line.
+- ``POST /fp/context_reserve`` ``{max_new_tokens}`` -> ``{tokens}``: the tokens of the context the
+  engine keeps from a request beyond its prompt and answer (``fpcli.prompt.engine_reserve``).
+- ``POST /fp/generate`` ``{prompt_ids, max_new_tokens, temperature}`` -> NDJSON stream: ``{"cached":
+  tokens}`` once before the prefill (engines that know it then: the prompt tokens its KV cache
+  serves), ``{"progress": [done, total]}`` during the prefill (the engine's ``on_progress``),
+  ``{"text": piece}`` lines, ``{}`` heartbeats every ``heartbeat_s`` while waiting or prefilling,
+  then one ``{"result": GenerationResult.to_dict()}`` or ``{"error": message}`` line.
 - ``POST /fp/shutdown``: the server ends after this response.
 
 OpenAI-compatible, for other clients: ``GET /v1/models``, ``POST /v1/chat/completions`` (one user
@@ -78,6 +82,10 @@ class EncodeChatBody(BaseModel):
 
 class CountTokensBody(BaseModel):
     text: str
+
+
+class ReserveBody(BaseModel):
+    max_new_tokens: int = Field(ge=1)
 
 
 class GenerateBody(BaseModel):
@@ -153,7 +161,9 @@ def create_app(engine, info: ServerInfo, token: str | None = None, idle_s: float
         while True:
             await asyncio.sleep(min(1.0, idle_s / 4))
             if counters.busy == 0 and counters.queued == 0 and time.monotonic() - counters.last_activity >= idle_s:
-                print(f"fp: no request for {idle_s:g} s (the idle limit): stopping", file=sys.stderr, flush=True)
+                from fpcli.console import note, stderr_console
+
+                note(stderr_console(), f"no request for {idle_s:g} s (the idle limit): stopping")
                 stop()
                 return
 
@@ -216,14 +226,21 @@ def create_app(engine, info: ServerInfo, token: str | None = None, idle_s: float
         with tokenizing:
             return {"starts": [int(i) for i in engine.token_starts(body.text)]}
 
+    @app.post("/fp/context_reserve")
+    def context_reserve(body: ReserveBody) -> dict:
+        from fpcli.prompt import engine_reserve
+
+        return {"tokens": int(engine_reserve(engine, body.max_new_tokens))}
+
     @app.post("/fp/shutdown")
     async def shutdown() -> dict:
         stop()
         return {"stopping": True, "pid": os.getpid()}
 
     async def run_queued(prompt_ids, max_new_tokens, temperature):
-        """Async iterator of ("text", piece) / ("wait", None) / ("result", GenerationResult) /
-        ("error", message); cancels the request when the consumer stops early."""
+        """Async iterator of ("cached", tokens) / ("progress", (done, total)) / ("text", piece) /
+        ("wait", None) / ("result", GenerationResult) / ("error", message); cancels the request
+        when the consumer stops early."""
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
@@ -236,6 +253,10 @@ def create_app(engine, info: ServerInfo, token: str | None = None, idle_s: float
         def on_progress(done: int, total: int) -> None:  # prefill steps: a cancel stops the prefill too
             if cancel.is_set():
                 raise GenerationCancelled("the client disconnected during the prefill")
+            loop.call_soon_threadsafe(pieces.put_nowait, ("progress", (int(done), int(total))))
+
+        def on_cached(tokens: int) -> None:
+            loop.call_soon_threadsafe(pieces.put_nowait, ("cached", int(tokens)))
 
         def work():
             counters.queued -= 1
@@ -245,7 +266,7 @@ def create_app(engine, info: ServerInfo, token: str | None = None, idle_s: float
             counters.busy += 1
             try:
                 result = engine.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                         on_text=on_text, on_progress=on_progress)
+                                         on_text=on_text, on_progress=on_progress, on_cached=on_cached)
                 result.queued_s = queued_s
                 return result
             finally:
@@ -290,6 +311,8 @@ def create_app(engine, info: ServerInfo, token: str | None = None, idle_s: float
                     yield json.dumps({"text": value}) + "\n"
                 elif kind == "wait":
                     yield "{}\n"
+                elif kind in ("cached", "progress"):
+                    yield json.dumps({kind: value}) + "\n"
                 elif kind == "result":
                     yield json.dumps({"result": value.to_dict()}) + "\n"
                 else:
@@ -324,7 +347,7 @@ def create_app(engine, info: ServerInfo, token: str | None = None, idle_s: float
                 if kind == "result":
                     result = value
                 elif kind == "error":
-                    error = value
+                    error = value  # cached and progress: not in OpenAI's API
             if result is None:
                 raise HTTPException(500, error or "generation failed")
             return {**base, "object": "chat.completion",
@@ -347,7 +370,7 @@ def create_app(engine, info: ServerInfo, token: str | None = None, idle_s: float
                     yield ": waiting\n\n"  # an SSE comment: keeps the connection alive
                 elif kind == "result":
                     yield chunk({}, value.finish_reason)
-                else:
+                elif kind == "error":
                     yield f"data: {json.dumps({'error': {'message': value}})}\n\n"
             yield "data: [DONE]\n\n"
 

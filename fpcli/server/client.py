@@ -25,6 +25,10 @@ class ServerUnavailable(RuntimeError):
     """The resident engine did not answer (connection refused or closed, or a timeout)."""
 
 
+class _NotServed(RuntimeError):
+    """The server has no such endpoint (HTTP 404: an older fp started it)."""
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     """Client timeouts, in seconds."""
@@ -101,22 +105,40 @@ class RemoteEngine:
         self.server = {"address": state.address, "pid": state.pid, "engine_start_s": 0.0}
         self.start_s = 0.0  # no engine was started by this process
         self._http = _client(state, _token(state))
+        self._reserves: dict[int, int] = {}  # max_new_tokens -> the server's context_reserve
 
     def _post(self, path: str, body: dict) -> dict:
         try:
             r = self._http.post(path, json=body, timeout=httpx.Timeout(self.config.request_s, connect=self.config.connect_s))
         except httpx.HTTPError as exc:
             raise ServerUnavailable(f"the resident engine at {self.state.address} did not answer ({exc})") from None
+        if r.status_code == 404:
+            raise _NotServed(f"the resident engine does not serve {path} (an older fp)")
         if r.status_code != 200:
             raise RuntimeError(f"the resident engine refused {path}: HTTP {r.status_code} {r.text[:200]}")
         return r.json()
 
     def context_reserve(self, max_new_tokens: int) -> int:
-        """Tokens a prompt leaves free beyond the answer: the resident SGLang engine's
-        (``fpcli.engine.sglang_engine.context_reserve``), 0 for another engine."""
-        from fpcli.engine.sglang_engine import context_reserve
+        """Tokens a prompt leaves free beyond the answer, as the resident engine reports them
+        (``POST /fp/context_reserve``; asked once per ``max_new_tokens``).
 
-        return context_reserve(max_new_tokens) if self.name == "sglang" else 0
+        A server too old to answer it (HTTP 404) gets the largest reserve of fp's engines,
+        ``fpcli.engine.sglang_engine.context_reserve`` (2 to 6 tokens), whatever it runs: a prompt
+        a few tokens shorter than it could be, never one the engine refuses or cuts the answer of.
+
+        Raises:
+            ServerUnavailable: the server did not answer.
+            RuntimeError: it refused the request (other than 404).
+        """
+        n = int(max_new_tokens)
+        if n not in self._reserves:
+            try:
+                self._reserves[n] = int(self._post("/fp/context_reserve", {"max_new_tokens": n})["tokens"])
+            except _NotServed:
+                from fpcli.engine.sglang_engine import context_reserve
+
+                self._reserves[n] = context_reserve(n)
+        return self._reserves[n]
 
     def encode_chat(self, system: str | None, user: str) -> list[int]:
         return [int(i) for i in self._post("/fp/encode_chat", {"system": system, "user": user})["ids"]]
@@ -134,9 +156,11 @@ class RemoteEngine:
         temperature: float = 0.0,
         on_text: Callable[[str], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
+        on_cached: Callable[[int], None] | None = None,
     ) -> GenerationResult:
-        """As ``Engine.generate`` (``on_progress`` is not called: the prefill runs in the server's
-        process); waits in the server's queue while it is busy. Interrupting
+        """As ``Engine.generate``: ``on_cached`` and ``on_progress`` get what the server's engine
+        reports (its ``{"cached"}`` and ``{"progress"}`` lines; a server of an older fp sends
+        neither); waits in the server's queue while it is busy. Interrupting
         (KeyboardInterrupt) closes the connection, which cancels this request on the server.
 
         Raises:
@@ -159,6 +183,12 @@ class RemoteEngine:
                     if "text" in msg:
                         if on_text is not None:
                             on_text(msg["text"])
+                    elif "cached" in msg:
+                        if on_cached is not None:
+                            on_cached(int(msg["cached"]))
+                    elif "progress" in msg:
+                        if on_progress is not None:
+                            on_progress(*(int(x) for x in msg["progress"]))
                     elif "result" in msg:
                         return GenerationResult.from_dict(msg["result"])
                     elif "error" in msg:
