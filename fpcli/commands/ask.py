@@ -140,7 +140,7 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
     prof = load_profile_or_exit(profile)
     check_model_or_exit(model)
     prof = context_or_exit(context, prof, model)
-    check_max_new_tokens_or_exit(max_new_tokens, model, prof, engine=engine.value)
+    check_max_new_tokens_or_exit(max_new_tokens, model, prof, engine=engine.value, one_request=True)
 
     from fpcli.doccache import DiskCache, default_config
 
@@ -226,9 +226,20 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
         save_report_or_exit(report, data)
     if not quiet:
         render_summary(err, data)
-        render_answered_by(err, eng)
+        if render_answered_by(err, eng) is None and not json_out:
+            render_resident_hint(err, eng)
         if report is not None:
             err.print(f"[dim]report saved to {report}[/]", highlight=False)
+
+
+def render_resident_hint(console, eng) -> None:
+    """After an answer from an engine this command loaded on a CUDA GPU (a cold start), one dim line:
+    ``fp start`` keeps an engine resident, so follow-up questions skip the start."""
+    from fpcli.engine import device_of
+
+    if device_of(eng) == "cuda":
+        console.print("[dim]hint: `fp start` keeps an engine resident: follow-up questions then answer in ~2 s, "
+                      "without starting an engine[/]", highlight=False, soft_wrap=True)
 
 
 def _one_line(exc: BaseException) -> str:
