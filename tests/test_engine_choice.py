@@ -71,3 +71,32 @@ def test_engine_device_of_a_resident_transformers_engine_comes_from_its_state():
     assert engine_device("sglang") == "cuda"
     assert engine_device("transformers", running="transformers", running_device="cuda") == "cuda"
     assert engine_device("transformers", running="transformers", running_device="cpu") == "cpu"
+
+
+def test_a_client_beside_a_resident_transformers_engine_on_the_gpu_gets_the_gpu_default():
+    """``fp ask`` (one prompt, no ``--model``) beside a resident transformers engine on a GPU:
+    the default comes from the state's device (no CUDA probe), so it matches the engine that
+    ``fp start`` loaded with defaults there."""
+    from fpcli.engine import resolve_request
+
+    engine, model, profile = resolve_request("auto", None, "bf16", running="transformers", one_request=True,
+                                             running_device="cuda")
+    assert (engine, model, profile.engine.context_length) == ("transformers", QWEN_CODER, DEFAULT_CONTEXT_GPU)
+    engine, model, profile = resolve_request("auto", None, "bf16", running="transformers", one_request=True,
+                                             running_device="cpu")
+    assert (engine, model, profile.engine.context_length) == ("transformers", DEFAULT_MODEL, None)
+
+
+def test_the_resident_hint_follows_a_cold_answer_on_the_gpu_only():
+    import io
+    import types
+
+    import torch
+    from rich.console import Console
+
+    from fpcli.commands.ask import render_resident_hint
+
+    for device, shown in ((torch.device("cuda", 0), True), (torch.device("cpu"), False)):
+        out = io.StringIO()
+        render_resident_hint(Console(file=out, width=200), types.SimpleNamespace(name="transformers", device=device))
+        assert ("`fp start` keeps an engine resident" in out.getvalue()) == shown, out.getvalue()
