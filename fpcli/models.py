@@ -208,19 +208,24 @@ class DefaultModel:
 DEFAULT_CONTEXT_GPU = 131072  # the default GPU run exercises the sparse prefill at full length
 
 
-def default_model(engine: str) -> DefaultModel:
-    """The default model for the engine that will run: ``"sglang"`` (CUDA) -> Qwen2.5-Coder-0.5B at
-    131,072 tokens (YaRN x4); ``"transformers"`` (the CPU engine) -> SmolLM2-135M at its own 8K.
+def default_model(engine: str, device: str | None = None) -> DefaultModel:
+    """The default model for the engine that will run and its device: on a CUDA GPU (``"sglang"``,
+    or ``"transformers"`` with ``device="cuda"``) Qwen2.5-Coder-0.5B at 131,072 tokens (YaRN x4),
+    so the default GPU run exercises the sparse prefill at full length with either engine; on the
+    CPU (``"transformers"``, ``device`` ``"cpu"`` or None) SmolLM2-135M at its own 8K.
 
     Raises:
         ValueError: ``engine`` is neither ``"sglang"`` nor ``"transformers"`` (resolve ``"auto"``
-            first: ``fpcli.engine.resolve_engine``).
+            first: ``fpcli.engine.resolve_engine``), or ``device`` is neither ``"cuda"``,
+            ``"cpu"`` nor None.
     """
-    if engine == "sglang":
+    if engine not in ("sglang", "transformers"):
+        raise ValueError(f"engine: expected 'sglang' or 'transformers', got {engine!r}")
+    if device not in (None, "cuda", "cpu"):
+        raise ValueError(f"device: expected 'cuda' or 'cpu', got {device!r}")
+    if engine == "sglang" or device == "cuda":
         return DefaultModel(QWEN_CODER, DEFAULT_CONTEXT_GPU)
-    if engine == "transformers":
-        return DefaultModel(DEFAULT_MODEL)
-    raise ValueError(f"engine: expected 'sglang' or 'transformers', got {engine!r}")
+    return DefaultModel(DEFAULT_MODEL)
 
 
 @dataclass(frozen=True)

@@ -520,3 +520,75 @@ def test_load_engine_fits_the_sparse_threshold_to_the_model(model_dir):
     with engine_mod.load_engine("transformers", model=str(model_dir), profile="bf16", progress=False) as eng:
         assert eng.context_length == 4096
         assert eng.profile.sparse.min_sparse_len == 2048 and eng.runtime.config.min_sparse_len == 2048
+
+
+@torch.inference_mode()
+def test_chunk_after_prefix_attends_in_bounded_row_chunks(monkeypatch):
+    """A dense chunk after a cached prefix never builds an ``[Lq, Lk]`` mask (at 128K on a GPU:
+    60K new tokens after a 70K prefix would be 8.4 GB of mask, and the math kernel's scores
+    ``Hq`` times that in float32): each masked SDPA call covers at most ``MASK_ELEMENTS`` entries,
+    and the rows together equal the bottom-right causal attention over the whole chunk."""
+    import flashprefill.integrations.transformers as fpt
+
+    g = torch.Generator().manual_seed(7)
+    lq, lk, groups = 45, 100, HQ // HKV
+    q = torch.randn(1, HQ, lq, D, generator=g)
+    k = torch.randn(1, HKV, lk, D, generator=g) * 3
+    v = torch.randn(1, HKV, lk, D, generator=g)
+    pos = torch.arange(lk)
+    full = pos[None, :] <= (lk - lq + torch.arange(lq))[:, None]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), attn_mask=full,
+        scale=0.2).transpose(1, 2)
+    real = torch.nn.functional.scaled_dot_product_attention
+    masks = []
+
+    def spy(*args, attn_mask=None, **kwargs):
+        masks.append(None if attn_mask is None else attn_mask.numel())
+        return real(*args, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(fpt, "MASK_ELEMENTS", 10 * lk)  # 10 rows per call
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    got = fpt._sdpa(q, k, v, 0.2, groups)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len(masks) == 5 and all(m is not None and m <= 10 * lk for m in masks), masks
+
+
+@torch.inference_mode()
+def test_engine_prefill_and_decode_get_no_causal_mask_from_transformers(model_dir):
+    """transformers builds no ``[L, L]`` causal mask for the flashprefill attention function (at
+    131,072 tokens one would be 17 GB): every call, prefill and decode, receives
+    ``attention_mask=None``. Would fail if a mask function were registered for ``ATTN_NAME`` or the
+    engine passed a padding mask."""
+    from transformers import AttentionInterface
+
+    import flashprefill.integrations.transformers as fpt
+
+    seen = []
+
+    def spy(module, query, key, value, attention_mask, *args, **kwargs):
+        seen.append((query.shape[2], attention_mask))
+        return fpt.flashprefill_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+    with TransformersEngine(model_dir, load_profile("bf16"), model_name="tiny") as eng:
+        AttentionInterface.register(ATTN_NAME, spy)  # looked up by name at every attention call
+        try:
+            res = eng.generate(eng.encode_chat(None, " ".join(WORDS[:150])), max_new_tokens=3)
+        finally:
+            fpt.register_attention()
+    assert any(lq > 100 for lq, _ in seen)  # the prefill
+    assert any(lq == 1 for lq, _ in seen) == (res.output_tokens > 1)  # decode steps after the first token
+    assert all(mask is None for _, mask in seen), [(lq, tuple(m.shape)) for lq, m in seen if m is not None]
+
+
+def test_weights_load_onto_the_gpu_where_transformers_can_place_them(monkeypatch):
+    import transformers.utils
+
+    from fpcli.engine.transformers_engine import weights_placement
+
+    assert weights_placement(torch.device("cpu")) == {}
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(transformers.utils, "is_accelerate_available", lambda: True)
+    assert weights_placement(cuda) == {"device_map": cuda}
+    monkeypatch.setattr(transformers.utils, "is_accelerate_available", lambda: False)
+    assert weights_placement(cuda) == {}

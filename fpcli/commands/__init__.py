@@ -280,14 +280,14 @@ def say_context(console: Console | None, engine) -> dict | None:
 
 
 def check_max_new_tokens_or_exit(max_new_tokens: int, model: str | None, profile, context_length: int | None = None,
-                                 engine: str = "auto") -> None:
+                                 engine: str = "auto", one_request: bool = False) -> None:
     """Exit 2 when ``--max-new-tokens`` leaves no room for a prompt in the context: before loading
     when that context is known (the profile's ``engine.context_length``, an embedded model, a
-    Hugging Face folder, or the default model of ``engine``), else with the loaded engine's
-    ``context_length``."""
+    Hugging Face folder, or the default model of ``engine``; ``one_request`` as in
+    ``model_context``), else with the loaded engine's ``context_length``."""
     known = context_length or profile.engine.context_length
     if known is None:
-        known = model_context(model, engine)
+        known = model_context(model, engine, one_request=one_request)
     if known and max_new_tokens >= known:
         fail(
             f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's context of "
@@ -296,19 +296,22 @@ def check_max_new_tokens_or_exit(max_new_tokens: int, model: str | None, profile
         )
 
 
-def model_context(model: str | None, engine: str) -> int | None:
+def model_context(model: str | None, engine: str, one_request: bool = False) -> int | None:
     """The context ``model`` runs at by default, if known before loading; for ``model=None`` the
-    default model of the engine that will run (``fpcli.models.default_model``; a resident engine's
-    state file spares the CUDA probe, ``fpcli.engine.resolve_engine``)."""
+    default model of the engine that will run and its device (``fpcli.engine.default_for``; a
+    resident engine's state file spares the CUDA probe). ``one_request``: the command sends one
+    prompt (``fpcli.engine.choose_engine``)."""
     try:
-        from fpcli.models import default_model, known_context_length
+        from fpcli.models import known_context_length
 
         if model is not None:
             return known_context_length(model)
-        from fpcli.engine import resolve_engine
-        from fpcli.server.state import running_engine
+        from fpcli.engine import default_for
+        from fpcli.server.state import running_state
 
-        default = default_model(resolve_engine(engine, running=running_engine()))
+        state = running_state()
+        _, default = default_for(engine, running=state.engine if state else None, one_request=one_request,
+                                 running_device=state.device if state else None)
         return default.context_length or known_context_length(default.name)
     except Exception:  # noqa: BLE001 - unknown before loading: checked against the loaded engine
         return None
@@ -425,14 +428,16 @@ def obtain_engine(engine: str, model: str | None, profile, progress, no_server: 
     (the resident engine runs as it was started); ``compare_fp8``: an in-process engine also reports
     the FP8-vs-BF16 output error per layer (the resident engine does not). An in-process engine runs
     one request at a time (``max_requests=1``: one decode CUDA graph, a KV pool of one context).
-    ``one_request``: the command sends a single prompt (``fp ask``, ``fp profile``), so an
-    in-process engine skips its start-up warm-up (``load_engine(warmup=False)``).
+    ``one_request``: the command sends a single prompt (``fp ask``, ``fp profile``), so ``"auto"``
+    resolves to the transformers engine, which starts in one process (on the CUDA GPU when there is
+    one; ``fpcli.engine.choose_engine``), unless a resident SGLang engine answers; and an in-process
+    engine skips its start-up warm-up (``load_engine(warmup=False)``).
     The caller handles load errors (``fail``)."""
     if not no_server:
         from fpcli.server.client import connect
 
         remote = connect(
-            model, profile, engine,
+            model, profile, engine, one_request=one_request,
             warn=lambda m: warning(console, m),
             note=lambda m: note(console, m),
         )
@@ -440,7 +445,7 @@ def obtain_engine(engine: str, model: str | None, profile, progress, no_server: 
             return remote
     extra = {"compare_fp8": True} if compare_fp8 else {}
     if one_request:
-        extra["warmup"] = False
+        extra.update(warmup=False, one_request=True)
     # in-process, this command is the engine's only client, one request at a time
     return engine_loader()(engine, model, profile, progress=progress, verbose=verbose, timing=timing,
                            max_requests=1, **extra)

@@ -18,6 +18,7 @@ from fpcli.commands import (
     context_or_exit,
     context_source,
     fail,
+    note,
     is_file,
     load_profile_or_exit,
     looks_like_question,
@@ -73,7 +74,7 @@ def ask(
     ] = None,
     profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, fp8, dense, or a path to a profile .yaml.")] = "bf16",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Longest answer, in tokens.")] = 256,
-    engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: SGLang when CUDA and sglang are present, else transformers.")] = EngineChoice.auto,
+    engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: the transformers engine for this one question in-process (on the CUDA GPU when there is one), a resident SGLang engine when one answers.")] = EngineChoice.auto,
     temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 = greedy.")] = 0.0,
     password: Annotated[Optional[str], typer.Option("--password", help="Password of encrypted PDFs.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (answer, summary, ingestion) instead of the streamed answer.")] = False,
@@ -140,7 +141,7 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
     prof = load_profile_or_exit(profile)
     check_model_or_exit(model)
     prof = context_or_exit(context, prof, model)
-    check_max_new_tokens_or_exit(max_new_tokens, model, prof, engine=engine.value)
+    check_max_new_tokens_or_exit(max_new_tokens, model, prof, engine=engine.value, one_request=True)
 
     from fpcli.doccache import DiskCache, default_config
 
@@ -227,9 +228,20 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
         save_report_or_exit(report, data)
     if not quiet:
         render_summary(err, data)
-        render_answered_by(err, eng)
+        if render_answered_by(err, eng) is None and not json_out:
+            render_resident_hint(err, eng)
         if report is not None:
             err.print(f"[dim]report saved to {report}[/]", highlight=False)
+
+
+def render_resident_hint(console, eng) -> None:
+    """After an answer from an engine this command loaded on a CUDA GPU (a cold start), one dim line:
+    ``fp start`` keeps an engine resident, so follow-up questions skip the start."""
+    from fpcli.engine import device_of
+
+    if device_of(eng) == "cuda":
+        note(console, "`fp start` keeps an engine resident: follow-up questions then answer in ~2 s, "
+                      "without starting an engine")
 
 
 def _one_line(exc: BaseException) -> str:

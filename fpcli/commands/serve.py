@@ -69,10 +69,12 @@ def serve(
     except Exception as exc:  # noqa: BLE001 - one line for any load failure
         lines = str(exc).strip().splitlines()
         fail(f"cannot load the model: {lines[0] if lines else type(exc).__name__}")
+    from fpcli.engine import device_of
+
     info = ServerInfo(model=eng.model_name, model_path=model_path, profile=prof.name, profile_hash=profile_hash(prof),
                       engine=eng.name, context_length=int(eng.context_length), precision=str(eng.precision),
                       version=__version__, context=prof.engine.context_length,
-                      settings_hash=profile_hash(prof, context=False))
+                      settings_hash=profile_hash(prof, context=False), device=device_of(eng))
 
     def ready(state) -> None:
         err.print(f"fp: serving {escape(info.model)} ({info.engine} engine, profile {escape(info.profile)}) at "

@@ -20,7 +20,15 @@ profile, 2-core AMD EPYC with AVX512-BF16 (no AMX): bf16 weights cut prefill CPU
 (7.5 s vs 10.3 s) but slowed decode ~1.6x (3.3 vs 5.5 tokens/s), and on CPUs without bf16 units
 bf16 matmuls are emulated and much slower. float32 also keeps the dequantized GGUF weights exact,
 and the reference operator computes in float32 anyway. A profile can ask for ``bfloat16``.
-GPU: bfloat16 (the Triton operator's dtype).
+GPU: bfloat16 (the Triton operator's dtype); the weights load straight onto the GPU
+(``weights_placement``).
+
+At 128K tokens on a GPU (one request): no causal mask is built (transformers builds none for an
+attention implementation it has no mask function for, and this engine passes no
+``attention_mask``); logits for the last position only (``logits_to_keep=1``); a chunk after a
+cached prefix attends in bounded row chunks (``integrations.transformers._row_chunks``); decode
+attends to the unexpanded GQA cache (``_grouped_decode``); no host sync per layer (the plan is
+built once per prefill, the statistics read once after it).
 
 Context: ``profile.engine.context_length`` caps the model's context, or extends it with YaRN when
 it exceeds the native ``max_position_embeddings`` (``fpcli.engine.context``): the YaRN
@@ -97,6 +105,19 @@ def apply_context(config, plan: ContextPlan) -> None:
     config.max_position_embeddings = int(plan.context)
 
 
+def weights_placement(device: torch.device) -> dict:
+    """``from_pretrained`` arguments that load the weights straight onto ``device`` when it is a GPU
+    (``device_map``: safetensors tensors copied to the GPU as they are read, no CPU copy of the
+    model first); ``{}`` on the CPU, and where transformers cannot place them (``device_map``
+    needs ``accelerate``): the engine then moves the loaded model (``.to(device)``), the same
+    model a little later."""
+    if device.type != "cuda":
+        return {}
+    from transformers.utils import is_accelerate_available
+
+    return {"device_map": device} if is_accelerate_available() else {}
+
+
 def _pick_dtype(requested: str, device: torch.device) -> torch.dtype:
     if requested in (None, "auto"):
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -169,7 +190,8 @@ class TransformersEngine:
         hf_logging.disable_progress_bar()
         try:
             self.model = AutoModelForCausalLM.from_pretrained(
-                self.model_path, config=config, dtype=self.dtype, attn_implementation=ATTN_NAME
+                self.model_path, config=config, dtype=self.dtype, attn_implementation=ATTN_NAME,
+                **weights_placement(self.device),
             ).to(self.device).eval()
         finally:
             if bars:

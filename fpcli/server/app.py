@@ -63,6 +63,7 @@ class ServerInfo:
     version: str
     context: int | None = None  # the profile's engine.context_length (None: the model's own)
     settings_hash: str | None = None  # profile_hash(profile, context=False)
+    device: str | None = None  # "cuda" or "cpu": where the engine runs
 
 
 @dataclass

@@ -229,7 +229,7 @@ def context_words(tokens: int | None) -> str:
 
 def connect(model: str | None, profile, engine: str = "auto", paths: ServerPaths | None = None,
             config: ClientConfig = ClientConfig(), warn: Callable[[str], None] | None = None,
-            note: Callable[[str], None] | None = None) -> RemoteEngine | None:
+            note: Callable[[str], None] | None = None, one_request: bool = False) -> RemoteEngine | None:
     """The running resident engine when it holds the same model (resolved path), the same profile
     (by content: ``profile_hash``) and, unless ``engine`` is ``auto``, the same engine; else
     ``None`` (run in-process).
@@ -254,7 +254,8 @@ def connect(model: str | None, profile, engine: str = "auto", paths: ServerPaths
         from fpcli.models import resolve_model
 
         # the same defaults as the server's; the running engine spares a CUDA probe (torch)
-        _, model, profile = resolve_request(engine, model, profile, running=state.engine)
+        _, model, profile = resolve_request(engine, model, profile, running=state.engine, one_request=one_request,
+                                            running_device=state.device)
         wanted = str(resolve_model(model, progress=False))
     except Exception:  # noqa: BLE001 - the in-process path reports a bad model
         return None

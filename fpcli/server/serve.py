@@ -125,7 +125,8 @@ def run_server(engine, info: ServerInfo, paths: ServerPaths, config: ServeConfig
     state = ServerState(pid=os.getpid(), address=address, model=info.model, model_path=info.model_path,
                         profile=info.profile, profile_hash=info.profile_hash, engine=info.engine,
                         started_at=time.time(), version=info.version, token_file=token_file, log=config.log,
-                        idle_s=config.idle_s, context=info.context, settings_hash=info.settings_hash)
+                        idle_s=config.idle_s, context=info.context, settings_hash=info.settings_hash,
+                        device=info.device)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:

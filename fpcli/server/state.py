@@ -38,6 +38,9 @@ class ServerState:
             default model's), in tokens; ``None``: the model's own.
         settings_hash: ``profile_hash(profile, context=False)``: a client whose profile differs
             only in context is told so.
+        device: ``"cuda"`` or ``"cpu"``, where the engine runs (``None`` in state files written
+            before the field: probed when needed); a client derives the default model from it
+            without importing torch (``fpcli.engine.engine_device``).
     """
 
     pid: int
@@ -54,6 +57,7 @@ class ServerState:
     idle_s: float | None = None
     context: int | None = None
     settings_hash: str | None = None
+    device: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -149,10 +153,10 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def running_engine(paths: ServerPaths | None = None) -> str | None:
-    """The engine (``ServerState.engine``) of the resident engine whose state file is in ``paths``
-    (default: this user's) while its process lives, else ``None``. Reads the state file only: no
-    connection, no cleanup (``fpcli.server.client.connect`` checks and cleans)."""
+def running_state(paths: ServerPaths | None = None) -> ServerState | None:
+    """The ``ServerState`` of the resident engine whose state file is in ``paths`` (default: this
+    user's) while its process lives, else ``None``. Reads the state file only: no connection, no
+    cleanup (``fpcli.server.client.connect`` checks and cleans)."""
     if paths is None:
         from .paths import default_paths
 
@@ -162,7 +166,13 @@ def running_engine(paths: ServerPaths | None = None) -> str | None:
         state = ServerState.from_dict(json.loads(text))
     except (OSError, ValueError, AttributeError):
         return None
-    return state.engine if pid_alive(state.pid) else None
+    return state if pid_alive(state.pid) else None
+
+
+def running_engine(paths: ServerPaths | None = None) -> str | None:
+    """The engine (``ServerState.engine``) of ``running_state(paths)``, else ``None``."""
+    state = running_state(paths)
+    return state.engine if state is not None else None
 
 
 @contextmanager

@@ -17,6 +17,13 @@ of one context, no tokenizer in SGLang's processes); ``old`` = the settings befo
 the full context. Then ``fp ask --no-server FILE Q --json`` cold, as a user
 runs it, with the ``new`` run's Triton cache (a user's second ever ``fp ask``) when time is left.
 
+``transformers`` = the engine ``fp ask`` picks without ``--engine`` for one question in-process
+(``TransformersEngine`` on CUDA, one process): process start -> imports (torch, transformers,
+the operator) -> tokenizer -> weights -> first token -> answer. ``--ask-engine auto`` runs the
+cold ``fp ask --no-server`` with no ``--engine`` (the transformers engine on a GPU). E.g.::
+
+    source .fpdev/bin/env.sh && python scripts/lab/cold_start.py --configs transformers --ask-engine auto --budget 200
+
 Writes ``$OUT/cold_start.json`` and the children's logs; prints a table. Lab tooling: never
 imported by the product.
 """
@@ -111,12 +118,17 @@ def breakdown(child: dict, events: dict) -> dict:
 
 def child(name: str, model: str, out: Path) -> None:
     t = {"python": T0}
-    import fpcli.engine.sglang_engine as se
+    if name == "transformers":
+        import fpcli.engine.transformers_engine  # noqa: F401 - the imports an in-process fp ask pays
+    else:
+        import fpcli.engine.sglang_engine as se
     from fpcli.profiles import load_profile, with_context_length
     from fpcli.ttft import answered, needle_document
 
     t["imports"] = time.time()
     profile = with_context_length(load_profile("bf16"), CONTEXT)
+    if name == "transformers":
+        return child_transformers(model, out, t, profile)
     kwargs: dict = {"log_level": "info"}
     if name in ("new", "warm", "nowarm"):
         kwargs["max_requests"] = 1
@@ -125,7 +137,7 @@ def child(name: str, model: str, out: Path) -> None:
         kwargs["server_overrides"] = {"max_total_tokens": None, "max_running_requests": None,
                                       "skip_tokenizer_init": False}
     else:
-        raise SystemExit(f"unknown configuration {name!r} (new, old, warm, nowarm)")
+        raise SystemExit(f"unknown configuration {name!r} (new, old, warm, nowarm, transformers)")
     t["engine_call"] = time.time()
     eng = se.SGLangEngine(model, profile, **kwargs)
     t["engine_object"] = t["engine_call"] + eng.startup_s + eng.start_phases.get("tokenizer", 0.0)
@@ -149,6 +161,58 @@ def child(name: str, model: str, out: Path) -> None:
     out.write_text(json.dumps(rec, default=str))
 
 
+def child_transformers(model: str, out: Path, t: dict, profile) -> None:
+    """The transformers engine on CUDA as ``fp ask`` loads it (no ``--engine``, one question):
+    start phases from the engine, then two ~100K needles (the first is the cold one)."""
+    from fpcli.engine.transformers_engine import TransformersEngine
+    from fpcli.ttft import answered, needle_document
+
+    t["engine_call"] = time.time()
+    eng = TransformersEngine(model, profile, reuse_cache=False)  # device: CUDA when visible
+    t["ready"] = time.time()
+    try:
+        ttfts, ok, tokens = [], [], 0
+        for seed in (21, 22):
+            text, secret = needle_document(eng.count_tokens, PROMPT_TOKENS, seed=seed)
+            res = eng.generate(eng.encode_chat(None, text), max_new_tokens=16)
+            if seed == 21:
+                t["first_answer"] = time.time()
+                t["first_token"] = t["first_answer"] - (res.total_s - res.ttft_s)
+            ttfts.append(res.ttft_s)
+            ok.append(answered(res.text, secret))
+            tokens = res.prompt_tokens
+        rec = {"config": "transformers", "t": t, "start_phases": eng.start_phases, "warmup_s": 0.0,
+               "warmup_lengths": [], "ttft": ttfts, "answered": ok, "prompt_tokens": tokens,
+               "device": str(eng.device), "precision": eng.precision, "density": res.stats.density,
+               "server_kwargs": {}}
+    finally:
+        eng.close()
+    out.write_text(json.dumps(rec, default=str))
+
+
+def breakdown_transformers(child: dict) -> dict:
+    """Seconds per stage of the ``transformers`` configuration (the child's own timestamps)."""
+    t, ph = child["t"], child["start_phases"]
+
+    def span(a, b):
+        return round(t[b] - t[a], 2) if a in t and b in t else None
+
+    return {
+        "spawn_to_python": round(t["python"] - child["spawned"], 2),
+        "imports": span("python", "imports"),
+        "tokenizer": round(ph.get("tokenizer", 0.0), 2),
+        "weights": round(ph.get("weights", 0.0), 2),
+        "engine_total": span("engine_call", "ready"),
+        "ttft_first": round(child["ttft"][0], 3),
+        "ttft_second": round(child["ttft"][1], 3) if len(child["ttft"]) > 1 else None,
+        "prompt_tokens": child["prompt_tokens"],
+        "spawn_to_ready": round(t["ready"] - child["spawned"], 2),
+        "spawn_to_first_token": round(t["first_token"] - child["spawned"], 2),
+        "spawn_to_first_answer": round(t["first_answer"] - child["spawned"], 2),
+        "density": child.get("density"),
+    }
+
+
 # ------------------------------------------------------------------------------------------------
 # the parent
 # ------------------------------------------------------------------------------------------------
@@ -157,7 +221,7 @@ def child(name: str, model: str, out: Path) -> None:
 def run_child(name: str, model: str, outdir: Path, limit: float) -> dict:
     rec_path, log_path = outdir / f"cold_start_{name}.child.json", outdir / f"cold_start_{name}.log"
     env = dict(os.environ, SGLANG_LOG_MS="1", PYTHONUNBUFFERED="1")
-    if name not in ("warm", "nowarm"):  # "warm": Triton's own cache, as a user's machine has it after the first run
+    if name not in ("warm", "nowarm", "transformers"):  # "warm": Triton's own cache, as a user's machine has it after the first run
         env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"triton-{name}-")
     spawned = time.time()
     with open(log_path, "w") as log:
@@ -173,11 +237,12 @@ def run_child(name: str, model: str, outdir: Path, limit: float) -> dict:
     rec = json.loads(rec_path.read_text())
     rec["spawned"] = spawned
     events = parse_log(log_path.read_text(errors="replace"))
+    table = breakdown_transformers(rec) if name == "transformers" else breakdown(rec, events)
     return {"config": name, "rc": 0, "wall_s": round(wall, 1), "triton_cache": env.get("TRITON_CACHE_DIR"),
-            "breakdown": breakdown(rec, events), "answered": rec["answered"], "server_kwargs": rec["server_kwargs"]}
+            "breakdown": table, "answered": rec["answered"], "server_kwargs": rec["server_kwargs"]}
 
 
-def run_ask(model: str, outdir: Path, limit: float, triton_cache: str | None) -> dict:
+def run_ask(model: str, outdir: Path, limit: float, triton_cache: str | None, engine: str = "sglang") -> dict:
     doc = Path(".fpdocs/beameruserguide.pdf")
     question = "How do I make an item appear only on the second slide of a frame?"
     if not doc.is_file():  # synthetic ~100K-token text
@@ -189,7 +254,7 @@ def run_ask(model: str, outdir: Path, limit: float, triton_cache: str | None) ->
         question = QUESTION
     env = dict(os.environ, **({"TRITON_CACHE_DIR": triton_cache} if triton_cache else {}))
     argv = [sys.executable, "-m", "fpcli.cli", "ask", "--no-server", str(doc), question, "--json",
-            "--engine", "sglang", "--model", model, "--context", "128k"]
+            "--model", model, "--context", "128k"] + ([] if engine == "auto" else ["--engine", engine])
     t0 = time.time()
     try:
         p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=limit)
@@ -201,8 +266,9 @@ def run_ask(model: str, outdir: Path, limit: float, triton_cache: str | None) ->
     res = {"config": "fp ask --no-server", "rc": rc, "wall_s": round(wall, 1), "argv": argv[2:]}
     try:
         s = json.loads(out)["summary"]
-        res["summary"] = {k: s.get(k) for k in ("prompt_tokens", "ttft_s", "prefill_s", "wall_s", "engine_start_s",
-                                                "stages_s", "density", "context")}
+        res["summary"] = {k: s.get(k) for k in ("engine", "device", "prompt_tokens", "ttft_s", "prefill_s", "wall_s",
+                                                "engine_start_s", "engine_start_phases", "stages_s", "density",
+                                                "context")}
     except Exception as exc:  # noqa: BLE001 - lab: keep what came back
         res["no_json"] = str(exc)
     return res
@@ -211,7 +277,9 @@ def run_ask(model: str, outdir: Path, limit: float, triton_cache: str | None) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=os.path.join(os.environ.get("FPDEV_MODELS", ""), QWEN))
-    ap.add_argument("--configs", default="new,old", help="comma list of new, old, warm (new with Triton's default, already warm cache), nowarm (warm without the start-up warm-up)")
+    ap.add_argument("--configs", default="new,old", help="comma list of new, old, warm (new with Triton's default, already warm cache), nowarm (warm without the start-up warm-up), transformers (the transformers engine on CUDA, Triton's default cache)")
+    ap.add_argument("--ask-engine", default="sglang", choices=["sglang", "transformers", "auto"],
+                    help="--engine of the cold fp ask --no-server run (auto: none given, as a user runs it)")
     ap.add_argument("--no-ask", action="store_true", help="skip the fp ask --no-server run")
     ap.add_argument("--budget", type=float, default=230.0, help="seconds for the whole script")
     ap.add_argument("--child")
@@ -235,13 +303,13 @@ def main() -> None:
         runs.append(r)
     if not a.no_ask:
         left = deadline - time.time()
-        runs.append(run_ask(a.model, outdir, left - 3, cache) if left > 30 else
+        runs.append(run_ask(a.model, outdir, left - 3, cache, a.ask_engine) if left > 30 else
                     {"config": "fp ask --no-server", "rc": "skipped (budget)"})
     (outdir / "cold_start.json").write_text(json.dumps(runs, indent=2, default=str))
     keys = ["spawn_to_python", "imports", "tokenizer", "engine_call_to_scheduler_up", "scheduler_up_to_weights",
             "weights", "kv_pool", "kv_pool_tokens", "kv_pool_gb", "pool_to_graphs", "graph_capture", "graph_bs",
             "graphs_to_engine_object", "engine_total", "warmup", "warmup_lengths", "ttft_first", "ttft_second",
-            "prompt_tokens", "spawn_to_ready", "spawn_to_first_answer"]
+            "prompt_tokens", "spawn_to_ready", "spawn_to_first_token", "spawn_to_first_answer", "density"]
     shown = [r for r in runs if "breakdown" in r]
     if shown:
         print(f"{'stage (s)':32}" + "".join(f"{r['config']:>22}" for r in shown))

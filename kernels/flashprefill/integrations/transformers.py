@@ -215,11 +215,29 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: 
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
                                                                enable_gqa=gqa)
     else:  # chunk after a prefix: query t sees p <= (Lk - Lq) + t
-        pos = torch.arange(lk, device=query.device)
-        mask = pos[None, :] <= (lk - lq + torch.arange(lq, device=query.device))[:, None]
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
-                                                               enable_gqa=gqa)
+        out = torch.cat([_sdpa_rows(query, key, value, scaling, gqa, start, min(lq, start + rows))
+                         for start, rows in _row_chunks(lq, lk)], dim=2)
     return out.transpose(1, 2).contiguous()
+
+
+MASK_ELEMENTS = 1 << 24  # at most this many [rows, Lk] mask entries per SDPA call of a chunk after a prefix
+
+
+def _row_chunks(lq: int, lk: int):
+    """``(start, rows)`` pairs covering ``Lq`` query rows, ``rows * Lk <= MASK_ELEMENTS`` (at least one row):
+    a masked SDPA call (no flash kernel takes a mask; with GQA the math kernel runs, ``[Hq, rows, Lk]``
+    float scores) stays bounded, never ``[Lq, Lk]`` (60K new tokens after a 70K prefix: 8.4 GB of mask)."""
+    rows = max(1, MASK_ELEMENTS // max(1, lk))
+    return [(s, rows) for s in range(0, lq, rows)]
+
+
+def _sdpa_rows(query, key, value, scaling, gqa: bool, start: int, end: int) -> torch.Tensor:
+    """Query rows ``start:end`` of a chunk after a prefix (bottom-right causal) -> ``[B, Hq, end-start, d]``."""
+    lq, lk = query.shape[2], key.shape[2]
+    pos = torch.arange(lk, device=query.device)
+    mask = pos[None, :] <= (lk - lq + torch.arange(start, end, device=query.device))[:, None]
+    return torch.nn.functional.scaled_dot_product_attention(query[:, :, start:end], key, value, attn_mask=mask,
+                                                            scale=scaling, enable_gqa=gqa)
 
 
 def _grouped_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
