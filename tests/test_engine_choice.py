@@ -100,3 +100,25 @@ def test_the_resident_hint_follows_a_cold_answer_on_the_gpu_only():
         out = io.StringIO()
         render_resident_hint(Console(file=out, width=200), types.SimpleNamespace(name="transformers", device=device))
         assert ("`fp start` keeps an engine resident" in out.getvalue()) == shown, out.getvalue()
+
+
+def test_the_resident_hint_names_the_fp_start_options_this_ask_needs():
+    """A cold answer with --model/--profile/--context/--engine: a plain ``fp start`` would load the
+    defaults, which this ``fp ask`` does not use (it would run in-process again); the hint names
+    the options that make the resident engine match."""
+    import io
+    import types
+
+    import torch
+    from rich.console import Console
+
+    from fpcli.commands.ask import render_resident_hint, start_args
+
+    args = start_args("./my model", "dense", "32k", "transformers")
+    assert args == ["--model", "./my model", "--profile", "dense", "--context", "32k", "--engine", "transformers"]
+    assert start_args(None, "bf16", None, "auto") == []
+    out = io.StringIO()
+    render_resident_hint(Console(file=out, width=300), types.SimpleNamespace(name="transformers", device=torch.device("cuda", 0)),
+                         args)
+    assert ("`fp start --model './my model' --profile dense --context 32k --engine transformers` keeps an engine "
+            "resident") in out.getvalue(), out.getvalue()

@@ -229,19 +229,35 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
     if not quiet:
         render_summary(err, data)
         if render_answered_by(err, eng) is None and not json_out:
-            render_resident_hint(err, eng)
+            render_resident_hint(err, eng, start_args(model, profile, context, engine.value))
         if report is not None:
             err.print(f"[dim]report saved to {report}[/]", highlight=False)
 
 
-def render_resident_hint(console, eng) -> None:
-    """After an answer from an engine this command loaded on a CUDA GPU (a cold start), one dim line:
-    ``fp start`` keeps an engine resident, so follow-up questions skip the start."""
+def start_args(model: str | None, profile: str, context: str | None, engine: str) -> list[str]:
+    """The ``fp start`` options whose resident engine this ``fp ask`` would use: its ``--model``,
+    ``--profile`` (unless ``bf16``, fp start's default too), ``--context`` and a forced ``--engine``
+    (``auto`` uses whichever engine runs: ``fpcli.server.client.connect``), as given."""
+    args: list[str] = []
+    for flag, value, default in (("--model", model, None), ("--profile", profile, "bf16"),
+                                 ("--context", context, None), ("--engine", engine, "auto")):
+        if value is not None and value != default:
+            args += [flag, str(value)]
+    return args
+
+
+def render_resident_hint(console, eng, args: list[str] = ()) -> None:
+    """After an answer from an engine this command loaded on a CUDA GPU (a cold start), one
+    ``fp: note:`` line: ``fp start`` with ``args`` (``start_args`` of this command) keeps an engine
+    resident that the same ``fp ask`` then uses, so follow-up questions skip the start."""
+    import shlex
+
     from fpcli.engine import device_of
 
     if device_of(eng) == "cuda":
-        note(console, "`fp start` keeps an engine resident: follow-up questions then answer in ~2 s, "
-                      "without starting an engine")
+        command = shlex.join(["fp", "start", *args])
+        note(console, f"`{command}` keeps an engine resident: follow-up questions with the same options then "
+                      "answer in ~2 s, without starting an engine")
 
 
 def _one_line(exc: BaseException) -> str:
