@@ -17,7 +17,10 @@ Endpoints for ``fpcli.server.client.RemoteEngine`` (JSON bodies):
 - ``POST /fp/shutdown``: the server ends after this response.
 
 OpenAI-compatible, for other clients: ``GET /v1/models``, ``POST /v1/chat/completions`` (one user
-message, optional system messages; ``stream`` true or false).
+message, optional system messages; ``stream`` true or false). A stream sends SSE comments while
+no token comes: ``: waiting`` every ``heartbeat_s``, and ``: prefill done/total`` for each step of
+the prefill an engine reports (those steps restart the heartbeat's timer, so they are the
+keep-alive of a prefill whose steps come faster than it).
 
 Requests run one at a time, first come first served, on one worker thread. A client that
 disconnects cancels its own request only: queued, it is dropped; running, the generation stops at
@@ -369,6 +372,8 @@ def create_app(engine, info: ServerInfo, token: str | None = None, idle_s: float
                     yield chunk({"content": value})
                 elif kind == "wait":
                     yield ": waiting\n\n"  # an SSE comment: keeps the connection alive
+                elif kind == "progress":  # the prefill's steps reset the heartbeat's timer: they keep it alive
+                    yield f": prefill {value[0]}/{value[1]}\n\n"
                 elif kind == "result":
                     yield chunk({}, value.finish_reason)
                 elif kind == "error":
