@@ -85,13 +85,15 @@ def test_dense_layers_and_chunk_after_prefix(ref_model):
     bottom-right causal alignment must match SDPA on the whole sequence."""
     from transformers import DynamicCache
 
+    from fpcli.engine.transformers_engine import cache_argument
+
     model, rt = fp_model(KEEP_ALL, dense_layers=1)
     x = ids(330)
     want = ref_model(x).logits[:, 200:]
-    cache = DynamicCache()
-    model(x[:, :200], cache=cache, use_cache=True)
+    cache = {cache_argument(model): DynamicCache()}  # past_key_values on transformers 5.12 (the GPU's)
+    model(x[:, :200], use_cache=True, **cache)
     rt.reset()
-    got = model(x[:, 200:], cache=cache, use_cache=True).logits
+    got = model(x[:, 200:], use_cache=True, **cache).logits
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
     assert not rt.layers[0].sparse and rt.layers[1].sparse
     assert (rt.layers[1].q_len, rt.layers[1].kv_len) == (130, 330)

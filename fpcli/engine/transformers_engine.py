@@ -211,8 +211,7 @@ class TransformersEngine:
         self.reuse_cache = reuse_cache
         self._cache = None  # DynamicCache of the last request (reuse_cache), holding _cache_ids
         self._cache_ids: list[int] = []
-        forward_params = inspect.signature(self.model.forward).parameters
-        self._cache_kw = "cache" if "cache" in forward_params else "past_key_values"
+        self._cache_kw = cache_argument(self.model)
 
     # -- contract ------------------------------------------------------------------------------
 
@@ -378,6 +377,13 @@ class TransformersEngine:
         return int(torch.multinomial(probs, 1))
 
 
+def cache_argument(model) -> str:
+    """The name of the KV cache argument of ``model.forward``: ``"cache"`` where transformers
+    has it (newer 5.x), else ``"past_key_values"`` (4.56 to 5.12 at least). A name the model does
+    not take is swallowed by its ``**kwargs``: the cache would be ignored, not refused."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def common_prefix_len(a: list[int], b: list[int], limit: int | None = None) -> int:
     """Length of the longest common prefix of token id lists ``a`` and ``b``, at most ``limit``.
 
@@ -403,6 +409,7 @@ __all__ = [
     "ATTN_NAME",
     "FlashPrefillRuntime",
     "TransformersEngine",
+    "cache_argument",
     "common_prefix_len",
     "install_flashprefill",
     "prefill_stats",
