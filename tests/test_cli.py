@@ -208,6 +208,18 @@ def test_help_shows_flags_as_flags_and_a_conventional_usage_line(runner):
     assert "--json" in r.stdout and "--quiet" in r.stdout
 
 
+def test_one_prompt_commands_say_what_auto_runs_in_their_help(runner):
+    """fp ask and fp profile send one prompt: --engine auto gives them the transformers engine
+    in-process (fpcli.engine.choose_engine), and the GPU default model is the same for both
+    engines; their help says so (fp profile's --engine had no help, fp ask's --model said SGLang)."""
+    import typer
+
+    for command in ("ask", "profile"):
+        params = {p.name: p for p in typer.main.get_command(app).commands[command].params}
+        assert "transformers engine" in (params["engine"].help or ""), command
+        assert "(SGLang)" not in (params["model"].help or ""), command
+
+
 def test_ask_missing_question_is_named(runner, fake_engine, doc, tmp_path):
     r = invoke(runner, ["ask", str(doc)])
     assert r.exit_code == 2 and "missing QUESTION" in r.stderr and "fp ask FILE... QUESTION" in r.stderr
