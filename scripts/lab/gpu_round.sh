@@ -76,7 +76,8 @@ PY
         --seed ${EVAL_SEEDS:-0,1} --profiles dense,bf16,fp8 --no-server --json --report "$OUT/eval.json" \
         > /dev/null 2> "$OUT/eval.err"; tail -25 "$OUT/eval.err" | tee -a "$SUM" ;;
     cold) t python scripts/lab/cold_start.py --configs ${COLD_CONFIGS:-warm,nowarm} --budget ${COLD_BUDGET:-240} > "$OUT/cold.log" 2>&1; tail -30 "$OUT/cold.log" | tee -a "$SUM" ;;
-    bench) t fp bench --len ${BENCH_LENS:-8k,32k,128k} ${BENCH_ARGS:-} --json > "$OUT/bench.json" 2> "$OUT/bench.err"; tail -30 "$OUT/bench.err" ;;
+    bench) COLUMNS=400 t fp bench --len ${BENCH_LENS:-8k,32k,128k} ${BENCH_ARGS:-} > "$OUT/bench.txt" 2> "$OUT/bench.err"
+      tee -a "$SUM" < "$OUT/bench.txt"; tail -8 "$OUT/bench.err" ;;
   esac
 done
 say "done: $*"
