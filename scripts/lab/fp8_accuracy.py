@@ -17,12 +17,18 @@ causal attention of those q / k / v in float64 ("exact") against:
   and the cast (SageAttention's K smoothing: ``q·k̄`` is a per-row constant of the softmax);
 - ``ksmooth_vsmooth``: also V minus its per-(KV head, channel) mean, added back after the division
   (``P (v - v̄) / l + v̄``, rows of ``P / l`` sum to 1);
-- ``kvblock``: K and V one scale per 128-token block (no smoothing).
+- ``kvblock``: K and V one scale per 128-token block (no smoothing);
+- ``ksmooth_qtoken``: K smoothing and one Q scale per packed row instead of per tile;
+- ``ksmooth_migrate``: K smoothing and a per-(KV head, channel) migration ``q / c``, ``k * c``,
+  ``c = sqrt(amax_q / amax_k)`` (SmoothQuant, alpha 1/2; exact in real arithmetic);
+- ``int8qk`` / ``int8qk_ksmooth``: ``Q K^T`` on symmetric int8 (``amax / 127``; Q per tile, K per KV
+  head, without / with K smoothing), ``P V`` on e4m3 as shipped (SageAttention's split).
 
 Dense causal attention isolates the quantisation error (the sparse selection is the same for every
 scheme; the mean keys follow the same scales). Prints, per layer, the relative L2 of each scheme's
 output against exact (over all heads) and the worst query head's, then the median and mean over
-layers. CPU only, ~1-3 minutes for 3072 tokens on 2 cores.
+layers. CPU only, ~8 minutes for 3072 tokens and every scheme on 2 shared cores (``--layers``,
+``--schemes`` narrow it). ``--breakdown``: one operand of the shipped rules quantised at a time.
 """
 from __future__ import annotations
 
@@ -37,7 +43,7 @@ from flashprefill import quant
 
 TILE_ROWS = 128
 SCHEMES = ("bf16", "shipped", "ksmooth", "ksmooth_vsmooth", "kvblock", "ksmooth_qtoken", "ksmooth_migrate",
-           "int8qk_ksmooth")
+           "int8qk", "int8qk_ksmooth")
 # Diagnostics (``--breakdown``): one operand of the shipped rules quantised, the others exact.
 BREAKDOWN = ("q_only", "k_only", "ksmooth_k_only", "v_only", "p_only")
 
@@ -109,11 +115,11 @@ def operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scheme: str):
     qp = q.new_zeros(hkv, n_t * TILE_ROWS, d)
     qp[:, :rows] = q.view(hkv, g, L, d).permute(0, 2, 1, 3).reshape(hkv, rows, d)
     qp = qp.view(hkv, n_t, TILE_ROWS, d)
-    if scheme == "int8qk_ksmooth":
-        # SageAttention's split: Q K^T on int8 (Q per tile, K - k̄ per KV head), P V on e4m3 as shipped.
+    if scheme in ("int8qk", "int8qk_ksmooth"):
+        # SageAttention's split: Q K^T on int8 (Q per tile, K (- k̄) per KV head), P V on e4m3 as shipped.
         qp = _int8_rt(qp, quant.abs_max(qp, (-2, -1))[..., None, None])
         q8 = qp.view(hkv, -1, d)[:, :rows].reshape(hkv, L, g, d).permute(0, 2, 1, 3).reshape(hq, L, d)
-        kc = k - k.mean(1, keepdim=True)
+        kc = k - k.mean(1, keepdim=True) if scheme == "int8qk_ksmooth" else k
         return q8, _int8_rt(kc, quant.abs_max(kc, (1, 2))[:, None, None]), operands(q, k, v, "shipped")[2], None
     if scheme == "ksmooth_qtoken":                                     # one scale per packed row
         qp = _group_rt(qp, quant.abs_max(qp, (-1,))[..., None])
@@ -210,6 +216,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="Hugging Face folder (default: the embedded SmolLM2-135M)")
     ap.add_argument("--tokens", type=int, default=3072)
     ap.add_argument("--layers", default=None, help="comma-separated layer numbers (default: all)")
+    ap.add_argument("--schemes", default=None, help=f"comma-separated, of {', '.join(SCHEMES)}")
     ap.add_argument("--breakdown", action="store_true",
                     help=f"measure one quantised operand at a time instead: {', '.join(BREAKDOWN)}")
     ap.add_argument("--json", default=None, help="write the per-layer rows here")
@@ -225,6 +232,8 @@ def main() -> None:
         keep = [int(x) for x in args.layers.split(",")]
         layers = [layers[i] for i in keep]
     schemes = ("shipped", *BREAKDOWN) if args.breakdown else SCHEMES
+    if args.schemes:
+        schemes = tuple(args.schemes.split(","))
     rows = measure(layers, schemes)
     print(summary(rows, schemes))
     if args.json:
