@@ -182,9 +182,10 @@ def rel(a: torch.Tensor, ref: torch.Tensor, dims=None) -> torch.Tensor:
     return ((a - ref).square().sum(dims) / ref.square().sum(dims)).sqrt()
 
 
-def measure(layers, schemes=SCHEMES) -> list[dict]:
+def measure(layers, schemes=SCHEMES, numbers=None) -> list[dict]:
+    """Per layer (numbered by ``numbers``, default 0..), each scheme's relative L2 against exact."""
     rows = []
-    for i, (q, k, v, tau) in enumerate(layers):
+    for i, (q, k, v, tau) in zip(numbers or range(len(layers)), layers):
         q, k, v = q.float(), k.float(), v.float()
         exact = attend(q.double(), k.double(), v.double(), tau, torch.float64, False)
         row = {"layer": i, "k_bias": float((k.mean(1).norm(dim=-1) / k.std(1).norm(dim=-1)).mean())}
@@ -228,13 +229,12 @@ def main() -> None:
     torch.set_grad_enabled(False)
     layers, n = capture(args.model, args.tokens)
     print(f"{len(layers)} layers, {n} tokens, q {tuple(layers[0][0].shape)} k {tuple(layers[0][1].shape)}")
-    if args.layers:
-        keep = [int(x) for x in args.layers.split(",")]
-        layers = [layers[i] for i in keep]
+    keep = [int(x) for x in args.layers.split(",")] if args.layers else list(range(len(layers)))
+    layers = [layers[i] for i in keep]
     schemes = ("shipped", *BREAKDOWN) if args.breakdown else SCHEMES
     if args.schemes:
         schemes = tuple(args.schemes.split(","))
-    rows = measure(layers, schemes)
+    rows = measure(layers, schemes, keep)
     print(summary(rows, schemes))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
