@@ -57,7 +57,7 @@ def test_fp_profile_fp8_json_has_finite_per_layer_errors(tmp_path):
     text, _ = needle_document(lambda s: len(tok(s, add_special_tokens=False)["input_ids"]), DOC_TOKENS, seed=12)
     doc = tmp_path / "report.txt"
     doc.write_text(text)
-    proc = subprocess.run([FP, "profile", str(doc), "--fp8", "--json", "--no-server", "--model", str(QWEN),
+    proc = subprocess.run([FP, "profile", str(doc), "--fp8", "--json", "--no-server", "--engine", "sglang", "--model", str(QWEN),
                            "--png", str(tmp_path / "h.png")], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(proc.stdout)

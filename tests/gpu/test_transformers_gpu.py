@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
+from fpcli.engine import load_engine  # noqa: E402
 from fpcli.engine.base import precision_family  # noqa: E402
 from fpcli.engine.transformers_engine import TransformersEngine  # noqa: E402
 from fpcli.models import MARKER, QWEN_CODER  # noqa: E402
@@ -49,9 +51,18 @@ def staged(model: Path) -> Path:
     return model
 
 
+def smol(profile: str):
+    """SmolLM2 on the transformers engine as the product loads it (``load_engine``: the profile fitted
+    to the model's 8K context, so its sparse threshold is min(min_sparse_len, context / 2) = 4,096;
+    a ``TransformersEngine`` built directly keeps the profile's 8,192 and a 6K prompt runs dense)."""
+    eng = load_engine("transformers", str(staged(SMOL)), load_profile(profile))
+    assert isinstance(eng, TransformersEngine)
+    return eng
+
+
 @pytest.fixture(scope="module")
 def smol_engine():
-    eng = TransformersEngine(staged(SMOL), load_profile("bf16"), model_name="smollm2", device="cuda")
+    eng = smol("bf16")
     yield eng
     eng.close()
 
@@ -76,7 +87,7 @@ def test_smollm2_needle_on_cuda_sparse_bf16(smol_engine):
 def test_fp8_profile_runs_fp8_on_the_transformers_engine():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability >= 8.9")
-    with TransformersEngine(staged(SMOL), load_profile("fp8"), model_name="smollm2", device="cuda") as eng:
+    with smol("fp8") as eng:
         ids, secret = needle_prompt(eng, 6000, seed=4)
         res = eng.generate(ids, max_new_tokens=16)
     assert precision_family(res.precision) == "fp8", res.precision
@@ -122,6 +133,8 @@ def test_cold_fp_ask_picks_the_transformers_engine_at_128k(tmp_path):
     assert s["engine_start_s"] > 0
     assert s["density"]["overall"] is not None and s["density"]["overall"] < 0.5
     assert answered(data["answer"], secret), (data["answer"], secret)
+    # a quiet terminal: no third-party progress bars (transformers' "Loading weights" bar) without -v
+    assert not re.search(r"it/s\]|Loading weights|Loading checkpoint", proc.stderr), proc.stderr[-2000:]
     assert s["context"] == 131072 and s["rope_scaling"]["rope_type"] == "yarn", (s["context"], s["rope_scaling"])
     record = {"wall_s": wall, "summary_wall_s": s["wall_s"], "engine_start_s": s["engine_start_s"],
               "stages_s": s["stages_s"], "start_phases": s["engine_start_phases"],
