@@ -220,6 +220,27 @@ def test_one_prompt_commands_say_what_auto_runs_in_their_help(runner):
         assert "(SGLang)" not in (params["model"].help or ""), command
 
 
+def test_usage_errors_name_what_is_missing_and_keep_fp_style(runner):
+    """A command given no arguments says what is missing (it printed its help, then an empty
+    ``fp: error:``); a group alone prints its help and exits 0 (not help and an error); click's
+    own messages start lower-case and end without a period."""
+    for args, missing in ((["ask"], "fp ask: missing FILE... and QUESTION"), (["chat"], "fp chat: missing FILE..."),
+                          (["profile"], "fp profile: missing FILE")):
+        r = invoke(runner, args)
+        assert r.exit_code == 2, args
+        assert r.stderr.strip() == f"fp: error: {missing} (see 'fp {args[0]} -h')", args
+        assert r.stdout == "", args
+    for args in ([], ["model"]):
+        r = invoke(runner, args)
+        assert r.exit_code == 0 and "Usage: fp" in r.stdout and "error" not in r.output, args
+    r = invoke(runner, ["bogus"])
+    assert r.exit_code == 2 and r.stderr.strip() == "fp: error: no such command 'bogus' (see 'fp -h')"
+    r = invoke(runner, ["--bogus"])
+    assert r.exit_code == 2 and r.stderr.strip() == "fp: error: no such option: --bogus (see 'fp -h')"
+    r = invoke(runner, ["model", "path", "a", "b"])
+    assert r.exit_code == 2 and "fp: error: got unexpected extra argument" in r.stderr
+
+
 def test_ask_missing_question_is_named(runner, fake_engine, doc, tmp_path):
     r = invoke(runner, ["ask", str(doc)])
     assert r.exit_code == 2 and "missing QUESTION" in r.stderr and "fp ask FILE... QUESTION" in r.stderr
