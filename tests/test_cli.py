@@ -52,7 +52,7 @@ def test_ask_streams_answer_to_stdout_summary_to_stderr(runner, fake_engine, doc
     eng = fake_engine()
     assert eng.closed
     system, user = eng.prompts[-1]
-    assert f'<document name="{doc}">' in user and "PLUM7" in user
+    assert f'<document name="{doc.name}">' in user and "PLUM7" in user
     assert user.rstrip().endswith("Question: What is the code?")
 
 
