@@ -195,6 +195,20 @@ def test_ask_quiet(runner, fake_engine, doc):
     assert "TTFT" not in r.stderr
 
 
+def test_ask_quiet_keeps_no_notes(runner, fake_engine, doc, tmp_path):
+    """-q keeps warnings and errors only: the document cache's note ("text from fp's document
+    cache") and the cut note were printed with -q too."""
+    big = tmp_path / "big.txt"
+    big.write_text(" ".join(f"w{i}" for i in range(5000)))
+    args = ["ask", str(doc), str(big), "q?", "--context", "1k", "-n", "64"]
+    assert invoke(runner, args).exit_code == 0  # reads both: the next run takes them from the document cache
+    loud = invoke(runner, args)
+    assert loud.exit_code == 0 and "fp: note:" in loud.stderr and "document cache" in loud.stderr
+    quiet = invoke(runner, args + ["-q"])
+    assert quiet.exit_code == 0 and quiet.stdout == loud.stdout
+    assert "fp: note:" not in quiet.stderr and "document cache" not in quiet.stderr
+
+
 def test_help_shows_flags_as_flags_and_a_conventional_usage_line(runner):
     r = invoke(runner, ["ask", "--help"])
     assert r.exit_code == 0

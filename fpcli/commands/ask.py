@@ -111,7 +111,7 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
     from fpcli.prompt import NoRoomError, PromptError, build_prompt
     from fpcli.report import ask_report, dumps, render_cuts, render_ingestion, render_summary
 
-    err = stderr_console()
+    err = stderr_console(quiet=quiet)
     files = list(files or [])
     if question is None:
         fail(f"missing FILE and QUESTION ({USAGE})", code=2)

@@ -64,7 +64,7 @@ def evaluate(
     """
     from fpcli.ruler.tasks import TASKS
 
-    err = stderr_console()
+    err = stderr_console(quiet=quiet)
     # -- bad input: exit 2 before loading anything -------------------------------------------------
     task_names = [t.strip() for t in tasks.split(",") if t.strip()] or list(TASKS)
     unknown = [t for t in task_names if t not in TASKS]
