@@ -672,6 +672,21 @@ def test_idle_limit_ends_the_server(servers):
     assert "idle" in s.paths.log.read_text()
 
 
+def test_ctrl_c_stops_a_foreground_serve_cleanly(servers):
+    """Ctrl-C is how a foreground ``fp serve`` is stopped: a normal line and exit 0 (it was
+    ``fp: error: interrupted``, exit 130), no state file or socket left behind."""
+    s = servers
+    p = s.popen("serve", "--model", s.model)
+    _wait(lambda: s.state() is not None or p.poll() is not None, 60, "fp serve to be ready")
+    assert s.state() is not None, p.communicate(timeout=5)
+    assert s.paths.socket.exists()
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 0, err
+    assert "server stopped" in err and "error" not in err
+    assert s.state() is None and not s.paths.socket.exists()
+
+
 def test_tcp_needs_the_token_and_speaks_openai(servers):
     import httpx
 

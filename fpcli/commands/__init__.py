@@ -53,7 +53,8 @@ class _OneLineErrors:
     the errors fp's commands find themselves, instead of typer's boxed panel; a group given no
     command (``fp``, ``fp model``) prints its help and exits 0. ``invoke``: Ctrl-C
     anywhere in a command (reading, fitting, loading, prefill, decode) is ``fp: error: interrupted``,
-    exit 130 (a command that ends a partial answer on stdout does so and re-raises)."""
+    exit 130 (a command that ends a partial answer on stdout does so and re-raises; a serving
+    ``fp serve`` stops normally instead)."""
 
     def invoke(self, ctx):
         try:

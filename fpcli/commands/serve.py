@@ -85,6 +85,8 @@ def serve(
 
     try:
         run_server(eng, info, paths, ServeConfig(port=port, host=host, idle_s=idle_s, log=log), on_ready=ready)
+    except KeyboardInterrupt:  # Ctrl-C is how a foreground server is stopped (run_server has cleaned up)
+        pass
     except ServeError as exc:
         eng.close()
         fail(str(exc))
