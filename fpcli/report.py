@@ -415,14 +415,19 @@ def render_ingestion(console: Console, docs: Sequence) -> None:
 
 
 def render_cuts(console: Console, prompt) -> None:
-    """Say what was cut to fit the context (never silently)."""
+    """Say what was cut to fit the context (never silently), and the size of ``prompt`` (for ``fp ask``,
+    the tokens it prefills; the budget it leaves unused is room for a longer question)."""
     if not prompt.cuts:
         return
     kept = f" - {prompt.reserved} kept by the engine" if prompt.reserved else ""
-    room = (f"; fitted to {prompt.budget - prompt.question_room:,} tokens, keeping {prompt.question_room:,} "
-            "for the question" if prompt.question_room else "")
+    unused = prompt.budget - prompt.tokens
+    # the fit ignores the question (up to question_room tokens): the same cut, and a reusable KV cache,
+    # for every such question; the budget it leaves unused is that room less this question
+    slack = (f", {unused:,} left unused so that any question up to {prompt.question_room:,} tokens gets the same cut"
+             if prompt.question_room and unused > 0 else "")
     note(console, f"the documents exceed the prompt budget of {prompt.budget:,} tokens "
-                  f"(context {prompt.context_length:,} - {prompt.max_new_tokens:,} for the answer{kept}){room}; cut:")
+                  f"(context {prompt.context_length:,} - {prompt.max_new_tokens:,} for the answer{kept}); "
+                  f"the prompt is fitted to {prompt.tokens:,} tokens{slack}; cut:")
     for c in prompt.cuts:
         console.print(Text(f"  {c.describe()}", style="yellow"))
     if prompt.budget_note:

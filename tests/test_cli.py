@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -137,9 +138,16 @@ def test_ask_truncation_is_reported(runner, fake_engine, tmp_path):
     prompt = json.loads(r.stdout)["ingestion"]["prompt"]
     assert prompt["truncated"] and prompt["cuts"][0]["file"] == str(big)
     assert prompt["prompt_tokens"] <= prompt["budget"]
-    room = prompt["question_room"]  # the note says the room the fit keeps for the question
-    assert room > 0 and (f"fitted to {prompt['budget'] - room:,} tokens, keeping {room:,} for the question; cut:"
-                         in " ".join(r.stderr.split())), r.stderr
+    # the note's figures are the prompt's: "fitted to" is the prefilled count (it was the budget less
+    # the question room, beside a "keeping N for the question" that was unused budget)
+    stderr = " ".join(r.stderr.split())
+    summary = json.loads(r.stdout)["summary"]
+    fitted = re.search(r"fitted to ([\d,]+) tokens", stderr)
+    assert fitted and int(fitted.group(1).replace(",", "")) == summary["prompt_tokens"] == prompt["prompt_tokens"]
+    unused, room = prompt["budget"] - prompt["prompt_tokens"], prompt["question_room"]
+    assert room > 0 and unused > 0
+    assert f"{unused:,} left unused so that any question up to {room:,} tokens gets the same cut; cut:" in stderr
+    assert "for the question;" not in stderr
 
 
 def test_ask_encrypted_pdf_needs_password_others_survive(runner, fake_engine, doc, tmp_path):
