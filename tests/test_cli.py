@@ -263,6 +263,25 @@ def test_usage_errors_name_what_is_missing_and_keep_fp_style(runner):
     assert r.exit_code == 2 and "fp: error: got unexpected extra argument" in r.stderr
 
 
+def test_model_help_is_one_text_that_names_each_devices_default(runner):
+    """--model's help differed between commands (chat and eval said SmolLM2 whatever the device,
+    start and serve "the embedded one"); every command that loads an engine now says what
+    ``default_model`` picks on a CUDA GPU (either engine) and on the CPU."""
+    import typer
+
+    from fpcli.models import default_model
+
+    commands = typer.main.get_command(app).commands
+    helps = {name: {p.name: p for p in commands[name].params}["model"].help
+             for name in ("ask", "chat", "eval", "profile", "serve", "start")}
+    assert len(set(helps.values())) == 1, helps
+    text = helps["ask"]
+    gpu = {default_model("sglang").name, default_model("transformers", "cuda").name}
+    assert len(gpu) == 1 and gpu.pop() in text
+    assert default_model("transformers", "cpu").name in text
+    assert f"{default_model('sglang').context_length // 1024}K" in text
+
+
 def test_ask_missing_question_is_named(runner, fake_engine, doc, tmp_path):
     r = invoke(runner, ["ask", str(doc)])
     assert r.exit_code == 2 and "missing QUESTION" in r.stderr and "fp ask FILE... QUESTION" in r.stderr

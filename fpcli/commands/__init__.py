@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
+from fpcli.models import DEFAULT_MODEL_HELP
 from fpcli.console import WIDE, error, note, stderr_console, warning  # noqa: F401 - re-exported for the commands
 
 ENGINE_FACTORY_ENV = "FP_ENGINE_FACTORY"  # "module:function" replacing fpcli.engine.load_engine (tests)
@@ -268,6 +269,10 @@ def check_model_or_exit(model: str | None) -> None:
     except ModelError as exc:
         fail(f"--model: {exc}", code=2)
 
+
+MODEL_HELP = ("Embedded model name (`fp model list`), Hugging Face folder or cached id, or a .gguf file. "
+              + DEFAULT_MODEL_HELP)
+"""The help of ``--model`` for every command that loads an engine (its default: ``fpcli.models.default_model``)."""
 
 CONTEXT_HELP = ("Context to run the model at, in tokens (e.g. 32k, 128k, 131072): a cap within the model's own "
                 "context, YaRN beyond it (up to 8x). Default: the profile's engine.context_length, else the model's own.")
