@@ -9,7 +9,9 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
       "schema": "fp.ask/1", "fp_version": "0.1.0", "created": "2025-01-01T12:00:00+00:00",
       "question": "...", "answer": "...",
       "summary": {
-        "prompt_tokens", "output_tokens", "ttft_s", "prefill_s", "total_s", "decode_tokens_per_s",
+        "prompt_tokens", "output_tokens", "ttft_s", "prefill_s", "decode_tokens_per_s",
+        "total_s",               # the engine's part: from when it took the request to the last answer
+                                 # token (ttft_s + decode); not wall_s, the whole command
         "cached_tokens",         # prompt tokens served from the KV cache of an earlier request
         "wall_s",                # the whole command, from the start of the fp process (the OS's record) to
                                  # the answer's end; the process's exit after the summary is not in it
@@ -324,9 +326,8 @@ def prompt_tokens_text(s: dict) -> str:
 
 def time_row(s: dict) -> tuple[str, str]:
     """The summary's time row: ``total time`` is the whole command (``wall_s``) with its parts
-    (engine start, time queued in the resident engine, TTFT, decode, and the rest: reading, prompt
-    building, output); without a
-    measured ``wall_s`` the row is the generation's own time, labelled as such, never a total."""
+    (reading, prompt fitting, engine start, time queued in the resident engine, TTFT, decode, and
+    ``other``: the rest, mostly the process's start and imports); without a measured ``wall_s`` the row is the generation's own time, labelled as such, never a total."""
     gen = s["total_s"]
     decode = max(0.0, gen - s["ttft_s"])
     if s.get("wall_s") is None:
