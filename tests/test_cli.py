@@ -299,7 +299,7 @@ def test_ask_missing_question_is_named(runner, fake_engine, doc, tmp_path):
 
 @pytest.mark.parametrize("args, says", [
     (["-n", "0"], "--max-new-tokens: expected an integer >= 1, got 0"),
-    (["--no-such-option"], "No such option: --no-such-option"),
+    (["--no-such-option"], "no such option: --no-such-option"),
 ])
 def test_parser_errors_are_one_line_like_fps_own(runner, fake_engine, doc, args, says):
     r = invoke(runner, ["ask", str(doc), "q?", *args])
@@ -308,7 +308,7 @@ def test_parser_errors_are_one_line_like_fps_own(runner, fake_engine, doc, args,
     assert len(lines) == 1 and lines[0].startswith("fp: error: ") and says in lines[0], r.stderr
     assert "fp ask -h" in lines[0] and "╭" not in r.stderr and "Traceback" not in r.stderr
     r = invoke(runner, ["no-such-command"])
-    assert r.exit_code == 2 and r.stderr.startswith("fp: error: No such command") and len(r.stderr.splitlines()) == 1
+    assert r.exit_code == 2 and r.stderr.startswith("fp: error: no such command") and len(r.stderr.splitlines()) == 1
 
 
 @pytest.mark.parametrize("args, says", [

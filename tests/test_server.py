@@ -491,7 +491,7 @@ def test_second_start_with_another_profile_says_what_runs(servers):
 
 
 @pytest.mark.parametrize("extra,expected", [
-    (["--bogus"], "No such option: --bogus"),
+    (["--bogus"], "no such option: --bogus"),
     (["stray"], "unexpected extra argument(s) (stray)"),
     (["--engine", "transformers", "--", "--tp", "2"], "engine settings after --: the transformers engine takes no extra engine settings (got --tp 2)"),
 ])
