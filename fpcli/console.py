@@ -8,11 +8,25 @@ from rich.text import Text
 WIDE = 200  # columns for tables when stderr is not a terminal (logs, pipes): never wrap a row
 
 
-def _console(stderr: bool) -> Console:
-    console = Console(stderr=stderr, highlight=False)
+class DiagnosticConsole(Console):
+    """A rich ``Console`` that knows whether its ``fp: note:`` lines are wanted.
+
+    Attributes:
+        notes: False for a command run with ``--quiet``: ``diagnostic`` drops notes, and keeps
+            warnings and errors.
+    """
+
+    def __init__(self, *args, notes: bool = True, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.notes = notes
+
+
+def _console(stderr: bool, notes: bool = True) -> Console:
+    console = DiagnosticConsole(stderr=stderr, highlight=False, notes=notes)
     if console.is_terminal:
         return console
-    return Console(stderr=stderr, highlight=False, soft_wrap=True, width=max(WIDE, console.width))
+    return DiagnosticConsole(stderr=stderr, highlight=False, soft_wrap=True, width=max(WIDE, console.width),
+                             notes=notes)
 
 
 def stdout_console() -> Console:
@@ -22,15 +36,16 @@ def stdout_console() -> Console:
     return _console(stderr=False)
 
 
-def stderr_console() -> Console:
-    """A rich console on stderr (built per call: test runners swap ``sys.stderr``).
+def stderr_console(quiet: bool = False) -> Console:
+    """A rich console on stderr (built per call: test runners swap ``sys.stderr``); ``quiet``
+    (a command's ``--quiet``): ``diagnostic`` prints no notes on it, only warnings and errors.
 
     On a terminal: rich's defaults (its width, wrapping, live status and progress bars). Not a
     terminal (a log file, a pipe, CI): messages are never hard-wrapped (``soft_wrap``: one
     warning = one line, greppable), tables get a wide fixed width so rows do not wrap, and
     ``is_terminal`` is False, which callers use to skip progress bars.
     """
-    return _console(stderr=True)
+    return _console(stderr=True, notes=not quiet)
 
 
 def print_table(table, stderr: bool = False) -> None:
@@ -60,11 +75,16 @@ def diagnostic_text(level: str, message: str) -> Text:
 def diagnostic(console: Console, level: str, message: str) -> None:
     """Print one diagnostic on ``console`` (stderr) as ``fp: error: ...``, ``fp: warning: ...`` or
     ``fp: note: ...``: the one form of every error, warning and note fp prints (never wrapped
-    off a terminal: one message, one greppable line).
+    off a terminal: one message, one greppable line). A note is dropped on a console built with
+    ``stderr_console(quiet=True)``.
 
     Raises:
         ValueError: ``level`` is not one of ``LEVELS``.
     """
+    if level not in LEVELS:
+        raise ValueError(f"diagnostic level: expected one of {', '.join(LEVELS)}, got {level!r}")
+    if level == "note" and not getattr(console, "notes", True):
+        return
     console.print(diagnostic_text(level, message), soft_wrap=not console.is_terminal, highlight=False)
 
 

@@ -206,6 +206,9 @@ class DefaultModel:
 
 
 DEFAULT_CONTEXT_GPU = 131072  # the default GPU run exercises the sparse prefill at full length
+DEFAULT_MODEL_HELP = (f"Default: {QWEN_CODER} at {DEFAULT_CONTEXT_GPU // 1024}K context on a CUDA GPU (either engine), "
+                      f"{DEFAULT_MODEL} on the CPU.")
+"""What ``default_model`` picks, in words: the end of every ``--model`` help that runs an engine."""
 
 
 def default_model(engine: str, device: str | None = None) -> DefaultModel:

@@ -1,7 +1,9 @@
 """Prompt building with a token budget.
 
 The chat is a system message and one user message holding the documents, each delimited by its
-file name, then the question last (so it sits in the dense tail of the prefill)::
+file name (``prompt_names``: the same however the path was typed, so the same file gives the same
+prompt tokens and a reusable KV cache), then the question last (so it sits in the dense tail of
+the prefill)::
 
     <document name="report.pdf">
     ...text...
@@ -118,10 +120,12 @@ class Prompt:
         system, user: the two messages.
         ids: token ids from the model's chat template (what the engine prefills).
         context_length, max_new_tokens: the budget's inputs; ``budget`` = their difference.
-        doc_tokens: ``{name: tokens}`` of every document before any cut.
+        doc_tokens: ``{name: tokens}`` of every document before any cut (``name``: as the user
+            gave it).
         cuts: one record per cut document (empty when everything fit).
-        documents: the ``(name, text)`` pairs in the prompt, after cuts (reused by ``fp chat``
-            for every question, so that the documents stay a shared token prefix).
+        documents: the ``(label, text)`` pairs in the prompt, after cuts (``label``: the
+            document's ``prompt_names`` entry; reused by ``fp chat`` for every question, so that
+            the documents stay a shared token prefix).
         question_room: tokens of the budget a cut kept for the question (``question_allowance``):
             the prompt without the question was fitted to ``budget - question_room`` tokens, so
             every question up to that length reuses the same cut documents; 0 when nothing was
@@ -174,6 +178,32 @@ class Prompt:
             "truncated": bool(self.cuts),
             "cuts": [c.to_dict() for c in self.cuts],
         }
+
+
+def prompt_names(names: Sequence[str]) -> list[str]:
+    """The name each document has in the prompt, independent of how its path was typed: the
+    file's name (``examples/report.md`` and ``/home/me/examples/report.md`` are both
+    ``report.md``), with as many parent folders of its absolute path as keep the names distinct
+    (``a/report.md``, ``b/report.md``); ``-`` (standard input) stays ``-``. The same file given
+    twice keeps the same name.
+
+    >>> prompt_names(["/x/a/report.md", "/x/b/report.md", "notes.txt"])
+    ['a/report.md', 'b/report.md', 'notes.txt']
+    """
+    import os
+
+    parts = [os.path.abspath(n).split(os.sep) if n != "-" else ["-"] for n in names]
+    depth = [1] * len(names)
+    while True:
+        labels = ["/".join(p[-k:]).lstrip("/") or "/" for p, k in zip(parts, depth)]
+        by_label: dict[str, set[tuple[str, ...]]] = {}
+        for label, p in zip(labels, parts):
+            by_label.setdefault(label, set()).add(tuple(p))
+        clash = [i for i, label in enumerate(labels) if len(by_label[label]) > 1 and depth[i] < len(parts[i])]
+        if not clash:
+            return labels
+        for i in clash:
+            depth[i] += 1
 
 
 def format_user(docs: Sequence[tuple[str, str]], question: str, history: Sequence[tuple[str, str]] = ()) -> str:
@@ -263,10 +293,13 @@ def build_prompt(
             f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's context of {ctx} tokens"
         )
     docs = [d for d in docs if d.text.strip()]
-    pairs = [(d.name, d.text) for d in docs]
+    labels = prompt_names([d.name for d in docs])  # the prompt's names; the user's names in doc_tokens and cuts
+    name_of = dict(zip(labels, (d.name for d in docs)))
+    label_of = {d.name: label for d, label in zip(docs, labels)}
+    pairs = [(label, d.text) for label, d in zip(labels, docs)]
     key = _fit_key(fit_cache, pairs, budget, cut, system)
     entry = fit_cache.store.get(key) if fit_cache is not None else None
-    fresh = entry is None or not _valid_entry(entry, docs)
+    fresh = entry is None or not _valid_entry(entry, labels)
     starts: list[list[int]] | None = None
 
     def starts_of() -> list[list[int]]:
@@ -297,9 +330,9 @@ def build_prompt(
         estimate = sum(_stripped_tokens(d.text, s) for d, s in zip(docs, starts_of()))
         whole = (None if estimate > budget + WHOLE_MARGIN_TOKENS + JOIN_TOKENS * len(docs)
                  else len(engine.encode_chat(system, format_user(pairs, ""))))
-        entry = {"doc_tokens": {d.name: len(s) for d, s in zip(docs, starts_of())}, "whole_tokens": whole,
+        entry = {"doc_tokens": {label: len(s) for label, s in zip(labels, starts_of())}, "whole_tokens": whole,
                  "fit": None}
-    doc_tokens = dict(entry["doc_tokens"])
+    doc_tokens = {name_of[label]: n for label, n in entry["doc_tokens"].items()}
 
     def make(pairs_: Sequence[tuple[str, str]], cuts_: list[Cut], question_: str = question) -> Prompt:
         user = format_user(pairs_, question_)
@@ -319,16 +352,18 @@ def build_prompt(
         # Each attempt is built with this question and measured without it: the question follows
         # fixed markup ("</document>\n\nQuestion: "), so it adds as many tokens to a cut prompt as to
         # the prompt of empty documents. One encode per attempt, and the last one is the answer's prompt.
-        fitted = _fit(docs, starts_of(), engine, make, question, target, overhead, cut,
+        fitted = _fit(docs, labels, starts_of(), engine, make, question, target, overhead, cut,
                       question_tokens=overhead_question() - overhead)
         entry["fit"] = None if fitted is None else {"documents": [list(p) for p in fitted.documents],
-                                                     "cuts": [c.to_dict() for c in fitted.cuts],
+                                                     "cuts": [dict(c.to_dict(), file=label_of[c.file])
+                                                              for c in fitted.cuts],
                                                      "question_room": budget - target}
         fresh = True
     _store(fit_cache, key, entry, fresh)
     if entry["fit"] is not None:
         prompt = fitted if fitted is not None else make([(n, t) for n, t in entry["fit"]["documents"]],
-                                                        [Cut(**c) for c in entry["fit"]["cuts"]])
+                                                        [Cut(**dict(c, file=name_of.get(c["file"], c["file"])))
+                                                         for c in entry["fit"]["cuts"]])
         if prompt.tokens <= budget:
             prompt.question_room = entry["fit"]["question_room"] if prompt.cuts else 0
             return prompt
@@ -339,7 +374,7 @@ def build_prompt(
             f"the question and chat template alone need {overhead} tokens, more than the {budget} available "
             f"(context {ctx} - {max_new_tokens} for the answer); shorten the question or lower --max-new-tokens"
         )
-    best = _fit(docs, starts_of(), engine, make, question, budget, overhead, cut)
+    best = _fit(docs, labels, starts_of(), engine, make, question, budget, overhead, cut)
     if best is None:
         raise NoRoomError(
             f"no document token fits: the prompt budget is {budget:,} tokens (context {ctx:,} - "
@@ -349,9 +384,9 @@ def build_prompt(
     return best
 
 
-def _fit(docs, starts, engine, make, question: str, target: int, overhead: int, cut: str,
+def _fit(docs, labels, starts, engine, make, question: str, target: int, overhead: int, cut: str,
          question_tokens: int = 0) -> "Prompt | None":
-    """Cut ``docs`` so that the prompt with ``question``, less ``question_tokens`` (what the
+    """Cut ``docs`` (named ``labels`` in the prompt) so that the prompt with ``question``, less ``question_tokens`` (what the
     question adds over an empty one; 0: measured with it), fills ``target`` tokens to within
     ``FILL_SLACK_TOKENS``; ``overhead``: the prompt's tokens with empty documents, measured the
     same way. ``None`` when not one document token fits."""
@@ -367,12 +402,12 @@ def _fit(docs, starts, engine, make, question: str, target: int, overhead: int, 
         if not any(targets):
             break
         new_pairs, cuts = [], []
-        for d, s, k in zip(docs, starts, targets):
+        for d, label, s, k in zip(docs, labels, starts, targets):
             if k >= len(s):
-                new_pairs.append((d.name, d.text))
+                new_pairs.append((label, d.text))
                 continue
-            text, record = cut_text(d, s, k, cut)
-            new_pairs.append((d.name, text))
+            text, record = cut_text(d, s, k, cut, label=label)
+            new_pairs.append((label, text))
             cuts.append(record)
         prompt = make(new_pairs, cuts, question)
         slack = target - (prompt.tokens - question_tokens)
@@ -397,12 +432,12 @@ def _fit_key(fit_cache: FitCache | None, pairs, budget: int, cut: str, system: s
                   MARKER, FILL_SLACK_TOKENS)
 
 
-def _valid_entry(entry: dict, docs) -> bool:
+def _valid_entry(entry: dict, labels) -> bool:
     """A cached fit's shape is what ``build_prompt`` stores (a damaged entry is recomputed)."""
     try:
         fit = entry["fit"]
         whole = entry["whole_tokens"]
-        return (set(entry["doc_tokens"]) == {d.name for d in docs} and (whole is None or isinstance(whole, int))
+        return (set(entry["doc_tokens"]) == set(labels) and (whole is None or isinstance(whole, int))
                 and (fit is None or (isinstance(fit["documents"], list) and isinstance(fit["cuts"], list)
                                      and isinstance(fit["question_room"], int))))
     except (KeyError, TypeError):
@@ -451,7 +486,8 @@ def water_fill(sizes: Sequence[int], available: int) -> list[int]:
     return [min(s, level) for s in sizes]
 
 
-def cut_text(doc: DocLike, starts: Sequence[int], keep_tokens: int, mode: str = "middle") -> tuple[str, Cut]:
+def cut_text(doc: DocLike, starts: Sequence[int], keep_tokens: int, mode: str = "middle",
+             label: str | None = None) -> tuple[str, Cut]:
     """Cut ``doc.text`` down to ``keep_tokens`` of its tokens, on token boundaries.
 
     Args:
@@ -462,6 +498,8 @@ def cut_text(doc: DocLike, starts: Sequence[int], keep_tokens: int, mode: str = 
             ``keep_tokens // 2`` and the last ``keep_tokens - keep_tokens // 2``, ``end`` the first
             ``keep_tokens``.
         mode: ``middle`` or ``end``.
+        label: the document's name in the prompt, in the marker line (default ``doc.name``);
+            the ``Cut`` record keeps ``doc.name``.
 
     Returns:
         The new text (with a marker line where text was removed) and the ``Cut`` record.
@@ -472,8 +510,9 @@ def cut_text(doc: DocLike, starts: Sequence[int], keep_tokens: int, mode: str = 
     """
     text = doc.text
     n_tokens = len(starts)
+    label = doc.name if label is None else label
     if keep_tokens <= 0:
-        marker = MARKER.format(dropped=f"{n_tokens:,}", name=doc.name)
+        marker = MARKER.format(dropped=f"{n_tokens:,}", name=label)
         record = Cut(doc.name, n_tokens, 0, n_tokens, "all", 0, len(text), *_pages(doc, 0, len(text)))
         return marker, record
     if mode == "middle":
@@ -484,7 +523,7 @@ def cut_text(doc: DocLike, starts: Sequence[int], keep_tokens: int, mode: str = 
         head_end = starts[keep_tokens]
         tail_start = len(text)
     head, tail = text[:head_end], text[tail_start:]
-    marker = MARKER.format(dropped=f"{n_tokens - keep_tokens:,}", name=doc.name)
+    marker = MARKER.format(dropped=f"{n_tokens - keep_tokens:,}", name=label)
     new_text = f"{head.rstrip()}\n\n{marker}\n\n{tail.lstrip()}" if tail else f"{head.rstrip()}\n\n{marker}"
     record = Cut(doc.name, n_tokens, keep_tokens, n_tokens - keep_tokens, mode, head_end, tail_start,
                  *_pages(doc, head_end, tail_start))

@@ -9,7 +9,9 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
       "schema": "fp.ask/1", "fp_version": "0.1.0", "created": "2025-01-01T12:00:00+00:00",
       "question": "...", "answer": "...",
       "summary": {
-        "prompt_tokens", "output_tokens", "ttft_s", "prefill_s", "total_s", "decode_tokens_per_s",
+        "prompt_tokens", "output_tokens", "ttft_s", "prefill_s", "decode_tokens_per_s",
+        "total_s",               # the engine's part: from when it took the request to the last answer
+                                 # token (ttft_s + decode); not wall_s, the whole command
         "cached_tokens",         # prompt tokens served from the KV cache of an earlier request
         "wall_s",                # the whole command, from the start of the fp process (the OS's record) to
                                  # the answer's end; the process's exit after the summary is not in it
@@ -324,9 +326,8 @@ def prompt_tokens_text(s: dict) -> str:
 
 def time_row(s: dict) -> tuple[str, str]:
     """The summary's time row: ``total time`` is the whole command (``wall_s``) with its parts
-    (engine start, time queued in the resident engine, TTFT, decode, and the rest: reading, prompt
-    building, output); without a
-    measured ``wall_s`` the row is the generation's own time, labelled as such, never a total."""
+    (reading, prompt fitting, engine start, time queued in the resident engine, TTFT, decode, and
+    ``other``: the rest, mostly the process's start and imports); without a measured ``wall_s`` the row is the generation's own time, labelled as such, never a total."""
     gen = s["total_s"]
     decode = max(0.0, gen - s["ttft_s"])
     if s.get("wall_s") is None:
@@ -415,14 +416,19 @@ def render_ingestion(console: Console, docs: Sequence) -> None:
 
 
 def render_cuts(console: Console, prompt) -> None:
-    """Say what was cut to fit the context (never silently)."""
+    """Say what was cut to fit the context (never silently), and the size of ``prompt`` (for ``fp ask``,
+    the tokens it prefills; the budget it leaves unused is room for a longer question)."""
     if not prompt.cuts:
         return
     kept = f" - {prompt.reserved} kept by the engine" if prompt.reserved else ""
-    room = (f"; fitted to {prompt.budget - prompt.question_room:,} tokens, keeping {prompt.question_room:,} "
-            "for the question" if prompt.question_room else "")
+    unused = prompt.budget - prompt.tokens
+    # the fit ignores the question (up to question_room tokens): the same cut, and a reusable KV cache,
+    # for every such question; the budget it leaves unused is that room less this question
+    slack = (f", {unused:,} left unused so that any question up to {prompt.question_room:,} tokens gets the same cut"
+             if prompt.question_room and unused > 0 else "")
     note(console, f"the documents exceed the prompt budget of {prompt.budget:,} tokens "
-                  f"(context {prompt.context_length:,} - {prompt.max_new_tokens:,} for the answer{kept}){room}; cut:")
+                  f"(context {prompt.context_length:,} - {prompt.max_new_tokens:,} for the answer{kept}); "
+                  f"the prompt is fitted to {prompt.tokens:,} tokens{slack}; cut:")
     for c in prompt.cuts:
         console.print(Text(f"  {c.describe()}", style="yellow"))
     if prompt.budget_note:

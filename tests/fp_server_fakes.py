@@ -78,6 +78,8 @@ def load(engine="auto", model=None, profile=None, progress=None, **kwargs) -> Sl
                          profile=getattr(profile, "name", str(profile)),
                          model_name=os.path.basename(str(model)) if model else "fake-model")
     eng.name = os.environ.get("FP_FAKE_ENGINE_NAME", eng.name)
+    if os.environ.get("FP_FAKE_DEVICE"):  # where it runs, as the transformers engine's ``device`` says
+        eng.device = os.environ["FP_FAKE_DEVICE"]
     if os.environ.get("FP_FAKE_RESERVE"):
         reserve = int(os.environ["FP_FAKE_RESERVE"])
         eng.context_reserve = lambda max_new_tokens: reserve

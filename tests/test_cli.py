@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -52,7 +53,7 @@ def test_ask_streams_answer_to_stdout_summary_to_stderr(runner, fake_engine, doc
     eng = fake_engine()
     assert eng.closed
     system, user = eng.prompts[-1]
-    assert f'<document name="{doc}">' in user and "PLUM7" in user
+    assert f'<document name="{doc.name}">' in user and "PLUM7" in user
     assert user.rstrip().endswith("Question: What is the code?")
 
 
@@ -137,9 +138,16 @@ def test_ask_truncation_is_reported(runner, fake_engine, tmp_path):
     prompt = json.loads(r.stdout)["ingestion"]["prompt"]
     assert prompt["truncated"] and prompt["cuts"][0]["file"] == str(big)
     assert prompt["prompt_tokens"] <= prompt["budget"]
-    room = prompt["question_room"]  # the note says the room the fit keeps for the question
-    assert room > 0 and (f"fitted to {prompt['budget'] - room:,} tokens, keeping {room:,} for the question; cut:"
-                         in " ".join(r.stderr.split())), r.stderr
+    # the note's figures are the prompt's: "fitted to" is the prefilled count (it was the budget less
+    # the question room, beside a "keeping N for the question" that was unused budget)
+    stderr = " ".join(r.stderr.split())
+    summary = json.loads(r.stdout)["summary"]
+    fitted = re.search(r"fitted to ([\d,]+) tokens", stderr)
+    assert fitted and int(fitted.group(1).replace(",", "")) == summary["prompt_tokens"] == prompt["prompt_tokens"]
+    unused, room = prompt["budget"] - prompt["prompt_tokens"], prompt["question_room"]
+    assert room > 0 and unused > 0
+    assert f"{unused:,} left unused so that any question up to {room:,} tokens gets the same cut; cut:" in stderr
+    assert "for the question;" not in stderr
 
 
 def test_ask_encrypted_pdf_needs_password_others_survive(runner, fake_engine, doc, tmp_path):
@@ -195,6 +203,20 @@ def test_ask_quiet(runner, fake_engine, doc):
     assert "TTFT" not in r.stderr
 
 
+def test_ask_quiet_keeps_no_notes(runner, fake_engine, doc, tmp_path):
+    """-q keeps warnings and errors only: the document cache's note ("text from fp's document
+    cache") and the cut note were printed with -q too."""
+    big = tmp_path / "big.txt"
+    big.write_text(" ".join(f"w{i}" for i in range(5000)))
+    args = ["ask", str(doc), str(big), "q?", "--context", "1k", "-n", "64"]
+    assert invoke(runner, args).exit_code == 0  # reads both: the next run takes them from the document cache
+    loud = invoke(runner, args)
+    assert loud.exit_code == 0 and "fp: note:" in loud.stderr and "document cache" in loud.stderr
+    quiet = invoke(runner, args + ["-q"])
+    assert quiet.exit_code == 0 and quiet.stdout == loud.stdout
+    assert "fp: note:" not in quiet.stderr and "document cache" not in quiet.stderr
+
+
 def test_help_shows_flags_as_flags_and_a_conventional_usage_line(runner):
     r = invoke(runner, ["ask", "--help"])
     assert r.exit_code == 0
@@ -220,6 +242,46 @@ def test_one_prompt_commands_say_what_auto_runs_in_their_help(runner):
         assert "(SGLang)" not in (params["model"].help or ""), command
 
 
+def test_usage_errors_name_what_is_missing_and_keep_fp_style(runner):
+    """A command given no arguments says what is missing (it printed its help, then an empty
+    ``fp: error:``); a group alone prints its help and exits 0 (not help and an error); click's
+    own messages start lower-case and end without a period."""
+    for args, missing in ((["ask"], "fp ask: missing FILE... and QUESTION"), (["chat"], "fp chat: missing FILE..."),
+                          (["profile"], "fp profile: missing FILE")):
+        r = invoke(runner, args)
+        assert r.exit_code == 2, args
+        assert r.stderr.strip() == f"fp: error: {missing} (see 'fp {args[0]} -h')", args
+        assert r.stdout == "", args
+    for args in ([], ["model"]):
+        r = invoke(runner, args)
+        assert r.exit_code == 0 and "Usage: fp" in r.stdout and "error" not in r.output, args
+    r = invoke(runner, ["bogus"])
+    assert r.exit_code == 2 and r.stderr.strip() == "fp: error: no such command 'bogus' (see 'fp -h')"
+    r = invoke(runner, ["--bogus"])
+    assert r.exit_code == 2 and r.stderr.strip() == "fp: error: no such option: --bogus (see 'fp -h')"
+    r = invoke(runner, ["model", "path", "a", "b"])
+    assert r.exit_code == 2 and "fp: error: got unexpected extra argument" in r.stderr
+
+
+def test_model_help_is_one_text_that_names_each_devices_default(runner):
+    """--model's help differed between commands (chat and eval said SmolLM2 whatever the device,
+    start and serve "the embedded one"); every command that loads an engine now says what
+    ``default_model`` picks on a CUDA GPU (either engine) and on the CPU."""
+    import typer
+
+    from fpcli.models import default_model
+
+    commands = typer.main.get_command(app).commands
+    helps = {name: {p.name: p for p in commands[name].params}["model"].help
+             for name in ("ask", "chat", "eval", "profile", "serve", "start")}
+    assert len(set(helps.values())) == 1, helps
+    text = helps["ask"]
+    gpu = {default_model("sglang").name, default_model("transformers", "cuda").name}
+    assert len(gpu) == 1 and gpu.pop() in text
+    assert default_model("transformers", "cpu").name in text
+    assert f"{default_model('sglang').context_length // 1024}K" in text
+
+
 def test_ask_missing_question_is_named(runner, fake_engine, doc, tmp_path):
     r = invoke(runner, ["ask", str(doc)])
     assert r.exit_code == 2 and "missing QUESTION" in r.stderr and "fp ask FILE... QUESTION" in r.stderr
@@ -237,7 +299,7 @@ def test_ask_missing_question_is_named(runner, fake_engine, doc, tmp_path):
 
 @pytest.mark.parametrize("args, says", [
     (["-n", "0"], "--max-new-tokens: expected an integer >= 1, got 0"),
-    (["--no-such-option"], "No such option: --no-such-option"),
+    (["--no-such-option"], "no such option: --no-such-option"),
 ])
 def test_parser_errors_are_one_line_like_fps_own(runner, fake_engine, doc, args, says):
     r = invoke(runner, ["ask", str(doc), "q?", *args])
@@ -246,7 +308,7 @@ def test_parser_errors_are_one_line_like_fps_own(runner, fake_engine, doc, args,
     assert len(lines) == 1 and lines[0].startswith("fp: error: ") and says in lines[0], r.stderr
     assert "fp ask -h" in lines[0] and "╭" not in r.stderr and "Traceback" not in r.stderr
     r = invoke(runner, ["no-such-command"])
-    assert r.exit_code == 2 and r.stderr.startswith("fp: error: No such command") and len(r.stderr.splitlines()) == 1
+    assert r.exit_code == 2 and r.stderr.startswith("fp: error: no such command") and len(r.stderr.splitlines()) == 1
 
 
 @pytest.mark.parametrize("args, says", [

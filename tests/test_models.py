@@ -392,3 +392,16 @@ def test_first_use_says_the_default_model_is_a_demo(cache, monkeypatch):
     buf2 = io.StringIO()
     models.pull_model(progress=Console(file=buf2, width=400, force_terminal=False))  # cached: said once only
     assert "demo" not in buf2.getvalue()
+
+
+def test_model_path_hint_names_the_model_to_pull(cache):
+    """``fp model path qwen2.5-coder-0.5b`` said ``fp model pull``, which fetches the CPU default."""
+    from typer.testing import CliRunner
+
+    from fpcli.cli import app
+
+    runner = CliRunner()
+    r = runner.invoke(app, ["model", "path", "qwen2.5-coder-0.5b"])
+    assert r.exit_code == 0 and "not fetched yet: `fp model pull qwen2.5-coder-0.5b`" in r.stderr, r.output
+    r = runner.invoke(app, ["model", "path"])  # the default: plain `fp model pull` fetches it
+    assert r.exit_code == 0 and "not fetched yet: `fp model pull`" in r.stderr, r.output

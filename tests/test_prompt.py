@@ -301,3 +301,43 @@ def test_first_fit_encodes_the_cut_prompt_once():
                              fit_cache=cache)
     assert first.cuts and first.ids == again.ids and first.user == again.user
     assert 0.9 * first.budget <= first.tokens <= first.budget
+
+
+# -- the prompt names a document the same however its path was typed --------------------------
+
+
+def test_same_file_by_relative_and_absolute_path_gives_the_same_prompt(tmp_path, monkeypatch):
+    """The document header held the path as typed: ``examples/report.md`` and its absolute path
+    gave different prompt tokens, so a resident engine could not reuse the KV cache. Now the same
+    ids, whole or cut, with or without the fit cache; cut records keep the user's name."""
+    from fpcli.doccache import CacheConfig, fit_cache_for
+    from fpcli.ingest import ingest
+
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "report.md").write_text(words("w", 3000))
+    monkeypatch.chdir(tmp_path)
+    rel, absolute = "examples/report.md", str(tmp_path / "examples" / "report.md")
+    eng = FakeEngine(context_length=8000)
+    for context in (8000, 1000):  # whole, then cut
+        a = build_prompt(ingest([rel]), "Where?", eng, max_new_tokens=100, context_length=context)
+        b = build_prompt(ingest([absolute]), "Where?", eng, max_new_tokens=100, context_length=context)
+        assert a.ids == b.ids and a.user == b.user, context
+        assert '<document name="report.md">' in a.user and rel not in a.user and absolute not in a.user
+        assert a.doc_tokens == {rel: 3000} and b.doc_tokens == {absolute: 3000}
+        assert bool(a.cuts) == (context == 1000)
+    assert [c.file for c in a.cuts] == [rel] and [c.file for c in b.cuts] == [absolute]
+    fits = fit_cache_for(CacheConfig(root=tmp_path / "cache"), "fake-model")
+    first = build_prompt(ingest([absolute]), "Where?", eng, max_new_tokens=100, context_length=1000, fit_cache=fits)
+    again = build_prompt(ingest([rel]), "Where?", eng, max_new_tokens=100, context_length=1000,
+                         fit_cache=fits)  # from the cache
+    assert again.ids == first.ids and [c.file for c in again.cuts] == [rel] and again.doc_tokens == {rel: 3000}
+
+
+def test_prompt_names_keep_two_files_of_one_name_apart(tmp_path, monkeypatch):
+    from fpcli.prompt import prompt_names
+
+    monkeypatch.chdir(tmp_path)
+    assert prompt_names(["a/report.md", "b/report.md", "notes.txt", "-"]) == ["a/report.md", "b/report.md",
+                                                                               "notes.txt", "-"]
+    assert prompt_names(["x/a/r.md", str(tmp_path / "y/a/r.md")]) == ["x/a/r.md", "y/a/r.md"]
+    assert prompt_names(["report.md"]) == prompt_names([str(tmp_path / "report.md")]) == ["report.md"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -333,6 +334,7 @@ def test_lifecycle_with_the_real_engine(servers):
     info = json.loads(status.stdout)
     assert status.returncode == 0 and info["status"] == "running"
     assert info["health"]["requests_served"] == 2 and info["health"]["rss_bytes"] > 0
+    assert re.search(r"^engine: +transformers on (cpu|cuda) \(", s.fp("status", env=env).stdout, re.M)
     stop = s.fp("stop", env=env)
     assert stop.returncode == 0 and "shut down" in stop.stderr, stop.stderr
     assert not _alive(st["pid"]) and s.state() is None and not s.paths.socket.exists()
@@ -489,7 +491,7 @@ def test_second_start_with_another_profile_says_what_runs(servers):
 
 
 @pytest.mark.parametrize("extra,expected", [
-    (["--bogus"], "No such option: --bogus"),
+    (["--bogus"], "no such option: --bogus"),
     (["stray"], "unexpected extra argument(s) (stray)"),
     (["--engine", "transformers", "--", "--tp", "2"], "engine settings after --: the transformers engine takes no extra engine settings (got --tp 2)"),
 ])
@@ -670,6 +672,32 @@ def test_idle_limit_ends_the_server(servers):
     _wait(lambda: not _alive(pid), 30, "the idle server to end")  # it may already be gone (slow machine)
     _wait(lambda: s.state() is None, 5, "the state file to go")
     assert "idle" in s.paths.log.read_text()
+
+
+def test_status_shows_the_device_on_the_engine_line(servers):
+    """``fp status --json`` had the device and the human form did not."""
+    s = servers
+    _start(s, env={"FP_FAKE_DEVICE": "cpu"})
+    status = s.fp("status")
+    assert status.returncode == 0, status.stderr
+    engine_line = [ln for ln in status.stdout.splitlines() if ln.startswith("engine:")]
+    assert len(engine_line) == 1 and " on cpu " in engine_line[0], status.stdout
+    assert json.loads(s.fp("status", "--json").stdout)["health"]["device"] == "cpu"
+
+
+def test_ctrl_c_stops_a_foreground_serve_cleanly(servers):
+    """Ctrl-C is how a foreground ``fp serve`` is stopped: a normal line and exit 0 (it was
+    ``fp: error: interrupted``, exit 130), no state file or socket left behind."""
+    s = servers
+    p = s.popen("serve", "--model", s.model)
+    _wait(lambda: s.state() is not None or p.poll() is not None, 60, "fp serve to be ready")
+    assert s.state() is not None, p.communicate(timeout=5)
+    assert s.paths.socket.exists()
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 0, err
+    assert "server stopped" in err and "error" not in err
+    assert s.state() is None and not s.paths.socket.exists()
 
 
 def test_tcp_needs_the_token_and_speaks_openai(servers):

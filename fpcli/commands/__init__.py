@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
+from fpcli.models import DEFAULT_MODEL_HELP
 from fpcli.console import WIDE, error, note, stderr_console, warning  # noqa: F401 - re-exported for the commands
 
 ENGINE_FACTORY_ENV = "FP_ENGINE_FACTORY"  # "module:function" replacing fpcli.engine.load_engine (tests)
@@ -50,9 +51,11 @@ def _usage_pieces(command, ctx) -> list[str]:
 class _OneLineErrors:
     """``main`` for fp's commands and groups: a usage error the parser finds (a bad option value,
     an unknown option, a missing argument) is one line ``fp: error: ...`` on stderr, exit 2, like
-    the errors fp's commands find themselves, instead of typer's boxed panel. ``invoke``: Ctrl-C
+    the errors fp's commands find themselves, instead of typer's boxed panel; a group given no
+    command (``fp``, ``fp model``) prints its help and exits 0. ``invoke``: Ctrl-C
     anywhere in a command (reading, fitting, loading, prefill, decode) is ``fp: error: interrupted``,
-    exit 130 (a command that ends a partial answer on stdout does so and re-raises)."""
+    exit 130 (a command that ends a partial answer on stdout does so and re-raises; a serving
+    ``fp serve`` stops normally instead)."""
 
     def invoke(self, ctx):
         try:
@@ -71,15 +74,51 @@ class _OneLineErrors:
         except typer.TyperException as exc:  # the parser's errors (typer's ClickException and its kinds)
             if not hasattr(exc, "format_message"):
                 raise
-            hint = ""
-            ctx = getattr(exc, "ctx", None)
-            if ctx is not None:
-                hint = f" (see '{ctx.command_path} {(ctx.help_option_names or ['--help'])[0]}')"
-            message = option_value_message(exc) or " ".join(exc.format_message().split())
-            error(stderr_console(), f"{message}{hint}")
+            if _is_a(exc, "NoArgsIsHelpError"):  # a group alone (``fp``, ``fp model``): its help, exit 0
+                help_text = exc.format_message()  # rich help has printed itself on stdout: empty here
+                if help_text:
+                    typer.echo(help_text)
+                sys.exit(0)
+            message = (missing_message(exc) or option_value_message(exc)
+                       or parser_message(" ".join(exc.format_message().split())))
+            error(stderr_console(), f"{message}{see_help(getattr(exc, 'ctx', None))}")
             sys.exit(getattr(exc, "exit_code", 2))
         # not standalone: an Exit comes back as its code, a finished command as its return value
         sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _is_a(exc: Exception, name: str) -> bool:
+    """``exc`` is click's exception class ``name`` or a subclass (typer vendors click privately and
+    exports none of its exception classes: matched by class name)."""
+    return any(c.__name__ == name for c in type(exc).__mro__)
+
+
+def see_help(ctx) -> str:
+    """`` (see 'fp ask -h')``, the end of every usage error; empty without a context."""
+    if ctx is None:
+        return ""
+    return f" (see '{ctx.command_path} {(ctx.help_option_names or ['--help'])[0]}')"
+
+
+def parser_message(message: str) -> str:
+    """click's own wording in fp's style: a lower-case start, no closing period (``No such command
+    'bogus'.`` -> ``no such command 'bogus'``); a message that starts with a name (``FILE``,
+    ``--cut``) keeps its case."""
+    message = re.sub(r"(^|\()([A-Z])(?=[a-z])", lambda m: m.group(1) + m.group(2).lower(), message.strip())
+    return message.rstrip(".")
+
+
+def missing_message(exc: Exception) -> str | None:
+    """``fp profile: missing FILE`` for a required argument or option the parser did not get;
+    ``None`` for other parser errors."""
+    param, ctx = getattr(exc, "param", None), getattr(exc, "ctx", None)
+    if not _is_a(exc, "MissingParameter") or param is None or ctx is None:
+        return None
+    if param.param_type_name == "argument":
+        name = (param.metavar or (param.name or "").upper()) + ("..." if param.nargs != 1 else "")
+    else:
+        name = max(param.opts, key=len)
+    return f"{ctx.command_path}: missing {name}"
 
 
 def option_value_message(exc: Exception) -> str | None:
@@ -133,6 +172,16 @@ class FpCommand(_OneLineErrors, TyperCommand):
 
     def collect_usage_pieces(self, ctx) -> list[str]:
         return _usage_pieces(self, ctx)
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        if not args and self.no_args_is_help and not ctx.resilient_parsing:
+            # a usage error that names what is missing (``fp ask: missing FILE... and QUESTION``),
+            # instead of the help followed by an empty error
+            required = [p for p in _usage_pieces(self, ctx)[1:] if not p.startswith("[")]
+            if required:
+                error(stderr_console(), f"{ctx.command_path}: missing {' and '.join(required)}{see_help(ctx)}")
+                raise typer.Exit(2)
+        return super().parse_args(ctx, args)
 
 
 class EngineArgsCommand(FpCommand):
@@ -220,6 +269,10 @@ def check_model_or_exit(model: str | None) -> None:
     except ModelError as exc:
         fail(f"--model: {exc}", code=2)
 
+
+MODEL_HELP = ("Embedded model name (`fp model list`), Hugging Face folder or cached id, or a .gguf file. "
+              + DEFAULT_MODEL_HELP)
+"""The help of ``--model`` for every command that loads an engine (its default: ``fpcli.models.default_model``)."""
 
 CONTEXT_HELP = ("Context to run the model at, in tokens (e.g. 32k, 128k, 131072): a cap within the model's own "
                 "context, YaRN beyond it (up to 8x). Default: the profile's engine.context_length, else the model's own.")

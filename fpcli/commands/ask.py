@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from fpcli.commands import (
+    MODEL_HELP,
     StdoutStream,
     FpCommand,
     check_max_new_tokens_or_exit,
@@ -66,7 +67,7 @@ def ask(
     ] = None,
     model: Annotated[
         Optional[str],
-        typer.Option("--model", "-m", help="Embedded model name (`fp model list`), Hugging Face folder or cached id, or a .gguf file. Default: qwen2.5-coder-0.5b at 128K context on a CUDA GPU (either engine), smollm2-135m-instruct on the CPU."),
+        typer.Option("--model", "-m", help=MODEL_HELP),
     ] = None,
     context: Annotated[
         Optional[str],
@@ -111,7 +112,7 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
     from fpcli.prompt import NoRoomError, PromptError, build_prompt
     from fpcli.report import ask_report, dumps, render_cuts, render_ingestion, render_summary
 
-    err = stderr_console()
+    err = stderr_console(quiet=quiet)
     files = list(files or [])
     if question is None:
         fail(f"missing FILE and QUESTION ({USAGE})", code=2)

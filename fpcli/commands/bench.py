@@ -9,6 +9,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from fpcli.commands import FpCommand, check_model_or_exit, fail, load_profile_or_exit, note, stderr_console, warning
+from fpcli.models import DEFAULT_MODEL
 
 app = typer.Typer()
 
@@ -55,7 +56,7 @@ def bench(
     heads: Annotated[str, typer.Option("--heads", help="Query/KV heads, e.g. 32/8.")] = "32/8",
     head_dim: Annotated[int, typer.Option("--head-dim", min=16, help="Head dimension d.")] = 128,
     e2e: Annotated[bool, typer.Option("--e2e", help="Measure end-to-end TTFT through the engine, flashprefill vs dense.")] = False,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model for --e2e (default: the embedded one).")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help=f"Model for --e2e, as for fp ask. Default: {DEFAULT_MODEL} (the embedded CPU default, on any device).")] = None,
     profile: Annotated[str, typer.Option("--profile", "-p", help="Profile for --e2e (bf16, fp8, dense, or a path).")] = "bf16",
     cpu: Annotated[bool, typer.Option("--cpu", help="Tiny CPU reference run (short lengths only); NOT representative of GPU speed.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the rows as a JSON object on stdout.")] = False,

@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 import typer
 
 from fpcli.commands import (
+    MODEL_HELP,
     CONTEXT_HELP,
     StdoutStream,
     FpCommand,
@@ -52,7 +53,7 @@ def chat(
     ] = None,
     model: Annotated[
         Optional[str],
-        typer.Option("--model", "-m", help="Hugging Face folder or cached id, or a .gguf file. Default: the embedded SmolLM2-135M-Instruct."),
+        typer.Option("--model", "-m", help=MODEL_HELP),
     ] = None,
     context: Annotated[Optional[str], typer.Option("--context", "-c", help=CONTEXT_HELP, show_default=False)] = None,
     profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, fp8, dense, or a path to a profile .yaml.")] = "bf16",

@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape
 
 from fpcli.commands import (
+    MODEL_HELP,
     FpCommand,
     check_model_or_exit,
     check_output_path_or_exit,
@@ -49,7 +50,7 @@ def evaluate(
     samples: Annotated[int, typer.Option("--samples", "-n", min=1, help="Samples per (task, length); the same samples for every profile.")] = 5,
     seed: Annotated[str, typer.Option("--seed", help="Seed of the generated samples (same seed, same samples), or a comma list (0,1): each seed adds its own samples, and the table gives the spread between seeds.")] = "0",
     haystack: Annotated[Optional[list[str]], typer.Option("--haystack", help="Use your own document(s) as the haystack instead of generated text (repeat for several files).", show_default=False)] = None,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Hugging Face folder or cached id, or a .gguf file. Default: the embedded SmolLM2-135M-Instruct.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP)] = None,
     engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: SGLang when CUDA and sglang are present, else transformers.")] = EngineChoice.auto,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (schema fp.eval/1) on stdout.")] = False,
     report: Annotated[Optional[Path], typer.Option("--report", help="Also save the JSON object to this file.", dir_okay=False)] = None,
@@ -64,7 +65,7 @@ def evaluate(
     """
     from fpcli.ruler.tasks import TASKS
 
-    err = stderr_console()
+    err = stderr_console(quiet=quiet)
     # -- bad input: exit 2 before loading anything -------------------------------------------------
     task_names = [t.strip() for t in tasks.split(",") if t.strip()] or list(TASKS)
     unknown = [t for t in task_names if t not in TASKS]

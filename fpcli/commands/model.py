@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from fpcli.commands import FpCommand, FpGroup, fail, stderr_console
 
@@ -71,4 +72,7 @@ def path_cmd(name: Annotated[Optional[str], typer.Argument(help="Embedded model 
         fail(str(exc))
     sys.stdout.write(f"{path}\n")
     if not models.is_complete(path):
-        stderr_console().print("[dim](not fetched yet: `fp model pull`)[/]")
+        import shlex
+
+        pull = shlex.join(["fp", "model", "pull"] + ([name] if name else []))  # the model asked about
+        stderr_console().print(f"[dim](not fetched yet: `{escape(pull)}`)[/]")

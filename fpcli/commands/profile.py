@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from fpcli.commands import (FpCommand, check_model_or_exit, check_output_path_or_exit, context_or_exit, context_source,
+from fpcli.commands import (MODEL_HELP, FpCommand, check_model_or_exit, check_output_path_or_exit, context_or_exit,
+                            context_source,
                             fail, is_file, load_profile_or_exit, looks_like_question, obtain_engine,
                             render_answered_by, say_context,
                             stderr_console, warn_precision)
@@ -25,7 +26,7 @@ def profile_cmd(
     question: Annotated[str, typer.Argument(metavar="QUESTION", help="Question appended to the document (it shapes the prefill).")] = DEFAULT_QUESTION,
     fp8: Annotated[bool, typer.Option("--fp8", help="FP8 attention in the sparse layers; also report the FP8-vs-BF16 output error per layer and KV head (the engine runs both on the same inputs).")] = False,
     png: Annotated[Optional[Path], typer.Option("--png", help="Where to write the heatmap PNG. Default: <FILE stem>.density.png in the current directory.", dir_okay=False)] = None,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model (default: qwen2.5-coder-0.5b at 128K on a GPU, smollm2-135m-instruct on the CPU).")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP)] = None,
     context: Annotated[Optional[str], typer.Option("--context", "-c", help="Context in tokens (e.g. 128k): a cap within the model's own context, YaRN beyond it (up to 8x).", show_default=False)] = None,
     profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, fp8, dense, or a path.")] = "bf16",
     engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: the transformers engine for this one prompt in-process (on the CUDA GPU when there is one), a resident SGLang engine when one answers.")] = EngineChoice.auto,

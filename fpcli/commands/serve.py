@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from fpcli.commands import (CONTEXT_HELP, FpCommand, context_source, engine_loader, fail, resident_setup_or_exit,
-                            stderr_console)
+from fpcli.commands import (MODEL_HELP, CONTEXT_HELP, FpCommand, context_source, engine_loader, fail,
+                            resident_setup_or_exit, stderr_console)
 from fpcli.commands.ask import EngineChoice
 from fpcli.server import LOOPBACK
 
@@ -23,7 +23,7 @@ app = typer.Typer()
 )
 def serve(
     ctx: typer.Context,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", "--model-path", help="Model (default: the embedded one); as for fp ask.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", "--model-path", help=MODEL_HELP)] = None,
     context: Annotated[Optional[str], typer.Option("--context", "-c", help=CONTEXT_HELP, show_default=False)] = None,
     profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, fp8, dense, or a path; sets the backend and engine defaults.")] = "bf16",
     engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: SGLang when CUDA and sglang are present, else transformers.")] = EngineChoice.auto,
@@ -85,6 +85,8 @@ def serve(
 
     try:
         run_server(eng, info, paths, ServeConfig(port=port, host=host, idle_s=idle_s, log=log), on_ready=ready)
+    except KeyboardInterrupt:  # Ctrl-C is how a foreground server is stopped (run_server has cleaned up)
+        pass
     except ServeError as exc:
         eng.close()
         fail(str(exc))

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from fpcli.commands import CONTEXT_HELP, EngineArgsCommand, fail, resident_setup_or_exit, stderr_console
+from fpcli.commands import MODEL_HELP, CONTEXT_HELP, EngineArgsCommand, fail, resident_setup_or_exit, stderr_console
 from fpcli.commands.ask import EngineChoice
 from fpcli.server import START_TIMEOUT_S
 
@@ -20,7 +20,7 @@ app = typer.Typer()
 )
 def start(
     ctx: typer.Context,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model (default: the embedded one); as for fp ask.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP)] = None,
     context: Annotated[Optional[str], typer.Option("--context", "-c", help=CONTEXT_HELP, show_default=False)] = None,
     profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, fp8, dense, or a path to a profile .yaml.")] = "bf16",
     engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: SGLang when CUDA and sglang are present, else transformers.")] = EngineChoice.auto,

@@ -59,10 +59,12 @@ def status(
         error(err, f"the resident engine hangs: {st.detail}; end it with fp stop")
     else:
         h, s = st.health, st.state
+        device = h.get("device") or s.device  # "cuda" or "cpu"; None from an engine that predates the field
         rows = [
             ("model", f"{h['model']} ({h['model_path']})"),
             ("profile", h["profile"]),
-            ("engine", f"{h['engine']} ({h['precision']}, context {h['context_length']:,} tokens)"),
+            ("engine", f"{h['engine']}{' on ' + device if device else ''} ({h['precision']}, "
+                       f"context {h['context_length']:,} tokens)"),
             ("address", s.address + (f" (token in {s.token_file})" if s.token_file else "")),
             ("pid", str(s.pid)),
             ("up", _duration(h["uptime_s"]) + f" (since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(h['started_at']))})"),
