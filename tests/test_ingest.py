@@ -153,6 +153,62 @@ def test_many_timeouts_skip_rest_of_file(pdf_factory, monkeypatch):
     assert any("remaining pages 4-6" in w for w in doc.warnings)
 
 
+def test_pdf_pages_are_extracted_in_order_by_one_worker_thread(pdf_factory, monkeypatch):
+    """A file's pages are read by one extraction thread (one thread start per file, not per
+    page), never by the caller's thread, and in page order."""
+    path = pdf_factory("manual.pdf", [f"Section {i}: the overlay command uncovers item {i}." for i in range(1, 9)])
+    real = ingest.extract_page_text
+    seen: list[tuple[threading.Thread, str]] = []  # the Thread objects stay referenced: distinct ids
+
+    def record(page):
+        text = real(page)
+        seen.append((threading.current_thread(), text))
+        return text
+
+    monkeypatch.setattr(ingest, "extract_page_text", record)
+    (doc,) = ingest_all([str(path)])
+    threads = {id(t) for t, _ in seen}
+    assert doc.ok and doc.pages == 8 and len(seen) == 8
+    assert len(threads) == 1 and seen[0][0] is not threading.current_thread()
+    assert [int(text.split(":")[0].split()[-1]) for _, text in seen] == list(range(1, 9))
+
+
+def test_worker_read_gives_the_same_text_and_fitted_prompt_as_a_read_in_the_caller(pdf_factory, tmp_path,
+                                                                                   monkeypatch):
+    """The extraction thread changes nothing but the time: a real PDF (TeX-style word placement,
+    a blank and a scanned page) read through ``_PageWorker`` and read page by page in the
+    caller's thread give the same text, pages and warnings, and the same fitted prompt ids."""
+    from fp_fakes import FakeEngine, make_tex_pdf
+    from fpcli.prompt import build_prompt
+
+    words = "the beamer class places every overlay specification on its own frame".split()
+    pages = [" ".join(words[(i + j) % len(words)] for j in range(120)) for i in range(6)]
+    tex = tmp_path / "tex.pdf"
+    make_tex_pdf(pages, tex, style="tj")
+    mixed = pdf_factory("mixed.pdf", ["typed text " * 40, "", None, "more typed text " * 40])
+
+    class InCaller:  # the reading order before the worker: each page extracted when it is asked for
+        def __init__(self, pages, first):
+            self.pages = list(pages)
+
+        def result(self, index, timeout):
+            return ingest._extract(self.pages[index])
+
+        def close(self):
+            pass
+
+    worker_docs = ingest_all([str(tex), str(mixed)])
+    monkeypatch.setattr(ingest, "_PageWorker", InCaller)
+    caller_docs = ingest_all([str(tex), str(mixed)])
+    for a, b in zip(worker_docs, caller_docs):
+        assert a.ok and a.text.strip() and a.to_dict() == b.to_dict()
+        assert a.text == b.text and a.page_starts == b.page_starts
+    assert worker_docs[1].empty_pages == [2, 3] and worker_docs[1].scanned_pages == [3]
+    prompts = [build_prompt(docs, "Where is the overlay?", FakeEngine(context_length=900), 100)
+               for docs in (worker_docs, caller_docs)]
+    assert prompts[0].cuts and prompts[0].ids == prompts[1].ids and prompts[0].tokens <= 800
+
+
 def test_scanned_pages_are_reported_no_ocr(pdf_factory):
     scanned = pdf_factory("scan.pdf", [None, None])
     mixed = pdf_factory("mixed.pdf", ["typed text", None, "more typed text"])
