@@ -832,7 +832,7 @@ def test_load_engine_passes_warmup_to_the_sglang_engine(monkeypatch, tmp_path, w
             seen.update(kw)
 
     monkeypatch.setattr(se, "SGLangEngine", Recorder)
-    monkeypatch.setattr(engine_mod, "resolve_request", lambda e, m, p: ("sglang", m, load_profile("bf16")))
+    monkeypatch.setattr(engine_mod, "resolve_request", lambda e, m, p, **_: ("sglang", m, load_profile("bf16")))
     engine_mod.load_engine("sglang", str(_model_dir(tmp_path)), "bf16", progress=False, warmup=warmup)
     assert seen["warmup"] is warmup and seen["max_requests"] is None
 

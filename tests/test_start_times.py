@@ -53,7 +53,7 @@ def test_load_engine_records_its_start_for_the_next_spinner(monkeypatch, tmp_pat
     (model / "config.json").write_text(json.dumps({"max_position_embeddings": 32768}), encoding="utf-8")
     monkeypatch.setenv("FP_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(se, "SGLangEngine", Recorder)
-    monkeypatch.setattr(engine_mod, "resolve_request", lambda e, m, p: ("sglang", m, load_profile("bf16")))
+    monkeypatch.setattr(engine_mod, "resolve_request", lambda e, m, p, **_: ("sglang", m, load_profile("bf16")))
     engine_mod.load_engine("sglang", str(model), "bf16", progress=False)
     stored = json.loads((tmp_path / "cache" / FILE_NAME).read_text(encoding="utf-8"))
     assert list(stored) == [start_key("sglang", model, None)] and stored[start_key("sglang", model, None)] >= 0
