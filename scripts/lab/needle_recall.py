@@ -24,7 +24,8 @@ Configurations: ``base`` is ``fpcli/builtin_profiles/bf16.yaml``'s sparse sectio
 with ``min_sparse_len`` fitted to SmolLM2's 8K context as the product fits it (4,096);
 ``knob=value`` changes one knob (``alpha``, ``window_tokens``, ``sink_tokens``, ``dense_tail_tokens``,
 ``mean_correction``, ``block_size``, ``dense_layers``); ``+`` joins several (``alpha=0.02+dense_layers=4``).
-~1 min per configuration on 2 shared CPU cores at 7K tokens.
+On 2 shared CPU cores at 7K tokens: ~5 min for the dense run, ~3 min per configuration, ~8 min more
+per configuration for the isolated per-layer diagnosis (``--no-layers`` skips it).
 """
 from __future__ import annotations
 
