@@ -54,8 +54,9 @@ def check_host(host: str) -> str:
                      "the resident engine is never exposed to other machines")
 
 
-def running_state(paths: ServerPaths) -> ServerState | None:
-    """The state of a live server, cleaning a stale one (dead pid) on the way."""
+def live_state_or_clean(paths: ServerPaths) -> ServerState | None:
+    """The state of a live server, cleaning a stale one (dead pid) on the way (unlike
+    ``state.running_state``, which only reads)."""
     state = read_state(paths)
     if state is not None and not pid_alive(state.pid):
         clear_stale(paths, state)
@@ -113,7 +114,7 @@ def run_server(engine, info: ServerInfo, paths: ServerPaths, config: ServeConfig
     """
     import uvicorn
 
-    other = running_state(paths)
+    other = live_state_or_clean(paths)
     if other is not None and other.pid != os.getpid():
         raise ServeError(f"a resident engine already runs (pid {other.pid}, {other.address}, model {other.model}, "
                          f"profile {other.profile}); stop it with `fp stop`")

@@ -169,12 +169,6 @@ def running_state(paths: ServerPaths | None = None) -> ServerState | None:
     return state if pid_alive(state.pid) else None
 
 
-def running_engine(paths: ServerPaths | None = None) -> str | None:
-    """The engine (``ServerState.engine``) of ``running_state(paths)``, else ``None``."""
-    state = running_state(paths)
-    return state.engine if state is not None else None
-
-
 @contextmanager
 def start_lock(paths: ServerPaths, timeout_s: float) -> Iterator[None]:
     """Hold the exclusive start lock (``fcntl.flock`` on ``paths.lock``).
