@@ -409,12 +409,13 @@ def sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, co
 
     Returns ``(out [total_q, Hq, d] q.dtype, lse [total_q, Hq] float32, natural log)``.
     """
-    tiles = _kernels(q, index.block_size, kernels, precision).attn
+    chosen = _kernels(q, index.block_size, kernels, precision)
+    tiles = chosen.attn
     scale = _scale(softmax_scale, q.shape[2])
     mc = bool(config.mean_correction)
     if _is_fp8(precision):
         kv = host_fp8.kv_operands(k_cache, v_cache, page_table, seq_lens, plan, k_descale, v_descale,
-                                  amax=index.kv_amax, hw_cvt=_kernels(q, index.block_size, kernels, precision).index.hw_cvt)
+                                  amax=index.kv_amax, hw_cvt=chosen.index.hw_cvt)
         return host_fp8.launch_attention_fp8(q, kv, seq_lens, cu_seqlens_q, scale, plan, tiles, sparse=True,
                                              mean_correction=mc, block_size=index.block_size, index=index)
     km, vm = _correction_means(q, plan, index) if mc else (None, None)
