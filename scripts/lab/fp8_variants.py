@@ -43,9 +43,9 @@ from flashprefill.lengths import parse_length
 HQ, HKV, D = 32, 8, 128
 
 
-def variants(block_size: int) -> dict:
-    """name -> ``KernelConfig`` of the FP8 kernel; ``shipped`` is ``get_config``'s default."""
-    base = get_config(D, torch.bfloat16, block_size, precision="fp8")
+def variants(block_size: int, d: int = D) -> dict:
+    """name -> ``KernelConfig`` of the FP8 kernel at head dim ``d``; ``shipped`` is ``get_config``'s default."""
+    base = get_config(d, torch.bfloat16, block_size, precision="fp8")
     a = base.attn
     attn = {
         "shipped": a,
@@ -73,11 +73,13 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def run_length(L: int, config: SparseConfig, names: list[str]) -> dict:
-    q, kc, vc, pt, sl, cu, _, _ = synthetic_inputs(L, HQ, HKV, D, torch.bfloat16, 64, 1)
-    scale = 1.0 / math.sqrt(D)
-    plan = make_plan(sl, cu, HQ // HKV, config.block_size)
-    row = {"L": L, "heads": f"{HQ}/{HKV}", "d": D}
+def run_length(L: int, config: SparseConfig, names: list[str], shape: tuple[int, int, int] = (HQ, HKV, D)) -> dict:
+    """One length's row: ``shape`` = (query heads, KV heads, head dim)."""
+    hq, hkv, d = shape
+    q, kc, vc, pt, sl, cu, _, _ = synthetic_inputs(L, hq, hkv, d, torch.bfloat16, 64, 1)
+    scale = 1.0 / math.sqrt(d)
+    plan = make_plan(sl, cu, hq // hkv, config.block_size)
+    row = {"L": L, "heads": f"{hq}/{hkv}", "d": d}
     index16 = host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan)
     row["bf16_density"] = index16.nnz / max(1, int(index16.n_visible.sum()))
     out16 = host.attention(q, kc, vc, pt, sl, cu, config, scale, plan)[0]
@@ -86,7 +88,7 @@ def run_length(L: int, config: SparseConfig, names: list[str]) -> dict:
     row["bf16_index_ms"] = time_ms(lambda: host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan))
     row["prepass_ms"] = time_ms(lambda: host_fp8.kv_operands(kc, vc, pt, sl, plan))
     row["fp8"] = {}
-    all_variants = variants(config.block_size)
+    all_variants = variants(config.block_size, d)
     for name in names:
         kcfg = all_variants[name]
         r = {"attn_config": dataclasses.asdict(kcfg.attn)}
@@ -122,16 +124,17 @@ def run_length(L: int, config: SparseConfig, names: list[str]) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'L':>7} {'variant':>26} {'total ms':>9} {'x bf16':>7} {'attn ms':>8} {'x bf16':>7} "
+    lines = [f"{'L':>7} {'heads/d':>9} {'variant':>26} {'total ms':>9} {'x bf16':>7} {'attn ms':>8} {'x bf16':>7} "
              f"{'index ms':>8} {'pre ms':>7} {'relL2':>7} {'density':>8}"]
     for row in rows:
-        lines.append(f"{row['L']:>7} {'bf16':>26} {row['bf16_total_ms']:9.3f} {'':>7} {row['bf16_attn_ms']:8.3f} "
+        sh = f"{row['heads']}/{row['d']}"
+        lines.append(f"{row['L']:>7} {sh:>9} {'bf16':>26} {row['bf16_total_ms']:9.3f} {'':>7} {row['bf16_attn_ms']:8.3f} "
                      f"{'':>7} {row['bf16_index_ms']:8.3f} {row['prepass_ms']:7.3f} {'':>7} {row['bf16_density']:8.4f}")
         for name, r in row["fp8"].items():
             if "error" in r:
-                lines.append(f"{row['L']:>7} {name:>26} {r['error']}")
+                lines.append(f"{row['L']:>7} {sh:>9} {name:>26} {r['error']}")
                 continue
-            lines.append(f"{row['L']:>7} {name:>26} {r['total_ms']:9.3f} {r['speedup_total']:7.2f} "
+            lines.append(f"{row['L']:>7} {sh:>9} {name:>26} {r['total_ms']:9.3f} {r['speedup_total']:7.2f} "
                          f"{r['attn_ms']:8.3f} {r['speedup_attn']:7.2f} {r['index_ms']:8.3f} {r['prepass_ms']:7.3f} "
                          f"{r['rel_l2_vs_bf16']:7.4f} {r['density']:8.4f}")
     return "\n".join(lines)
@@ -142,6 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lens", default="32k,128k", help="comma-separated lengths (e.g. 128k)")
     ap.add_argument("--variants", default=",".join(variants(SparseConfig().block_size)),
                     help="comma-separated variant names (default: all)")
+    ap.add_argument("--shapes", default=f"{HQ}/{HKV}/{D}",
+                    help="comma-separated query heads/KV heads/head dim, e.g. 32/8/128,14/2/64 (Qwen2.5-0.5B)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="directory of fp8_variants.json")
     a = ap.parse_args(argv)
     config = SparseConfig()
@@ -151,9 +156,15 @@ def main(argv=None) -> int:
     if bad or not names:
         raise SystemExit(f"--variants: expected names from {sorted(known)}, got {a.variants!r}")
     lens = [parse_length(x) for x in a.lens.replace(" ", ",").split(",") if x]
+    try:
+        shapes = [tuple(int(x) for x in sh.split("/")) for sh in a.shapes.split(",") if sh]
+        if not shapes or any(len(sh) != 3 or sh[0] % sh[1] or sh[2] not in (64, 128, 256) for sh in shapes):
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--shapes: expected HQ/HKV/D with HQ a multiple of HKV and D in 64/128/256, got {a.shapes!r}")
     if not torch.cuda.is_available():
         raise SystemExit("fp8_variants.py needs a CUDA GPU with FP8 tensor cores (sm_89+)")
-    rows = [run_length(L, config, names) for L in lens]
+    rows = [run_length(L, config, names, sh) for sh in shapes for L in lens]
     print(table(rows))
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "fp8_variants.json")

@@ -3,7 +3,7 @@
 #   source .fpdev/bin/env.sh && bash scripts/lab/gpu_round.sh PART [PART...]
 # PARTs: kernels (operator GPU tests), fp8 (FP8 kernel tests), engines1 / engines2 / fp8engine (engine and CLI GPU
 # tests), user (fp start / fp ask x2 / fp status / fp stop / fp profile on real TeX manuals, as a user
-# runs them), eval (fp eval at 32K and 128K, dense / bf16 / fp8, two seeds), bench (fp bench), transformers (the
+# runs them), eval (fp eval at 32K and 128K, $EVAL_PROFILES or dense / bf16 / fp8, two seeds), bench (fp bench), transformers (the
 # transformers engine's GPU tests), variants (scripts/lab/fp8_variants.py), cold (scripts/lab/cold_start.py). Logs and JSON land in $OUT; a short table is printed last.
 set -u
 OUT=${OUT:-$PWD/out-gpu}; mkdir -p "$OUT"
@@ -37,7 +37,7 @@ for part in "$@"; do
     fp8engine) pyt fp8engine ${LIM:-400} tests/gpu/test_fp8_engine.py ;;
     engines3) pyt engines3 ${LIM:-540} tests/gpu/test_cold_start.py tests/gpu/test_eval_gpu.py -s ;;
     transformers) pyt transformers ${LIM:-300} tests/gpu/test_transformers_gpu.py -s ;;
-    variants) t python scripts/lab/fp8_variants.py --lens ${VARIANT_LENS:-128k,32k} \
+    variants) t python scripts/lab/fp8_variants.py --lens ${VARIANT_LENS:-128k,32k} --shapes ${VARIANT_SHAPES:-32/8/128} \
         --variants ${VARIANTS:-shipped,poly_fold,pipe_fold,meanvec,fusedidx,pipe_fold_meanvec_fusedidx} --out "$OUT" \
         > "$OUT/variants.log" 2>&1; tail -${VARIANT_TAIL:-24} "$OUT/variants.log" | tee -a "$SUM" ;;
     user)
@@ -73,7 +73,7 @@ PY
       ;;
     eval)
       t fp eval --len ${EVAL_LENS:-32k,128k} --task ${EVAL_TASKS:-niah_single,niah_multikey,vt} --samples ${EVAL_N:-2} \
-        --seed ${EVAL_SEEDS:-0,1} --profiles dense,bf16,fp8 --no-server --json --report "$OUT/eval.json" \
+        --seed ${EVAL_SEEDS:-0,1} --profiles ${EVAL_PROFILES:-dense,bf16,fp8} --no-server --json --report "$OUT/eval.json" \
         > /dev/null 2> "$OUT/eval.err"; tail -25 "$OUT/eval.err" | tee -a "$SUM" ;;
     cold) t python scripts/lab/cold_start.py --configs ${COLD_CONFIGS:-warm,nowarm} --budget ${COLD_BUDGET:-240} > "$OUT/cold.log" 2>&1; tail -30 "$OUT/cold.log" | tee -a "$SUM" ;;
     bench) COLUMNS=400 t fp bench --len ${BENCH_LENS:-8k,32k,128k} ${BENCH_ARGS:-} > "$OUT/bench.txt" 2> "$OUT/bench.err"
