@@ -4,7 +4,8 @@
 # PARTs: kernels (operator GPU tests), fp8 (FP8 kernel tests), engines1 / engines2 / fp8engine (engine and CLI GPU
 # tests), user (fp start / fp ask x2 / fp status / fp stop / fp profile on real TeX manuals, as a user
 # runs them), eval (fp eval at 32K and 128K, $EVAL_PROFILES or dense / bf16 / fp8, two seeds), bench (fp bench), transformers (the
-# transformers engine's GPU tests), variants (scripts/lab/fp8_variants.py), cold (scripts/lab/cold_start.py). Logs and JSON land in $OUT; a short table is printed last.
+# transformers engine's GPU tests), variants (scripts/lab/fp8_variants.py), cold (scripts/lab/cold_start.py), ws / probe
+# (scripts/lab/ws_probe.py: its GPU test / its timing). Logs and JSON land in $OUT; a short table is printed last.
 set -u
 OUT=${OUT:-$PWD/out-gpu}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/kernels:$PWD:${PYTHONPATH:-}
@@ -32,6 +33,9 @@ for part in "$@"; do
   case $part in
     kernels)  pyt kernels 330 tests/gpu/test_kernels.py tests/gpu/test_stats_cuda.py tests/gpu/test_fp8_quant.py ;;
     fp8)      pyt fp8 300 tests/gpu/test_fp8.py tests/gpu/test_fp8_quant.py ;;
+    ws)       pyt ws ${LIM:-240} tests/gpu/test_ws_probe.py ;;
+    probe)    t python scripts/lab/ws_probe.py time --lens ${PROBE_LENS:-32k,128k} --out "$OUT" > "$OUT/probe.log" 2>&1
+              tail -${PROBE_TAIL:-20} "$OUT/probe.log" | tee -a "$SUM" ;;
     engines1) pyt engines1 ${LIM:-420} tests/gpu/test_profile_cli.py tests/gpu/test_resident_engine.py ;;
     engines2) pyt engines2 ${LIM:-540} tests/gpu/test_sglang_engine.py tests/gpu/test_sessions_gpu.py ;;
     fp8engine) pyt fp8engine ${LIM:-400} tests/gpu/test_fp8_engine.py ;;
