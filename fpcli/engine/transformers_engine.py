@@ -277,8 +277,8 @@ class TransformersEngine:
             out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
         finally:
             self.runtime.on_layer = None
-        logits = out.logits[0, -1].float()
-        token = self._pick(logits, temperature)
+        picked = self._pick(out.logits[0, -1].float(), temperature)
+        token = int(picked)  # the one host sync of a step: EOS, the streamed text
         t_first = _now(self.device)
         prefill_s = t_first - t0
         rows = self.runtime.summary(self.n_layers)
@@ -301,10 +301,11 @@ class TransformersEngine:
                     emitted = text
             if len(generated) >= max_new:
                 break
-            step = torch.tensor([[token]], dtype=torch.long, device=self.device)
-            out = self.model(input_ids=step, use_cache=True, **{self._cache_kw: cache})
+            # the token's device copy is the next input: no host-to-device copy (a second sync)
+            out = self.model(input_ids=picked.view(1, 1), use_cache=True, **{self._cache_kw: cache})
             fed.append(token)
-            token = self._pick(out.logits[0, -1].float(), temperature)
+            picked = self._pick(out.logits[0, -1].float(), temperature)
+            token = int(picked)
         if self.reuse_cache:
             self._cache, self._cache_ids = cache, prompt_ids + fed
         text = self.tokenizer.decode(generated, skip_special_tokens=True)
@@ -376,11 +377,14 @@ class TransformersEngine:
         return {int(i) for i in ids}
 
     @staticmethod
-    def _pick(logits: torch.Tensor, temperature: float) -> int:
+    def _pick(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        """The next token id of ``logits [V]`` (float32): argmax when ``temperature <= 0``, else a
+        sample of ``softmax(logits / temperature)``; an int64 scalar-sized tensor on the logits'
+        device (read it with ``int``: a host sync on a GPU)."""
         if temperature <= 0:
-            return int(torch.argmax(logits))
+            return torch.argmax(logits)
         probs = torch.softmax(logits / temperature, dim=-1)
-        return int(torch.multinomial(probs, 1))
+        return torch.multinomial(probs, 1)[0]
 
 
 def cache_argument(model) -> str:
