@@ -3,8 +3,9 @@
 transformers' ``DynamicCache`` appends each decode step's key/value with ``torch.cat``: every step
 copies the whole cache of every layer into a new tensor (O(L) per step and layer). Measured on the
 CPU (SmolLM2-135M, 30 layers, float32): ``aten::cat`` took 24 ms of a 112 ms decode step at 1K
-tokens and 69 ms of 211 ms at 6K, more than the decode attention itself (docs/benchmarks.md). On a
-GPU at 130K tokens (Qwen2.5-Coder-0.5B, 24 layers) it is 1.6 GB read and written per token.
+tokens and 69 ms of 211 ms at 6K, more than the decode attention itself
+(``scripts/lab/decode_profile.py``). On a GPU at 130K tokens (Qwen2.5-Coder-0.5B, 24 layers) it is
+1.6 GB read and written per token.
 
 ``ReservedLayer`` keeps each layer's keys and values in a buffer ``[B, Hkv, capacity, d]`` and
 exposes the filled part as a view (``keys = buffer[:, :, :n]``): an update writes the new tokens

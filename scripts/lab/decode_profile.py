@@ -15,11 +15,13 @@ Two generations of ``--steps`` answer tokens each (EOS does not stop them here: 
 1. timed: the whole prefill, then the decode steps; a forward hook on the model stamps the end of
    every forward, so a step is the time between two stamps (the pick of the token, its host sync,
    the streamed text and the next forward). Reported: tokens/s and the mean / median ms per step
-   (the first ``--warmup`` steps left out).
+   (the first ``--warmup`` steps left out, and shown apart: on a GPU the first decode step of a
+   process loads its kernels, which a short answer's tokens/s includes).
 2. profiled: the same prompt again (the kept KV cache leaves one token to prefill) under
    ``torch.profiler`` (CPU, and CUDA on a GPU), stepped by the same hook; the table lists the top
    ops per decode step (self CPU time, CUDA time, calls) and counts the host syncs per step
-   (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaMemcpy*`` device-to-host copies).
+   (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``; device-to-host
+   copies) and the kernel launches per step.
 
 Prints a short table; ``--out DIR`` writes ``decode_profile.json`` (and ``--trace`` a Chrome trace).
 Lab tooling: never imported by the product.
@@ -35,12 +37,13 @@ from pathlib import Path
 
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 DTOH_OPS = ("Memcpy DtoH",)  # CUDA activity names of device-to-host copies (a sync each when pageable)
+LAUNCH_OPS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 QUESTION = "Summarize the text above in one long paragraph."
 
 
 def synthetic_prompt(eng, n_tokens: int, seed: int = 0) -> list[int]:
-    """Chat-template ids of about ``n_tokens`` tokens: seeded random words cut at a token boundary
-    by the engine's tokenizer, then ``QUESTION``."""
+    """Chat-template ids of about ``n_tokens`` tokens (the template and ``QUESTION`` included):
+    seeded random words cut at a token boundary by the engine's tokenizer, then ``QUESTION``."""
     rng = random.Random(seed)
     words = ["harbor", "ledger", "cargo", "tide", "crane", "manifest", "berth", "pilot", "quay", "vessel",
              "customs", "tonnage", "draft", "anchor", "freight", "dock", "container", "schedule", "port", "storm"]
@@ -48,7 +51,8 @@ def synthetic_prompt(eng, n_tokens: int, seed: int = 0) -> list[int]:
     while eng.count_tokens(text) < n_tokens + 64:
         text += " ".join(rng.choice(words) for _ in range(max(64, n_tokens // 4))) + ".\n"
     starts = eng.token_starts(text)
-    body = text[: starts[min(len(starts) - 1, max(1, n_tokens - 40))]]
+    overhead = len(eng.encode_chat(None, "\n\n" + QUESTION))  # the template and the question
+    body = text[: starts[min(len(starts) - 1, max(1, n_tokens - overhead))]]
     return eng.encode_chat(None, body + "\n\n" + QUESTION)
 
 
@@ -74,7 +78,7 @@ class StepClock:
 def profile_table(prof, steps: int, device: str, top: int) -> dict:
     """Top ops per decode step from a finished ``torch.profiler.profile`` of ``steps`` active steps."""
     rows = []
-    syncs = dtoh = 0
+    syncs = dtoh = launches = 0
     for ev in prof.key_averages():
         name = ev.key
         cuda_us = getattr(ev, "device_time_total", None)
@@ -84,11 +88,14 @@ def profile_table(prof, steps: int, device: str, top: int) -> dict:
             syncs += ev.count
         if any(name.startswith(p) for p in DTOH_OPS):
             dtoh += ev.count
+        if name in LAUNCH_OPS:
+            launches += ev.count
         rows.append({"op": name, "calls": ev.count / steps, "self_cpu_ms": ev.self_cpu_time_total / 1e3 / steps,
                      "cpu_ms": ev.cpu_time_total / 1e3 / steps, "cuda_ms": cuda_us / 1e3 / steps})
     key = "cuda_ms" if device == "cuda" else "self_cpu_ms"
     rows.sort(key=lambda r: r[key], reverse=True)
-    return {"sort": key, "syncs_per_step": syncs / steps, "dtoh_copies_per_step": dtoh / steps, "top": rows[:top]}
+    return {"sort": key, "syncs_per_step": syncs / steps, "dtoh_copies_per_step": dtoh / steps,
+            "kernel_launches_per_step": launches / steps, "top": rows[:top]}
 
 
 def main() -> None:
@@ -127,10 +134,12 @@ def main() -> None:
 
         out["transformers"] = transformers.__version__
         res = eng.generate(ids, max_new_tokens=args.steps + 1)
+        first = clock.step_ms(1)[: args.warmup]  # the first decode steps (kernels loaded, first allocations)
         ms = clock.step_ms(1 + args.warmup)  # gaps after the prefill's forward
         out.update(ttft_s=round(res.ttft_s, 3), output_tokens=res.output_tokens,
                    step_ms_mean=round(statistics.fmean(ms), 3), step_ms_median=round(statistics.median(ms), 3),
-                   tokens_per_s=round(1e3 / statistics.fmean(ms), 2), step_ms=[round(x, 3) for x in ms])
+                   tokens_per_s=round(1e3 / statistics.fmean(ms), 2), step_ms=[round(x, 3) for x in ms],
+                   first_steps_ms=[round(x, 3) for x in first])
         if not args.no_profile:
             from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -151,11 +160,12 @@ def main() -> None:
     print(f"{out['engine']} engine, {out['model']} on {dev}" + (f" ({out['gpu']})" if dev == "cuda" else "")
           + f", {out['precision']}: prompt {out['prompt_tokens']:,} tokens, TTFT {out['ttft_s']:.3f} s")
     print(f"decode: {out['tokens_per_s']:.2f} tokens/s, {out['step_ms_mean']:.2f} ms/step mean, "
-          f"{out['step_ms_median']:.2f} median ({len(out['step_ms'])} steps)")
+          f"{out['step_ms_median']:.2f} median ({len(out['step_ms'])} steps; the first {len(out['first_steps_ms'])}: "
+          f"{', '.join(f'{x:.1f}' for x in out['first_steps_ms'])} ms)")
     if "profile" in out:
         p = out["profile"]
-        print(f"per step: {p['syncs_per_step']:.1f} host syncs, {p['dtoh_copies_per_step']:.1f} DtoH copies "
-              f"(profiled; sorted by {p['sort']})")
+        print(f"per step: {p['syncs_per_step']:.1f} host syncs, {p['dtoh_copies_per_step']:.1f} DtoH copies, "
+              f"{p['kernel_launches_per_step']:.0f} kernel launches (profiled; sorted by {p['sort']})")
         print(f"{'op':48} {'calls':>6} {'self CPU ms':>11} {'CPU ms':>8} {'CUDA ms':>8}")
         for r in p["top"]:
             print(f"{r['op'][:48]:48} {r['calls']:6.1f} {r['self_cpu_ms']:11.3f} {r['cpu_ms']:8.3f} {r['cuda_ms']:8.3f}")
