@@ -2,6 +2,8 @@
 
     python scripts/lab/decode_profile.py --len 6000 --steps 32            # CPU, the embedded SmolLM2
     python scripts/lab/decode_profile.py --len 130000 --steps 64 --out $OUT   # H200: Qwen2.5-Coder at 131K
+    python scripts/lab/decode_profile.py --model $FPDEV_MODELS/qwen2.5-coder-0.5b-instruct --context 128k \
+        --len 130000 --steps 64 --out $OUT                                    # a staged folder
 
 The engine is loaded as ``fp ask`` loads it (``fpcli.engine.load_engine(one_request=True)``: the
 transformers engine on the CUDA GPU when there is one, the device's default model and context,
@@ -34,6 +36,8 @@ import random
 import statistics
 import time
 from pathlib import Path
+
+from flashprefill.lengths import parse_length
 
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 DTOH_OPS = ("Memcpy DtoH",)  # CUDA activity names of device-to-host copies (a sync each when pageable)
@@ -100,10 +104,12 @@ def profile_table(prof, steps: int, device: str, top: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--len", type=int, default=4000, help="prompt tokens (about; the chat template adds a few)")
+    ap.add_argument("--len", type=parse_length, default=4000, help="prompt tokens, template included (4000, 128k)")
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed per run")
     ap.add_argument("--warmup", type=int, default=2, help="decode steps left out of the timing and the profile")
     ap.add_argument("--model", default=None, help="as fp ask --model (default: the device's default model)")
+    ap.add_argument("--context", type=parse_length, default=None,
+                    help="as fp ask --context (e.g. 128k with --model PATH; the default model has its own)")
     ap.add_argument("--profile", default="bf16", help="as fp ask --profile")
     ap.add_argument("--engine", default="auto", help="as fp ask --engine (auto: transformers, one request)")
     ap.add_argument("--top", type=int, default=15, help="ops in the table")
@@ -115,9 +121,13 @@ def main() -> None:
     import torch
 
     from fpcli.engine import load_engine
+    from fpcli.profiles import load_profile, with_context_length
 
+    prof = load_profile(args.profile)
+    if args.context is not None:
+        prof = with_context_length(prof, args.context)
     t0 = time.perf_counter()
-    eng = load_engine(args.engine, args.model, args.profile, progress=False, one_request=True)
+    eng = load_engine(args.engine, args.model, prof, progress=False, one_request=True)
     start_s = time.perf_counter() - t0
     dev = getattr(getattr(eng, "device", None), "type", "cuda")
     eng.eos_ids = set()  # time exactly --steps steps
