@@ -4,7 +4,8 @@
   prefill, decode steps, a crop and a regrowth, and writes decode steps in place (same storage);
 - the engine's decode steps allocate no tensor as large as one layer's K cache (a
   ``TorchDispatchMode`` sees every op's output: ``DynamicCache``'s ``torch.cat`` made two per layer
-  and step) and give the tokens of a plain ``DynamicCache`` forward loop.
+  and step) and give the tokens of a plain ``DynamicCache`` forward loop;
+- each decode forward takes the picked token's tensor (no host-built input per step).
 """
 from __future__ import annotations
 
@@ -125,3 +126,26 @@ def eng_text(model_dir, ids: list[int]) -> str:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir).decode(ids, skip_special_tokens=True)
+
+
+def test_decode_input_is_the_picked_tensor_not_rebuilt_from_the_host(model_dir):  # noqa: F811
+    """Each decode forward takes the tensor the pick returned (on a GPU: no host-to-device copy of
+    the token, which synchronised a second time per step); the host reads the token once."""
+    with TransformersEngine(model_dir, load_profile("dense")) as eng:
+        eng.eos_ids = set()
+        picks: list[torch.Tensor] = []
+        inputs: list[torch.Tensor] = []
+
+        def pick(logits, temperature):
+            picks.append(TransformersEngine._pick(logits, temperature))
+            return picks[-1]
+
+        eng._pick = pick
+        handle = eng.model.register_forward_pre_hook(lambda m, a, kw: inputs.append(kw["input_ids"]), with_kwargs=True)
+        try:
+            r = eng.generate(eng.encode_chat(None, " ".join(WORDS[:40])), max_new_tokens=4)
+        finally:
+            handle.remove()
+    assert r.output_tokens == 4 and len(inputs) == 4 and len(picks) == 4
+    for fed, picked in zip(inputs[1:], picks):
+        assert fed.shape == (1, 1) and fed.data_ptr() == picked.data_ptr()
