@@ -94,8 +94,9 @@ def reserved_cache(n_layers: int, tokens: int) -> Cache:
 
 
 def reserve(cache: Cache, tokens: int) -> None:
-    """Room for ``tokens`` tokens in every ``ReservedLayer`` of ``cache`` (a layer whose buffers
-    are smaller reallocates at its next update, once). Other layers are left as they are."""
+    """Room for ``tokens`` tokens in every ``ReservedLayer`` of ``cache``: a layer whose buffers
+    are smaller reallocates to that room (one copy of its cached tokens) at the first update that
+    needs more than it has. The room never shrinks; other layers are left as they are."""
     for layer in cache.layers:
         if isinstance(layer, ReservedLayer):
             layer.reserve_tokens = max(layer.reserve_tokens, int(tokens))
