@@ -489,15 +489,17 @@ def test_sglang_dense_profile_stats_from_the_model_config(model_dir):
 
 @torch.inference_mode()
 @pytest.mark.parametrize("lk", [1, 37, 300])
-def test_grouped_decode_equals_expanded_kv(lk):
-    """Decode attention without expanding K/V (a grouped matmul over views) equals SDPA on K/V
-    expanded to Hq heads with repeat_interleave (the previous path)."""
+def test_decode_attention_equals_expanded_kv(lk):
+    """Decode attention without expanding K/V (one SDPA call with enable_gqa, no mask) equals SDPA on
+    K/V expanded to Hq heads with repeat_interleave, with K/V given as the reserved KV cache gives
+    them (views of a longer buffer: head stride ``capacity * d``)."""
     from flashprefill.integrations.transformers import _sdpa
 
     g = torch.Generator().manual_seed(lk)
     q = torch.randn(1, HQ, 1, D, generator=g)
-    k = torch.randn(1, HKV, lk, D, generator=g) * 3
-    v = torch.randn(1, HKV, lk, D, generator=g)
+    k = (torch.randn(1, HKV, lk + 9, D, generator=g) * 3)[:, :, :lk]
+    v = torch.randn(1, HKV, lk + 9, D, generator=g)[:, :, :lk]
+    assert not k.is_contiguous()
     groups = HQ // HKV
     want = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), scale=0.2).transpose(1, 2)

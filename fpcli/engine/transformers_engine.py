@@ -27,8 +27,13 @@ At 128K tokens on a GPU (one request): no causal mask is built (transformers bui
 attention implementation it has no mask function for, and this engine passes no
 ``attention_mask``); logits for the last position only (``logits_to_keep=1``); a chunk after a
 cached prefix attends in bounded row chunks (``integrations.transformers._row_chunks``); decode
-attends to the unexpanded GQA cache (``_grouped_decode``); no host sync per layer (the plan is
-built once per prefill, the statistics read once after it).
+attends to the unexpanded GQA cache (one SDPA call per layer, no mask); no host sync per layer (the
+plan is built once per prefill, the statistics read once after it).
+
+Decode: one forward per token, one host sync per token (reading the picked token: EOS, streamed
+text). The KV cache is reserved for the prompt and the answer budget when the request starts
+(``fpcli.engine.kv_cache``): a decode step writes its token's keys/values in place, where
+transformers' ``DynamicCache`` copied the whole cache of every layer per token.
 
 Context: ``profile.engine.context_length`` caps the model's context, or extends it with YaRN when
 it exceeds the native ``max_position_embeddings`` (``fpcli.engine.context``): the YaRN
@@ -133,8 +138,8 @@ class TransformersEngine:
         model_name: name for reports (default: the folder name).
         device: ``"cpu"``, ``"cuda"`` or ``None`` (CUDA when available).
         timing: measure per-layer index / attention time (CUDA events, read after the forward).
-        reuse_cache: keep the last request's KV cache (``DynamicCache``) and token ids, and prefill
-            only what follows the longest common token prefix with the next prompt (the same
+        reuse_cache: keep the last request's KV cache (``kv_cache.reserved_cache``) and token ids,
+            and prefill only what follows the longest common token prefix with the next prompt (the same
             documents with another question). ``False`` prefills every prompt whole (benchmarks).
         compare_fp8: with an FP8 profile, also run the BF16 operator in every sparse layer and
             report the FP8-vs-BF16 output error per layer and KV head
@@ -209,7 +214,7 @@ class TransformersEngine:
         self.start_phases["weights"] = self.load_s - self.start_phases["tokenizer"]
         self.start_s = self.load_s
         self.reuse_cache = reuse_cache
-        self._cache = None  # DynamicCache of the last request (reuse_cache), holding _cache_ids
+        self._cache = None  # KV cache (kv_cache.reserved_cache) of the last request, holding _cache_ids
         self._cache_ids: list[int] = []
         self._cache_kw = cache_argument(self.model)
 
@@ -261,7 +266,7 @@ class TransformersEngine:
             raise ValueError(f"generate: the prompt ({n_prompt} tokens) fills the context ({self.context_length})")
         max_new = min(max_new_tokens, budget)
         self.runtime.reset()
-        cache, cached = self._take_cache(prompt_ids)  # the kept cache is ours until this call succeeds
+        cache, cached = self._take_cache(prompt_ids, n_prompt + max_new)  # ours until this call succeeds
         ids = torch.tensor([prompt_ids[cached:]], dtype=torch.long, device=self.device)
         if on_cached is not None:
             on_cached(cached)
@@ -272,8 +277,8 @@ class TransformersEngine:
             out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
         finally:
             self.runtime.on_layer = None
-        logits = out.logits[0, -1].float()
-        token = self._pick(logits, temperature)
+        picked = self._pick(out.logits[0, -1].float(), temperature)
+        token = int(picked)  # the one host sync of a step: EOS, the streamed text
         t_first = _now(self.device)
         prefill_s = t_first - t0
         rows = self.runtime.summary(self.n_layers)
@@ -296,10 +301,11 @@ class TransformersEngine:
                     emitted = text
             if len(generated) >= max_new:
                 break
-            step = torch.tensor([[token]], dtype=torch.long, device=self.device)
-            out = self.model(input_ids=step, use_cache=True, **{self._cache_kw: cache})
+            # the token's device copy is the next input: no host-to-device copy (a second sync)
+            out = self.model(input_ids=picked.view(1, 1), use_cache=True, **{self._cache_kw: cache})
             fed.append(token)
-            token = self._pick(out.logits[0, -1].float(), temperature)
+            picked = self._pick(out.logits[0, -1].float(), temperature)
+            token = int(picked)
         if self.reuse_cache:
             self._cache, self._cache_ids = cache, prompt_ids + fed
         text = self.tokenizer.decode(generated, skip_special_tokens=True)
@@ -323,22 +329,23 @@ class TransformersEngine:
             device=self.device.type,
         )
 
-    def _take_cache(self, prompt_ids: list[int]):
-        """``(cache, P)``: the kept ``DynamicCache`` cropped to ``P`` tokens, the longest common
-        prefix of its ids and ``prompt_ids`` (at most ``len(prompt_ids) - 1``), or a new empty
-        cache and ``P = 0``. The kept cache is released either way (it is mutated in place)."""
-        from transformers import DynamicCache
+    def _take_cache(self, prompt_ids: list[int], tokens: int):
+        """``(cache, P)``: the kept cache cropped to ``P`` tokens, the longest common prefix of its
+        ids and ``prompt_ids`` (at most ``len(prompt_ids) - 1``), or a new empty cache and
+        ``P = 0``; either way with room for ``tokens`` tokens (``kv_cache.reserve``: the prompt and
+        the answer budget, so no decode step reallocates). The kept cache is released either way
+        (it is mutated in place)."""
+        from .kv_cache import reserve, reserved_cache
 
         cache, kept = self._cache, self._cache_ids
         self._cache, self._cache_ids = None, []
-        if cache is None or not self.reuse_cache:
-            return DynamicCache(), 0
-        n = common_prefix_len(kept, prompt_ids, limit=len(prompt_ids) - 1)
+        n = common_prefix_len(kept, prompt_ids, limit=len(prompt_ids) - 1) if cache is not None and self.reuse_cache else 0
         if n == 0:
-            return DynamicCache(), 0
+            return reserved_cache(self.n_layers, tokens), 0
         extra = cache.get_seq_length() - n
         if extra > 0:
             cache.crop(-extra)  # a negative count removes that many tokens (transformers 4.56 and 5)
+        reserve(cache, tokens)
         return cache, n
 
     def close(self) -> None:
@@ -370,11 +377,14 @@ class TransformersEngine:
         return {int(i) for i in ids}
 
     @staticmethod
-    def _pick(logits: torch.Tensor, temperature: float) -> int:
+    def _pick(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        """The next token id of ``logits [V]`` (float32): argmax when ``temperature <= 0``, else a
+        sample of ``softmax(logits / temperature)``; an int64 scalar-sized tensor on the logits'
+        device (read it with ``int``: a host sync on a GPU)."""
         if temperature <= 0:
-            return int(torch.argmax(logits))
+            return torch.argmax(logits)
         probs = torch.softmax(logits / temperature, dim=-1)
-        return int(torch.multinomial(probs, 1))
+        return torch.multinomial(probs, 1)[0]
 
 
 def cache_argument(model) -> str:

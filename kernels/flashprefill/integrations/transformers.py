@@ -14,7 +14,7 @@ config.min_sparse_len``) is mapped onto the operator's layout (``docs/layout.md`
 ``flashprefill_attention(..., return_index=True)`` (``backend="auto"``: the PyTorch reference on
 CPU, Triton on CUDA when it takes the dtype and head dim). Dense layers, a runtime without a config
 and decode steps (``Lq == 1``) run ``torch.nn.functional.scaled_dot_product_attention`` with
-bottom-right causal alignment.
+bottom-right causal alignment (``_sdpa``: one call, GQA unexpanded, no mask at decode).
 
 Statistics come from the index the attention used: per sparse layer, ``BlockIndex.head_counts()``
 (selected and causally visible key blocks per KV head) stays on the device until
@@ -201,18 +201,19 @@ def _summarise(r: LayerRecord) -> LayerSummary:
 def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None, groups: int) -> torch.Tensor:
     """Dense attention, bottom-right causal, GQA without copying K/V. ``query [B, Hq, Lq, d]``,
     key/value ``[B, Hkv, Lk, d]`` with ``Hq = groups * Hkv`` (query head ``h`` reads KV head
-    ``h // groups``) -> ``[B, Lq, Hq, d]``.
+    ``h // groups``; K/V may be views with any head and token strides, ``d`` contiguous)
+    -> ``[B, Lq, Hq, d]``.
 
-    A decode step (``Lq == 1``) runs ``_grouped_decode``; a prefill runs SDPA with
-    ``enable_gqa``. Neither expands K/V to ``Hq`` heads (``repeat_interleave`` copied the whole
-    cache on every decode step: ~25% of a CPU decode step at 7.8K tokens, docs/benchmarks.md).
+    One SDPA call with ``enable_gqa`` (K/V never expanded to ``Hq`` heads: ``repeat_interleave``
+    copied the whole cache on every decode step, docs/benchmarks.md). A decode step (``Lq == 1``)
+    sees every key: no mask (one fused kernel on a GPU, flash with split KV; on the CPU as fast as
+    the grouped matmul it replaced). A prefill from scratch is causal; a chunk after a prefix
+    attends in bounded row chunks (``_row_chunks``).
     """
     lq, lk = query.shape[2], key.shape[2]
-    if lq == 1:
-        return _grouped_decode(query, key, value, scaling)
     gqa = groups > 1
-    if lq == lk:
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+    if lq == 1 or lq == lk:
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=lq > 1, scale=scaling,
                                                                enable_gqa=gqa)
     else:  # chunk after a prefix: query t sees p <= (Lk - Lq) + t
         out = torch.cat([_sdpa_rows(query, key, value, scaling, gqa, start, min(lq, start + rows))
@@ -238,24 +239,6 @@ def _sdpa_rows(query, key, value, scaling, gqa: bool, start: int, end: int) -> t
     mask = pos[None, :] <= (lk - lq + torch.arange(start, end, device=query.device))[:, None]
     return torch.nn.functional.scaled_dot_product_attention(query[:, :, start:end], key, value, attn_mask=mask,
                                                             scale=scaling, enable_gqa=gqa)
-
-
-def _grouped_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
-    """One query token attending to every cached key, as a grouped matmul over views.
-
-    ``query [B, Hq, 1, d]`` is viewed as ``[B, Hkv, g, d]`` (the ``g`` query heads of a KV head
-    side by side), so ``q @ k^T`` is ``[B, Hkv, g, Lk]`` against the unexpanded
-    ``key [B, Hkv, Lk, d]``; softmax in float32; ``@ value`` -> ``[B, Hkv, g, d]`` ->
-    ``[B, 1, Hq, d]``. Example: SmolLM2-135M, ``Hq = 9``, ``Hkv = 3``: heads 0-2 read KV head 0.
-    """
-    b, hq, _, d = query.shape
-    hkv = key.shape[1]
-    scale = scaling if scaling is not None else d ** -0.5
-    q = query.reshape(b, hkv, hq // hkv, d)
-    scores = torch.matmul(q, key.transpose(-1, -2)) * scale  # [B, Hkv, g, Lk]
-    probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
-    out = torch.matmul(probs, value)  # [B, Hkv, g, d]
-    return out.reshape(b, 1, hq, d)
 
 
 def _paged(x: torch.Tensor) -> torch.Tensor:
