@@ -166,12 +166,17 @@ def main(argv=None) -> int:
         raise SystemExit("fp8_variants.py needs a CUDA GPU with FP8 tensor cores (sm_89+)")
     rows = [run_length(L, config, names, sh) for sh in shapes for L in lens]
     print(table(rows))
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, "fp8_variants.json")
+    write_rows(a.out, "fp8_variants.json", rows)
+    return 0
+
+
+def write_rows(out: str, name: str, rows: list[dict]) -> None:
+    """``{"gpu": ..., "rows": rows}`` as ``out/name`` (JSON), and say where."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, name)
     with open(path, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
     print(f"wrote {path}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import re
@@ -455,13 +454,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("ws_probe.py time needs a CUDA GPU with TMA and FP8 tensor cores (sm_90)")
     lens = [parse_length(x) for x in a.lens.split(",") if x]
+    from fp8_variants import write_rows
+
     rows = [run_length(L, names) for L in lens]
     print(table(rows))
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, "ws_probe.json")
-    with open(path, "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-    print(f"wrote {path}")
+    write_rows(a.out, "ws_probe.json", rows)
     return 0
 
 
