@@ -80,16 +80,34 @@ def prefilled_graph(eng: TransformersEngine, prompt: list[int], capacity: int) -
 
 @torch.inference_mode()
 def test_mask_hides_the_unwritten_capacity_and_shows_the_current_token(engines):
+    """Logits of each step equal a ``DynamicCache`` forward loop's: a mask that let a poisoned slot
+    in, or left out the key of the token being decoded, changes them."""
+    from transformers import DynamicCache
+
     eager, _ = engines
+    model, kw = eager.model, eager._cache_kw
     prompt = eager.encode_chat(None, TEXT + "\n\nWhat is the secret berth number?")
-    want = answer_ids(eager, prompt, 6)
+    cache, ids, want_ids, want_logits = DynamicCache(), torch.tensor([prompt]), [], []
+    for _ in range(5):
+        logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kw: cache}).logits[0, -1]
+        want_logits.append(logits)
+        want_ids.append(int(logits.argmax()))
+        ids = torch.tensor([[want_ids[-1]]])
+
     g = prefilled_graph(eager, prompt, len(prompt) + 64)
     n = len(prompt)
     for k, v in zip(g.keys, g.values):  # every slot the steps have not written yet
         k[:, :, n:].fill_(300.0)
         v[:, :, n:].fill_(-1e4)
-    got = [int(g.ids)] + [int(g.advance()) for _ in range(4)]
-    assert got == want[:5]
+    seen: list[torch.Tensor] = []
+    handle = model.register_forward_hook(lambda m, a, out: seen.append(out.logits[0, -1].clone()))
+    try:
+        got_ids = [int(g.ids)] + [int(g.advance()) for _ in range(4)]
+    finally:
+        handle.remove()
+    assert got_ids == want_ids
+    for got, want in zip(seen, want_logits[1:]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert int(g.position) == n + 4
     assert torch.all(g.values[0][:, :, n + 4:] == -1e4) and not torch.any(g.values[0][:, :, n:n + 4] == -1e4)
 
