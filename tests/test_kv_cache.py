@@ -149,3 +149,22 @@ def test_decode_input_is_the_picked_tensor_not_rebuilt_from_the_host(model_dir):
     assert r.output_tokens == 4 and len(inputs) == 4 and len(picks) == 4
     for fed, picked in zip(inputs[1:], picks):
         assert fed.shape == (1, 1) and fed.data_ptr() == picked.data_ptr()
+
+
+def test_adopted_buffers_take_the_prefill_and_mark_filled_shows_tokens_written_outside_update():
+    kbuf, vbuf = torch.zeros(1, 2, 12, D), torch.zeros(1, 2, 12, D)
+    layer = ReservedLayer(12)
+    layer.adopt(kbuf, vbuf)
+    k, v = states(5, seed=4)
+    out_k, _ = layer.update(k, v)
+    assert out_k.data_ptr() == kbuf.data_ptr() and layer.buffers_are(kbuf, vbuf)
+    torch.testing.assert_close(kbuf[:, :, :5], k, rtol=0, atol=0)
+    k2, v2 = states(2, seed=5)
+    kbuf[:, :, 5:7], vbuf[:, :, 5:7] = k2, v2  # what a captured decode step writes
+    layer.mark_filled(7)
+    assert layer.get_seq_length() == 7
+    torch.testing.assert_close(layer.values, torch.cat([v, v2], dim=-2), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="expected an empty layer"):
+        layer.adopt(torch.zeros_like(kbuf), torch.zeros_like(vbuf))
+    with pytest.raises(ValueError, match="0 <= n <= capacity"):
+        layer.mark_filled(13)

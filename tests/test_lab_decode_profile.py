@@ -40,3 +40,11 @@ def test_synthetic_prompt_has_the_asked_length(model_dir):  # noqa: F811
         ids = decode_profile.synthetic_prompt(eng, 500)
         assert abs(len(ids) - 500) <= 8, len(ids)
         assert decode_profile.synthetic_prompt(eng, 500) == ids  # seeded
+
+
+def test_step_clock_stamps_a_wrapped_graph_replay():
+    clock, calls = decode_profile.StepClock(), []
+    advance = clock.wrap(lambda: calls.append(1) or torch.tensor([[7]]))
+    outs = [advance() for _ in range(3)]
+    assert len(calls) == 3 and len(clock.stamps) == 3 and all(int(o) == 7 for o in outs)
+    assert clock.stamps == sorted(clock.stamps) and len(clock.step_ms(0)) == 2

@@ -187,7 +187,7 @@ def check_engine_args(engine: str, engine_args: Sequence[str]) -> None:
 def load_engine(engine: str = "auto", model: str | None = None, profile=None, progress=None,
                 engine_args: Sequence[str] = (), verbose: bool = False, timing: bool = False,
                 compare_fp8: bool = False, max_requests: int | None = None, warmup: bool = True,
-                one_request: bool = False) -> Engine:
+                one_request: bool = False, decode_graph: bool = False) -> Engine:
     """Resolve ``model`` and load it with ``engine``.
 
     Args:
@@ -219,13 +219,17 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
             docs/benchmarks.md). The transformers engine has no warm-up.
         one_request: the command sends one prompt (``fp ask``, ``fp profile`` in-process): ``"auto"``
             resolves to the transformers engine (``choose_engine``).
+        decode_graph: the transformers engine replays a CUDA graph of one greedy decode step
+            (``TransformersEngine(decode_graph=True)``, ``fpcli.engine.decode_graph``). Lab, off by
+            default until measured on the H200; SGLang's decode graphs follow the profile's
+            ``engine.cuda_graph_decode``.
 
     Raises:
         EngineUnavailable: ``engine="sglang"`` where SGLang or CUDA is missing (names what to
             install and the fallback).
         ValueError: unknown ``engine``; ``engine_args`` for the transformers engine or that
-            SGLang rejects; an FP8 profile on a GPU without FP8 tensor cores or with an
-            unsupported head dim (``base.check_fp8_profile``).
+            SGLang rejects; ``decode_graph`` with the SGLang engine; an FP8 profile on a GPU
+            without FP8 tensor cores or with an unsupported head dim (``base.check_fp8_profile``).
         fpcli.models.ModelError: the model cannot be found, fetched or converted.
         fpcli.engine.context.ContextError: the profile's context is beyond what the model can be
             extended to.
@@ -242,6 +246,9 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
     ui = _console(progress)
     key = start_key(engine, path, profile.engine.context_length)
     if engine == "sglang":
+        if decode_graph:
+            raise ValueError("load_engine: decode_graph is the transformers engine's setting; "
+                             "SGLang's decode graphs follow the profile's engine.cuda_graph_decode")
         from .sglang_engine import SGLangEngine, server_overrides_from_argv
 
         overrides = server_overrides_from_argv(engine_args) if engine_args else None
@@ -256,7 +263,7 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
     from .transformers_engine import TransformersEngine
 
     return _timed_start(ui, f"loading {name} (transformers engine)", key, lambda: TransformersEngine(
-        path, profile, model_name=name, timing=timing, compare_fp8=compare_fp8))
+        path, profile, model_name=name, timing=timing, compare_fp8=compare_fp8, decode_graph=decode_graph))
 
 
 def _timed_start(ui, action: str, key: str, start):

@@ -61,6 +61,41 @@ class ReservedLayer(DynamicLayer):
         self.values = self._value_buf[:, :, :n + new]
         return self.keys, self.values
 
+    def adopt(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor) -> None:
+        """Use ``key_buffer`` / ``value_buffer`` (``[B, Hkv, capacity, d]``, e.g. a captured decode
+        graph's, ``decode_graph.DecodeGraph``) as this empty layer's buffers: updates write into
+        them in place while they have room.
+
+        Raises:
+            ValueError: the layer already holds tokens, or the buffers differ in shape.
+        """
+        if self.is_initialized and self.get_seq_length():
+            raise ValueError("ReservedLayer.adopt: expected an empty layer, it holds tokens")
+        if key_buffer.shape[:-1] != value_buffer.shape[:-1] or key_buffer.dim() != 4:
+            raise ValueError(f"ReservedLayer.adopt: expected two [B, Hkv, capacity, d] buffers, got "
+                             f"{tuple(key_buffer.shape)} and {tuple(value_buffer.shape)}")
+        self._key_buf, self._value_buf = key_buffer, value_buffer
+
+    def buffers_are(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor) -> bool:
+        """Whether this layer's buffers are these tensors (and still back its cached tokens)."""
+        return (self._key_buf is key_buffer and self._value_buf is value_buffer
+                and self._backs(key_buffer, self.get_seq_length() if self.is_initialized else 0))
+
+    def mark_filled(self, n: int) -> None:
+        """The buffers hold ``n`` tokens, some written outside ``update`` (a captured decode step
+        writes its keys/values straight into the buffers): ``keys`` / ``values`` become the views
+        of the first ``n`` tokens.
+
+        Raises:
+            ValueError: ``n`` outside ``[0, capacity]`` or no buffers yet.
+        """
+        if self._key_buf is None or not 0 <= n <= self.capacity:
+            raise ValueError(f"ReservedLayer.mark_filled: expected 0 <= n <= capacity ({self.capacity}), got {n}")
+        if not self.is_initialized:
+            self.lazy_initialization(self._key_buf[:, :, :0], self._value_buf[:, :, :0])
+        self.keys = self._key_buf[:, :, :n]
+        self.values = self._value_buf[:, :, :n]
+
     def _backs(self, states: torch.Tensor, n: int) -> bool:
         """Whether the buffers hold the ``n`` cached tokens and take ``states``' batch, heads, dim and dtype."""
         buf = self._key_buf

@@ -35,6 +35,15 @@ text). The KV cache is reserved for the prompt and the answer budget when the re
 (``fpcli.engine.kv_cache``): a decode step writes its token's keys/values in place, where
 transformers' ``DynamicCache`` copied the whole cache of every layer per token.
 
+CUDA-graph decode (lab, off by default: ``decode_graph=True``): greedy decode steps replay one
+captured step (``fpcli.engine.decode_graph``) instead of running transformers' forward per token;
+the graph and its KV buffers (prompt + answer budget, rounded up) are captured at the first
+request that needs them (capture time counts in that request's TTFT; ``last_capture_s``) and kept
+for the next requests; a request that needs more room re-captures at ``decode_graph.GROWTH`` times
+the capacity (the kept KV cache lives on the old buffers and is dropped: that request prefills
+whole). Sampling (``temperature > 0``) decodes eagerly. On the CPU the same static step runs
+eagerly, never captured (what the CPU tests check). The prefill is unchanged.
+
 Context: ``profile.engine.context_length`` caps the model's context, or extends it with YaRN when
 it exceeds the native ``max_position_embeddings`` (``fpcli.engine.context``): the YaRN
 ``rope_scaling`` is set on the loaded config before the model is built (``apply_context``).
@@ -144,6 +153,9 @@ class TransformersEngine:
         compare_fp8: with an FP8 profile, also run the BF16 operator in every sparse layer and
             report the FP8-vs-BF16 output error per layer and KV head
             (``PrefillStats.fp8_rel_l2_per_layer``; ``fp profile --fp8``). Off by default.
+        decode_graph: greedy decode replays a CUDA graph of one step (module docstring). Lab, off
+            by default until measured on the H200; not the profile's ``engine.cuda_graph_decode``
+            (SGLang's).
 
     KV reuse: the kept cache holds the last prompt and the answer tokens fed back during its
     decode; the next ``generate`` crops it to the common prefix with the new prompt ids (at most
@@ -157,13 +169,15 @@ class TransformersEngine:
         fpcli.engine.context.ContextError: ``profile.engine.context_length`` beyond what the model
             can be extended to.
         ValueError: an FP8 profile on a GPU without FP8 tensor cores or with an unsupported head
-            dim (``base.check_fp8_profile``), before the weights load.
+            dim (``base.check_fp8_profile``), before the weights load; ``decode_graph`` with a model
+            whose step cannot be captured (``decode_graph.check_graphable``).
     """
 
     name = "transformers"
 
     def __init__(self, model_path, profile=None, model_name: str | None = None, device: str | None = None,
-                 timing: bool = False, reuse_cache: bool = True, compare_fp8: bool = False) -> None:
+                 timing: bool = False, reuse_cache: bool = True, compare_fp8: bool = False,
+                 decode_graph: bool = False) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -217,6 +231,13 @@ class TransformersEngine:
         self._cache = None  # KV cache (kv_cache.reserved_cache) of the last request, holding _cache_ids
         self._cache_ids: list[int] = []
         self._cache_kw = cache_argument(self.model)
+        self.decode_graph = decode_graph
+        self._graph = None  # decode_graph.DecodeGraph of the last greedy request (decode_graph=True)
+        self.last_capture_s: float | None = None  # seconds the last generate spent capturing; None: none
+        if decode_graph:
+            from .decode_graph import check_graphable
+
+            check_graphable(self.model.config)
 
     # -- contract ------------------------------------------------------------------------------
 
@@ -266,7 +287,9 @@ class TransformersEngine:
             raise ValueError(f"generate: the prompt ({n_prompt} tokens) fills the context ({self.context_length})")
         max_new = min(max_new_tokens, budget)
         self.runtime.reset()
-        cache, cached = self._take_cache(prompt_ids, n_prompt + max_new)  # ours until this call succeeds
+        self.last_capture_s = None
+        graph = self.decode_graph_for(n_prompt + max_new) if self.decode_graph and temperature <= 0 else None
+        cache, cached = self._take_cache(prompt_ids, n_prompt + max_new, graph)  # ours until this call succeeds
         ids = torch.tensor([prompt_ids[cached:]], dtype=torch.long, device=self.device)
         if on_cached is not None:
             on_cached(cached)
@@ -286,6 +309,8 @@ class TransformersEngine:
         precision = ran_precision(self.model_precision, sum(1 for r in rows if r is not None and r.precision == "fp8"))
 
         fed: list[int] = []  # answer tokens whose keys/values are in the cache
+        if graph is not None:
+            graph.start(picked, n_prompt)
         generated: list[int] = []
         emitted = ""
         finish = "length"
@@ -301,11 +326,16 @@ class TransformersEngine:
                     emitted = text
             if len(generated) >= max_new:
                 break
-            # the token's device copy is the next input: no host-to-device copy (a second sync)
-            out = self.model(input_ids=picked.view(1, 1), use_cache=True, **{self._cache_kw: cache})
+            if graph is not None:  # the step feeds the token it picked last (graph.ids): no host input
+                picked = graph.advance()
+            else:  # the token's device copy is the next input: no host-to-device copy (a second sync)
+                out = self.model(input_ids=picked.view(1, 1), use_cache=True, **{self._cache_kw: cache})
+                picked = self._pick(out.logits[0, -1].float(), temperature)
             fed.append(token)
-            picked = self._pick(out.logits[0, -1].float(), temperature)
             token = int(picked)
+        if graph is not None:  # the steps wrote into the buffers behind the cache's back
+            for layer in cache.layers:
+                layer.mark_filled(n_prompt + len(fed))
         if self.reuse_cache:
             self._cache, self._cache_ids = cache, prompt_ids + fed
         text = self.tokenizer.decode(generated, skip_special_tokens=True)
@@ -329,19 +359,40 @@ class TransformersEngine:
             device=self.device.type,
         )
 
-    def _take_cache(self, prompt_ids: list[int], tokens: int):
+    def decode_graph_for(self, tokens: int):
+        """The ``decode_graph.DecodeGraph`` with room for ``tokens`` KV tokens: the kept one, or a
+        new one of ``decode_graph.graph_capacity(tokens, kept capacity)`` tokens, captured on a GPU
+        (never on the CPU: its step runs eagerly there); ``last_capture_s`` says how long the
+        capture took. A new graph drops the kept KV cache (it lives on the old buffers)."""
+        from .decode_graph import DecodeGraph, graph_capacity
+
+        g = self._graph
+        if g is not None and g.capacity >= tokens:
+            return g
+        cap = graph_capacity(tokens, g.capacity if g is not None else 0)
+        self._graph, self._cache, self._cache_ids = None, None, []  # free the old buffers first
+        g = DecodeGraph(self.model, cap, self._cache_kw)
+        if self.device.type == "cuda":
+            self.last_capture_s = g.capture()
+        self._graph = g
+        return g
+
+    def _take_cache(self, prompt_ids: list[int], tokens: int, graph=None):
         """``(cache, P)``: the kept cache cropped to ``P`` tokens, the longest common prefix of its
         ids and ``prompt_ids`` (at most ``len(prompt_ids) - 1``), or a new empty cache and
         ``P = 0``; either way with room for ``tokens`` tokens (``kv_cache.reserve``: the prompt and
-        the answer budget, so no decode step reallocates). The kept cache is released either way
-        (it is mutated in place)."""
+        the answer budget, so no decode step reallocates). With a ``graph``
+        (``decode_graph.DecodeGraph``), the cache lives on its buffers: a kept cache elsewhere
+        is not reused. The kept cache is released either way (it is mutated in place)."""
         from .kv_cache import reserve, reserved_cache
 
         cache, kept = self._cache, self._cache_ids
         self._cache, self._cache_ids = None, []
+        if cache is not None and graph is not None and not graph.backs(cache):
+            cache = None
         n = common_prefix_len(kept, prompt_ids, limit=len(prompt_ids) - 1) if cache is not None and self.reuse_cache else 0
         if n == 0:
-            return reserved_cache(self.n_layers, tokens), 0
+            return (graph.prefill_cache() if graph is not None else reserved_cache(self.n_layers, tokens)), 0
         extra = cache.get_seq_length() - n
         if extra > 0:
             cache.crop(-extra)  # a negative count removes that many tokens (transformers 4.56 and 5)
@@ -352,6 +403,7 @@ class TransformersEngine:
         self.model = None
         self.tokenizer = None
         self._cache, self._cache_ids = None, []
+        self._graph = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

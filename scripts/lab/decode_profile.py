@@ -4,6 +4,7 @@
     python scripts/lab/decode_profile.py --len 130000 --steps 64 --out $OUT   # H200: Qwen2.5-Coder at 131K
     python scripts/lab/decode_profile.py --model $FPDEV_MODELS/qwen2.5-coder-0.5b-instruct --context 128k \
         --len 130000 --steps 64 --out $OUT                                    # a staged folder
+    python scripts/lab/decode_profile.py --len 130000 --steps 64 --cuda-graph --out $OUT   # the graph path
 
 The engine is loaded as ``fp ask`` loads it (``fpcli.engine.load_engine(one_request=True)``: the
 transformers engine on the CUDA GPU when there is one, the device's default model and context,
@@ -25,6 +26,13 @@ Two generations of ``--steps`` answer tokens each (EOS does not stop them here: 
    (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``; device-to-host
    copies) and the kernel launches per step.
 
+``--cuda-graph``: the engine replays a CUDA graph of one greedy decode step
+(``TransformersEngine(decode_graph=True)``, ``fpcli.engine.decode_graph``). The graph is captured
+before the timed run for its prompt and answer budget (``decode_graph_for``), and its capture time
+is printed apart (the start-up cost of a first answer); a step is then stamped at the end of each
+replay (no forward runs in a replay), and the profiler counts ``cudaGraphLaunch`` as a launch. On
+the CPU the same static step runs eagerly (no capture).
+
 Prints a short table; ``--out DIR`` writes ``decode_profile.json`` (and ``--trace`` a Chrome trace).
 Lab tooling: never imported by the product.
 """
@@ -41,7 +49,7 @@ from flashprefill.lengths import parse_length
 
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 DTOH_OPS = ("Memcpy DtoH",)  # CUDA activity names of device-to-host copies (a sync each when pageable)
-LAUNCH_OPS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+LAUNCH_OPS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 QUESTION = "Summarize the text above in one long paragraph."
 
 
@@ -72,6 +80,14 @@ class StepClock:
         self.stamps.append(time.perf_counter())
         if self.prof is not None:
             self.prof.step()
+
+    def wrap(self, advance):
+        """``advance`` (a ``DecodeGraph``'s) stamped like a forward: a replay runs no forward."""
+        def stamped():
+            out = advance()
+            self(None, None, out)
+            return out
+        return stamped
 
     def step_ms(self, skip: int) -> list[float]:
         """Milliseconds between consecutive forwards after the prefill, the first ``skip`` left out."""
@@ -116,6 +132,8 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true", help="time only (no torch.profiler run)")
     ap.add_argument("--out", type=Path, default=None, help="folder for decode_profile.json")
     ap.add_argument("--trace", action="store_true", help="also write a Chrome trace of the profiled steps (--out)")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="decode by replaying a captured CUDA graph of one step (transformers engine, lab setting)")
     args = ap.parse_args()
 
     import torch
@@ -127,7 +145,7 @@ def main() -> None:
     if args.context is not None:
         prof = with_context_length(prof, args.context)
     t0 = time.perf_counter()
-    eng = load_engine(args.engine, args.model, prof, progress=False, one_request=True)
+    eng = load_engine(args.engine, args.model, prof, progress=False, one_request=True, decode_graph=args.cuda_graph)
     start_s = time.perf_counter() - t0
     dev = getattr(getattr(eng, "device", None), "type", "cuda")
     eng.eos_ids = set()  # time exactly --steps steps
@@ -136,13 +154,19 @@ def main() -> None:
     handle = eng.model.register_forward_hook(clock)
     out: dict = {"engine": eng.name, "model": eng.model_name, "device": dev, "precision": eng.precision,
                  "prompt_tokens": len(ids), "steps": args.steps, "engine_start_s": round(start_s, 2),
-                 "torch": torch.__version__}
+                 "torch": torch.__version__, "cuda_graph": args.cuda_graph}
     if dev == "cuda":
         out["gpu"] = torch.cuda.get_device_name()
     try:
         import transformers
 
         out["transformers"] = transformers.__version__
+        if args.cuda_graph:
+            graph = eng.decode_graph_for(len(ids) + args.steps + 1)  # what the first answer captures
+            out.update(capture_s=round(eng.last_capture_s, 3) if eng.last_capture_s is not None else None,
+                       graph_capacity=graph.capacity)
+            if graph.graph is not None:  # a replay runs no forward; on the CPU the eager step's forward stamps
+                graph.advance = clock.wrap(graph.advance)
         res = eng.generate(ids, max_new_tokens=args.steps + 1)
         first = clock.step_ms(1)[: args.warmup]  # the first decode steps (kernels loaded, first allocations)
         ms = clock.step_ms(1 + args.warmup)  # gaps after the prefill's forward
@@ -169,6 +193,10 @@ def main() -> None:
 
     print(f"{out['engine']} engine, {out['model']} on {dev}" + (f" ({out['gpu']})" if dev == "cuda" else "")
           + f", {out['precision']}: prompt {out['prompt_tokens']:,} tokens, TTFT {out['ttft_s']:.3f} s")
+    if args.cuda_graph:
+        cap = out["capture_s"]
+        print(f"CUDA graph: {out['graph_capacity']:,} KV tokens, capture "
+              + (f"{cap:.3f} s (warm-up included; start-up of the first answer)" if cap is not None else "none (CPU: eager static step)"))
     print(f"decode: {out['tokens_per_s']:.2f} tokens/s, {out['step_ms_mean']:.2f} ms/step mean, "
           f"{out['step_ms_median']:.2f} median ({len(out['step_ms'])} steps; the first {len(out['first_steps_ms'])}: "
           f"{', '.join(f'{x:.1f}' for x in out['first_steps_ms'])} ms)")

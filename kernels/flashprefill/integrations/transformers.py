@@ -14,7 +14,8 @@ config.min_sparse_len``) is mapped onto the operator's layout (``docs/layout.md`
 ``flashprefill_attention(..., return_index=True)`` (``backend="auto"``: the PyTorch reference on
 CPU, Triton on CUDA when it takes the dtype and head dim). Dense layers, a runtime without a config
 and decode steps (``Lq == 1``) run ``torch.nn.functional.scaled_dot_product_attention`` with
-bottom-right causal alignment (``_sdpa``: one call, GQA unexpanded, no mask at decode).
+bottom-right causal alignment (``_sdpa``: one call, GQA unexpanded, no mask at decode); a decode
+step given a key mask (a captured step reading a fixed KV capacity) applies it (``_sdpa_decode_masked``).
 
 Statistics come from the index the attention used: per sparse layer, ``BlockIndex.head_counts()``
 (selected and causally visible key blocks per KV head) stays on the device until
@@ -221,6 +222,24 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: 
     return out.transpose(1, 2).contiguous()
 
 
+def _sdpa_decode_masked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                        scaling: float | None, groups: int) -> torch.Tensor:
+    """A decode step (``Lq == 1``) under a key mask: ``query [B, Hq, 1, d]``, key/value
+    ``[B, Hkv, Lk, d]``, ``mask [B or 1, 1, 1, Lk]`` (bool, True = attend, or additive float)
+    -> ``[B, 1, Hq, d]``.
+
+    The ``groups`` query heads of a KV head become ``groups`` query rows of one SDPA head
+    (``[B, Hkv, groups, d]``): the same keys and the same mask for each, so no ``enable_gqa``
+    (which, with a mask, has no fused kernel and expands K/V to ``Hq`` heads) and no copy of K/V.
+    A captured decode step (``fpcli.engine.decode_graph``) reads the whole KV capacity and masks
+    the slots not yet written, the mask computed on the device from the length.
+    """
+    b, hq, _, d = query.shape
+    q = query.reshape(b, key.shape[1], groups, d)
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(b, 1, hq, d)
+
+
 MASK_ELEMENTS = 1 << 24  # at most this many [rows, Lk] mask entries per SDPA call of a chunk after a prefix
 
 
@@ -266,8 +285,10 @@ def flashprefill_attention_forward(
         module: the model's attention module (``layer_idx``, and the ``fp_runtime`` set by
             ``install_flashprefill``; without one it attends densely).
         query: ``[B, Hq, Lq, d]``, RoPE applied. key, value: ``[B, Hkv, Lk, d]``, cache included.
-        attention_mask: ignored for batch size 1 (this function applies bottom-right causal
-            masking itself).
+        attention_mask: at a decode step (``Lq == 1``), a key mask ``[B or 1, 1, 1, Lk]``
+            applied as given (bool True = attend, or additive; a captured decode step passes one);
+            otherwise ignored for batch size 1 (this function applies bottom-right causal masking
+            itself; transformers builds no mask for this attention implementation).
         scaling: softmax scale ``τ``.
 
     Returns:
@@ -283,6 +304,8 @@ def flashprefill_attention_forward(
     lk = key.shape[2]
     if attention_mask is not None and bsz > 1:  # no .all(): a causal mask is never all True, and it syncs
         raise ValueError(f"flashprefill attention: padded batches are not supported: batch size 1 only, got {bsz}")
+    if lq == 1 and attention_mask is not None:  # a decode step reading a fixed capacity (decode graph)
+        return _sdpa_decode_masked(query, key, value, attention_mask, scaling, groups), None
     if lq < rt.min_prefill_len:
         return _sdpa(query, key, value, scaling, groups), None
     sparse = (

@@ -1,0 +1,115 @@
+"""GPU: the transformers engine's CUDA-graph decode (``decode_graph=True``, ``fpcli.engine.decode_graph``).
+Run on the device::
+
+    source .fpdev/bin/env.sh && python -m pytest -q tests/gpu/test_decode_graph_gpu.py -s
+
+(a) SmolLM2-135M, dense profile, a ~6K needle: the graph path's greedy tokens equal the eager
+path's (the same engine with ``decode_graph`` off), for a first question and for a second one on
+the kept KV cache; the capture happens once and is reused by the second question.
+(b) The same engine: one host sync per answer token (``torch.cuda.set_sync_debug_mode`` warns on
+every synchronizing call; a longer answer costs exactly one more sync per extra token).
+(c) Qwen2.5-Coder-0.5B at 131,072 tokens (YaRN), profile bf16 as ``fp ask`` loads it, a ~100K
+needle: the graph path's greedy tokens equal the eager path's (bf16: the masked decode attention
+may pick another SDPA kernel than the unmasked one; a differing token here is a finding to read,
+not noise to retry).
+Skips without CUDA or the staged models (``$FPDEV_MODELS``).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from fpcli.engine import load_engine  # noqa: E402
+from fpcli.models import QWEN_CODER  # noqa: E402
+from fpcli.profiles import load_profile, with_context_length  # noqa: E402
+from fpcli.ttft import needle_prompt  # noqa: E402
+
+MODELS = Path(os.environ.get("FPDEV_MODELS", "/nonexistent"))
+QWEN = MODELS / QWEN_CODER
+SMOL = MODELS / "smollm2-135m-instruct"
+STEPS = 16
+
+
+def staged(model: Path) -> Path:
+    if not (model / "config.json").is_file():
+        pytest.skip(f"staged model {model.name} not found under FPDEV_MODELS={MODELS}")
+    return model
+
+
+def answer_ids(eng, prompt: list[int], steps: int, graph: bool, keep: bool = False) -> list[int]:
+    """The engine's ``steps - 1`` first greedy answer tokens (EOS is no stop here: the ids it fed
+    back to its KV cache), decoded with the graph or eagerly; the kept cache is dropped unless
+    ``keep`` (so the next call prefills whole)."""
+    eng.decode_graph = graph
+    r = eng.generate(prompt, max_new_tokens=steps)
+    assert r.output_tokens == steps
+    ids = eng._cache_ids[len(prompt):]
+    if not keep:
+        eng._cache, eng._cache_ids = None, []
+    return ids
+
+
+@pytest.fixture(scope="module")
+def smol():
+    eng = load_engine("transformers", str(staged(SMOL)), load_profile("dense"), progress=False, decode_graph=True)
+    eng.eos_ids = set()
+    yield eng
+    eng.close()
+
+
+def test_smollm2_graph_tokens_equal_eager_and_the_capture_is_reused(smol):
+    eng = smol
+    prompt, _ = needle_prompt(eng, 6000, seed=5)
+    second = prompt[:-8] + prompt[-8:][::-1]  # another question after the same document
+    want = answer_ids(eng, prompt, STEPS, graph=False, keep=True)
+    want2 = answer_ids(eng, second, STEPS, graph=False)  # on the kept cache, as the graph's second below
+    got = answer_ids(eng, prompt, STEPS, graph=True, keep=True)  # the eager kept cache is dropped: whole prefill
+    g, capture_s = eng._graph, eng.last_capture_s
+    assert g is not None and g.graph is not None and capture_s is not None and capture_s > 0
+    got2 = answer_ids(eng, second, STEPS, graph=True)  # the kept cache on the graph's buffers, no new capture
+    assert eng._graph is g and eng.last_capture_s is None
+    assert got == want and got2 == want2
+
+
+def syncs_of(eng, prompt: list[int], steps: int) -> int:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            eng.generate(prompt, max_new_tokens=steps)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    eng._cache, eng._cache_ids = None, []
+    return len(caught)
+
+
+def test_one_host_sync_per_answer_token(smol):
+    eng = smol
+    eng.decode_graph = True
+    prompt, _ = needle_prompt(eng, 6000, seed=6)
+    eng.generate(prompt, max_new_tokens=4)  # captured, allocator warm
+    eng._cache, eng._cache_ids = None, []
+    short, long = syncs_of(eng, prompt, 4), syncs_of(eng, prompt, 4 + STEPS)
+    assert eng.last_capture_s is None  # both ran on the kept graph
+    assert long - short == STEPS, (short, long)
+
+
+def test_qwen_128k_graph_tokens_equal_eager():
+    staged(QWEN)
+    prof = with_context_length(load_profile("bf16"), 131072)
+    with load_engine("transformers", str(QWEN), prof, progress=False, decode_graph=True) as eng:
+        eng.eos_ids = set()
+        prompt, _ = needle_prompt(eng, 100_000, seed=7)
+        got = answer_ids(eng, prompt, 8, graph=True)
+        print(f"\nQwen 128K: capture {eng.last_capture_s:.2f} s, graph capacity {eng._graph.capacity:,}")
+        want = answer_ids(eng, prompt, 8, graph=False)
+    assert got == want

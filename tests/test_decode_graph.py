@@ -1,0 +1,177 @@
+"""The transformers engine's static decode step (``fpcli.engine.decode_graph``), run eagerly on the CPU.
+
+What a CUDA graph would replay, checked where it can be without a GPU (the capture itself is
+tests/gpu/test_decode_graph_gpu.py):
+
+- the engine with ``decode_graph=True`` gives the greedy tokens of today's decode on the embedded
+  SmolLM2, for a first question and a second one on the kept KV cache, and grows its capacity when
+  a request needs more;
+- the mask from the device length counter hides the unwritten capacity (poisoned with large
+  keys/values) and shows the token being decoded;
+- the step reads no host value (no ``aten._local_scalar_dense``) and never asks the cache for its
+  length (which a capture would bake in).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fpcli.engine.decode_graph import DecodeGraph, check_graphable, graph_capacity
+from fpcli.engine.transformers_engine import TransformersEngine
+from fpcli.profiles import load_profile
+from flashprefill.integrations.transformers import _sdpa, _sdpa_decode_masked
+
+TEXT = ("The harbor master logged every vessel that entered the port. The secret berth number is 4417. "
+        "Cranes moved containers from the quay to the yard while the tide turned. ") * 12
+
+
+def answer_ids(eng: TransformersEngine, prompt: list[int], steps: int) -> list[int]:
+    """The engine's ``steps`` greedy answer tokens (EOS does not stop them): those it fed back
+    to its KV cache (its kept ids after the prompt) plus the last one picked."""
+    r = eng.generate(prompt, max_new_tokens=steps)
+    assert r.output_tokens == steps
+    fed = eng._cache_ids[len(prompt):]
+    assert len(fed) == steps - 1
+    return fed
+
+
+@pytest.fixture(scope="module")
+def engines(smollm2):
+    torch.manual_seed(0)
+    with TransformersEngine(smollm2, load_profile("dense")) as eager, \
+            TransformersEngine(smollm2, load_profile("dense"), decode_graph=True) as graphed:
+        eager.eos_ids = graphed.eos_ids = set()
+        yield eager, graphed
+
+
+def test_static_step_gives_todays_greedy_tokens_and_reuses_its_buffers(engines):
+    eager, graphed = engines
+    first = eager.encode_chat(None, TEXT + "\n\nWhat is the secret berth number?")
+    want, got = answer_ids(eager, first, 10), answer_ids(graphed, first, 10)
+    assert got == want
+    g = graphed._graph
+    assert g is not None and g.graph is None and graphed.last_capture_s is None  # never captured on the CPU
+    assert g.capacity == graph_capacity(len(first) + 10) and g.backs(graphed._cache)
+
+    # a second question on the same documents: the kept cache (on the graph's buffers) serves the prefix
+    second = eager.encode_chat(None, TEXT + "\n\nWhat did the cranes move?")
+    r_e, r_g = eager.generate(second, max_new_tokens=8), graphed.generate(second, max_new_tokens=8)
+    assert r_g.cached_tokens == r_e.cached_tokens > len(second) // 2
+    assert graphed._cache_ids == eager._cache_ids and r_g.text == r_e.text
+    assert graphed._graph is g  # same capacity: the same step and buffers
+
+    # a request beyond the capacity: a new graph, GROWTH times larger, the kept cache dropped
+    third = eager.encode_chat(None, TEXT * 2 + "\n\nWhich number?")
+    assert len(third) + 6 > g.capacity
+    r3 = graphed.generate(third, max_new_tokens=6)
+    assert graphed._graph is not g and graphed._graph.capacity >= 2 * g.capacity and r3.cached_tokens == 0
+    r3_e = eager.generate(third, max_new_tokens=6)
+    assert graphed._cache_ids == eager._cache_ids and r3.text == r3_e.text
+
+
+def prefilled_graph(eng: TransformersEngine, prompt: list[int], capacity: int) -> DecodeGraph:
+    g = DecodeGraph(eng.model, capacity, eng._cache_kw)
+    out = eng.model(input_ids=torch.tensor([prompt]), use_cache=True, logits_to_keep=1,
+                    **{eng._cache_kw: g.prefill_cache()})
+    g.start(out.logits[0, -1].argmax(), len(prompt))
+    return g
+
+
+@torch.inference_mode()
+def test_mask_hides_the_unwritten_capacity_and_shows_the_current_token(engines):
+    """Logits of each step equal a ``DynamicCache`` forward loop's: a mask that let a poisoned slot
+    in, or left out the key of the token being decoded, changes them."""
+    from transformers import DynamicCache
+
+    eager, _ = engines
+    model, kw = eager.model, eager._cache_kw
+    prompt = eager.encode_chat(None, TEXT + "\n\nWhat is the secret berth number?")
+    cache, ids, want_ids, want_logits = DynamicCache(), torch.tensor([prompt]), [], []
+    for _ in range(5):
+        logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kw: cache}).logits[0, -1]
+        want_logits.append(logits)
+        want_ids.append(int(logits.argmax()))
+        ids = torch.tensor([[want_ids[-1]]])
+
+    g = prefilled_graph(eager, prompt, len(prompt) + 64)
+    n = len(prompt)
+    for k, v in zip(g.keys, g.values):  # every slot the steps have not written yet
+        k[:, :, n:].fill_(300.0)
+        v[:, :, n:].fill_(-1e4)
+    seen: list[torch.Tensor] = []
+    handle = model.register_forward_hook(lambda m, a, out: seen.append(out.logits[0, -1].clone()))
+    try:
+        got_ids = [int(g.ids)] + [int(g.advance()) for _ in range(4)]
+    finally:
+        handle.remove()
+    assert got_ids == want_ids
+    for got, want in zip(seen, want_logits[1:]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert int(g.position) == n + 4
+    assert torch.all(g.values[0][:, :, n + 4:] == -1e4) and not torch.any(g.values[0][:, :, n:n + 4] == -1e4)
+
+
+def test_masked_decode_attention_equals_attention_over_the_filled_keys():
+    gen = torch.Generator().manual_seed(3)
+    hkv, groups, d, n, cap = 3, 5, 16, 37, 64
+    q = torch.randn(1, hkv * groups, 1, d, generator=gen)
+    k = torch.randn(1, hkv, cap, d, generator=gen)
+    v = torch.randn(1, hkv, cap, d, generator=gen)
+    k[:, :, n:], v[:, :, n:] = 50.0, 1e4  # unwritten slots
+    mask = (torch.arange(cap) < n).view(1, 1, 1, cap)
+    got = _sdpa_decode_masked(q, k, v, mask, 0.25, groups)
+    want = _sdpa(q, k[:, :, :n], v[:, :, :n], 0.25, groups)
+    assert got.shape == want.shape == (1, 1, hkv * groups, d)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+HOST_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,  # int(t), t.item()
+              torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default,  # bool(t), torch.equal
+              torch.ops.aten.nonzero.default}  # an output size read from the values
+
+
+class NoHostRead(TorchDispatchMode):
+    """Fails on an op that reads a tensor value on the host (``HOST_READS``: torch 2.13 dispatches
+    ``int(t)`` as ``aten.item``, older versions as ``aten._local_scalar_dense``); counts ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in HOST_READS:
+            raise AssertionError("host read of a tensor value inside the decode step")
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@torch.inference_mode()
+def test_step_reads_no_host_value_and_no_cache_length(engines):
+    eager, _ = engines
+    prompt = eager.encode_chat(None, TEXT[:400])
+    g = prefilled_graph(eager, prompt, len(prompt) + 16)
+    mode = NoHostRead()
+    with mode:
+        g.step()
+        g.step()
+    assert mode.ops > 100 and int(g.position) == len(prompt) + 2
+    for read in (int, bool, torch.Tensor.item):  # the mode does catch a host read (tolist reads the memory unseen)
+        with pytest.raises(AssertionError, match="host read"), NoHostRead():
+            read(g.position)
+    with pytest.raises(RuntimeError, match="lives on the device"):
+        g._step_cache.get_seq_length()
+
+
+def test_check_graphable_refuses_sliding_windows_and_host_side_rope(engines):
+    from transformers import LlamaConfig, Qwen2Config
+
+    check_graphable(LlamaConfig(num_hidden_layers=2))
+    with pytest.raises(ValueError, match="full-attention layers only"):
+        check_graphable(Qwen2Config(num_hidden_layers=2, layer_types=["full_attention", "sliding_attention"],
+                                    use_sliding_window=True, sliding_window=64))
+    with pytest.raises(ValueError, match="'dynamic'"):
+        check_graphable(LlamaConfig(num_hidden_layers=2,
+                                    rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}))
+    with pytest.raises(ValueError, match="capture needs a CUDA device, the model is on cpu"):
+        DecodeGraph(engines[0].model, 8, engines[0]._cache_kw).capture()
