@@ -5,7 +5,8 @@
 # tests), user (fp start / fp ask x2 / fp status / fp stop / fp profile on real TeX manuals, as a user
 # runs them), eval (fp eval at 32K and 128K, $EVAL_PROFILES or dense / bf16 / fp8, two seeds), bench (fp bench), transformers (the
 # transformers engine's GPU tests), variants (scripts/lab/fp8_variants.py), cold (scripts/lab/cold_start.py), ws / probe
-# (scripts/lab/ws_probe.py: its GPU test / its timing), decode (scripts/lab/decode_profile.py at 130K). Logs and JSON land in $OUT; a short table is printed last.
+# (scripts/lab/ws_probe.py: its GPU test / its timing), decode (scripts/lab/decode_profile.py at 130K),
+# graph (the CUDA-graph decode's GPU tests, then decode with --cuda-graph). Logs and JSON land in $OUT; a short table is printed last.
 set -u
 OUT=${OUT:-$PWD/out-gpu}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/kernels:$PWD:${PYTHONPATH:-}
@@ -42,8 +43,10 @@ for part in "$@"; do
     engines3) pyt engines3 ${LIM:-540} tests/gpu/test_cold_start.py tests/gpu/test_eval_gpu.py -s ;;
     transformers) pyt transformers ${LIM:-300} tests/gpu/test_transformers_gpu.py tests/gpu/test_transformers_decode_gpu.py -s ;;
     decode)   t python scripts/lab/decode_profile.py --len ${DECODE_LEN:-130000} --context 128k --steps ${DECODE_STEPS:-64} \
-                --out "$OUT" > "$OUT/decode.log" 2>&1
+                ${DECODE_ARGS:-} --out "$OUT" > "$OUT/decode.log" 2>&1
               tail -${DECODE_TAIL:-30} "$OUT/decode.log" | tee -a "$SUM" ;;
+    graph)    pyt graph ${LIM:-300} tests/gpu/test_decode_graph_gpu.py -s
+              DECODE_ARGS=--cuda-graph bash "$0" decode ;;
     variants) t python scripts/lab/fp8_variants.py --lens ${VARIANT_LENS:-128k,32k} --shapes ${VARIANT_SHAPES:-32/8/128} \
         --variants ${VARIANTS:-shipped,poly_fold,pipe_fold,meanvec,fusedidx,pipe_fold_meanvec_fusedidx} --out "$OUT" \
         > "$OUT/variants.log" 2>&1; tail -${VARIANT_TAIL:-24} "$OUT/variants.log" | tee -a "$SUM" ;;
