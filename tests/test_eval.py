@@ -331,7 +331,9 @@ def test_eval_says_when_sparse_profiles_ran_dense_below_min_sparse_len(runner, f
     assert not avg[(8192, "bf16")]["ran_dense"] and avg[(8192, "bf16")]["density"] < 1
     assert not avg[(2048, "dense")]["ran_dense"] and avg[(2048, "dense")]["min_sparse_len"] is None
     err = " ".join(r.stderr.split())
-    assert "at 2k every profile ran dense: prompts below min_sparse_len 4,096; use --len 8k or more" in err
+    # the advice is a length that runs sparse AND fits the context (8k is the whole context)
+    assert ("at 2k every profile ran dense: prompts below min_sparse_len 4,096; "
+            "use --len 5k to 8k (up to the context of 8,192 tokens)") in err
     assert "at 8k" not in err and err.count("ran dense") == 1
     assert "2 samples built" in err  # one per length
 
@@ -362,3 +364,20 @@ def test_eval_warns_when_the_engine_generated_no_answer_token(runner, fake_engin
     r = runner.invoke(app, ["eval", "--len", "2k", "--task", "vt", "--samples", "2", "--profiles", "dense", "--json"])
     assert r.exit_code == 0, r.stderr
     assert json.loads(r.stdout)["cells"][0]["empty_answers"] == 0 and "were empty" not in r.stderr
+
+
+def test_dense_note_advises_lengths_that_run_sparse_within_the_context():
+    """The advice of the "ran dense" note: whole-k lengths whose prompts (a little shorter than
+    --len) exceed min_sparse_len, and at most the context; none when no such length exists."""
+    from fpcli.ruler.render import dense_notes
+
+    def report(msl, context):
+        return {"context_length": context,
+                "profiles": [{"name": "bf16", "attention": "flashprefill"}],
+                "averages": [{"length": 2048, "profile": "bf16", "ran_dense": True, "min_sparse_len": msl}]}
+
+    assert dense_notes(report(4096, 8192))[0].endswith("use --len 5k to 8k (up to the context of 8,192 tokens)")
+    assert dense_notes(report(4600, 32768))[0].endswith("use --len 5k to 32k (up to the context of 32,768 tokens)")
+    assert dense_notes(report(4700, 32768))[0].endswith("use --len 6k to 32k (up to the context of 32,768 tokens)")
+    assert dense_notes(report(4096, 5120))[0].endswith("use --len 5k (the context is 5,120 tokens)")
+    assert "no --len up to the context of 8,192 tokens runs sparse" in dense_notes(report(8192, 8192))[0]

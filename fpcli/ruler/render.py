@@ -63,8 +63,10 @@ def _len(n: int) -> str:
 def dense_notes(report: dict) -> list[str]:
     """One line per length at which a sparse profile ran no sparse layer (an average's
     ``ran_dense``: every prompt below its ``min_sparse_len``), so that a table of identical dense
-    runs says so, e.g. "at 2k every profile ran dense: prompts below min_sparse_len 4,096; use
-    --len 8k or more". Empty when every sparse profile ran sparse."""
+    runs says so, with the lengths that would run sparse: above ``min_sparse_len`` and within the
+    report's ``context_length``, e.g. "at 4k every profile ran dense: prompts below min_sparse_len
+    4,096; use --len 5k to 8k (up to the context of 8,192 tokens)". Empty when every sparse
+    profile ran sparse."""
     sparse = [p["name"] for p in report["profiles"] if p.get("attention") != "dense"]
     by_length: dict[int, list[dict]] = {}
     for a in report["averages"]:
@@ -79,10 +81,23 @@ def dense_notes(report: dict) -> list[str]:
             ", ".join(a["profile"] for a in dense)
         msl = max(a["min_sparse_len"] for a in dense)
         notes.append(f"at {_len(length)} {who} ran dense: prompts below min_sparse_len {msl:,}; "
-                     f"use --len {_len(_longer_than(msl))} or more")
+                     + _sparse_lengths(msl, report.get("context_length")))
     return notes
 
 
+def _sparse_lengths(min_sparse_len: int, context: int | None) -> str:
+    """The advice of ``dense_notes``: the ``--len`` values (whole k) whose prompts exceed
+    ``min_sparse_len`` and fit ``context`` (tokens; ``None``: unknown, no upper bound)."""
+    low = _longer_than(min_sparse_len)
+    if context is None:
+        return f"use --len {_len(low)} or more"
+    high = context // 1024 * 1024 if context >= 1024 else context
+    if low > high:
+        return (f"no --len up to the context of {context:,} tokens runs sparse "
+                "(a profile file with a lower min_sparse_len does)")
+    if low == high:
+        return f"use --len {_len(low)} (the context is {context:,} tokens)"
+    return f"use --len {_len(low)} to {_len(high)} (up to the context of {context:,} tokens)"
 def empty_notes(report: dict) -> list[str]:
     """One line per (length, profile) average with answers on which the engine generated no token
     (``empty_answers``), e.g. "at 128k 8 of 8 dense answers were empty (the engine generated no
@@ -97,9 +112,7 @@ def empty_notes(report: dict) -> list[str]:
 
 
 def _longer_than(tokens: int) -> int:
-    """The smallest power-of-two length (tokens, at least 1k) whose prompts exceed ``tokens``:
-    a prompt of --len N holds a little fewer than N tokens, so N = tokens is not enough."""
-    n = 1024
-    while n <= tokens:
-        n *= 2
-    return n
+    """The smallest whole-k length (tokens) whose prompts exceed ``tokens``: a prompt of --len N
+    holds a little fewer than N tokens (short of it by less than one filler sentence, and by the
+    answer budget near the context), so it keeps at least 512 tokens of margin: 4,096 -> 5,120."""
+    return (tokens + 512) // 1024 * 1024 + 1024
