@@ -309,6 +309,8 @@ def test_eval_two_seeds_one_engine_per_profile_and_the_spread(runner, fake_engin
         s0, s1 = a["score_by_seed"]["0"], a["score_by_seed"]["1"]
         assert a["seed_spread"] == max(s0, s1) - min(s0, s1)
     assert "seeds 0, 1" in r.stderr
+    err = " ".join(r.stderr.split())
+    assert "2 samples per seed x 2 seeds = 4 per cell" in err and "sample(s)" not in err
 
 
 def test_eval_bad_seed_is_a_usage_error(runner, fake_engine):
@@ -344,6 +346,7 @@ def test_eval_one_sample_is_said_in_the_singular(runner, fake_engine, monkeypatc
     assert r.exit_code == 0, r.stderr
     err = " ".join(r.stderr.split())
     assert "1 sample built" in err and "1 samples" not in err
+    assert "1 sample per cell" in err and "sample(s)" not in err
     assert "a prompt of " in err and not re.search(r"(\d[\d,]*)-\1 tokens", err)
 
 

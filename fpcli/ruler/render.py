@@ -11,8 +11,8 @@ def eval_table(report: dict) -> Table:
     title is its label: the name, plus what ran when it is not what the profile asked for."""
     profiles = report["profiles"]
     t = Table(
-        title=(f"fp eval: {report['model']} ({report['engine']} engine), {report['samples_per_cell']} sample(s) "
-               f"per cell, {_seeds(report)}, haystack {report['haystack']}"),
+        title=(f"fp eval: {report['model']} ({report['engine']} engine), {_sample_count(report)}, "
+               f"{_seeds(report)}, haystack {report['haystack']}"),
         title_justify="left",
     )
     t.add_column("task")
@@ -40,6 +40,16 @@ def eval_table(report: dict) -> Table:
             cols += _triple(avg[(length, p["name"])], bold=True, spread=several)
         t.add_row(*cols)
     return t
+
+
+def _sample_count(report: dict) -> str:
+    """The samples a cell averages: ``samples_per_cell`` is per seed, e.g. "2 samples per seed x 2
+    seeds = 4 per cell", or "1 sample per cell" with one seed."""
+    n, seeds = report["samples_per_cell"], len(report.get("seeds", [report["seed"]]))
+    per = f"{n} sample{'s' if n != 1 else ''}"
+    if seeds == 1:
+        return f"{per} per cell"
+    return f"{per} per seed x {seeds} seeds = {n * seeds} per cell"
 
 
 def _seeds(report: dict) -> str:
