@@ -384,3 +384,50 @@ def test_dense_note_advises_lengths_that_run_sparse_within_the_context():
     assert dense_notes(report(4700, 32768))[0].endswith("use --len 6k to 32k (up to the context of 32,768 tokens)")
     assert dense_notes(report(4096, 5120))[0].endswith("use --len 5k (the context is 5,120 tokens)")
     assert "no --len up to the context of 8,192 tokens runs sparse" in dense_notes(report(8192, 8192))[0]
+
+
+def test_eval_ctrl_c_keeps_the_finished_cells_and_exits_130(runner, fake_engine, monkeypatch, tmp_path):
+    """Ctrl-C during the second profile: the table shows what finished (marked partial), --json and
+    --report carry it with "interrupted": true and what is missing, and fp exits 130. Up front, one
+    note gives the number of prefills."""
+    from fp_fakes import LAST_FAKE, FakeEngine
+
+    monkeypatch.setenv("FP_FAKE_CONTEXT", "8192")
+    real = FakeEngine.generate
+    calls = []
+
+    def generate(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 6:  # 4 samples per profile: the second profile's second answer
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(FakeEngine, "generate", generate)
+    r = runner.invoke(app, ["eval", "--len", "1k,2k", "--task", "niah_single", "--samples", "2",
+                            "--profiles", "dense,bf16,fp8", "--json", "--report", str(tmp_path / "r.json")])
+    assert r.exit_code == 130, r.stderr
+    data = json.loads(r.stdout)
+    assert json.loads((tmp_path / "r.json").read_text()) == data
+    assert data["interrupted"] is True
+    assert data["missing"] == [{"profile": "bf16", "answered": 1, "samples": 4},
+                               {"profile": "fp8", "answered": 0, "samples": 4}]
+    assert [p["name"] for p in data["profiles"]] == ["dense", "bf16"]
+    cells = {(c["length"], c["profile"]): c for c in data["cells"]}
+    assert set(cells) == {(1024, "dense"), (2048, "dense"), (1024, "bf16")}
+    assert cells[(1024, "dense")]["samples"] == 2 and cells[(1024, "bf16")]["samples"] == 1
+    assert sum(len(s["results"]) for s in data["samples"]) == 5
+    assert all(e.closed for e in LAST_FAKE) and len(LAST_FAKE) == 2  # the engine in use was closed
+    err = " ".join(r.stderr.split())
+    assert "12 prefills: 4 samples x 3 profiles" in err
+    assert "PARTIAL: interrupted" in err
+    assert "interrupted (Ctrl-C), the table is partial: profile bf16 answered 1 of 4 samples" in err
+    assert "fp8 none" in err
+
+
+def test_eval_finished_run_is_not_interrupted(runner, fake_engine, monkeypatch):
+    monkeypatch.setenv("FP_FAKE_CONTEXT", "8192")
+    r = runner.invoke(app, ["eval", "--len", "1k", "--task", "vt", "--samples", "1", "--profiles", "dense", "--json"])
+    assert r.exit_code == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["interrupted"] is False and data["missing"] == []
+    assert "1 prefill: 1 sample x 1 profile" in r.stderr and "PARTIAL" not in r.stderr

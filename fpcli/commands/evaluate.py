@@ -109,6 +109,11 @@ def evaluate(
     stack = _haystack_or_exit(haystack or [], err, quiet)
     if lens_note and not quiet:
         note(err, lens_note)
+    if not quiet:
+        n_built = len(task_list) * len(lengths) * samples * len(seeds)
+        n_runs = n_built * len(profs)
+        note(err, f"{n_runs:,} prefill{'s' if n_runs != 1 else ''}: {n_built:,} sample{'s' if n_built != 1 else ''} x "
+                  f"{len(profs)} profile{'s' if len(profs) != 1 else ''} (Ctrl-C stops and keeps the finished ones)")
 
     # -- the run -----------------------------------------------------------------------------------
     from fpcli.console import step_progress
@@ -162,7 +167,8 @@ def evaluate(
 
     data = eval_report(run, seeds=seeds, samples_per_cell=samples, tasks=[t.name for t in task_list],
                        lengths=lengths, haystack=stack.name,
-                       profile_sources={p.name: str(p.source) if p.source else None for p in profs})
+                       profile_sources={p.name: str(p.source) if p.source else None for p in profs},
+                       profile_names=[p.name for p in profs])
     if json_out:
         from fpcli.report import dumps
 
@@ -170,18 +176,24 @@ def evaluate(
         sys.stdout.flush()
     if report is not None:
         save_report_or_exit(report, data)
+    from fpcli.ruler.render import missing_notes
+
     if not quiet:
         from fpcli.console import print_table
         from fpcli.ruler.render import dense_notes, empty_notes, eval_table
 
-        table = eval_table(data)
-        print_table(table, stderr=True)
+        if data["cells"]:
+            print_table(eval_table(data), stderr=True)
         for line in dense_notes(data):
             note(err, line)
         for line in empty_notes(data):
             warning(err, line)
         if report is not None:
             err.print(f"[dim]report saved to {report}[/]", highlight=False)
+    if run.interrupted:
+        for line in missing_notes(data):
+            warning(err, line)
+        raise typer.Exit(130)
 
 
 class _LoadFailed(RuntimeError):

@@ -12,7 +12,8 @@ def eval_table(report: dict) -> Table:
     profiles = report["profiles"]
     t = Table(
         title=(f"fp eval: {report['model']} ({report['engine']} engine), {_sample_count(report)}, "
-               f"{_seeds(report)}, haystack {report['haystack']}"),
+               f"{_seeds(report)}, haystack {report['haystack']}"
+               + (" [b]- PARTIAL: interrupted[/]" if report.get("interrupted") else "")),
         title_justify="left",
     )
     t.add_column("task")
@@ -25,10 +26,11 @@ def eval_table(report: dict) -> Table:
     by_key = {(c["task"], c["length"], c["profile"]): c for c in report["cells"]}
     rows = list(dict.fromkeys((c["task"], c["length"]) for c in report["cells"]))
     for task, length in rows:
-        first = by_key[(task, length, profiles[0]["name"])]
+        first = next(by_key[(task, length, p["name"])] for p in profiles if (task, length, p["name"]) in by_key)
         cols = [task, _len(length), f"{first['prompt_tokens']:,.0f}"]
         for p in profiles:
-            cols += _triple(by_key[(task, length, p["name"])])
+            c = by_key.get((task, length, p["name"]))
+            cols += _triple(c) if c else ["-", "-", "-"]  # an interrupted run: not answered
         t.add_row(*cols)
     if t.rows:
         t.rows[-1].end_section = True  # a rule above the averages
@@ -37,7 +39,8 @@ def eval_table(report: dict) -> Table:
     for length in dict.fromkeys(a["length"] for a in report["averages"]):
         cols = ["[b]all tasks[/]", _len(length), ""]
         for p in profiles:
-            cols += _triple(avg[(length, p["name"])], bold=True, spread=several)
+            a = avg.get((length, p["name"]))
+            cols += _triple(a, bold=True, spread=several) if a else ["-", "-", "-"]
         t.add_row(*cols)
     return t
 
@@ -108,6 +111,23 @@ def _sparse_lengths(min_sparse_len: int, context: int | None) -> str:
     if low == high:
         return f"use --len {_len(low)} (the context is {context:,} tokens)"
     return f"use --len {_len(low)} to {_len(high)} (up to the context of {context:,} tokens)"
+def missing_notes(report: dict) -> list[str]:
+    """For an interrupted report, one line per profile that did not answer every sample (its
+    ``missing`` entries), e.g. "interrupted: profile bf16 answered 3 of 8 samples (its cells
+    average those), fp8 none". Empty for a finished run."""
+    if not report.get("interrupted"):
+        return []
+    parts = []
+    for m in report.get("missing", []):
+        if m["answered"] == 0:
+            parts.append(f"{m['profile']} none")
+        else:
+            parts.append(f"{m['profile']} answered {m['answered']} of {m['samples']} samples (its cells average those)")
+    if not parts:
+        return ["interrupted after the last answer: the table is complete"]
+    return ["interrupted (Ctrl-C), the table is partial: profile " + ", ".join(parts)]
+
+
 def empty_notes(report: dict) -> list[str]:
     """One line per (length, profile) average with answers on which the engine generated no token
     (``empty_answers``), e.g. "at 128k 8 of 8 dense answers were empty (the engine generated no
