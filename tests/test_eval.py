@@ -431,3 +431,31 @@ def test_eval_finished_run_is_not_interrupted(runner, fake_engine, monkeypatch):
     data = json.loads(r.stdout)
     assert data["interrupted"] is False and data["missing"] == []
     assert "1 prefill: 1 sample x 1 profile" in r.stderr and "PARTIAL" not in r.stderr
+
+
+def test_eval_says_which_ttft_differences_are_noise_with_few_samples(runner, fake_engine, monkeypatch):
+    """Fewer than 5 samples per cell: one line under the table with the run's own TTFT spread
+    (the largest range among one profile's samples at one length); none with 5 or more."""
+    from fp_fakes import FakeEngine
+
+    monkeypatch.setenv("FP_FAKE_CONTEXT", "8192")
+    real = FakeEngine.generate
+    ttfts = iter([0.5, 0.9, 0.6, 0.7, 0.55, 0.62, 0.58, 0.61])
+
+    def generate(self, *args, **kwargs):
+        r = real(self, *args, **kwargs)
+        r.ttft_s = next(ttfts)
+        return r
+
+    monkeypatch.setattr(FakeEngine, "generate", generate)
+    r = runner.invoke(app, ["eval", "--len", "1k", "--task", "niah_single,vt", "--samples", "2",
+                            "--profiles", "dense,bf16", "--json"])
+    assert r.exit_code == 0, r.stderr
+    err = " ".join(r.stderr.split())
+    # dense: 0.5, 0.9, 0.6, 0.7 (range 0.4); bf16: 0.55, 0.62, 0.58, 0.61 (range 0.07)
+    assert ("TTFT: 2 samples per cell; one profile's samples at one length differ by up to 0.400 s: "
+            "smaller TTFT differences between profiles are noise") in err
+    monkeypatch.setattr(FakeEngine, "generate", real)
+    r = runner.invoke(app, ["eval", "--len", "1k", "--task", "vt", "--samples", "5", "--profiles", "dense,bf16"])
+    assert r.exit_code == 0, r.stderr
+    assert "TTFT:" not in r.stderr

@@ -180,10 +180,12 @@ def evaluate(
 
     if not quiet:
         from fpcli.console import print_table
-        from fpcli.ruler.render import dense_notes, empty_notes, eval_table
+        from fpcli.ruler.render import dense_notes, empty_notes, eval_table, ttft_notes
 
         if data["cells"]:
             print_table(eval_table(data), stderr=True)
+        for line in ttft_notes(data):
+            note(err, line)
         for line in dense_notes(data):
             note(err, line)
         for line in empty_notes(data):

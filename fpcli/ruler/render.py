@@ -111,6 +111,38 @@ def _sparse_lengths(min_sparse_len: int, context: int | None) -> str:
     if low == high:
         return f"use --len {_len(low)} (the context is {context:,} tokens)"
     return f"use --len {_len(low)} to {_len(high)} (up to the context of {context:,} tokens)"
+FEW_SAMPLES = 5
+"""Below this many samples per cell (``fp eval``'s default ``--samples``), ``ttft_notes`` says
+which TTFT differences are noise."""
+
+
+def ttft_notes(report: dict) -> list[str]:
+    """One line under the table when its TTFT columns are easy to over-read: fewer than
+    ``FEW_SAMPLES`` samples in a cell, or a length at which every sparse profile ran dense (the
+    columns then time the same dense prefill). The noise is measured from the run itself: the
+    largest TTFT range (max - min) among the samples of one profile at one length (prompts of
+    nearly the same length, so the range is the machine's noise), e.g. "TTFT: 2 samples per cell;
+    one profile's samples at one length differ by up to 0.412 s: smaller differences between
+    profiles are noise". Empty otherwise."""
+    cells = report.get("cells", [])
+    if not cells:
+        return []
+    few = min(c["samples"] for c in cells)
+    if few >= FEW_SAMPLES and not dense_notes(report):
+        return []
+    groups: dict[tuple[int, str], list[float]] = {}
+    for smp in report.get("samples", []):
+        for prof, r in smp["results"].items():
+            groups.setdefault((smp["length"], prof), []).append(r["ttft_s"])
+    ranges = [max(v) - min(v) for v in groups.values() if len(v) > 1]
+    per = f"{few} sample{'s' if few != 1 else ''} per cell"
+    if not ranges:
+        return [f"TTFT: {per}, one per profile and length: its noise is not measured; "
+                f"compare TTFT with --samples {FEW_SAMPLES} or more"]
+    return [f"TTFT: {per}; one profile's samples at one length differ by up to {max(ranges):.3f} s: "
+            "smaller TTFT differences between profiles are noise"]
+
+
 def missing_notes(report: dict) -> list[str]:
     """For an interrupted report, one line per profile that did not answer every sample (its
     ``missing`` entries), e.g. "interrupted: profile bf16 answered 3 of 8 samples (its cells
