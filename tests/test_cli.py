@@ -1018,3 +1018,28 @@ def test_profile_asks_the_engine_for_timing_and_ask_does_not(runner, monkeypatch
     r = invoke(runner, ["profile", str(doc), "--no-server", "--png", str(tmp_path / "h.png")])
     assert r.exit_code == 0, r.output
     assert seen == [False, True]
+
+
+def test_profile_fp8_that_did_not_run_says_why_and_how(runner, fake_engine, doc, tmp_path, monkeypatch):
+    """A prompt below the fitted min_sparse_len runs no sparse layer, so no FP8: the line says so
+    and what makes it run (a longer document, or a --context of at most twice the prompt)."""
+    import dataclasses
+
+    from fp_fakes import FakeEngine
+
+    monkeypatch.setenv("FP_FAKE_CONTEXT", "8192")  # bf16's min_sparse_len fitted to it: 4,096
+    monkeypatch.setattr(FakeEngine, "min_sparse_len", 4096)
+    real = FakeEngine.generate
+
+    def generate(self, prompt_ids, *args, **kwargs):  # like the engines: no sparse layer, no FP8
+        r = real(self, list(prompt_ids) * (811 // len(prompt_ids) + 1), *args, **kwargs)
+        return dataclasses.replace(r, precision="fp32", prompt_tokens=811)
+
+    monkeypatch.setattr(FakeEngine, "generate", generate)
+    r = invoke(runner, ["profile", str(doc), "--fp8", "--png", str(tmp_path / "h.png")])
+    assert r.exit_code == 0, r.stderr
+    out = " ".join(r.stdout.split())
+    assert ("FP8-vs-BF16 error per layer: none (no layer ran FP8: fp32 ran): the prompt's 811 tokens are below "
+            "min_sparse_len 4,096, and FP8 runs in the sparse layers only; a document of more than 4,096 tokens "
+            "runs it, or --context 1k (min_sparse_len is at most half the context: any --context up to "
+            "1,622 tokens)") in out
