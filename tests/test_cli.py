@@ -1043,3 +1043,23 @@ def test_profile_fp8_that_did_not_run_says_why_and_how(runner, fake_engine, doc,
             "min_sparse_len 4,096, and FP8 runs in the sparse layers only; a document of more than 4,096 tokens "
             "runs it, or --context 1k (min_sparse_len is at most half the context: any --context up to "
             "1,622 tokens)") in out
+
+
+def test_ask_context_beyond_the_default_model_is_refused_before_reading(runner, fake_engine, doc, monkeypatch):
+    """Without --model, --context is checked against the engine's default model when its context
+    is known without loading (the embedded model on this CPU: 8,192 native, 65,536 with YaRN),
+    before the documents are read or any engine loads."""
+    import fpcli.ingest
+    from fp_fakes import LAST_FAKE
+
+    def no_reading(*a, **kw):
+        raise AssertionError("documents read before --context was checked")
+
+    monkeypatch.setattr(fpcli.ingest, "ingest", no_reading)
+    from fpcli.engine import default_for
+
+    _, default = default_for("transformers", one_request=True)  # the embedded model here; another on CUDA
+    r = invoke(runner, ["ask", str(doc), "What?", "--context", "1m", "--engine", "transformers"])
+    assert r.exit_code == 2, r.stderr
+    assert f"--context 1m: context 1,048,576 tokens is too long for {default.name}: at most" in r.stderr
+    assert LAST_FAKE == []

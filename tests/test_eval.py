@@ -459,3 +459,22 @@ def test_eval_says_which_ttft_differences_are_noise_with_few_samples(runner, fak
     r = runner.invoke(app, ["eval", "--len", "1k", "--task", "vt", "--samples", "5", "--profiles", "dense,bf16"])
     assert r.exit_code == 0, r.stderr
     assert "TTFT:" not in r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--report", "/nonexistent-folder/r.json"], "--report /nonexistent-folder/r.json: the folder /nonexistent-folder does not exist"),
+    (["--haystack", "nope.pdf"], "--haystack: nope.pdf"),
+])
+def test_eval_checks_paths_before_the_profiles_and_the_model(runner, fake_engine, monkeypatch, args, message):
+    """A bad --report or --haystack path is found before the profiles are loaded and the model
+    looked up (the slow part, seconds, before any engine loads)."""
+    import fpcli.commands.evaluate as evaluate
+
+    def too_late(*a, **kw):
+        raise AssertionError("the paths are checked after the model")
+
+    monkeypatch.setattr(evaluate, "check_model_or_exit", too_late)
+    monkeypatch.setattr(evaluate, "load_profile_or_exit", too_late)
+    r = runner.invoke(app, ["eval", "--len", "1k", *args])
+    assert r.exit_code == 2, r.stderr
+    assert message in r.stderr

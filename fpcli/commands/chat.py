@@ -93,7 +93,7 @@ def _chat(files, model, profile, engine, history, max_new_tokens, temperature, p
         raise typer.Exit(2)
     prof = load_profile_or_exit(profile)
     check_model_or_exit(model)
-    prof = context_or_exit(context, prof, model)
+    prof = context_or_exit(context, prof, model, engine.value)
     check_max_new_tokens_or_exit(max_new_tokens, model, prof)
 
     from fpcli.doccache import DiskCache, default_config, fit_cache_for

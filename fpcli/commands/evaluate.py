@@ -82,6 +82,9 @@ def evaluate(
         seeds = []
     if not seeds:
         fail(f"--seed: expected an integer or a comma list of integers (example: 0,1), got {seed!r}", code=2)
+    if report is not None:  # the paths first: checking them needs no model
+        check_output_path_or_exit("--report", report)
+    _check_haystack_paths_or_exit(haystack or [], err)
     names = [p.strip() for p in profiles.split(",") if p.strip()]
     if not names:
         fail("--profiles: no profile given (example: --profiles dense,bf16)", code=2)
@@ -104,8 +107,6 @@ def evaluate(
         _check_lengths(lengths, task_list, min(caps) if caps else None)
     except EvalUsageError as exc:
         fail(str(exc), code=2)
-    if report is not None:
-        check_output_path_or_exit("--report", report)
     stack = _haystack_or_exit(haystack or [], err, quiet)
     if lens_note and not quiet:
         note(err, lens_note)
@@ -216,20 +217,28 @@ def _check_lengths(lengths: list[int], tasks: list, context_length: int | None) 
                                      f"{t.min_length:,} tokens")
 
 
-def _haystack_or_exit(files: list[str], err, quiet: bool):
-    """The generated haystack, or the documents of ``--haystack`` (exit 2 on a bad path, 1 when
-    none is readable)."""
-    from fpcli.ruler.haystack import DocumentHaystack, GeneratedHaystack
-
+def _check_haystack_paths_or_exit(files: list[str], err) -> None:
+    """Exit 2 naming every ``--haystack`` path that is missing or not a readable file."""
     if not files:
-        return GeneratedHaystack()
-    from fpcli.ingest import check_paths, ingest
-    from fpcli.report import render_ingestion
+        return
+    from fpcli.ingest import check_paths
 
     problems = check_paths(files)
     if problems:
         print_bad_paths(err, problems, prefix="--haystack: ")
         raise typer.Exit(2)
+
+
+def _haystack_or_exit(files: list[str], err, quiet: bool):
+    """The generated haystack, or the documents of ``--haystack`` (paths checked before, by
+    ``_check_haystack_paths_or_exit``; exit 1 when none is readable)."""
+    from fpcli.ruler.haystack import DocumentHaystack, GeneratedHaystack
+
+    if not files:
+        return GeneratedHaystack()
+    from fpcli.ingest import ingest
+    from fpcli.report import render_ingestion
+
     docs = ingest(files)
     if not quiet:
         render_ingestion(err, docs)

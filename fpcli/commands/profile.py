@@ -60,7 +60,7 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
              f"(fp profile FILE [QUESTION])", code=2)
     prof = load_profile_or_exit(profile, fp8=fp8)
     check_model_or_exit(model)
-    prof = context_or_exit(context, prof, model)
+    prof = context_or_exit(context, prof, model, engine.value, one_request=True)
     if png is not None:
         check_output_path_or_exit("--png", png)
     from fpcli.doccache import DiskCache, default_config, fit_cache_for
