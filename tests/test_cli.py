@@ -1063,3 +1063,15 @@ def test_ask_context_beyond_the_default_model_is_refused_before_reading(runner, 
     assert r.exit_code == 2, r.stderr
     assert f"--context 1m: context 1,048,576 tokens is too long for {default.name}: at most" in r.stderr
     assert LAST_FAKE == []
+
+
+def test_bench_cpu_library_log_lines_only_with_verbose(runner):
+    """Off a terminal, the operator benchmark's own log lines ("[bench] CPU reference: ...") stay
+    off stderr unless -v, like other libraries' log lines."""
+    args = ["bench", "--cpu", "--len", "1k", "--heads", "2/1", "--head-dim", "64", "--json"]
+    r = invoke(runner, args)
+    assert r.exit_code == 0, r.stderr
+    assert "[bench]" not in r.stderr and json.loads(r.stdout)["rows"]
+    r = invoke(runner, [*args, "-v"])
+    assert r.exit_code == 0, r.stderr
+    assert "operator: [bench] CPU reference: L=1024" in r.stderr
