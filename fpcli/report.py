@@ -23,6 +23,7 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
                                  # resident engine's queue behind other requests; other: the rest, process
                                  # start and imports included); null when wall_s is not measured
         "finish_reason", "engine", "model", "profile",
+        "profile_source",        # the profile's YAML file when it is not a built-in one, else null
         "device",                # where the attention ran: "cpu", "cuda", or null (not said)
         "precision",             # attention precision that RAN: bf16/fp16/fp32, or "fp8 (sparse layers)"
         "precision_requested",   # the profile's precision (bf16 / fp8)
@@ -194,6 +195,7 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
         "rope_scaling": (context or {}).get("rope_scaling"),
         "engine_start_phases": dict(start_phases) if start_phases else None,
         "profile": result.profile or profile.name,
+        "profile_source": _profile_file(profile),
         "precision": getattr(result, "precision", None) or profile.precision,
         "precision_requested": profile.precision,
         "attention": profile.attention,
@@ -301,7 +303,8 @@ def render_summary(console: Console, report: dict) -> None:
         why = ("FP8 runs in sparse layers only and none ran sparse" if requested == "fp8"
                else "ran at the model's dtype")
         precision = f"{precision}; {requested} requested, {why}"
-    t.add_row("profile", f"{s['profile']} ({s['attention']}, {precision})")
+    source = f"{Path(s['profile_source']).name}; " if s.get("profile_source") else ""
+    t.add_row("profile", f"{s['profile']} ({source}{s['attention']}, {precision})")
     t.print(console, title="fp ask")
 
 
@@ -551,3 +554,9 @@ def write_heatmap_png(path: str | Path, per_layer_head: Sequence[Sequence[float 
     finally:
         plt.close(fig)
     return path
+
+
+def _profile_file(profile) -> str | None:
+    from fpcli.profiles import Profile, profile_file
+
+    return profile_file(profile) if isinstance(profile, Profile) else None

@@ -74,7 +74,7 @@ def test_ask_options_reach_the_engine(runner, fake_engine, doc, tmp_path):
 SUMMARY_KEYS = {
     "prompt_tokens", "output_tokens", "ttft_s", "prefill_s", "total_s", "decode_tokens_per_s", "finish_reason",
     "cached_tokens", "wall_s", "engine_start_s", "stages_s",
-    "engine", "model", "profile", "precision", "precision_requested", "attention", "min_sparse_len", "density", "density_per_layer_head",
+    "engine", "model", "profile", "profile_source", "precision", "precision_requested", "attention", "min_sparse_len", "density", "density_per_layer_head",
     "attention_flops_dense", "attention_flops_skipped", "attention_flops_skipped_fraction", "index_ms", "attention_ms",
     "native_context", "context", "rope_scaling", "engine_start_phases", "device",
     "cached_tokens", "server",
@@ -1075,3 +1075,20 @@ def test_bench_cpu_library_log_lines_only_with_verbose(runner):
     r = invoke(runner, [*args, "-v"])
     assert r.exit_code == 0, r.stderr
     assert "operator: [bench] CPU reference: L=1024" in r.stderr
+
+
+def test_ask_summary_names_a_profile_file_with_a_builtin_name(runner, fake_engine, doc, tmp_path):
+    """A user's file named like a built-in (name: bf16) is told apart in the summary's profile row
+    and the report's profile_source; a built-in profile has no file there."""
+    from pathlib import Path
+
+    builtin = Path(__file__).resolve().parent.parent / "fpcli" / "builtin_profiles" / "bf16.yaml"
+    mine = tmp_path / "my.yaml"
+    mine.write_text(builtin.read_text(encoding="utf-8").replace("alpha: 0.05", "alpha: 0.02"), encoding="utf-8")
+    r = invoke(runner, ["ask", str(doc), "What?", "--profile", str(mine), "--no-server"])
+    assert r.exit_code == 0, r.stderr
+    assert re.search(r"profile\s+bf16 \(my\.yaml; flashprefill, ", r.stderr), r.stderr
+    r = invoke(runner, ["ask", str(doc), "What?", "--profile", str(mine), "--no-server", "--json"])
+    assert json.loads(r.stdout)["summary"]["profile_source"] == str(mine)
+    r = invoke(runner, ["ask", str(doc), "What?", "--no-server", "--json"])
+    assert json.loads(r.stdout)["summary"]["profile_source"] is None
