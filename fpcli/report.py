@@ -269,13 +269,17 @@ def _fmt(x: Any, spec: str = ".3f", none: str = "n/a") -> str:
     return none if x is None else format(x, spec)
 
 
+FINISH_WORDS = {"length": "length: stopped at --max-new-tokens"}
+"""How the summary says a ``finish_reason`` (the JSON keeps the engine's word)."""
+
+
 def render_summary(console: Console, report: dict) -> None:
     """The summary table of an ``fp.ask/1`` report (stderr console)."""
     s = report["summary"]
     d = s["density"]
     t = _SummaryRows()
     t.add_row("prompt tokens", prompt_tokens_text(s))
-    t.add_row("answer tokens", f"{s['output_tokens']:,} ({s['finish_reason']})")
+    t.add_row("answer tokens", f"{s['output_tokens']:,} ({FINISH_WORDS.get(s['finish_reason'], s['finish_reason'])})")
     t.add_row("TTFT", f"{s['ttft_s']:.3f} s (prefill {s['prefill_s']:.3f} s)")
     t.add_row(*time_row(s))
     t.add_row("decode", f"{s['decode_tokens_per_s']:.1f} tokens/s")

@@ -1092,3 +1092,9 @@ def test_ask_summary_names_a_profile_file_with_a_builtin_name(runner, fake_engin
     assert json.loads(r.stdout)["summary"]["profile_source"] == str(mine)
     r = invoke(runner, ["ask", str(doc), "What?", "--no-server", "--json"])
     assert json.loads(r.stdout)["summary"]["profile_source"] is None
+
+
+def test_ask_answer_cut_by_max_new_tokens_says_so(runner, fake_engine, doc):
+    r = invoke(runner, ["ask", str(doc), "What?", "-n", "2"])
+    assert r.exit_code == 0, r.stderr
+    assert re.search(r"answer tokens\s+2 \(length: stopped at --max-new-tokens\)", r.stderr), r.stderr
