@@ -165,6 +165,16 @@ def builtin_profiles() -> list[str]:
     return sorted(p.stem for p in profiles_dir().glob("*.yaml"))
 
 
+def profile_file(profile: "Profile") -> str | None:
+    """The YAML file ``profile`` was loaded from when it is not a built-in profile (a user's file,
+    which may carry a built-in's name), else ``None``."""
+    if profile.source is None:
+        return None
+    if Path(profile.source).resolve().parent == profiles_dir().resolve():
+        return None
+    return str(profile.source)
+
+
 def resolve_profile_path(name_or_path: str | Path) -> Path:
     """``bf16`` -> ``<fpcli>/builtin_profiles/bf16.yaml``; an existing path is returned as is."""
     text = str(name_or_path)

@@ -23,6 +23,7 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
                                  # resident engine's queue behind other requests; other: the rest, process
                                  # start and imports included); null when wall_s is not measured
         "finish_reason", "engine", "model", "profile",
+        "profile_source",        # the profile's YAML file when it is not a built-in one, else null
         "device",                # where the attention ran: "cpu", "cuda", or null (not said)
         "precision",             # attention precision that RAN: bf16/fp16/fp32, or "fp8 (sparse layers)"
         "precision_requested",   # the profile's precision (bf16 / fp8)
@@ -194,6 +195,7 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
         "rope_scaling": (context or {}).get("rope_scaling"),
         "engine_start_phases": dict(start_phases) if start_phases else None,
         "profile": result.profile or profile.name,
+        "profile_source": _profile_file(profile),
         "precision": getattr(result, "precision", None) or profile.precision,
         "precision_requested": profile.precision,
         "attention": profile.attention,
@@ -267,13 +269,17 @@ def _fmt(x: Any, spec: str = ".3f", none: str = "n/a") -> str:
     return none if x is None else format(x, spec)
 
 
+FINISH_WORDS = {"length": "length: stopped at --max-new-tokens"}
+"""How the summary says a ``finish_reason`` (the JSON keeps the engine's word)."""
+
+
 def render_summary(console: Console, report: dict) -> None:
     """The summary table of an ``fp.ask/1`` report (stderr console)."""
     s = report["summary"]
     d = s["density"]
     t = _SummaryRows()
     t.add_row("prompt tokens", prompt_tokens_text(s))
-    t.add_row("answer tokens", f"{s['output_tokens']:,} ({s['finish_reason']})")
+    t.add_row("answer tokens", f"{s['output_tokens']:,} ({FINISH_WORDS.get(s['finish_reason'], s['finish_reason'])})")
     t.add_row("TTFT", f"{s['ttft_s']:.3f} s (prefill {s['prefill_s']:.3f} s)")
     t.add_row(*time_row(s))
     t.add_row("decode", f"{s['decode_tokens_per_s']:.1f} tokens/s")
@@ -301,7 +307,8 @@ def render_summary(console: Console, report: dict) -> None:
         why = ("FP8 runs in sparse layers only and none ran sparse" if requested == "fp8"
                else "ran at the model's dtype")
         precision = f"{precision}; {requested} requested, {why}"
-    t.add_row("profile", f"{s['profile']} ({s['attention']}, {precision})")
+    source = f"{Path(s['profile_source']).name}; " if s.get("profile_source") else ""
+    t.add_row("profile", f"{s['profile']} ({source}{s['attention']}, {precision})")
     t.print(console, title="fp ask")
 
 
@@ -551,3 +558,9 @@ def write_heatmap_png(path: str | Path, per_layer_head: Sequence[Sequence[float 
     finally:
         plt.close(fig)
     return path
+
+
+def _profile_file(profile) -> str | None:
+    from fpcli.profiles import Profile, profile_file
+
+    return profile_file(profile) if isinstance(profile, Profile) else None

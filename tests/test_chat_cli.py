@@ -41,6 +41,7 @@ def test_chat_header_counts_what_the_summary_lines_count(runner, fake_engine, do
     first = int(re.search(r"prompt tokens ([\d,]+)", err).group(1).replace(",", ""))
     assert first == header + len("What is the code?".split())  # the fake counts a word a token
     assert "adds the question and the earlier turns" in err
+    assert "1 document; " in err and "document(s)" not in err
 
 
 def test_chat_no_history_sends_the_same_prefix_and_only_the_question(runner, fake_engine, doc):

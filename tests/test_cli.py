@@ -74,7 +74,7 @@ def test_ask_options_reach_the_engine(runner, fake_engine, doc, tmp_path):
 SUMMARY_KEYS = {
     "prompt_tokens", "output_tokens", "ttft_s", "prefill_s", "total_s", "decode_tokens_per_s", "finish_reason",
     "cached_tokens", "wall_s", "engine_start_s", "stages_s",
-    "engine", "model", "profile", "precision", "precision_requested", "attention", "min_sparse_len", "density", "density_per_layer_head",
+    "engine", "model", "profile", "profile_source", "precision", "precision_requested", "attention", "min_sparse_len", "density", "density_per_layer_head",
     "attention_flops_dense", "attention_flops_skipped", "attention_flops_skipped_fraction", "index_ms", "attention_ms",
     "native_context", "context", "rope_scaling", "engine_start_phases", "device",
     "cached_tokens", "server",
@@ -1018,3 +1018,83 @@ def test_profile_asks_the_engine_for_timing_and_ask_does_not(runner, monkeypatch
     r = invoke(runner, ["profile", str(doc), "--no-server", "--png", str(tmp_path / "h.png")])
     assert r.exit_code == 0, r.output
     assert seen == [False, True]
+
+
+def test_profile_fp8_that_did_not_run_says_why_and_how(runner, fake_engine, doc, tmp_path, monkeypatch):
+    """A prompt below the fitted min_sparse_len runs no sparse layer, so no FP8: the line says so
+    and what makes it run (a longer document, or a --context of at most twice the prompt)."""
+    import dataclasses
+
+    from fp_fakes import FakeEngine
+
+    monkeypatch.setenv("FP_FAKE_CONTEXT", "8192")  # bf16's min_sparse_len fitted to it: 4,096
+    monkeypatch.setattr(FakeEngine, "min_sparse_len", 4096)
+    real = FakeEngine.generate
+
+    def generate(self, prompt_ids, *args, **kwargs):  # like the engines: no sparse layer, no FP8
+        r = real(self, list(prompt_ids) * (811 // len(prompt_ids) + 1), *args, **kwargs)
+        return dataclasses.replace(r, precision="fp32", prompt_tokens=811)
+
+    monkeypatch.setattr(FakeEngine, "generate", generate)
+    r = invoke(runner, ["profile", str(doc), "--fp8", "--png", str(tmp_path / "h.png")])
+    assert r.exit_code == 0, r.stderr
+    out = " ".join(r.stdout.split())
+    assert ("FP8-vs-BF16 error per layer: none (no layer ran FP8: fp32 ran): the prompt's 811 tokens are below "
+            "min_sparse_len 4,096, and FP8 runs in the sparse layers only; a document of more than 4,096 tokens "
+            "runs it, or --context 1k (min_sparse_len is at most half the context: any --context up to "
+            "1,622 tokens)") in out
+
+
+def test_ask_context_beyond_the_default_model_is_refused_before_reading(runner, fake_engine, doc, monkeypatch):
+    """Without --model, --context is checked against the engine's default model when its context
+    is known without loading (the embedded model on this CPU: 8,192 native, 65,536 with YaRN),
+    before the documents are read or any engine loads."""
+    import fpcli.ingest
+    from fp_fakes import LAST_FAKE
+
+    def no_reading(*a, **kw):
+        raise AssertionError("documents read before --context was checked")
+
+    monkeypatch.setattr(fpcli.ingest, "ingest", no_reading)
+    from fpcli.engine import default_for
+
+    _, default = default_for("transformers", one_request=True)  # the embedded model here; another on CUDA
+    r = invoke(runner, ["ask", str(doc), "What?", "--context", "1m", "--engine", "transformers"])
+    assert r.exit_code == 2, r.stderr
+    assert f"--context 1m: context 1,048,576 tokens is too long for {default.name}: at most" in r.stderr
+    assert LAST_FAKE == []
+
+
+def test_bench_cpu_library_log_lines_only_with_verbose(runner):
+    """Off a terminal, the operator benchmark's own log lines ("[bench] CPU reference: ...") stay
+    off stderr unless -v, like other libraries' log lines."""
+    args = ["bench", "--cpu", "--len", "1k", "--heads", "2/1", "--head-dim", "64", "--json"]
+    r = invoke(runner, args)
+    assert r.exit_code == 0, r.stderr
+    assert "[bench]" not in r.stderr and json.loads(r.stdout)["rows"]
+    r = invoke(runner, [*args, "-v"])
+    assert r.exit_code == 0, r.stderr
+    assert "operator: [bench] CPU reference: L=1024" in r.stderr
+
+
+def test_ask_summary_names_a_profile_file_with_a_builtin_name(runner, fake_engine, doc, tmp_path):
+    """A user's file named like a built-in (name: bf16) is told apart in the summary's profile row
+    and the report's profile_source; a built-in profile has no file there."""
+    from pathlib import Path
+
+    builtin = Path(__file__).resolve().parent.parent / "fpcli" / "builtin_profiles" / "bf16.yaml"
+    mine = tmp_path / "my.yaml"
+    mine.write_text(builtin.read_text(encoding="utf-8").replace("alpha: 0.05", "alpha: 0.02"), encoding="utf-8")
+    r = invoke(runner, ["ask", str(doc), "What?", "--profile", str(mine), "--no-server"])
+    assert r.exit_code == 0, r.stderr
+    assert re.search(r"profile\s+bf16 \(my\.yaml; flashprefill, ", r.stderr), r.stderr
+    r = invoke(runner, ["ask", str(doc), "What?", "--profile", str(mine), "--no-server", "--json"])
+    assert json.loads(r.stdout)["summary"]["profile_source"] == str(mine)
+    r = invoke(runner, ["ask", str(doc), "What?", "--no-server", "--json"])
+    assert json.loads(r.stdout)["summary"]["profile_source"] is None
+
+
+def test_ask_answer_cut_by_max_new_tokens_says_so(runner, fake_engine, doc):
+    r = invoke(runner, ["ask", str(doc), "What?", "-n", "2"])
+    assert r.exit_code == 0, r.stderr
+    assert re.search(r"answer tokens\s+2 \(length: stopped at --max-new-tokens\)", r.stderr), r.stderr

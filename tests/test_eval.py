@@ -309,6 +309,8 @@ def test_eval_two_seeds_one_engine_per_profile_and_the_spread(runner, fake_engin
         s0, s1 = a["score_by_seed"]["0"], a["score_by_seed"]["1"]
         assert a["seed_spread"] == max(s0, s1) - min(s0, s1)
     assert "seeds 0, 1" in r.stderr
+    err = " ".join(r.stderr.split())
+    assert "2 samples per seed x 2 seeds = 4 per cell" in err and "sample(s)" not in err
 
 
 def test_eval_bad_seed_is_a_usage_error(runner, fake_engine):
@@ -331,7 +333,9 @@ def test_eval_says_when_sparse_profiles_ran_dense_below_min_sparse_len(runner, f
     assert not avg[(8192, "bf16")]["ran_dense"] and avg[(8192, "bf16")]["density"] < 1
     assert not avg[(2048, "dense")]["ran_dense"] and avg[(2048, "dense")]["min_sparse_len"] is None
     err = " ".join(r.stderr.split())
-    assert "at 2k every profile ran dense: prompts below min_sparse_len 4,096; use --len 8k or more" in err
+    # the advice is a length that runs sparse AND fits the context (8k is the whole context)
+    assert ("at 2k every profile ran dense: prompts below min_sparse_len 4,096; "
+            "use --len 5k to 8k (up to the context of 8,192 tokens)") in err
     assert "at 8k" not in err and err.count("ran dense") == 1
     assert "2 samples built" in err  # one per length
 
@@ -342,6 +346,7 @@ def test_eval_one_sample_is_said_in_the_singular(runner, fake_engine, monkeypatc
     assert r.exit_code == 0, r.stderr
     err = " ".join(r.stderr.split())
     assert "1 sample built" in err and "1 samples" not in err
+    assert "1 sample per cell" in err and "sample(s)" not in err
     assert "a prompt of " in err and not re.search(r"(\d[\d,]*)-\1 tokens", err)
 
 
@@ -362,3 +367,114 @@ def test_eval_warns_when_the_engine_generated_no_answer_token(runner, fake_engin
     r = runner.invoke(app, ["eval", "--len", "2k", "--task", "vt", "--samples", "2", "--profiles", "dense", "--json"])
     assert r.exit_code == 0, r.stderr
     assert json.loads(r.stdout)["cells"][0]["empty_answers"] == 0 and "were empty" not in r.stderr
+
+
+def test_dense_note_advises_lengths_that_run_sparse_within_the_context():
+    """The advice of the "ran dense" note: whole-k lengths whose prompts (a little shorter than
+    --len) exceed min_sparse_len, and at most the context; none when no such length exists."""
+    from fpcli.ruler.render import dense_notes
+
+    def report(msl, context):
+        return {"context_length": context,
+                "profiles": [{"name": "bf16", "attention": "flashprefill"}],
+                "averages": [{"length": 2048, "profile": "bf16", "ran_dense": True, "min_sparse_len": msl}]}
+
+    assert dense_notes(report(4096, 8192))[0].endswith("use --len 5k to 8k (up to the context of 8,192 tokens)")
+    assert dense_notes(report(4600, 32768))[0].endswith("use --len 5k to 32k (up to the context of 32,768 tokens)")
+    assert dense_notes(report(4700, 32768))[0].endswith("use --len 6k to 32k (up to the context of 32,768 tokens)")
+    assert dense_notes(report(4096, 5120))[0].endswith("use --len 5k (the context is 5,120 tokens)")
+    assert "no --len up to the context of 8,192 tokens runs sparse" in dense_notes(report(8192, 8192))[0]
+
+
+def test_eval_ctrl_c_keeps_the_finished_cells_and_exits_130(runner, fake_engine, monkeypatch, tmp_path):
+    """Ctrl-C during the second profile: the table shows what finished (marked partial), --json and
+    --report carry it with "interrupted": true and what is missing, and fp exits 130. Up front, one
+    note gives the number of prefills."""
+    from fp_fakes import LAST_FAKE, FakeEngine
+
+    monkeypatch.setenv("FP_FAKE_CONTEXT", "8192")
+    real = FakeEngine.generate
+    calls = []
+
+    def generate(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 6:  # 4 samples per profile: the second profile's second answer
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(FakeEngine, "generate", generate)
+    r = runner.invoke(app, ["eval", "--len", "1k,2k", "--task", "niah_single", "--samples", "2",
+                            "--profiles", "dense,bf16,fp8", "--json", "--report", str(tmp_path / "r.json")])
+    assert r.exit_code == 130, r.stderr
+    data = json.loads(r.stdout)
+    assert json.loads((tmp_path / "r.json").read_text()) == data
+    assert data["interrupted"] is True
+    assert data["missing"] == [{"profile": "bf16", "answered": 1, "samples": 4},
+                               {"profile": "fp8", "answered": 0, "samples": 4}]
+    assert [p["name"] for p in data["profiles"]] == ["dense", "bf16"]
+    cells = {(c["length"], c["profile"]): c for c in data["cells"]}
+    assert set(cells) == {(1024, "dense"), (2048, "dense"), (1024, "bf16")}
+    assert cells[(1024, "dense")]["samples"] == 2 and cells[(1024, "bf16")]["samples"] == 1
+    assert sum(len(s["results"]) for s in data["samples"]) == 5
+    assert all(e.closed for e in LAST_FAKE) and len(LAST_FAKE) == 2  # the engine in use was closed
+    err = " ".join(r.stderr.split())
+    assert "12 prefills: 4 samples x 3 profiles" in err
+    assert "PARTIAL: interrupted" in err
+    assert "interrupted (Ctrl-C), the table is partial: profile bf16 answered 1 of 4 samples" in err
+    assert "fp8 none" in err
+
+
+def test_eval_finished_run_is_not_interrupted(runner, fake_engine, monkeypatch):
+    monkeypatch.setenv("FP_FAKE_CONTEXT", "8192")
+    r = runner.invoke(app, ["eval", "--len", "1k", "--task", "vt", "--samples", "1", "--profiles", "dense", "--json"])
+    assert r.exit_code == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["interrupted"] is False and data["missing"] == []
+    assert "1 prefill: 1 sample x 1 profile" in r.stderr and "PARTIAL" not in r.stderr
+
+
+def test_eval_says_which_ttft_differences_are_noise_with_few_samples(runner, fake_engine, monkeypatch):
+    """Fewer than 5 samples per cell: one line under the table with the run's own TTFT spread
+    (the largest range among one profile's samples at one length); none with 5 or more."""
+    from fp_fakes import FakeEngine
+
+    monkeypatch.setenv("FP_FAKE_CONTEXT", "8192")
+    real = FakeEngine.generate
+    ttfts = iter([0.5, 0.9, 0.6, 0.7, 0.55, 0.62, 0.58, 0.61])
+
+    def generate(self, *args, **kwargs):
+        r = real(self, *args, **kwargs)
+        r.ttft_s = next(ttfts)
+        return r
+
+    monkeypatch.setattr(FakeEngine, "generate", generate)
+    r = runner.invoke(app, ["eval", "--len", "1k", "--task", "niah_single,vt", "--samples", "2",
+                            "--profiles", "dense,bf16", "--json"])
+    assert r.exit_code == 0, r.stderr
+    err = " ".join(r.stderr.split())
+    # dense: 0.5, 0.9, 0.6, 0.7 (range 0.4); bf16: 0.55, 0.62, 0.58, 0.61 (range 0.07)
+    assert ("TTFT: 2 samples per cell; one profile's samples at one length differ by up to 0.400 s: "
+            "smaller TTFT differences between profiles are noise") in err
+    monkeypatch.setattr(FakeEngine, "generate", real)
+    r = runner.invoke(app, ["eval", "--len", "1k", "--task", "vt", "--samples", "5", "--profiles", "dense,bf16"])
+    assert r.exit_code == 0, r.stderr
+    assert "TTFT:" not in r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--report", "/nonexistent-folder/r.json"], "--report /nonexistent-folder/r.json: the folder /nonexistent-folder does not exist"),
+    (["--haystack", "nope.pdf"], "--haystack: nope.pdf"),
+])
+def test_eval_checks_paths_before_the_profiles_and_the_model(runner, fake_engine, monkeypatch, args, message):
+    """A bad --report or --haystack path is found before the profiles are loaded and the model
+    looked up (the slow part, seconds, before any engine loads)."""
+    import fpcli.commands.evaluate as evaluate
+
+    def too_late(*a, **kw):
+        raise AssertionError("the paths are checked after the model")
+
+    monkeypatch.setattr(evaluate, "check_model_or_exit", too_late)
+    monkeypatch.setattr(evaluate, "load_profile_or_exit", too_late)
+    r = runner.invoke(app, ["eval", "--len", "1k", *args])
+    assert r.exit_code == 2, r.stderr
+    assert message in r.stderr

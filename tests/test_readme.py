@@ -53,3 +53,24 @@ def test_readme_exit_codes_list_every_code_fp_uses():
     listed = codes.group(1)
     for code, what in ((0, "success"), (1, "failure"), (2, "bad usage"), (EXIT_NOT_RUNNING, "fp status")):
         assert re.search(rf"(^|[ ,;]){code} [^;,]*{re.escape(what)}", listed), (code, what, listed)
+
+
+def test_documented_cpu_eval_runs_sparse_on_the_embedded_model():
+    """The CPU `fp eval` example of the README and docs/eval.md uses a --len whose prompts exceed
+    the bf16 profile's min_sparse_len fitted to the embedded model's context, and fit it: at --len
+    4k every profile ran dense (a table of dense vs dense)."""
+    from fpcli.commands.bench import parse_lengths
+    from fpcli.models import DEFAULT_MODEL, EMBEDDED
+    from fpcli.profiles import load_profile
+    from fpcli.ruler.render import _longer_than
+
+    context = EMBEDDED[DEFAULT_MODEL].context_length
+    msl = load_profile("bf16").fit_to_context(context).sparse.min_sparse_len
+    for doc in (README, README.parent / "docs" / "eval.md"):
+        lines = [ln for ln in doc.read_text(encoding="utf-8").splitlines()
+                 if ln.startswith("fp eval ") and "# CPU, embedded model" in ln]
+        assert len(lines) == 1, doc
+        m = re.search(r"--len (\S+)", lines[0])
+        for n in parse_lengths(m.group(1)):
+            assert _longer_than(msl) <= n <= context, (doc.name, n, msl, context)
+        assert re.search(r"~\d+ min", lines[0]), "the expected minutes next to the example"

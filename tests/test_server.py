@@ -786,3 +786,25 @@ def test_default_model_context_beside_a_running_sglang_engine_probes_no_cuda(ser
     from fpcli.models import default_model
 
     assert r.stdout.split() == [str(default_model("sglang").context_length), "[]"], r.stdout
+
+
+def test_the_note_beside_a_resident_engine_says_what_differs(tmp_path):
+    """A profile file named like the resident built-in, or another profile at another context:
+    the note names the file, the keys that differ and both contexts, not only the profile's name."""
+    from fpcli.profiles import load_profile, with_context_length
+    from fpcli.server.client import profile_difference
+    from fpcli.server.state import ServerState, profile_hash
+
+    resident = with_context_length(load_profile("bf16"), 8192)
+    state = ServerState(pid=1, address="unix:/x", model="m", model_path="/m", profile="bf16",
+                        profile_hash=profile_hash(resident), engine="transformers", started_at=0.0, version="0",
+                        context=8192, settings_hash=profile_hash(resident, context=False))
+    mine = tmp_path / "my.yaml"
+    builtin = Path(__file__).resolve().parent.parent / "fpcli" / "builtin_profiles" / "bf16.yaml"
+    mine.write_text(builtin.read_text(encoding="utf-8").replace("alpha: 0.05", "alpha: 0.02"), encoding="utf-8")
+    same_name = with_context_length(load_profile(str(mine)), 8192)
+    assert profile_difference(state, same_name) == f"profile bf16 (this command: bf16 from {mine}, other sparse.alpha)"
+    dense = with_context_length(load_profile("dense"), 3072)
+    said = profile_difference(state, dense)
+    assert said.startswith("profile bf16 at context 8,192 tokens (this command: dense at context 3,072 tokens, other ")
+    assert "attention" in said

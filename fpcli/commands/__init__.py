@@ -278,11 +278,14 @@ CONTEXT_HELP = ("Context to run the model at, in tokens (e.g. 32k, 128k, 131072)
                 "context, YaRN beyond it (up to 8x). Default: the profile's engine.context_length, else the model's own.")
 
 
-def context_or_exit(text: str | None, profile, model: str | None):
+def context_or_exit(text: str | None, profile, model: str | None, engine: str | None = None,
+                    one_request: bool = False):
     """``profile`` run at the context ``--context TEXT`` asks for (``128k``, ``131072``; the
     project's length parser), or ``profile`` itself without ``--context``. Exit 2 when ``TEXT``
     is not one length, is out of range, or is beyond what a model whose native context is known
-    before loading (embedded, Hugging Face folder) can be extended to with YaRN."""
+    before loading (embedded, Hugging Face folder) can be extended to with YaRN. Without
+    ``model``, that model is the default one of ``engine`` (``--engine``; ``one_request`` as in
+    ``model_context``) when it is given; else the check waits for the load."""
     if text is None:
         return profile
     from fpcli.commands.bench import parse_lengths
@@ -299,14 +302,13 @@ def context_or_exit(text: str | None, profile, model: str | None):
         profile = with_context_length(profile, values[0])
     except ProfileError as exc:
         fail(f"--context {text}: {exc}", code=2)
-    native = None
-    if model is not None:  # the default model depends on the engine: checked when it loads
-        from fpcli.models import known_context_length
+    from fpcli.models import known_context_length
 
-        native = known_context_length(model)
+    name = model if model is not None else (_default_model_name(engine, one_request) if engine else None)
+    native = known_context_length(name)
     if native:
         try:
-            plan_context({"max_position_embeddings": native}, values[0], model=model)
+            plan_context({"max_position_embeddings": native}, values[0], model=name)
         except ContextError as exc:
             fail(f"--context {text}: {exc}", code=2)
     return profile
@@ -347,6 +349,21 @@ def check_max_new_tokens_or_exit(max_new_tokens: int, model: str | None, profile
             f"{known:,} tokens (use at most a few thousand, e.g. -n 512)",
             code=2,
         )
+
+
+def _default_model_name(engine: str, one_request: bool) -> str | None:
+    """The model a command loads without ``--model`` (see ``model_context``), or ``None`` when
+    that is not known before loading."""
+    try:
+        from fpcli.engine import default_for
+        from fpcli.server.state import running_state
+
+        state = running_state()
+        _, default = default_for(engine, running=state.engine if state else None, one_request=one_request,
+                                 running_device=state.device if state else None)
+        return default.name
+    except Exception:  # noqa: BLE001 - unknown before loading: checked against the loaded engine
+        return None
 
 
 def model_context(model: str | None, engine: str, one_request: bool = False) -> int | None:

@@ -141,7 +141,7 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
         check_output_path_or_exit("--report", report)
     prof = load_profile_or_exit(profile)
     check_model_or_exit(model)
-    prof = context_or_exit(context, prof, model)
+    prof = context_or_exit(context, prof, model, engine.value, one_request=True)
     check_max_new_tokens_or_exit(max_new_tokens, model, prof, engine=engine.value, one_request=True)
 
     from fpcli.doccache import DiskCache, default_config

@@ -60,6 +60,7 @@ def bench(
     profile: Annotated[str, typer.Option("--profile", "-p", help="Profile for --e2e (bf16, fp8, dense, or a path).")] = "bf16",
     cpu: Annotated[bool, typer.Option("--cpu", help="Tiny CPU reference run (short lengths only); NOT representative of GPU speed.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the rows as a JSON object on stdout.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also show other libraries' log lines, warnings and progress bars.")] = False,
 ) -> None:
     """Benchmark the FlashPrefill operator, or with --e2e the TTFT through the engine.
 
@@ -91,7 +92,8 @@ def bench(
         except ModelError as exc:
             fail(str(exc))
         rows = _run_with_progress(
-            err, "TTFT", 2 * len(lengths), lambda progress: run_ttft_bench(lengths, model_path, prof, dense, progress=progress)
+            err, "TTFT", 2 * len(lengths), lambda progress: run_ttft_bench(lengths, model_path, prof, dense, progress=progress),
+            verbose=verbose,
         )
         meta = {"kind": "e2e", "lens": lengths, "model": model_path, "profile": prof.name, "gpu": _gpu_name()}
     else:
@@ -120,6 +122,7 @@ def bench(
             "operator",
             len(lengths),
             lambda progress: run_operator_bench(lengths, hq, hkv, head_dim, torch.bfloat16, progress=progress, **kwargs),
+            verbose=verbose,
         )
         meta = {
             "kind": "operator",
@@ -182,14 +185,24 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
-def _run_with_progress(err, label: str, total: int, fn):
-    """Run ``fn(progress)`` under a rich progress bar. ``progress`` accepts ``()`` (one step done),
-    ``(done, total)`` or ``(message,)``."""
+def _run_with_progress(err, label: str, total: int, fn, verbose: bool = False):
+    """Run ``fn(progress)`` under a rich progress bar, with other libraries' output shown only
+    when ``verbose`` (``fpcli.logs.third_party_output``). ``progress`` accepts ``()`` (one step
+    done), ``(done, total)`` or ``(message,)``: on a terminal a message labels the bar; off it (a
+    log, a pipe) there is no bar, and a message (the library's own log line) is a plain line only
+    when ``verbose``."""
+    from fpcli.logs import third_party_output
+
+    with third_party_output(verbose):
+        return _run_with_bar(err, label, total, fn, verbose)
+
+
+def _run_with_bar(err, label: str, total: int, fn, verbose: bool):
     from fpcli.console import step_progress
 
-    if not err.is_terminal:  # a log or a pipe: plain lines for messages, no redrawn bar
+    if not err.is_terminal:  # a log or a pipe: no redrawn bar; messages with -v only
         def plain(*args, **kwargs) -> None:
-            if args and isinstance(args[0], str):
+            if verbose and args and isinstance(args[0], str):
                 err.print(f"{label}: {args[0]}", highlight=False, markup=False)
 
         try:

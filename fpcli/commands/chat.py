@@ -93,7 +93,7 @@ def _chat(files, model, profile, engine, history, max_new_tokens, temperature, p
         raise typer.Exit(2)
     prof = load_profile_or_exit(profile)
     check_model_or_exit(model)
-    prof = context_or_exit(context, prof, model)
+    prof = context_or_exit(context, prof, model, engine.value)
     check_max_new_tokens_or_exit(max_new_tokens, model, prof)
 
     from fpcli.doccache import DiskCache, default_config, fit_cache_for
@@ -130,7 +130,7 @@ def _chat(files, model, profile, engine, history, max_new_tokens, temperature, p
         render_cuts(err, fitted)
         err.print(
             f"[dim]{eng.name} engine, model {eng.model_name}, profile {prof.name}: {len(fitted.documents)} "
-            f"document(s); system message and documents: {fitted.tokens:,} tokens, to which each prompt adds the "
+            f"document{'s' if len(fitted.documents) != 1 else ''}; system message and documents: {fitted.tokens:,} tokens, to which each prompt adds the "
             f"question{' and the earlier turns' if history else ''} (see 'prompt tokens' after each answer); "
             f"ask one question per line, "
             f"{EXIT_COMMANDS[0]} or end of input to quit[/]",

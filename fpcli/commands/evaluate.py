@@ -82,6 +82,9 @@ def evaluate(
         seeds = []
     if not seeds:
         fail(f"--seed: expected an integer or a comma list of integers (example: 0,1), got {seed!r}", code=2)
+    if report is not None:  # the paths first: checking them needs no model
+        check_output_path_or_exit("--report", report)
+    _check_haystack_paths_or_exit(haystack or [], err)
     names = [p.strip() for p in profiles.split(",") if p.strip()]
     if not names:
         fail("--profiles: no profile given (example: --profiles dense,bf16)", code=2)
@@ -104,11 +107,14 @@ def evaluate(
         _check_lengths(lengths, task_list, min(caps) if caps else None)
     except EvalUsageError as exc:
         fail(str(exc), code=2)
-    if report is not None:
-        check_output_path_or_exit("--report", report)
     stack = _haystack_or_exit(haystack or [], err, quiet)
     if lens_note and not quiet:
         note(err, lens_note)
+    if not quiet:
+        n_built = len(task_list) * len(lengths) * samples * len(seeds)
+        n_runs = n_built * len(profs)
+        note(err, f"{n_runs:,} prefill{'s' if n_runs != 1 else ''}: {n_built:,} sample{'s' if n_built != 1 else ''} x "
+                  f"{len(profs)} profile{'s' if len(profs) != 1 else ''} (Ctrl-C stops and keeps the finished ones)")
 
     # -- the run -----------------------------------------------------------------------------------
     from fpcli.console import step_progress
@@ -162,7 +168,8 @@ def evaluate(
 
     data = eval_report(run, seeds=seeds, samples_per_cell=samples, tasks=[t.name for t in task_list],
                        lengths=lengths, haystack=stack.name,
-                       profile_sources={p.name: str(p.source) if p.source else None for p in profs})
+                       profile_sources={p.name: str(p.source) if p.source else None for p in profs},
+                       profile_names=[p.name for p in profs])
     if json_out:
         from fpcli.report import dumps
 
@@ -170,18 +177,26 @@ def evaluate(
         sys.stdout.flush()
     if report is not None:
         save_report_or_exit(report, data)
+    from fpcli.ruler.render import missing_notes
+
     if not quiet:
         from fpcli.console import print_table
-        from fpcli.ruler.render import dense_notes, empty_notes, eval_table
+        from fpcli.ruler.render import dense_notes, empty_notes, eval_table, ttft_notes
 
-        table = eval_table(data)
-        print_table(table, stderr=True)
+        if data["cells"]:
+            print_table(eval_table(data), stderr=True)
+        for line in ttft_notes(data):
+            note(err, line)
         for line in dense_notes(data):
             note(err, line)
         for line in empty_notes(data):
             warning(err, line)
         if report is not None:
             err.print(f"[dim]report saved to {report}[/]", highlight=False)
+    if run.interrupted:
+        for line in missing_notes(data):
+            warning(err, line)
+        raise typer.Exit(130)
 
 
 class _LoadFailed(RuntimeError):
@@ -202,20 +217,28 @@ def _check_lengths(lengths: list[int], tasks: list, context_length: int | None) 
                                      f"{t.min_length:,} tokens")
 
 
-def _haystack_or_exit(files: list[str], err, quiet: bool):
-    """The generated haystack, or the documents of ``--haystack`` (exit 2 on a bad path, 1 when
-    none is readable)."""
-    from fpcli.ruler.haystack import DocumentHaystack, GeneratedHaystack
-
+def _check_haystack_paths_or_exit(files: list[str], err) -> None:
+    """Exit 2 naming every ``--haystack`` path that is missing or not a readable file."""
     if not files:
-        return GeneratedHaystack()
-    from fpcli.ingest import check_paths, ingest
-    from fpcli.report import render_ingestion
+        return
+    from fpcli.ingest import check_paths
 
     problems = check_paths(files)
     if problems:
         print_bad_paths(err, problems, prefix="--haystack: ")
         raise typer.Exit(2)
+
+
+def _haystack_or_exit(files: list[str], err, quiet: bool):
+    """The generated haystack, or the documents of ``--haystack`` (paths checked before, by
+    ``_check_haystack_paths_or_exit``; exit 1 when none is readable)."""
+    from fpcli.ruler.haystack import DocumentHaystack, GeneratedHaystack
+
+    if not files:
+        return GeneratedHaystack()
+    from fpcli.ingest import ingest
+    from fpcli.report import render_ingestion
+
     docs = ingest(files)
     if not quiet:
         render_ingestion(err, docs)

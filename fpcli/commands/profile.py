@@ -60,7 +60,7 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
              f"(fp profile FILE [QUESTION])", code=2)
     prof = load_profile_or_exit(profile, fp8=fp8)
     check_model_or_exit(model)
-    prof = context_or_exit(context, prof, model)
+    prof = context_or_exit(context, prof, model, engine.value, one_request=True)
     if png is not None:
         check_output_path_or_exit("--png", png)
     from fpcli.doccache import DiskCache, default_config, fit_cache_for
@@ -181,7 +181,25 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
         elif data["precision"] == data["precision_requested"] or "fp8" in str(data["precision"]):
             out.print(f"FP8-vs-BF16 error per layer: unavailable (the {result.engine} engine did not report it)")
         else:
-            out.print(f"FP8-vs-BF16 error per layer: none (no layer ran FP8: {data['precision']} ran)")
+            why = _no_fp8_reason(result.prompt_tokens, None if prof.is_dense else int(prof.sparse.min_sparse_len))
+            out.print(f"FP8-vs-BF16 error per layer: none (no layer ran FP8: {data['precision']} ran){why}",
+                      soft_wrap=True)
+
+
+def _no_fp8_reason(prompt_tokens: int, min_sparse_len: int | None) -> str:
+    """Why no layer ran FP8 when the prompt (tokens) is below the fitted ``min_sparse_len``
+    (tokens; ``None`` for a dense profile: ""), and what makes it run: a longer document, or a
+    ``--context`` of at most twice the prompt (``sparse_threshold`` lowers min_sparse_len to half the
+    context; a document longer than the context is cut to it), e.g. 811 tokens -> --context 1k."""
+    if min_sparse_len is None or prompt_tokens >= min_sparse_len:
+        return ""
+    why = (f": the prompt's {prompt_tokens:,} tokens are below min_sparse_len {min_sparse_len:,}, and FP8 runs "
+           f"in the sparse layers only; a document of more than {min_sparse_len:,} tokens runs it")
+    k = prompt_tokens // 512  # whole k, with half of it at most the prompt
+    if k >= 1:
+        why += (f", or --context {k}k (min_sparse_len is at most half the context: any --context up to "
+                f"{2 * prompt_tokens:,} tokens)")
+    return why
 
 
 def _times_table(index_per_layer, attn_per_layer, index_ms, attention_ms):

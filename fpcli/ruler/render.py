@@ -11,8 +11,9 @@ def eval_table(report: dict) -> Table:
     title is its label: the name, plus what ran when it is not what the profile asked for."""
     profiles = report["profiles"]
     t = Table(
-        title=(f"fp eval: {report['model']} ({report['engine']} engine), {report['samples_per_cell']} sample(s) "
-               f"per cell, {_seeds(report)}, haystack {report['haystack']}"),
+        title=(f"fp eval: {report['model']} ({report['engine']} engine), {_sample_count(report)}, "
+               f"{_seeds(report)}, haystack {report['haystack']}"
+               + (" [b]- PARTIAL: interrupted[/]" if report.get("interrupted") else "")),
         title_justify="left",
     )
     t.add_column("task")
@@ -25,10 +26,11 @@ def eval_table(report: dict) -> Table:
     by_key = {(c["task"], c["length"], c["profile"]): c for c in report["cells"]}
     rows = list(dict.fromkeys((c["task"], c["length"]) for c in report["cells"]))
     for task, length in rows:
-        first = by_key[(task, length, profiles[0]["name"])]
+        first = next(by_key[(task, length, p["name"])] for p in profiles if (task, length, p["name"]) in by_key)
         cols = [task, _len(length), f"{first['prompt_tokens']:,.0f}"]
         for p in profiles:
-            cols += _triple(by_key[(task, length, p["name"])])
+            c = by_key.get((task, length, p["name"]))
+            cols += _triple(c) if c else ["-", "-", "-"]  # an interrupted run: not answered
         t.add_row(*cols)
     if t.rows:
         t.rows[-1].end_section = True  # a rule above the averages
@@ -37,9 +39,20 @@ def eval_table(report: dict) -> Table:
     for length in dict.fromkeys(a["length"] for a in report["averages"]):
         cols = ["[b]all tasks[/]", _len(length), ""]
         for p in profiles:
-            cols += _triple(avg[(length, p["name"])], bold=True, spread=several)
+            a = avg.get((length, p["name"]))
+            cols += _triple(a, bold=True, spread=several) if a else ["-", "-", "-"]
         t.add_row(*cols)
     return t
+
+
+def _sample_count(report: dict) -> str:
+    """The samples a cell averages: ``samples_per_cell`` is per seed, e.g. "2 samples per seed x 2
+    seeds = 4 per cell", or "1 sample per cell" with one seed."""
+    n, seeds = report["samples_per_cell"], len(report.get("seeds", [report["seed"]]))
+    per = f"{n} sample{'s' if n != 1 else ''}"
+    if seeds == 1:
+        return f"{per} per cell"
+    return f"{per} per seed x {seeds} seeds = {n * seeds} per cell"
 
 
 def _seeds(report: dict) -> str:
@@ -63,8 +76,10 @@ def _len(n: int) -> str:
 def dense_notes(report: dict) -> list[str]:
     """One line per length at which a sparse profile ran no sparse layer (an average's
     ``ran_dense``: every prompt below its ``min_sparse_len``), so that a table of identical dense
-    runs says so, e.g. "at 2k every profile ran dense: prompts below min_sparse_len 4,096; use
-    --len 8k or more". Empty when every sparse profile ran sparse."""
+    runs says so, with the lengths that would run sparse: above ``min_sparse_len`` and within the
+    report's ``context_length``, e.g. "at 4k every profile ran dense: prompts below min_sparse_len
+    4,096; use --len 5k to 8k (up to the context of 8,192 tokens)". Empty when every sparse
+    profile ran sparse."""
     sparse = [p["name"] for p in report["profiles"] if p.get("attention") != "dense"]
     by_length: dict[int, list[dict]] = {}
     for a in report["averages"]:
@@ -79,8 +94,70 @@ def dense_notes(report: dict) -> list[str]:
             ", ".join(a["profile"] for a in dense)
         msl = max(a["min_sparse_len"] for a in dense)
         notes.append(f"at {_len(length)} {who} ran dense: prompts below min_sparse_len {msl:,}; "
-                     f"use --len {_len(_longer_than(msl))} or more")
+                     + _sparse_lengths(msl, report.get("context_length")))
     return notes
+
+
+def _sparse_lengths(min_sparse_len: int, context: int | None) -> str:
+    """The advice of ``dense_notes``: the ``--len`` values (whole k) whose prompts exceed
+    ``min_sparse_len`` and fit ``context`` (tokens; ``None``: unknown, no upper bound)."""
+    low = _longer_than(min_sparse_len)
+    if context is None:
+        return f"use --len {_len(low)} or more"
+    high = context // 1024 * 1024 if context >= 1024 else context
+    if low > high:
+        return (f"no --len up to the context of {context:,} tokens runs sparse "
+                "(a profile file with a lower min_sparse_len does)")
+    if low == high:
+        return f"use --len {_len(low)} (the context is {context:,} tokens)"
+    return f"use --len {_len(low)} to {_len(high)} (up to the context of {context:,} tokens)"
+FEW_SAMPLES = 5
+"""Below this many samples per cell (``fp eval``'s default ``--samples``), ``ttft_notes`` says
+which TTFT differences are noise."""
+
+
+def ttft_notes(report: dict) -> list[str]:
+    """One line under the table when its TTFT columns are easy to over-read: fewer than
+    ``FEW_SAMPLES`` samples in a cell, or a length at which every sparse profile ran dense (the
+    columns then time the same dense prefill). The noise is measured from the run itself: the
+    largest TTFT range (max - min) among the samples of one profile at one length (prompts of
+    nearly the same length, so the range is the machine's noise), e.g. "TTFT: 2 samples per cell;
+    one profile's samples at one length differ by up to 0.412 s: smaller differences between
+    profiles are noise". Empty otherwise."""
+    cells = report.get("cells", [])
+    if not cells:
+        return []
+    few = min(c["samples"] for c in cells)
+    if few >= FEW_SAMPLES and not dense_notes(report):
+        return []
+    groups: dict[tuple[int, str], list[float]] = {}
+    for smp in report.get("samples", []):
+        for prof, r in smp["results"].items():
+            groups.setdefault((smp["length"], prof), []).append(r["ttft_s"])
+    ranges = [max(v) - min(v) for v in groups.values() if len(v) > 1]
+    per = f"{few} sample{'s' if few != 1 else ''} per cell"
+    if not ranges:
+        return [f"TTFT: {per}, one per profile and length: its noise is not measured; "
+                f"compare TTFT with --samples {FEW_SAMPLES} or more"]
+    return [f"TTFT: {per}; one profile's samples at one length differ by up to {max(ranges):.3f} s: "
+            "smaller TTFT differences between profiles are noise"]
+
+
+def missing_notes(report: dict) -> list[str]:
+    """For an interrupted report, one line per profile that did not answer every sample (its
+    ``missing`` entries), e.g. "interrupted: profile bf16 answered 3 of 8 samples (its cells
+    average those), fp8 none". Empty for a finished run."""
+    if not report.get("interrupted"):
+        return []
+    parts = []
+    for m in report.get("missing", []):
+        if m["answered"] == 0:
+            parts.append(f"{m['profile']} none")
+        else:
+            parts.append(f"{m['profile']} answered {m['answered']} of {m['samples']} samples (its cells average those)")
+    if not parts:
+        return ["interrupted after the last answer: the table is complete"]
+    return ["interrupted (Ctrl-C), the table is partial: profile " + ", ".join(parts)]
 
 
 def empty_notes(report: dict) -> list[str]:
@@ -97,9 +174,7 @@ def empty_notes(report: dict) -> list[str]:
 
 
 def _longer_than(tokens: int) -> int:
-    """The smallest power-of-two length (tokens, at least 1k) whose prompts exceed ``tokens``:
-    a prompt of --len N holds a little fewer than N tokens, so N = tokens is not enough."""
-    n = 1024
-    while n <= tokens:
-        n *= 2
-    return n
+    """The smallest whole-k length (tokens) whose prompts exceed ``tokens``: a prompt of --len N
+    holds a little fewer than N tokens (short of it by less than one filler sentence, and by the
+    answer budget near the context), so it keeps at least 512 tokens of margin: 4,096 -> 5,120."""
+    return (tokens + 512) // 1024 * 1024 + 1024

@@ -64,6 +64,7 @@ class EvalRun:
     samples: list[Sample]
     profiles: list[ProfileRun]
     context_length: int
+    interrupted: bool = False  # stopped by Ctrl-C: ``profiles`` holds what finished (the last one partly)
 
 
 def run_profiles(
@@ -84,30 +85,37 @@ def run_profiles(
         on_message: progress lines (engine loads).
         on_sample: ``(done, total)`` after each answer, over all profiles.
 
+    Returns:
+        every profile's results; on ``KeyboardInterrupt`` (Ctrl-C) the ones finished so far, with
+        ``interrupted`` set (the engine in use is closed; a profile with no answer is left out).
+
     Raises:
         whatever ``open_engine``, ``build_samples`` or ``Engine.generate`` raise.
     """
     samples: list[Sample] | None = None
     runs: list[ProfileRun] = []
     context = 0
-    for i, prof in enumerate(profiles):
-        on_message(f"profile {prof.name} ({i + 1} of {len(profiles)}): loading its engine "
-                   "(one engine per profile, closed before the next)")
-        eng = open_engine(prof)
-        with eng:
-            if samples is None:
-                caps = [eng.context_length] + [p.engine.context_length for p in profiles if p.engine.context_length]
-                context = min(caps)
-                samples = build_samples(eng, context)
-            run = ProfileRun(prof.name, prof.attention, prof.precision, eng.name, eng.model_name)
-            if not prof.is_dense:
-                run.min_sparse_len = prof.fit_to_context(context).sparse.min_sparse_len
-            for s in samples:
-                run.results[s.id] = eng.generate(s.ids, max_new_tokens=s.max_new_tokens, temperature=0.0)
-                on_sample(i * len(samples) + len(run.results), len(profiles) * len(samples))
-            ran = sorted({r.precision for r in run.results.values()}) or [eng.precision]
-            run.ran_precision = "/".join(ran)
-            runs.append(run)
+    try:
+        for i, prof in enumerate(profiles):
+            on_message(f"profile {prof.name} ({i + 1} of {len(profiles)}): loading its engine "
+                       "(one engine per profile, closed before the next)")
+            eng = open_engine(prof)
+            with eng:
+                if samples is None:
+                    caps = [eng.context_length] + [p.engine.context_length for p in profiles if p.engine.context_length]
+                    context = min(caps)
+                    samples = build_samples(eng, context)
+                run = ProfileRun(prof.name, prof.attention, prof.precision, eng.name, eng.model_name)
+                if not prof.is_dense:
+                    run.min_sparse_len = prof.fit_to_context(context).sparse.min_sparse_len
+                runs.append(run)
+                for s in samples:
+                    run.results[s.id] = eng.generate(s.ids, max_new_tokens=s.max_new_tokens, temperature=0.0)
+                    run.ran_precision = "/".join(sorted({r.precision for r in run.results.values()}))
+                    on_sample(i * len(samples) + len(run.results), len(profiles) * len(samples))
+                run.ran_precision = run.ran_precision or eng.precision
+    except KeyboardInterrupt:
+        return EvalRun(samples or [], [r for r in runs if r.results], context, interrupted=True)
     return EvalRun(samples or [], runs, context)
 
 
@@ -123,8 +131,11 @@ def cells(run: EvalRun) -> list[dict]:
     for s in run.samples:
         groups.setdefault((s.task, s.length), []).append(s)
     out = []
-    for (task, length), group in groups.items():
+    for (task, length), all_group in groups.items():
         for p in run.profiles:
+            group = [s for s in all_group if s.id in p.results]  # all, unless interrupted
+            if not group:
+                continue
             results = [p.results[s.id] for s in group]
             below = p.min_sparse_len is not None and all(s.prompt_tokens < p.min_sparse_len for s in group)
             by_seed: dict[int, list[float]] = {}
@@ -172,7 +183,8 @@ def averages(cell_list: Sequence[dict]) -> list[dict]:
 
 
 def eval_report(run: EvalRun, *, seeds: Sequence[int], samples_per_cell: int, tasks: Sequence[str], lengths: Sequence[int],
-                haystack: str, profile_sources: dict[str, str | None] | None = None) -> dict:
+                haystack: str, profile_sources: dict[str, str | None] | None = None,
+                profile_names: Sequence[str] | None = None) -> dict:
     """The ``fp.eval/1`` JSON object.
 
     Keys: ``schema``, ``model``, ``engine``, ``seed`` (the first seed), ``seeds`` (all of them),
@@ -181,7 +193,9 @@ def eval_report(run: EvalRun, *, seeds: Sequence[int], samples_per_cell: int, ta
     (name, label, attention, requested and ran precision, engine, source), ``cells`` (see
     ``cells``), ``averages`` (see ``averages``) and ``samples``: per sample its id, task, length,
     index, target and prompt tokens, question, expected strings, and per profile name the answer,
-    score (0-1), TTFT (s), density, precision that ran, output tokens and finish reason.
+    score (0-1), TTFT (s), density, precision that ran, output tokens and finish reason;
+    ``interrupted`` (stopped by Ctrl-C: the cells and results hold what finished) and ``missing``
+    (see ``missing``: ``profile_names`` are all the profiles requested; empty unless interrupted).
     """
     cell_list = cells(run)
     sources = profile_sources or {}
@@ -220,9 +234,21 @@ def eval_report(run: EvalRun, *, seeds: Sequence[int], samples_per_cell: int, ta
                         "output_tokens": r.output_tokens,
                         "finish_reason": r.finish_reason,
                     }
-                    for p in run.profiles
+                    for p in run.profiles if s.id in p.results
                 },
             }
             for s in run.samples
         ],
+        "interrupted": run.interrupted,
+        "missing": missing(run, [p for p in profile_names or []]) if run.interrupted else [],
     }
+
+
+def missing(run: EvalRun, profile_names: Sequence[str]) -> list[dict]:
+    """What an interrupted run did not answer: per profile of ``profile_names`` (all requested,
+    in order) with unanswered samples, ``{"profile": name, "answered": n, "samples": total}``
+    (``samples``: the run's built samples; 0 when it was stopped before they were built)."""
+    answered = {p.name: len(p.results) for p in run.profiles}
+    total = len(run.samples)
+    return [{"profile": n, "answered": answered.get(n, 0), "samples": total}
+            for n in profile_names if answered.get(n, 0) < total or total == 0]

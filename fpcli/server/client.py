@@ -222,6 +222,49 @@ class RemoteEngine:
         self.close()
 
 
+def profile_difference(state: ServerState, profile) -> str:
+    """What differs between the resident engine's profile and ``profile`` (a ``Profile`` whose
+    settings differ beyond the context), for the note of ``connect``: both names (with the YAML
+    file of a path profile), both contexts when they differ, and the keys that differ when the
+    resident profile is a built-in one (its settings are known here), e.g. "profile bf16 at
+    context 8,192 tokens (this command: bf16 from my.yaml, other sparse.alpha)"."""
+    from fpcli.profiles import builtin_profiles, load_profile, profile_file, with_context_length
+
+    theirs = f"profile {state.profile}"
+    mine = profile.name + (f" from {profile_file(profile)}" if profile_file(profile) else "")
+    if state.context != profile.engine.context_length:
+        theirs += f" at {context_words(state.context)}"
+        mine += f" at {context_words(profile.engine.context_length)}"
+    keys: list[str] = []
+    if state.profile in builtin_profiles():
+        try:
+            resident = load_profile(state.profile)
+            if state.context is not None:
+                resident = with_context_length(resident, state.context)
+            if profile_hash(resident) == state.profile_hash:  # it is the built-in, unchanged
+                ours, other = _settings(profile), _settings(resident)
+                keys = [k for k in sorted(set(ours) | set(other))
+                        if ours.get(k) != other.get(k) and k != "engine.context_length"]
+        except Exception:  # noqa: BLE001 - the note then names the profiles only
+            keys = []
+    if keys:
+        mine += ", other " + ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+    return f"{theirs} (this command: {mine})"
+
+
+def _settings(profile) -> dict:
+    """A profile's settings as ``{"sparse.alpha": 0.05, ...}`` (no name, description or source)."""
+    flat = {}
+    for key, value in profile.to_dict().items():
+        if key in ("name", "description", "source"):
+            continue
+        if isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    return flat
+
+
 def context_words(tokens: int | None) -> str:
     """``context 2,048 tokens``, or ``the model's own context`` for ``None``."""
     return "the model's own context" if tokens is None else f"context {int(tokens):,} tokens"
@@ -267,7 +310,7 @@ def connect(model: str | None, profile, engine: str = "auto", paths: ServerPaths
             differs.append(f"profile {state.profile} at {context_words(state.context)} "
                            f"(this command: {context_words(profile.engine.context_length)})")
         else:
-            differs.append(f"profile {state.profile}")
+            differs.append(profile_difference(state, profile))
     if engine not in ("auto", state.engine):
         differs.append(f"engine {state.engine}")
     if differs:
