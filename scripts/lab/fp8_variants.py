@@ -8,7 +8,8 @@ FP8 variant (a ``KernelConfig``: the e4m3 kernel's ``AttnConfig`` and the ``Inde
 total (index + pre-pass + attention, as ``host.attention``), its index alone (``host.build_index``),
 its pre-pass alone (``host_fp8.kv_operands`` as ``sparse_attention`` calls it, with the index's
 ``kv_amax``), its attention alone (pre-pass buffers and index built beforehand: the time where an
-FP8 KV cache already exists) and the relative L2 of its output against the BF16 sparse output; the
+FP8 KV cache already exists), the same attention without the mean correction (``noMC ms``; ``MC ms``
+= the correction's share, also for BF16) and the relative L2 of its output against the BF16 sparse output; the
 shipped pre-pass once per length (the ``bf16`` line's "pre ms"). Variants: the
 shipped tiles; ``exp_impl="f16"`` (``ex2.approx.f16x2``); ``exp_impl="poly_half"`` (half the exp2
 on the FMA pipes); ``fold_scale`` (logit scale fused into the exp2 argument's FFMA); the last two
@@ -85,6 +86,8 @@ def run_length(L: int, config: SparseConfig, names: list[str], shape: tuple[int,
     out16 = host.attention(q, kc, vc, pt, sl, cu, config, scale, plan)[0]
     row["bf16_total_ms"] = time_ms(lambda: host.attention(q, kc, vc, pt, sl, cu, config, scale, plan))
     row["bf16_attn_ms"] = time_ms(lambda: host.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, index16))
+    no_mc = dataclasses.replace(config, mean_correction=False)
+    row["bf16_attn_nomc_ms"] = time_ms(lambda: host.sparse_attention(q, kc, vc, pt, sl, cu, no_mc, scale, plan, index16))
     row["bf16_index_ms"] = time_ms(lambda: host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan))
     row["prepass_ms"] = time_ms(lambda: host_fp8.kv_operands(kc, vc, pt, sl, plan))
     row["fp8"] = {}
@@ -96,9 +99,9 @@ def run_length(L: int, config: SparseConfig, names: list[str], shape: tuple[int,
             index8 = host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=kcfg, precision="fp8")
             kv = host_fp8.kv_operands(kc, vc, pt, sl, plan, amax=index8.kv_amax, hw_cvt=kcfg.index.hw_cvt)
 
-            def attn_only():
+            def attn_only(mean_correction=config.mean_correction):
                 return host_fp8.launch_attention_fp8(q, kv, sl, cu, scale, plan, kcfg.attn, sparse=True,
-                                                     mean_correction=config.mean_correction,
+                                                     mean_correction=mean_correction,
                                                      block_size=config.block_size, index=index8)
 
             out8 = host.attention(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=kcfg, precision="fp8")[0]
@@ -108,6 +111,7 @@ def run_length(L: int, config: SparseConfig, names: list[str], shape: tuple[int,
             r["total_ms"] = time_ms(lambda: host.attention(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=kcfg,
                                                            precision="fp8"))
             r["attn_ms"] = time_ms(attn_only)
+            r["attn_nomc_ms"] = time_ms(lambda: attn_only(False))
             r["index_ms"] = time_ms(lambda: host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=kcfg,
                                                              precision="fp8"))
             r["prepass_ms"] = time_ms(lambda: host_fp8.kv_operands(kc, vc, pt, sl, plan, amax=index8.kv_amax,
@@ -125,18 +129,19 @@ def run_length(L: int, config: SparseConfig, names: list[str], shape: tuple[int,
 
 def table(rows: list[dict]) -> str:
     lines = [f"{'L':>7} {'heads/d':>9} {'variant':>26} {'total ms':>9} {'x bf16':>7} {'attn ms':>8} {'x bf16':>7} "
-             f"{'index ms':>8} {'pre ms':>7} {'relL2':>7} {'density':>8}"]
+             f"{'index ms':>8} {'pre ms':>7} {'relL2':>7} {'density':>8} {'noMC ms':>8} {'MC ms':>6}"]
     for row in rows:
         sh = f"{row['heads']}/{row['d']}"
         lines.append(f"{row['L']:>7} {sh:>9} {'bf16':>26} {row['bf16_total_ms']:9.3f} {'':>7} {row['bf16_attn_ms']:8.3f} "
-                     f"{'':>7} {row['bf16_index_ms']:8.3f} {row['prepass_ms']:7.3f} {'':>7} {row['bf16_density']:8.4f}")
+                     f"{'':>7} {row['bf16_index_ms']:8.3f} {row['prepass_ms']:7.3f} {'':>7} {row['bf16_density']:8.4f} "
+                     f"{row['bf16_attn_nomc_ms']:8.3f} {row['bf16_attn_ms'] - row['bf16_attn_nomc_ms']:6.3f}")
         for name, r in row["fp8"].items():
             if "error" in r:
                 lines.append(f"{row['L']:>7} {sh:>9} {name:>26} {r['error']}")
                 continue
             lines.append(f"{row['L']:>7} {sh:>9} {name:>26} {r['total_ms']:9.3f} {r['speedup_total']:7.2f} "
                          f"{r['attn_ms']:8.3f} {r['speedup_attn']:7.2f} {r['index_ms']:8.3f} {r['prepass_ms']:7.3f} "
-                         f"{r['rel_l2_vs_bf16']:7.4f} {r['density']:8.4f}")
+                         f"{r['rel_l2_vs_bf16']:7.4f} {r['density']:8.4f} {r['attn_nomc_ms']:8.3f} {r['attn_ms'] - r['attn_nomc_ms']:6.3f}")
     return "\n".join(lines)
 
 
