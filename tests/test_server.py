@@ -803,8 +803,8 @@ def test_the_note_beside_a_resident_engine_says_what_differs(tmp_path):
     builtin = Path(__file__).resolve().parent.parent / "fpcli" / "builtin_profiles" / "bf16.yaml"
     mine.write_text(builtin.read_text(encoding="utf-8").replace("alpha: 0.05", "alpha: 0.02"), encoding="utf-8")
     same_name = with_context_length(load_profile(str(mine)), 8192)
-    assert profile_difference(state, same_name) == f"profile bf16 (this command: bf16 from {mine}, other sparse.alpha)"
+    assert profile_difference(state, same_name) == f"profile bf16 (this command: bf16 from {mine}, differs in sparse.alpha)"
     dense = with_context_length(load_profile("dense"), 3072)
     said = profile_difference(state, dense)
-    assert said.startswith("profile bf16 at context 8,192 tokens (this command: dense at context 3,072 tokens, other ")
+    assert said.startswith("profile bf16 at context 8,192 tokens (this command: dense at context 3,072 tokens, differs in ")
     assert "attention" in said

@@ -227,7 +227,7 @@ def profile_difference(state: ServerState, profile) -> str:
     settings differ beyond the context), for the note of ``connect``: both names (with the YAML
     file of a path profile), both contexts when they differ, and the keys that differ when the
     resident profile is a built-in one (its settings are known here), e.g. "profile bf16 at
-    context 8,192 tokens (this command: bf16 from my.yaml, other sparse.alpha)"."""
+    context 8,192 tokens (this command: bf16 from my.yaml, differs in sparse.alpha)"."""
     from fpcli.profiles import builtin_profiles, load_profile, profile_file, with_context_length
 
     theirs = f"profile {state.profile}"
@@ -248,7 +248,7 @@ def profile_difference(state: ServerState, profile) -> str:
         except Exception:  # noqa: BLE001 - the note then names the profiles only
             keys = []
     if keys:
-        mine += ", other " + ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+        mine += ", differs in " + ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
     return f"{theirs} (this command: {mine})"
 
 
