@@ -110,8 +110,8 @@ def evaluate(
     stack = _haystack_or_exit(haystack or [], err, quiet)
     if lens_note and not quiet:
         note(err, lens_note)
+    n_built = len(task_list) * len(lengths) * samples * len(seeds)  # samples built; each runs once per profile
     if not quiet:
-        n_built = len(task_list) * len(lengths) * samples * len(seeds)
         n_runs = n_built * len(profs)
         note(err, f"{n_runs:,} prefill{'s' if n_runs != 1 else ''}: {n_built:,} sample{'s' if n_built != 1 else ''} x "
                   f"{len(profs)} profile{'s' if len(profs) != 1 else ''} (Ctrl-C stops and keeps the finished ones)")
@@ -122,9 +122,8 @@ def evaluate(
     from fpcli.ruler.tasks import TaskError, make_samples
 
     bar = step_progress(err, disable=quiet or not err.is_terminal)
-    n_samples = len(task_list) * len(lengths) * samples * len(seeds)
-    building = bar.add_task("building samples", total=n_samples, visible=False)
-    answering = bar.add_task("answering", total=n_samples * len(profs), visible=False)
+    building = bar.add_task("building samples", total=n_built, visible=False)
+    answering = bar.add_task("answering", total=n_built * len(profs), visible=False)
 
     def say(message: str) -> None:
         if not quiet:

@@ -111,6 +111,8 @@ def _sparse_lengths(min_sparse_len: int, context: int | None) -> str:
     if low == high:
         return f"use --len {_len(low)} (the context is {context:,} tokens)"
     return f"use --len {_len(low)} to {_len(high)} (up to the context of {context:,} tokens)"
+
+
 FEW_SAMPLES = 5
 """Below this many samples per cell (``fp eval``'s default ``--samples``), ``ttft_notes`` says
 which TTFT differences are noise."""
