@@ -25,6 +25,7 @@ from fpcli.commands import (
     save_report_or_exit,
 )
 from fpcli.commands.bench import parse_lengths
+from fpcli.ruler.render import FEW_SAMPLES
 
 app = typer.Typer()
 
@@ -47,7 +48,7 @@ def evaluate(
     tasks: Annotated[str, typer.Option("--task", help="Tasks, comma list: niah_single, niah_multikey, niah_multivalue, vt, cwe. Default: all.", show_default=False)] = "",
     lens: Annotated[Optional[str], typer.Option("--len", "-l", help=f"Prompt lengths in tokens of the model's tokenizer: 4k, 32768, or a comma list. Default: those of {DEFAULT_LENS} that fit the model's context.", show_default=False)] = None,
     profiles: Annotated[str, typer.Option("--profiles", "-p", help="Profiles side by side, comma list of names (bf16, fp8, dense) or .yaml paths.")] = DEFAULT_PROFILES,
-    samples: Annotated[int, typer.Option("--samples", "-n", min=1, help="Samples per (task, length); the same samples for every profile.")] = 5,
+    samples: Annotated[int, typer.Option("--samples", "-n", min=1, help="Samples per (task, length); the same samples for every profile.")] = FEW_SAMPLES,
     seed: Annotated[str, typer.Option("--seed", help="Seed of the generated samples (same seed, same samples), or a comma list (0,1): each seed adds its own samples, and the table gives the spread between seeds.")] = "0",
     haystack: Annotated[Optional[list[str]], typer.Option("--haystack", help="Use your own document(s) as the haystack instead of generated text (repeat for several files).", show_default=False)] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP)] = None,
