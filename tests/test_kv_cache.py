@@ -168,3 +168,29 @@ def test_adopted_buffers_take_the_prefill_and_mark_filled_shows_tokens_written_o
         layer.adopt(torch.zeros_like(kbuf), torch.zeros_like(vbuf))
     with pytest.raises(ValueError, match="0 <= n <= capacity"):
         layer.mark_filled(13)
+
+
+def test_reserved_layer_does_not_call_lazy_initialization_with_the_5_0_signature(monkeypatch):
+    """pyproject allows transformers 4.56, whose ``DynamicLayer.lazy_initialization`` takes one
+    argument (two from 5.0): with that method as 4.57.1 defines it, a prefill, a decode step, a
+    crop and ``mark_filled`` still work (before, they raised TypeError on the first update)."""
+    def lazy_initialization_4_57(self, key_states):  # transformers 4.57.1 cache_utils.DynamicLayer
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = torch.tensor([], dtype=self.dtype, device=self.device)
+        self.values = torch.tensor([], dtype=self.dtype, device=self.device)
+        self.is_initialized = True
+
+    monkeypatch.setattr(DynamicLayer, "lazy_initialization", lazy_initialization_4_57)
+    k, v = states(5, seed=6)
+    layer = ReservedLayer(8)
+    layer.update(k, v)
+    k1, v1 = states(1, seed=7)
+    keys, values = layer.update(k1, v1)
+    torch.testing.assert_close(keys, torch.cat([k, k1], dim=-2), rtol=0, atol=0)
+    assert layer.get_seq_length() == 6 and layer.capacity == 8
+    layer.crop(-2)
+    assert layer.get_seq_length() == 4
+    adopted = ReservedLayer(12)
+    adopted.adopt(torch.zeros(1, 2, 12, D), torch.zeros(1, 2, 12, D))
+    adopted.mark_filled(3)
+    assert adopted.get_seq_length() == 3 and adopted.keys.dtype == torch.float32

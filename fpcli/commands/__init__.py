@@ -304,7 +304,8 @@ def context_or_exit(text: str | None, profile, model: str | None, engine: str | 
         fail(f"--context {text}: {exc}", code=2)
     from fpcli.models import known_context_length
 
-    name = model if model is not None else (_default_model_name(engine, one_request) if engine else None)
+    default = _default_model(engine, one_request) if model is None and engine else None
+    name = model if model is not None else (default.name if default is not None else None)
     native = known_context_length(name)
     if native:
         try:
@@ -351,9 +352,11 @@ def check_max_new_tokens_or_exit(max_new_tokens: int, model: str | None, profile
         )
 
 
-def _default_model_name(engine: str, one_request: bool) -> str | None:
-    """The model a command loads without ``--model`` (see ``model_context``), or ``None`` when
-    that is not known before loading."""
+def _default_model(engine: str, one_request: bool):
+    """The model a command of ``engine`` (``--engine``) loads without ``--model``: the default
+    of the engine that will run and its device (``fpcli.engine.default_for``; a resident engine's
+    state file spares the CUDA probe; ``one_request``: the command sends one prompt,
+    ``fpcli.engine.choose_engine``), or ``None`` when that is not known before loading."""
     try:
         from fpcli.engine import default_for
         from fpcli.server.state import running_state
@@ -361,27 +364,23 @@ def _default_model_name(engine: str, one_request: bool) -> str | None:
         state = running_state()
         _, default = default_for(engine, running=state.engine if state else None, one_request=one_request,
                                  running_device=state.device if state else None)
-        return default.name
+        return default
     except Exception:  # noqa: BLE001 - unknown before loading: checked against the loaded engine
         return None
 
 
 def model_context(model: str | None, engine: str, one_request: bool = False) -> int | None:
     """The context ``model`` runs at by default, if known before loading; for ``model=None`` the
-    default model of the engine that will run and its device (``fpcli.engine.default_for``; a
-    resident engine's state file spares the CUDA probe). ``one_request``: the command sends one
-    prompt (``fpcli.engine.choose_engine``)."""
+    default model of the engine that will run and its device (``_default_model``). ``one_request``:
+    the command sends one prompt (``fpcli.engine.choose_engine``)."""
     try:
         from fpcli.models import known_context_length
 
         if model is not None:
             return known_context_length(model)
-        from fpcli.engine import default_for
-        from fpcli.server.state import running_state
-
-        state = running_state()
-        _, default = default_for(engine, running=state.engine if state else None, one_request=one_request,
-                                 running_device=state.device if state else None)
+        default = _default_model(engine, one_request)
+        if default is None:
+            return None
         return default.context_length or known_context_length(default.name)
     except Exception:  # noqa: BLE001 - unknown before loading: checked against the loaded engine
         return None

@@ -25,6 +25,7 @@ from fpcli.commands import (
     save_report_or_exit,
 )
 from fpcli.commands.bench import parse_lengths
+from fpcli.ruler.render import FEW_SAMPLES
 
 app = typer.Typer()
 
@@ -47,7 +48,7 @@ def evaluate(
     tasks: Annotated[str, typer.Option("--task", help="Tasks, comma list: niah_single, niah_multikey, niah_multivalue, vt, cwe. Default: all.", show_default=False)] = "",
     lens: Annotated[Optional[str], typer.Option("--len", "-l", help=f"Prompt lengths in tokens of the model's tokenizer: 4k, 32768, or a comma list. Default: those of {DEFAULT_LENS} that fit the model's context.", show_default=False)] = None,
     profiles: Annotated[str, typer.Option("--profiles", "-p", help="Profiles side by side, comma list of names (bf16, fp8, dense) or .yaml paths.")] = DEFAULT_PROFILES,
-    samples: Annotated[int, typer.Option("--samples", "-n", min=1, help="Samples per (task, length); the same samples for every profile.")] = 5,
+    samples: Annotated[int, typer.Option("--samples", "-n", min=1, help="Samples per (task, length); the same samples for every profile.")] = FEW_SAMPLES,
     seed: Annotated[str, typer.Option("--seed", help="Seed of the generated samples (same seed, same samples), or a comma list (0,1): each seed adds its own samples, and the table gives the spread between seeds.")] = "0",
     haystack: Annotated[Optional[list[str]], typer.Option("--haystack", help="Use your own document(s) as the haystack instead of generated text (repeat for several files).", show_default=False)] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP)] = None,
@@ -110,8 +111,8 @@ def evaluate(
     stack = _haystack_or_exit(haystack or [], err, quiet)
     if lens_note and not quiet:
         note(err, lens_note)
+    n_built = len(task_list) * len(lengths) * samples * len(seeds)  # samples built; each runs once per profile
     if not quiet:
-        n_built = len(task_list) * len(lengths) * samples * len(seeds)
         n_runs = n_built * len(profs)
         note(err, f"{n_runs:,} prefill{'s' if n_runs != 1 else ''}: {n_built:,} sample{'s' if n_built != 1 else ''} x "
                   f"{len(profs)} profile{'s' if len(profs) != 1 else ''} (Ctrl-C stops and keeps the finished ones)")
@@ -122,9 +123,8 @@ def evaluate(
     from fpcli.ruler.tasks import TaskError, make_samples
 
     bar = step_progress(err, disable=quiet or not err.is_terminal)
-    n_samples = len(task_list) * len(lengths) * samples * len(seeds)
-    building = bar.add_task("building samples", total=n_samples, visible=False)
-    answering = bar.add_task("answering", total=n_samples * len(profs), visible=False)
+    building = bar.add_task("building samples", total=n_built, visible=False)
+    answering = bar.add_task("answering", total=n_built * len(profs), visible=False)
 
     def say(message: str) -> None:
         if not quiet:

@@ -37,6 +37,7 @@ class ReservedLayer(DynamicLayer):
 
     def __init__(self, reserve_tokens: int = 0) -> None:
         super().__init__()
+        self.is_initialized = False  # set here too: transformers 4.56 has no such field
         self.reserve_tokens = int(reserve_tokens)
         self._key_buf: torch.Tensor | None = None
         self._value_buf: torch.Tensor | None = None
@@ -51,7 +52,7 @@ class ReservedLayer(DynamicLayer):
         returns the views ``[B, Hkv, n + Lq, d]`` of every cached token. Writes in place unless the
         buffers lack room (or no longer back ``keys``, e.g. after ``reorder_cache``)."""
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+            self._initialize(key_states, value_states)
         n, new = self.get_seq_length(), key_states.shape[-2]
         if not self._backs(key_states, n) or n + new > self.capacity:
             self._reallocate(key_states, value_states, n, n + new)
@@ -92,9 +93,17 @@ class ReservedLayer(DynamicLayer):
         if self._key_buf is None or not 0 <= n <= self.capacity:
             raise ValueError(f"ReservedLayer.mark_filled: expected 0 <= n <= capacity ({self.capacity}), got {n}")
         if not self.is_initialized:
-            self.lazy_initialization(self._key_buf[:, :, :0], self._value_buf[:, :, :0])
+            self._initialize(self._key_buf, self._value_buf)
         self.keys = self._key_buf[:, :, :n]
         self.values = self._value_buf[:, :, :n]
+
+    def _initialize(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """What ``DynamicLayer.lazy_initialization`` does (device, dtype, empty keys/values), here
+        because its signature changed: one argument before transformers 5.0, two from 5.0."""
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states.new_empty(0)
+        self.values = value_states.new_empty(0)
+        self.is_initialized = True
 
     def _backs(self, states: torch.Tensor, n: int) -> bool:
         """Whether the buffers hold the ``n`` cached tokens and take ``states``' batch, heads, dim and dtype."""

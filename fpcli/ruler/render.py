@@ -111,9 +111,11 @@ def _sparse_lengths(min_sparse_len: int, context: int | None) -> str:
     if low == high:
         return f"use --len {_len(low)} (the context is {context:,} tokens)"
     return f"use --len {_len(low)} to {_len(high)} (up to the context of {context:,} tokens)"
+
+
 FEW_SAMPLES = 5
-"""Below this many samples per cell (``fp eval``'s default ``--samples``), ``ttft_notes`` says
-which TTFT differences are noise."""
+"""Below this many samples per cell, ``ttft_notes`` says which TTFT differences are noise; also
+``fp eval``'s default ``--samples`` (which imports it), so a default run gets no such note."""
 
 
 def ttft_notes(report: dict) -> list[str]:

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from fpcli.models import QWEN_CODER
+
 MODELS = Path(os.environ.get("FPDEV_MODELS", "/nonexistent"))
-QWEN = MODELS / "qwen2.5-coder-0.5b-instruct"
+QWEN = MODELS / QWEN_CODER
 SMOL = MODELS / "smollm2-135m-instruct"
 
 
@@ -25,3 +27,10 @@ def require_sglang_and(*models: Path, min_capability: tuple[int, int] | None = N
     for m in models:
         if not (m / "config.json").is_file():
             pytest.skip(f"staged model {m.name} not found under FPDEV_MODELS={MODELS}", allow_module_level=True)
+
+
+def staged(model: Path) -> Path:
+    """``model`` (a folder under ``MODELS``), or skip the calling test when it is not staged."""
+    if not (model / "config.json").is_file():
+        pytest.skip(f"staged model {model.name} not found under FPDEV_MODELS={MODELS}")
+    return model

@@ -14,9 +14,7 @@ Skips without CUDA or the staged models (``$FPDEV_MODELS``). About 60 s warm.
 """
 from __future__ import annotations
 
-import os
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,20 +25,11 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from fpcli.engine import load_engine  # noqa: E402
-from fpcli.models import QWEN_CODER  # noqa: E402
 from fpcli.profiles import load_profile, with_context_length  # noqa: E402
 from fpcli.ttft import needle_prompt  # noqa: E402
+from staged import QWEN, SMOL, staged  # noqa: E402
 
-MODELS = Path(os.environ.get("FPDEV_MODELS", "/nonexistent"))
-QWEN = MODELS / QWEN_CODER
-SMOL = MODELS / "smollm2-135m-instruct"
 STEPS = 12
-
-
-def staged(model: Path) -> Path:
-    if not (model / "config.json").is_file():
-        pytest.skip(f"staged model {model.name} not found under FPDEV_MODELS={MODELS}")
-    return model
 
 
 @torch.inference_mode()
