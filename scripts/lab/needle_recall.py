@@ -154,7 +154,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def run_model(model, ids, runtime, needle_list, chunk: int | None = None, on_layer=None):
     """Prefill ``ids`` with ``runtime`` (None: dense) in one call, or ``chunk`` tokens at a time
     through the model's KV cache (each later chunk's attention gets ``Lq < Lk``), then greedy-decode
-    ``DECODE_TOKENS`` tokens.
+    ``DECODE_TOKENS`` tokens. The KV cache is the transformers engine's (``fpcli.engine.kv_cache.
+    reserved_cache``: reserved for the prompt and the answer, each chunk written in place).
 
     ``on_layer(layer, q [Hq, L, d], k, v [Hkv, L, d], scale)``: called in each layer's attention of a
     one-shot prefill with the live tensors (the isolated diagnosis; nothing is kept).
@@ -197,14 +198,17 @@ def run_model(model, ids, runtime, needle_list, chunk: int | None = None, on_lay
     dev = next(model.parameters()).device
     x = torch.tensor([ids], device=dev)
     out = []
+    # the transformers engine's cache (reserved for the prompt and the answer) under its argument name
+    from fpcli.engine.kv_cache import reserved_cache
+    from fpcli.engine.transformers_engine import cache_argument
+
+    ckw = {cache_argument(model): reserved_cache(n_layers, len(ids) + DECODE_TOKENS + 1)}
     try:
         with torch.inference_mode():
-            past = None
             for s, e in spans(len(ids), chunk):
                 if runtime is not None:
                     runtime.reset()
-                res = model(x[:, s:e], past_key_values=past, use_cache=True, logits_to_keep=1)
-                past = res.past_key_values
+                res = model(x[:, s:e], use_cache=True, logits_to_keep=1, **ckw)
                 if runtime is not None:  # the chunk's sparse layers: selected / visible blocks
                     for row in runtime.summary(n_layers):
                         if row is not None and row.sparse:
@@ -213,8 +217,7 @@ def run_model(model, ids, runtime, needle_list, chunk: int | None = None, on_lay
             nxt = int(res.logits[0, -1].argmax())
             for _ in range(DECODE_TOKENS):
                 out.append(nxt)
-                res = model(torch.tensor([[nxt]], device=dev), past_key_values=past, use_cache=True)
-                past = res.past_key_values
+                res = model(torch.tensor([[nxt]], device=dev), use_cache=True, **ckw)
                 nxt = int(res.logits[0, -1].argmax())
     finally:
         fpt.register_attention()
