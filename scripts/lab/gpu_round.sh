@@ -6,7 +6,8 @@
 # runs them), eval (fp eval at 32K and 128K, $EVAL_PROFILES or dense / bf16 / fp8, two seeds), bench (fp bench), transformers (the
 # transformers engine's GPU tests), variants (scripts/lab/fp8_variants.py), cold (scripts/lab/cold_start.py), ws / probe
 # (scripts/lab/ws_probe.py: its GPU test / its timing), decode (scripts/lab/decode_profile.py at 130K),
-# graph (the CUDA-graph decode's GPU tests, then decode with --cuda-graph). Logs and JSON land in $OUT; a short table is printed last.
+# graph (the CUDA-graph decode's GPU tests, then decode with --cuda-graph), needle (scripts/lab/needle_recall.py: Qwen at
+# 128K, one niah_multikey sample, one-shot vs 16K chunks, configs dense,base). Logs and JSON land in $OUT; a short table is printed last.
 set -u
 OUT=${OUT:-$PWD/out-gpu}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/kernels:$PWD:${PYTHONPATH:-}
@@ -88,6 +89,10 @@ PY
     cold) t python scripts/lab/cold_start.py --configs ${COLD_CONFIGS:-warm,nowarm} --budget ${COLD_BUDGET:-240} > "$OUT/cold.log" 2>&1; tail -30 "$OUT/cold.log" | tee -a "$SUM" ;;
     bench) COLUMNS=400 t fp bench --len ${BENCH_LENS:-8k,32k,128k} ${BENCH_ARGS:-} > "$OUT/bench.txt" 2> "$OUT/bench.err"
       tee -a "$SUM" < "$OUT/bench.txt"; tail -8 "$OUT/bench.err" ;;
+    needle) t timeout -k 5 ${LIM:-290} python scripts/lab/needle_recall.py --device cuda --model qwen2.5-coder-0.5b-instruct \
+        --context 128k --dtype bfloat16 --len ${NEEDLE_LEN:-128k} --index 0 --seed 0 --chunk ${NEEDLE_CHUNK:-16384} \
+        --configs ${NEEDLE_CONFIGS:-dense,base} --json "$OUT/needle.json" > "$OUT/needle.log" 2>&1
+      tail -${NEEDLE_TAIL:-20} "$OUT/needle.log" | tee -a "$SUM" ;;
   esac
 done
 say "done: $*"
