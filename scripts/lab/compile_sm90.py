@@ -142,7 +142,7 @@ def compile_attention_fp8(sass_dir=None, shard=(0, 1), attn=None):
         consts = dict(GROUP=g, HEAD_DIM=d, TILE_ROWS=128, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_SIZE=B,
                       BLOCK_U=t.block_u, SPARSE=mode != "dense", MEAN_CORR=mode == "bits",
                       MAIN_STAGES=t.num_stages, MC_STAGES=t.mc_stages or t.num_stages, EXP=fk.EXP_IMPLS.index(t.exp_impl), FOLD_SCALE=t.fold_scale,
-                      PIPELINE=t.pipeline, MEAN_VEC=t.mean_vec,
+                      PIPELINE=t.pipeline, MEAN_VEC=t.mean_vec, LOOP_GUARD=t.loop_guard,
                       INLINE_ASM=True)
         compile_one(f"attn fp8 d{d} B{B} g{g} {mode}", fk._attn_fwd_fp8, ptrs, consts, floats=("scale_log2",),
                     num_warps=t.num_warps, num_stages=t.num_stages, sass_dir=sass_dir)
