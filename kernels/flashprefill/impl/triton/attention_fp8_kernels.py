@@ -144,6 +144,9 @@ def _fp8_inner(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, lo, hi, P, lk, kv0, tok,
     lk_al = tl.multiple_of((lk + TMA_ALIGN - 1) // TMA_ALIGN * TMA_ALIGN, TMA_ALIGN)
     dims = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
+    # without GUARD ``run`` is a Python bool (the ``if`` resolved at compile time); the loop stays
+    # inline here: moved into a helper function it changed ptxas' register allocation of the shipped
+    # kernel (d 64) through the debug line information alone
     if GUARD:
         run = hi > lo
     else:
