@@ -4,7 +4,9 @@ ptxas and cuobjdump). No device needed.
 
     PYTHONPATH=kernels python scripts/lab/compile_sm90.py [attn|index] [--sass DIR] [--shard K/N]
 
-``fp8`` compiles the FP8 attention kernel only (its SASS line counts ``QGMMA``: e4m3 wgmma).
+``fp8`` compiles the FP8 attention kernel only (its SASS line counts ``QGMMA``: e4m3 wgmma);
+with ``--ptxas`` each line also names ptxas' performance notes (``C7515``: every wgmma of the
+kernel serialized), ``-`` when there are none.
 ``index`` also compiles the FP8 index's block means (with / without the fused amax), the FP8
 selection with ``HW_CVT`` and the pre-pass kernels (``quant_kernels``).
 ``--sass DIR`` also writes each configuration's SASS to ``DIR/<label>.sass``: compare two trees
@@ -51,7 +53,20 @@ def _sig(fn, ptrs: dict, consts: dict, floats=()):
     return {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names}
 
 
-def compile_one(label, fn, ptrs, consts, floats=(), num_warps=4, num_stages=2, sass_dir=None, div16=()):
+def ptxas_codes(ptx: str) -> list[str]:
+    """The ptxas performance notes (``C7515`` etc.: e.g. every wgmma serialized) that Triton's own
+    ptxas call does not show: its bundled ptxas run again with ``-v`` on the PTX (~1 s)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        err = subprocess.run([os.path.join(BIN, "ptxas"), "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.o")],
+                             capture_output=True, text=True).stderr
+    return sorted(set(re.findall(r"\((C7\d\d\d)\)", err)))
+
+
+def compile_one(label, fn, ptrs, consts, floats=(), num_warps=4, num_stages=2, sass_dir=None, div16=(),
+                ptxas=False):
     sig = _sig(fn, ptrs, consts, floats)
     # what a real launch specializes: pointers 16-byte aligned, strides divisible by 16 get
     # tt.divisibility 16 -- without it every load compiles to 2-byte scalars; ``div16``: other
@@ -80,7 +95,8 @@ def compile_one(label, fn, ptrs, consts, floats=(), num_warps=4, num_stages=2, s
     print(f"{label:60s} smem {k.metadata.shared / 1024:6.1f} KiB  regs {regs.group(1) if regs else '?':>3s}  "
           f"local {local.group(1) if local else '?':>4s} B  wgmma {ptx.count('wgmma.mma_async'):3d}  "
           f"e4m3 {ptx.count('e4m3.e4m3'):3d}  "
-          f"sass {hashlib.sha256(sass.encode()).hexdigest()[:16]}", flush=True)
+          f"sass {hashlib.sha256(sass.encode()).hexdigest()[:16]}"
+          + (f"  ptxas {','.join(ptxas_codes(ptx)) or '-'}" if ptxas else ""), flush=True)
     return k
 
 
@@ -124,9 +140,10 @@ def compile_attention(sass_dir=None, shard=(0, 1)):
                     consts, floats=("scale_log2",), num_warps=t.num_warps, num_stages=t.num_stages, sass_dir=sass_dir)
 
 
-def compile_attention_fp8(sass_dir=None, shard=(0, 1), attn=None):
+def compile_attention_fp8(sass_dir=None, shard=(0, 1), attn=None, ptxas=False):
     """``_attn_fwd_fp8`` as ``host_fp8.launch_attention_fp8`` launches it (e4m3 pre-pass buffers).
-    ``attn``: a function ``AttnConfig -> AttnConfig`` applied to each shipped config (a lab variant)."""
+    ``attn``: a function ``AttnConfig -> AttnConfig`` applied to each shipped config (a lab variant).
+    ``ptxas``: also print ptxas' performance notes (``ptxas_codes``)."""
     cases = [(d, B, g, mode) for d in (64, 128, 256) for mode in ("bits", "nomc", "dense") for B, g in ((128, 4),)]
     cases += [(128, 64, 7, "bits")]
     for i, (d, B, g, mode) in enumerate(cases):
@@ -142,10 +159,10 @@ def compile_attention_fp8(sass_dir=None, shard=(0, 1), attn=None):
         consts = dict(GROUP=g, HEAD_DIM=d, TILE_ROWS=128, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_SIZE=B,
                       BLOCK_U=t.block_u, SPARSE=mode != "dense", MEAN_CORR=mode == "bits",
                       MAIN_STAGES=t.num_stages, MC_STAGES=t.mc_stages or t.num_stages, EXP=fk.EXP_IMPLS.index(t.exp_impl), FOLD_SCALE=t.fold_scale,
-                      PIPELINE=t.pipeline, MEAN_VEC=t.mean_vec,
+                      PIPELINE=t.pipeline, MEAN_VEC=t.mean_vec, LOOP_GUARD=t.loop_guard,
                       INLINE_ASM=True)
         compile_one(f"attn fp8 d{d} B{B} g{g} {mode}", fk._attn_fwd_fp8, ptrs, consts, floats=("scale_log2",),
-                    num_warps=t.num_warps, num_stages=t.num_stages, sass_dir=sass_dir)
+                    num_warps=t.num_warps, num_stages=t.num_stages, sass_dir=sass_dir, ptxas=ptxas)
 
 
 def compile_index(sass_dir=None, shard=(0, 1)):
@@ -214,6 +231,8 @@ def main(argv=None) -> None:
     ap.add_argument("--fp8-set", default="", metavar="FIELD=INT,...",
                     help="fp8 only: AttnConfig fields replaced in every configuration (a lab variant), "
                          "e.g. exp_impl=poly_half,num_stages=3")
+    ap.add_argument("--ptxas", action="store_true",
+                    help="fp8 only: also print ptxas' performance notes (C7515: every wgmma serialized)")
     a = ap.parse_args(argv)
     fields = dict(kv.split("=") for kv in a.fp8_set.split(",") if kv)
     bad = set(fields) - {f.name for f in dataclasses.fields(AttnConfig)}
@@ -225,7 +244,7 @@ def main(argv=None) -> None:
     if a.only in ("", "index"):
         compile_index(a.sass, (k, n))
     if a.only in ("", "fp8"):
-        compile_attention_fp8(a.sass, (k, n), lambda t: dataclasses.replace(
+        compile_attention_fp8(a.sass, (k, n), ptxas=a.ptxas, attn=lambda t: dataclasses.replace(
             t, **{f: v if isinstance(getattr(t, f), str) else type(getattr(t, f))(int(v)) for f, v in fields.items()}))
 
 

@@ -19,7 +19,11 @@ together, with 2 and 3 stages; ``pipeline`` (the hand software-pipelined exact-k
 (``fusedidx``: ``IndexConfig.fused_amax`` -- the K / V amax reduced by the block-means kernels, no
 amax launch in the selection or the pre-pass -- and ``IndexConfig.hw_cvt`` -- the selection's Q codes
 and the pre-pass's K / V codes by the hardware cast, no fp32 rounding emulation); ``fusedamax``
-(``fused_amax`` alone); ``pipe_fold_meanvec`` and all of them (``pipe_fold_meanvec_fusedidx``). ``--variants``
+(``fused_amax`` alone); ``pipe_fold_meanvec`` and all of them (``pipe_fold_meanvec_fusedidx``);
+``loop_guard`` (``guard``: the exact-key loops inside an explicit trip-count check, which takes the
+sparse kernel out of ptxas' wgmma serialization, C7515) alone, with ``mean_vec`` (``guard_meanvec``),
+with ``fold_scale`` too (``guard_fold_meanvec``) and with ``fusedidx`` (``guard_fold_meanvec_fusedidx``);
+``pipeline`` already runs its loop under such a check (``loop_guard`` changes nothing there). ``--variants``
 narrows the set (timed in the order given), ``--lens`` the lengths; e.g. ``--lens 128k --variants
 shipped,fold,pipe,pipe_fold`` compiles four attention kernels (<= 100 s with a cold Triton cache).
 Medians of ``triton.testing.do_bench``. Prints a table and writes ``fp8_variants.json`` into ``--out`` (default ``$OUT``, else the current
@@ -63,6 +67,10 @@ def variants(block_size: int, d: int = D) -> dict:
         "fusedamax": a,
         "pipe_fold_meanvec": dataclasses.replace(a, pipeline=True, fold_scale=True, mean_vec=True),
         "pipe_fold_meanvec_fusedidx": dataclasses.replace(a, pipeline=True, fold_scale=True, mean_vec=True),
+        "guard": dataclasses.replace(a, loop_guard=True),
+        "guard_meanvec": dataclasses.replace(a, loop_guard=True, mean_vec=True),
+        "guard_fold_meanvec": dataclasses.replace(a, loop_guard=True, fold_scale=True, mean_vec=True),
+        "guard_fold_meanvec_fusedidx": dataclasses.replace(a, loop_guard=True, fold_scale=True, mean_vec=True),
     }
     index = {"fusedidx": dataclasses.replace(base.index, fused_amax=True, hw_cvt=True),
              "fusedamax": dataclasses.replace(base.index, fused_amax=True)}

@@ -146,6 +146,9 @@ VARIANT_FIELDS = {
     # the mean-correction loop's V-mean tile from request-aligned columns (16-byte copies)
     "meanvec": dict(mean_vec=True),
     "pipe_fold_meanvec": dict(pipeline=True, fold_scale=True, mean_vec=True),
+    # the exact-key loops inside an explicit trip-count check (no ptxas C7515 serialization)
+    "guard": dict(loop_guard=True),
+    "guard_fold_meanvec": dict(loop_guard=True, fold_scale=True, mean_vec=True),
 }
 
 
@@ -263,3 +266,40 @@ def test_fp8_fused_amax_and_mean_vec_equal_the_shipped_path(name):
         o3, l3 = host.sparse_attention(*gpu, SPARSE, scale, plan, i0, kernels=vec, precision="fp8")
         torch.cuda.synchronize()
         assert torch.equal(o2, o3) and torch.equal(l2, l3), (fields, rel(o3, o2))
+
+
+@pytest.mark.parametrize("name", ["kv127_g1_ps16", "kv129_g7_ps64", "kv4095_g8_ps64", "kv4097_prefix_g3_d64",
+                                  "kv4096_g1_d256", "large_logits_g8"])
+def test_fp8_loop_guard_equals_the_shipped_kernel(name):
+    """``AttnConfig.loop_guard`` runs the same steps on the same values (it only skips a loop of zero
+    steps); what changes is ptxas' wgmma scheduling (no C7515: the products are no longer each
+    waited for right after issue), not an operation: output and LSE bit for bit the shipped
+    kernel's, sparse with and without the mean correction and dense, alone and with mean_vec +
+    fold_scale."""
+    from flashprefill.impl.triton import host
+    from flashprefill.impl.triton.tiles import get_config
+
+    gpu = _cuda(_inputs(name))
+    g = gpu[0].shape[1] // gpu[1].shape[2]
+    d = gpu[0].shape[2]
+    scale = d ** -0.5
+    plan = make_plan(gpu[4], gpu[5], g, SPARSE.block_size)
+    base = get_config(d, torch.bfloat16, SPARSE.block_size, precision="fp8")
+    index = host.build_index(*gpu, SPARSE, scale, plan, kernels=base, precision="fp8")
+    no_mc = dataclasses.replace(SPARSE, mean_correction=False)
+    for fields in (dict(), dict(mean_vec=True, fold_scale=True)):
+        plain = dataclasses.replace(base, attn=dataclasses.replace(base.attn, **fields))
+        guarded = dataclasses.replace(base, attn=dataclasses.replace(base.attn, loop_guard=True, **fields))
+        for mode in ("bits", "nomc", "dense"):
+            runs = []
+            for kcfg in (plain, guarded):
+                if mode == "dense":
+                    runs.append(host.dense_attention(*gpu, scale, plan, kernels=kcfg, precision="fp8")[:2])
+                else:
+                    cfg = SPARSE if mode == "bits" else no_mc
+                    runs.append(host.sparse_attention(*gpu, cfg, scale, plan, index, kernels=kcfg,
+                                                      precision="fp8")[:2])
+            torch.cuda.synchronize()
+            (o0, l0), (o1, l1) = runs
+            assert torch.isfinite(o1).all() and not torch.equal(o1, torch.zeros_like(o1)), (fields, mode)
+            assert torch.equal(o0, o1) and torch.equal(l0, l1), (fields, mode, rel(o1, o0))

@@ -130,40 +130,54 @@ def _fp8_step(acc, m_i, l_i, s, vt, scale2, EXP: tl.constexpr, INLINE_ASM: tl.co
 def _fp8_inner(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, lo, hi, P, lk, kv0, tok, scale2, total_k,
                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                SPARSE: tl.constexpr, MASK: tl.constexpr, STAGES: tl.constexpr, EXP: tl.constexpr,
-               INLINE_ASM: tl.constexpr, FOLD: tl.constexpr):
+               INLINE_ASM: tl.constexpr, FOLD: tl.constexpr, GUARD: tl.constexpr):
     """Exact keys of blocks ``col_idx[lo:hi]`` (``SPARSE``) or ``lo..hi-1``; ``MASK`` as in
     ``attention_kernels._attn_inner``. ``k8_h`` / ``v8t_h``: the KV head's slice of the pre-pass
-    buffers; ``kv0``: the request's first token slot (int64)."""
+    buffers; ``kv0``: the request's first token slot (int64).
+
+    ``GUARD`` (``AttnConfig.loop_guard``): the loop runs inside an explicit ``if hi > lo``, the
+    same steps on the same values. Without it, the sparse loop compiles (Triton 3.6, sm_90) with
+    the loop's zero-trip path on an edge block of its own that sets the ``P V`` accumulator
+    registers to the initial values and joins the loop's exit before the ``wgmma`` wait: ptxas
+    reports C7515 and serializes every ``wgmma`` of the kernel (each waited right after issue)."""
     SUBS: tl.constexpr = BLOCK_SIZE // BLOCK_N
     lk_al = tl.multiple_of((lk + TMA_ALIGN - 1) // TMA_ALIGN * TMA_ALIGN, TMA_ALIGN)
     dims = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
-    for e in tl.range(lo, hi, num_stages=STAGES):
-        if SPARSE:
-            j = tl.load(col_idx + e)
-        else:
-            j = e
-        for sub in tl.static_range(SUBS):
-            pos = j * BLOCK_SIZE + sub * BLOCK_N + offs_n
-            slot = kv0 + pos
-            k_ptrs = k8_h + slot[:, None] * HEAD_DIM + dims[None, :]
-            v_ptrs = v8t_h + dims[:, None].to(tl.int64) * total_k + slot[None, :]
-            if MASK == 0:
-                k = tl.load(k_ptrs)
-                vt = tl.load(v_ptrs)
+    # without GUARD ``run`` is a Python bool (the ``if`` resolved at compile time); the loop stays
+    # inline here: moved into a helper function it changed ptxas' register allocation of the shipped
+    # kernel (d 64) through the debug line information alone
+    if GUARD:
+        run = hi > lo
+    else:
+        run = True
+    if run:
+        for e in tl.range(lo, hi, num_stages=STAGES):
+            if SPARSE:
+                j = tl.load(col_idx + e)
             else:
-                p_ok = pos < lk
-                k = tl.load(k_ptrs, mask=p_ok[:, None], other=0.0)
-                # V8^T masked in groups of TMA_ALIGN tokens (16-byte copies): the slots in
-                # [lk, lk_al) are the pre-pass's zero gap, their logits are -inf below
-                vt = tl.load(v_ptrs, mask=(pos < lk_al)[None, :], other=0.0)
-            s = tl.dot(q8, tl.trans(k))
-            if not FOLD:
-                s = s * scale2
-            if MASK == 1:
-                allowed = (pos[None, :] <= P + tok[:, None]) & (pos < lk)[None, :]
-                s = tl.where(allowed, s, float("-inf"))
-            acc, m_i, l_i = _fp8_step(acc, m_i, l_i, s, vt, scale2, EXP, INLINE_ASM, FOLD)
+                j = e
+            for sub in tl.static_range(SUBS):
+                pos = j * BLOCK_SIZE + sub * BLOCK_N + offs_n
+                slot = kv0 + pos
+                k_ptrs = k8_h + slot[:, None] * HEAD_DIM + dims[None, :]
+                v_ptrs = v8t_h + dims[:, None].to(tl.int64) * total_k + slot[None, :]
+                if MASK == 0:
+                    k = tl.load(k_ptrs)
+                    vt = tl.load(v_ptrs)
+                else:
+                    p_ok = pos < lk
+                    k = tl.load(k_ptrs, mask=p_ok[:, None], other=0.0)
+                    # V8^T masked in groups of TMA_ALIGN tokens (16-byte copies): the slots in
+                    # [lk, lk_al) are the pre-pass's zero gap, their logits are -inf below
+                    vt = tl.load(v_ptrs, mask=(pos < lk_al)[None, :], other=0.0)
+                s = tl.dot(q8, tl.trans(k))
+                if not FOLD:
+                    s = s * scale2
+                if MASK == 1:
+                    allowed = (pos[None, :] <= P + tok[:, None]) & (pos < lk)[None, :]
+                    s = tl.where(allowed, s, float("-inf"))
+                acc, m_i, l_i = _fp8_step(acc, m_i, l_i, s, vt, scale2, EXP, INLINE_ASM, FOLD)
     return acc, m_i, l_i
 
 
@@ -306,6 +320,7 @@ def _attn_fwd_fp8(
     FOLD_SCALE: tl.constexpr,
     PIPELINE: tl.constexpr,
     MEAN_VEC: tl.constexpr,
+    LOOP_GUARD: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M == TILE_ROWS)       # the Q scale is the whole tile's
     tl.static_assert(BLOCK_SIZE % BLOCK_N == 0)
@@ -355,9 +370,11 @@ def _attn_fwd_fp8(
                                         INLINE_ASM, FOLD_SCALE)
     else:
         acc, m_i, l_i = _fp8_inner(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, start, split, P, lk, kv0, tok, scale2,
-                                   total_k, HEAD_DIM, BLOCK_N, BLOCK_SIZE, SPARSE, 0, MAIN_STAGES, EXP, INLINE_ASM, FOLD_SCALE)
+                                   total_k, HEAD_DIM, BLOCK_N, BLOCK_SIZE, SPARSE, 0, MAIN_STAGES, EXP, INLINE_ASM, FOLD_SCALE,
+                                   LOOP_GUARD)
         acc, m_i, l_i = _fp8_inner(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, split, end, P, lk, kv0, tok, scale2,
-                                   total_k, HEAD_DIM, BLOCK_N, BLOCK_SIZE, SPARSE, 1, MAIN_STAGES, EXP, INLINE_ASM, FOLD_SCALE)
+                                   total_k, HEAD_DIM, BLOCK_N, BLOCK_SIZE, SPARSE, 1, MAIN_STAGES, EXP, INLINE_ASM, FOLD_SCALE,
+                                   LOOP_GUARD)
     # ---------------------------------------------------------------- mean correction
     if SPARSE and MEAN_CORR:
         n_u = _n_fully_seen(P + t_first + 1, lk, BLOCK_SIZE)

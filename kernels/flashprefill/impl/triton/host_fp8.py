@@ -85,7 +85,8 @@ def launch_attention_fp8(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale:
         BLOCK_N=tiles.block_n, BLOCK_SIZE=block_size, BLOCK_U=tiles.block_u,
         SPARSE=sparse, MEAN_CORR=mc, MAIN_STAGES=tiles.num_stages, MC_STAGES=tiles.mc_stages or tiles.num_stages,
         EXP=fk.EXP_IMPLS.index(tiles.exp_impl), FOLD_SCALE=tiles.fold_scale, PIPELINE=tiles.pipeline,
-        MEAN_VEC=tiles.mean_vec, INLINE_ASM=q.is_cuda,     # CPU tensors: the Triton interpreter (no PTX)
+        MEAN_VEC=tiles.mean_vec, LOOP_GUARD=tiles.loop_guard,
+        INLINE_ASM=q.is_cuda,     # CPU tensors: the Triton interpreter (no PTX)
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out, lse

@@ -48,6 +48,10 @@ class AttnConfig:
             requests, ``quant_kernels.mean_columns``), so the mean-correction loop loads its
             ``[d, block_u]`` tile with 16-byte copies instead of one-byte loads. Ignored by the
             16-bit kernels.
+        loop_guard: FP8 kernel only: each exact-key loop runs inside an explicit ``if hi > lo``
+            (same steps, same output), so ptxas no longer serializes the sparse kernel's
+            ``wgmma`` (warning C7515: the loop's zero-trip path set the accumulator registers
+            between a ``wgmma`` and its wait). Ignored by the 16-bit kernels.
     """
 
     block_m: int
@@ -61,6 +65,7 @@ class AttnConfig:
     fold_scale: bool = False
     pipeline: bool = False
     mean_vec: bool = False
+    loop_guard: bool = False
 
 
 @dataclass(frozen=True)
