@@ -478,3 +478,30 @@ def test_eval_checks_paths_before_the_profiles_and_the_model(runner, fake_engine
     r = runner.invoke(app, ["eval", "--len", "1k", *args])
     assert r.exit_code == 2, r.stderr
     assert message in r.stderr
+
+
+def test_eval_table_marks_an_average_over_fewer_tasks():
+    """An interrupted run: a profile that answered one of two tasks gets an 'all tasks' average
+    over that task only; the row says so instead of ranking it beside the full averages."""
+    from rich.console import Console
+
+    from fpcli.ruler.render import eval_table
+
+    def cell(task, prof, score):
+        return {"task": task, "length": 4096, "profile": prof, "score": score, "ttft_s": 0.5, "density": 0.4,
+                "prompt_tokens": 4000, "score_by_seed": {0: score}}
+
+    def avg(prof, score, tasks):
+        return {"length": 4096, "profile": prof, "score": score, "ttft_s": 0.5, "density": 0.4, "tasks": tasks,
+                "seed_spread": 0.0, "score_by_seed": {0: score}}
+
+    report = {"model": "m", "engine": "transformers", "samples_per_cell": 1, "seed": 0, "seeds": [0],
+              "haystack": "generated", "interrupted": True,
+              "profiles": [{"name": "dense", "label": "dense"}, {"name": "bf16", "label": "bf16"}],
+              "cells": [cell("niah_single", "dense", 100.0), cell("vt", "dense", 50.0), cell("niah_single", "bf16", 100.0)],
+              "averages": [avg("dense", 75.0, 2), avg("bf16", 100.0, 1)]}
+    console = Console(record=True, width=300)
+    console.print(eval_table(report))
+    rows = [line for line in console.export_text().splitlines() if "all tasks" in line]
+    assert len(rows) == 1
+    assert "100.0 (1 of 2 tasks)" in rows[0] and "75.0 (" not in rows[0]

@@ -38,9 +38,10 @@ def eval_table(report: dict) -> Table:
     several = len(report.get("seeds", [report["seed"]])) > 1
     for length in dict.fromkeys(a["length"] for a in report["averages"]):
         cols = ["[b]all tasks[/]", _len(length), ""]
+        tasks = max(a["tasks"] for a in report["averages"] if a["length"] == length)
         for p in profiles:
             a = avg.get((length, p["name"]))
-            cols += _triple(a, bold=True, spread=several) if a else ["-", "-", "-"]
+            cols += _triple(a, bold=True, spread=several, of_tasks=tasks) if a else ["-", "-", "-"]
         t.add_row(*cols)
     return t
 
@@ -62,10 +63,14 @@ def _seeds(report: dict) -> str:
     return f"seeds {', '.join(map(str, seeds))} (score ± half the spread between seeds)"
 
 
-def _triple(c: dict, bold: bool = False, spread: bool = False) -> list[str]:
+def _triple(c: dict, bold: bool = False, spread: bool = False, of_tasks: int | None = None) -> list[str]:
+    """Score, TTFT and density of a cell or an average; an average over fewer tasks than the row's
+    (an interrupted run) says so, e.g. "45.8 (1 of 2 tasks)": it does not compare with the others."""
     score = f"{c['score']:.1f}"
     if spread:
         score += f" ± {c['seed_spread'] / 2:.1f}"
+    if of_tasks is not None and c.get("tasks", of_tasks) < of_tasks:
+        score += f" ({c['tasks']} of {of_tasks} tasks)"
     return [f"[b]{score}[/]" if bold else score, f"{c['ttft_s']:.3f}", f"{100 * c['density']:.1f}%"]
 
 
