@@ -9,7 +9,8 @@ total (index + pre-pass + attention, as ``host.attention``), its index alone (``
 its pre-pass alone (``host_fp8.kv_operands`` as ``sparse_attention`` calls it, with the index's
 ``kv_amax``), its attention alone (pre-pass buffers and index built beforehand: the time where an
 FP8 KV cache already exists), the same attention without the mean correction (``noMC ms``; ``MC ms``
-= the correction's share, also for BF16) and the relative L2 of its output against the BF16 sparse output; the
+= the correction's share, also for BF16), the total with the BF16 index instead of the FP8 one
+(``bf16idx ms``) and the relative L2 of its output against the BF16 sparse output; the
 shipped pre-pass once per length (the ``bf16`` line's "pre ms"). Variants: the
 shipped tiles; ``exp_impl="f16"`` (``ex2.approx.f16x2``); ``exp_impl="poly_half"`` (half the exp2
 on the FMA pipes); ``fold_scale`` (logit scale fused into the exp2 argument's FFMA); the last two
@@ -125,6 +126,7 @@ def run_length(L: int, config: SparseConfig, names: list[str], shape: tuple[int,
             r["prepass_ms"] = time_ms(lambda: host_fp8.kv_operands(kc, vc, pt, sl, plan, amax=index8.kv_amax,
                                                                    hw_cvt=kcfg.index.hw_cvt))
             r["speedup_total"] = row["bf16_total_ms"] / r["total_ms"]
+            r["bf16idx_total_ms"] = _bf16_index_total(q, kc, vc, pt, sl, cu, config, scale, plan, kcfg)
             r["speedup_attn"] = row["bf16_attn_ms"] / r["attn_ms"]
         except Exception as e:  # a variant that does not fit (shared memory) is reported, not fatal
             r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -135,9 +137,22 @@ def run_length(L: int, config: SparseConfig, names: list[str], shape: tuple[int,
     return row
 
 
+def _bf16_index_total(q, kc, vc, pt, sl, cu, config, scale, plan, kcfg) -> float | str:
+    """ms of the BF16 index (16-bit selection, shipped tiles) + this variant's FP8 attention (pre-pass
+    with its own amax launch), or the error: what a BF16 selection would save of the FP8 index's time."""
+    def run():
+        index = host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan)
+        return host.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, index, kernels=kcfg, precision="fp8")
+    try:
+        run()
+        return time_ms(run)
+    except Exception as e:  # reported in the table, not fatal
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
 def table(rows: list[dict]) -> str:
     lines = [f"{'L':>7} {'heads/d':>9} {'variant':>26} {'total ms':>9} {'x bf16':>7} {'attn ms':>8} {'x bf16':>7} "
-             f"{'index ms':>8} {'pre ms':>7} {'relL2':>7} {'density':>8} {'noMC ms':>8} {'MC ms':>6}"]
+             f"{'index ms':>8} {'pre ms':>7} {'relL2':>7} {'density':>8} {'noMC ms':>8} {'MC ms':>6} {'bf16idx ms':>10}"]
     for row in rows:
         sh = f"{row['heads']}/{row['d']}"
         lines.append(f"{row['L']:>7} {sh:>9} {'bf16':>26} {row['bf16_total_ms']:9.3f} {'':>7} {row['bf16_attn_ms']:8.3f} "
@@ -149,8 +164,13 @@ def table(rows: list[dict]) -> str:
                 continue
             lines.append(f"{row['L']:>7} {sh:>9} {name:>26} {r['total_ms']:9.3f} {r['speedup_total']:7.2f} "
                          f"{r['attn_ms']:8.3f} {r['speedup_attn']:7.2f} {r['index_ms']:8.3f} {r['prepass_ms']:7.3f} "
-                         f"{r['rel_l2_vs_bf16']:7.4f} {r['density']:8.4f} {r['attn_nomc_ms']:8.3f} {r['attn_ms'] - r['attn_nomc_ms']:6.3f}")
+                         f"{r['rel_l2_vs_bf16']:7.4f} {r['density']:8.4f} {r['attn_nomc_ms']:8.3f} {r['attn_ms'] - r['attn_nomc_ms']:6.3f} "
+                         f"{_ms(r.get('bf16idx_total_ms')):>10}")
     return "\n".join(lines)
+
+
+def _ms(x) -> str:
+    return f"{x:.3f}" if isinstance(x, float) else "err" if x else "-"
 
 
 def main(argv=None) -> int:

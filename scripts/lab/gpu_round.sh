@@ -7,7 +7,8 @@
 # transformers engine's GPU tests), variants (scripts/lab/fp8_variants.py), cold (scripts/lab/cold_start.py), ws / probe
 # (scripts/lab/ws_probe.py: its GPU test / its timing), decode (scripts/lab/decode_profile.py at 130K),
 # graph (the CUDA-graph decode's GPU tests, then decode with --cuda-graph), needle (scripts/lab/needle_recall.py: Qwen at
-# 128K, one niah_multikey sample, one-shot vs 16K chunks, configs dense,base). Logs and JSON land in $OUT; a short table is printed last.
+# 128K, one niah_multikey sample, one-shot vs 16K chunks, configs dense,base). EVAL_ARGS: more fp eval options
+# (one word each, e.g. --engine=transformers); LIM: a test part's time limit. Logs and JSON land in $OUT; a short table is printed last.
 set -u
 OUT=${OUT:-$PWD/out-gpu}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/kernels:$PWD:${PYTHONPATH:-}
@@ -33,8 +34,8 @@ pyt() { local name=$1 lim=$2; shift 2
   grep -E '^(FAILED|ERROR)' "$OUT/$name.log" | head -12 | tee -a "$SUM"; }
 for part in "$@"; do
   case $part in
-    kernels)  pyt kernels 330 tests/gpu/test_kernels.py tests/gpu/test_stats_cuda.py tests/gpu/test_fp8_quant.py ;;
-    fp8)      pyt fp8 300 tests/gpu/test_fp8.py tests/gpu/test_fp8_quant.py ;;
+    kernels)  pyt kernels ${LIM:-330} tests/gpu/test_kernels.py tests/gpu/test_stats_cuda.py tests/gpu/test_fp8_quant.py ;;
+    fp8)      pyt fp8 ${LIM:-300} tests/gpu/test_fp8.py tests/gpu/test_fp8_quant.py ;;
     ws)       pyt ws ${LIM:-240} tests/gpu/test_ws_probe.py ;;
     probe)    t python scripts/lab/ws_probe.py time --lens ${PROBE_LENS:-32k,128k} --out "$OUT" > "$OUT/probe.log" 2>&1
               tail -${PROBE_TAIL:-20} "$OUT/probe.log" | tee -a "$SUM" ;;
@@ -84,7 +85,7 @@ PY
       ;;
     eval)
       t fp eval --len ${EVAL_LENS:-32k,128k} --task ${EVAL_TASKS:-niah_single,niah_multikey,vt} --samples ${EVAL_N:-2} \
-        --seed ${EVAL_SEEDS:-0,1} --profiles ${EVAL_PROFILES:-dense,bf16,fp8} --no-server --json --report "$OUT/eval.json" \
+        --seed ${EVAL_SEEDS:-0,1} --profiles ${EVAL_PROFILES:-dense,bf16,fp8} ${EVAL_ARGS:-} --no-server --json --report "$OUT/eval.json" \
         > /dev/null 2> "$OUT/eval.err"; tail -25 "$OUT/eval.err" | tee -a "$SUM" ;;
     cold) t python scripts/lab/cold_start.py --configs ${COLD_CONFIGS:-warm,nowarm} --budget ${COLD_BUDGET:-240} > "$OUT/cold.log" 2>&1; tail -30 "$OUT/cold.log" | tee -a "$SUM" ;;
     bench) COLUMNS=400 t fp bench --len ${BENCH_LENS:-8k,32k,128k} ${BENCH_ARGS:-} > "$OUT/bench.txt" 2> "$OUT/bench.err"
