@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any, Sequence
@@ -249,7 +250,18 @@ def dumps(report: dict) -> str:
 
 
 def save_report(path: str | Path, report: dict) -> None:
-    Path(path).write_text(dumps(report) + "\n", encoding="utf-8")
+    """Write ``report`` as JSON to ``path``, atomically: a temporary file in the same directory
+    renamed over ``path``, so the file is either the whole report or left as it was (never half
+    written), even when Ctrl-C or a full disk stops the write. Raises ``OSError`` (the temporary
+    file is removed)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(dumps(report) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 # -- terminal rendering ---------------------------------------------------------------------------

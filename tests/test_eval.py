@@ -424,6 +424,64 @@ def test_eval_ctrl_c_keeps_the_finished_cells_and_exits_130(runner, fake_engine,
     assert "fp8 none" in err
 
 
+@pytest.mark.parametrize("step", ["engine_close", "report_write", "table"])
+def test_eval_second_ctrl_c_during_the_cleanup_stops_quietly(runner, fake_engine, monkeypatch, tmp_path, step):
+    """A second Ctrl-C while the first is handled (the engine closing, --report being written, the
+    partial table printing): no traceback, exit 130, and the report whole or absent, never half
+    written (a KeyboardInterrupt in the middle of the write leaves no file and no temporary file).
+    Caught after the run, it ends fp with one line, the last one."""
+    import pathlib
+
+    import fpcli.console
+    from fp_fakes import FakeEngine
+
+    monkeypatch.setenv("FP_FAKE_CONTEXT", "8192")
+    real_generate, calls = FakeEngine.generate, []
+
+    def generate(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the first Ctrl-C: the second answer of 2
+            raise KeyboardInterrupt
+        return real_generate(self, *args, **kwargs)
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    real_write_text = pathlib.Path.write_text
+
+    def half_write(self, text, *args, **kwargs):  # the second Ctrl-C halfway through writing the report
+        if "r.json" not in self.name:
+            return real_write_text(self, text, *args, **kwargs)
+        real_write_text(self, text[:len(text) // 2], *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(FakeEngine, "generate", generate)
+    if step == "engine_close":
+        monkeypatch.setattr(FakeEngine, "close", interrupt)
+    elif step == "report_write":
+        monkeypatch.setattr(pathlib.Path, "write_text", half_write)
+    else:
+        monkeypatch.setattr(fpcli.console, "print_table", interrupt)
+    out = tmp_path / "r.json"
+    r = runner.invoke(app, ["eval", "--len", "1k", "--task", "niah_single", "--samples", "2", "--profiles", "dense",
+                            "--report", str(out)])
+    assert r.exit_code == 130, (r.exception, r.stderr)
+    assert isinstance(r.exception, SystemExit), r.exception
+    assert "Traceback" not in r.stdout + r.stderr
+    assert [p.name for p in tmp_path.iterdir()] in ([], ["r.json"])  # no temporary file left
+    if out.exists():
+        assert json.loads(out.read_text())["interrupted"] is True
+    lines = r.stderr.strip().splitlines()
+    if step == "engine_close":  # inside the run: it ends as the first one did, the report written
+        assert out.exists() and "interrupted again" not in r.stderr
+        assert "PARTIAL: interrupted" in " ".join(r.stderr.split())
+    else:
+        assert lines[-1] == "fp: error: interrupted again; stopping", lines[-3:]
+        assert r.stderr.count("interrupted again") == 1
+    if step == "report_write":
+        assert not out.exists()
+
+
 def test_eval_finished_run_is_not_interrupted(runner, fake_engine, monkeypatch):
     monkeypatch.setenv("FP_FAKE_CONTEXT", "8192")
     r = runner.invoke(app, ["eval", "--len", "1k", "--task", "vt", "--samples", "1", "--profiles", "dense", "--json"])

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Iterator, Optional
 
 import typer
 from rich.markup import escape
@@ -166,37 +167,53 @@ def evaluate(
     except Exception as exc:  # noqa: BLE001
         fail(f"evaluation failed: {_one_line(exc)}")
 
-    data = eval_report(run, seeds=seeds, samples_per_cell=samples, tasks=[t.name for t in task_list],
-                       lengths=lengths, haystack=stack.name,
-                       profile_sources={p.name: str(p.source) if p.source else None for p in profs},
-                       profile_names=[p.name for p in profs])
-    if json_out:
-        from fpcli.report import dumps
+    # after a Ctrl-C, a second one (while the partial results are shown and saved) stops quietly
+    with _second_interrupt_stops(run.interrupted):
+        data = eval_report(run, seeds=seeds, samples_per_cell=samples, tasks=[t.name for t in task_list],
+                           lengths=lengths, haystack=stack.name,
+                           profile_sources={p.name: str(p.source) if p.source else None for p in profs},
+                           profile_names=[p.name for p in profs])
+        if json_out:
+            from fpcli.report import dumps
 
-        sys.stdout.write(dumps(data) + "\n")
-        sys.stdout.flush()
-    if report is not None:
-        save_report_or_exit(report, data)
-    from fpcli.ruler.render import missing_notes
-
-    if not quiet:
-        from fpcli.console import print_table
-        from fpcli.ruler.render import dense_notes, empty_notes, eval_table, ttft_notes
-
-        if data["cells"]:
-            print_table(eval_table(data), stderr=True)
-        for line in ttft_notes(data):
-            note(err, line)
-        for line in dense_notes(data):
-            note(err, line)
-        for line in empty_notes(data):
-            warning(err, line)
+            sys.stdout.write(dumps(data) + "\n")
+            sys.stdout.flush()
         if report is not None:
-            err.print(f"[dim]report saved to {report}[/]", highlight=False)
-    if run.interrupted:
-        for line in missing_notes(data):
-            warning(err, line)
-        raise typer.Exit(130)
+            save_report_or_exit(report, data)
+        from fpcli.ruler.render import missing_notes
+
+        if not quiet:
+            from fpcli.console import print_table
+            from fpcli.ruler.render import dense_notes, empty_notes, eval_table, ttft_notes
+
+            if data["cells"]:
+                print_table(eval_table(data), stderr=True)
+            for line in ttft_notes(data):
+                note(err, line)
+            for line in dense_notes(data):
+                note(err, line)
+            for line in empty_notes(data):
+                warning(err, line)
+            if report is not None:
+                err.print(f"[dim]report saved to {report}[/]", highlight=False)
+        if run.interrupted:
+            for line in missing_notes(data):
+                warning(err, line)
+            raise typer.Exit(130)
+
+
+@contextmanager
+def _second_interrupt_stops(interrupted: bool) -> Iterator[None]:
+    """Around what follows an interrupted run (the partial table, --json, --report): another Ctrl-C
+    there ends fp with one line, ``fp: error: interrupted again; stopping``, and exit 130 instead
+    of a traceback (the report is either whole or not written: ``save_report`` renames a complete
+    temporary file). A run that was not interrupted lets Ctrl-C through to fp's own handler."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if not interrupted:
+            raise
+        fail("interrupted again; stopping", code=130)
 
 
 class _LoadFailed(RuntimeError):
