@@ -2,7 +2,8 @@
 
 ``TRITON_INTERPRET=1`` must be set before Triton is imported, so each module runs its cases in a
 child process (the module itself with ``--worker``) that prints one JSON object per case; the
-module's ``results`` fixture (``interpreter_results``) collects them by ``"case"``.
+module's ``results`` fixture (``interpreter_results``) collects them by ``"case"``. The FP8 kernel
+modules build each case's operands with ``fp8_case``.
 """
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import pytest
 
@@ -54,3 +56,62 @@ def interpreter_results(script: str | os.PathLike, timeout_s: float = 900) -> di
     if not out:
         pytest.fail(f"interpreter worker produced no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
     return out
+
+
+@dataclass(frozen=True)
+class Fp8Case:
+    """The operands of one FP8 kernel case (``fp8_case``), on the CPU.
+
+    Attributes:
+        q, k, v: fp16 ``[tokens, Hq | Hkv | Hkv, d]`` (``fp_brute.make_inputs``, structured; K and V
+            paged by ``pt``).
+        pt, sl, cu: the page table, KV lengths and query offsets of ``make_inputs``.
+        cfg: ``SparseConfig(block_size=B, sink_tokens=B, window_tokens=B, dense_tail_tokens=1,
+            alpha=0.3)``; ``scale``: ``d ** -0.5``; ``plan``: ``make_plan(sl, cu, Hq // Hkv, B)``.
+        kernels: ``tiles.get_config(d, float16, B, precision="fp8")``; ``attn``: its ``.attn``.
+        index: the CPU reference ``BlockIndex`` (``reference.build_index``) and ``kv``: the FP8
+            pre-pass operands (``host_fp8.kv_operands``), or both ``None`` (``with_index=False``).
+    """
+
+    q: Any
+    k: Any
+    v: Any
+    pt: Any
+    sl: Any
+    cu: Any
+    cfg: Any
+    scale: float
+    plan: Any
+    kernels: Any
+    attn: Any
+    index: Any = None
+    kv: Any = None
+
+
+def fp8_case(q_lens: list[int], kv_lens: list[int], hq: int, hkv: int, d: int, page_size: int, block_size: int,
+             *, seed: int, v_factor: float = 1.0, with_index: bool = True) -> Fp8Case:
+    """Worker side: the shared setup of the FP8 kernel cases: ``make_inputs`` (float32, ``seed``,
+    structured) cast to fp16 (V times ``v_factor`` first), the sparse config, the plan, the fp8
+    tiles and, with ``with_index``, the reference index and the FP8 K / V operands. Imports torch
+    and ``flashprefill`` (call it in the ``TRITON_INTERPRET=1`` worker only)."""
+    import torch
+
+    from fp_brute import make_inputs
+    from flashprefill import SparseConfig, make_plan
+    from flashprefill.impl import reference as R
+    from flashprefill.impl.triton import host_fp8
+    from flashprefill.impl.triton.tiles import get_config
+
+    B = block_size
+    q, k, v, pt, sl, cu = make_inputs(q_lens, kv_lens, hq, hkv, d, page_size, dtype=torch.float32, seed=seed,
+                                      structured=True)
+    q, k, v = q.half(), k.half(), (v_factor * v).half()
+    cfg = SparseConfig(block_size=B, sink_tokens=B, window_tokens=B, dense_tail_tokens=1, alpha=0.3)
+    scale = d ** -0.5
+    plan = make_plan(sl, cu, hq // hkv, B)
+    kernels = get_config(d, torch.float16, B, precision="fp8")
+    index = kv = None
+    if with_index:
+        index = R.build_index(q, k, v, pt, sl, cu, cfg, scale, plan)
+        kv = host_fp8.kv_operands(k, v, pt, sl, plan)
+    return Fp8Case(q, k, v, pt, sl, cu, cfg, scale, plan, kernels, kernels.attn, index, kv)

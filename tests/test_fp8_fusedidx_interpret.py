@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from interpret_harness import interpreter_results, run_cases
+from interpret_harness import fp8_case, interpreter_results, run_cases
 
 import pytest
 
@@ -28,21 +28,15 @@ def _run_case(name):
 
     import torch
 
-    from fp_brute import make_inputs
-    from flashprefill import SparseConfig, make_plan, quant
+    from flashprefill import quant
     from flashprefill.impl.triton import host
     from flashprefill.impl.triton import host_fp8
     from flashprefill.impl.triton import quant_kernels as QK
-    from flashprefill.impl.triton.tiles import get_config
 
-    q_lens, kv_lens, hq, hkv, d, ps, B = CASES[name]
-    q, k, v, pt, sl, cu = make_inputs(q_lens, kv_lens, hq, hkv, d, ps, dtype=torch.float32, seed=11,
-                                      structured=True)
-    q, k, v = q.half(), k.half(), (3.0 * v).half()          # V's amax well above K's
-    cfg = SparseConfig(block_size=B, sink_tokens=B, window_tokens=B, dense_tail_tokens=1, alpha=0.3)
-    scale = d ** -0.5
-    plan = make_plan(sl, cu, hq // hkv, B)
-    base = get_config(d, torch.float16, B, precision="fp8")
+    hkv = CASES[name][3]
+    c = fp8_case(*CASES[name], seed=11, v_factor=3.0, with_index=False)  # V's amax well above K's
+    q, k, v, pt, sl, cu, cfg, scale, plan = c.q, c.k, c.v, c.pt, c.sl, c.cu, c.cfg, c.scale, c.plan
+    base = c.kernels
     fused = dataclasses.replace(base, index=dataclasses.replace(base.index, fused_amax=True))
     i0 = host.build_index(q, k, v, pt, sl, cu, cfg, scale, plan, kernels=base, precision="fp8")
     i1 = host.build_index(q, k, v, pt, sl, cu, cfg, scale, plan, kernels=fused, precision="fp8")

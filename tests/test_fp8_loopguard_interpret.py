@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from interpret_harness import interpreter_results, run_cases
+from interpret_harness import fp8_case, interpreter_results, run_cases
 
 import pytest
 
@@ -36,32 +36,22 @@ def _run_case(name):
 
     import torch
 
-    from fp_brute import make_inputs
-    from flashprefill import SparseConfig, make_plan
-    from flashprefill.impl import reference as R
     from flashprefill.impl.triton import host_fp8
-    from flashprefill.impl.triton.tiles import get_config
 
     q_lens, kv_lens, hq, hkv, d, ps, B = CASES[name]
-    q, k, v, pt, sl, cu = make_inputs(q_lens, kv_lens, hq, hkv, d, ps, dtype=torch.float32, seed=11,
-                                      structured=True)
-    q, k, v = q.half(), k.half(), v.half()
-    cfg = SparseConfig(block_size=B, sink_tokens=B, window_tokens=B, dense_tail_tokens=1, alpha=0.3)
-    scale = d ** -0.5
-    plan = make_plan(sl, cu, hq // hkv, B)
-    index = R.build_index(q, k, v, pt, sl, cu, cfg, scale, plan)
-    kv = host_fp8.kv_operands(k, v, pt, sl, plan)
+    c = fp8_case(*CASES[name], seed=11)
+    index = c.index
     # a request with Lq == Lk < B: its programs see no full block, the first exact-key loop is empty
     res = {"case": name, "pruned": int(index.nnz) < int(index.n_visible.sum()),
            "empty_first_loop": any(lq == lk < B for lq, lk in zip(q_lens, kv_lens))}
-    base = get_config(d, torch.float16, B, precision="fp8").attn
     runs = {}
 
     def launch(mode, fields):
         key = (mode, tuple(sorted(fields.items())))
         if key not in runs:
             sparse, mc = MODES[mode]
-            runs[key] = host_fp8.launch_attention_fp8(q, kv, sl, cu, scale, plan, dataclasses.replace(base, **fields),
+            runs[key] = host_fp8.launch_attention_fp8(c.q, c.kv, c.sl, c.cu, c.scale, c.plan,
+                                                      dataclasses.replace(c.attn, **fields),
                                                       sparse=sparse, mean_correction=mc, block_size=B, index=index)
         return runs[key]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from interpret_harness import interpreter_results, run_cases
+from interpret_harness import fp8_case, interpreter_results, run_cases
 
 import pytest
 
@@ -32,22 +32,12 @@ def _run_case(name):
 
     import torch
 
-    from fp_brute import make_inputs
-    from flashprefill import SparseConfig, make_plan
-    from flashprefill.impl import reference as R
     from flashprefill.impl.triton import host_fp8
     from flashprefill.impl.triton import quant_kernels as QK
-    from flashprefill.impl.triton.tiles import get_config
 
-    q_lens, kv_lens, hq, hkv, d, ps, B = CASES[name]
-    q, k, v, pt, sl, cu = make_inputs(q_lens, kv_lens, hq, hkv, d, ps, dtype=torch.float32, seed=7,
-                                      structured=True)
-    q, k, v = q.half(), k.half(), v.half()
-    cfg = SparseConfig(block_size=B, sink_tokens=B, window_tokens=B, dense_tail_tokens=1, alpha=0.3)
-    scale = d ** -0.5
-    plan = make_plan(sl, cu, hq // hkv, B)
-    index = R.build_index(q, k, v, pt, sl, cu, cfg, scale, plan)
-    kv = host_fp8.kv_operands(k, v, pt, sl, plan)
+    B = CASES[name][-1]
+    c = fp8_case(*CASES[name], seed=7)
+    index, kv, plan = c.index, c.kv, c.plan
     res = {"case": name, "pruned": int(index.nnz) < int(index.n_visible.sum())}
     # the layout
     k8a, v8a, cu_a = QK.quantize_means(index.k_mean, index.v_mean, kv, plan, aligned=True)
@@ -66,11 +56,12 @@ def _run_case(name):
     res["gaps_zero"] = bool((v8a.view(torch.uint8)[:, :, gap] == 0).all())
     res["gap_count"] = int(gap.sum())
     # the kernel
-    base = get_config(d, torch.float16, B, precision="fp8").attn
     for pname, (fields, other) in PAIRS.items():
-        o1, l1 = host_fp8.launch_attention_fp8(q, kv, sl, cu, scale, plan, dataclasses.replace(base, **fields),
+        o1, l1 = host_fp8.launch_attention_fp8(c.q, kv, c.sl, c.cu, c.scale, plan,
+                                               dataclasses.replace(c.attn, **fields),
                                                sparse=True, mean_correction=True, block_size=B, index=index)
-        o2, l2 = host_fp8.launch_attention_fp8(q, kv, sl, cu, scale, plan, dataclasses.replace(base, **other),
+        o2, l2 = host_fp8.launch_attention_fp8(c.q, kv, c.sl, c.cu, c.scale, plan,
+                                               dataclasses.replace(c.attn, **other),
                                                sparse=True, mean_correction=True, block_size=B, index=index)
         res[f"{pname}_finite"] = bool(torch.isfinite(o1).all())
         res[f"{pname}_out_equal"] = torch.equal(o1, o2)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from interpret_harness import interpreter_results, run_cases
+from interpret_harness import fp8_case, interpreter_results, run_cases
 
 import pytest
 
@@ -44,31 +44,25 @@ def _run_case(name):
 
     import torch
 
-    from fp_brute import make_inputs
-    from flashprefill import SparseConfig, make_plan
     from flashprefill.impl import reference as R
     from flashprefill.impl.triton import host_fp8
-    from flashprefill.impl.triton.tiles import get_config
 
-    q_lens, kv_lens, hq, hkv, d, ps, B, bn = CASES[name]
-    q, k, v, pt, sl, cu = make_inputs(q_lens, kv_lens, hq, hkv, d, ps, dtype=torch.float32, seed=5,
-                                      structured=True)
-    q, k, v = q.half(), k.half(), v.half()
-    cfg = SparseConfig(block_size=B, sink_tokens=B, window_tokens=B, dense_tail_tokens=1, alpha=0.3)
-    scale = d ** -0.5
-    plan = make_plan(sl, cu, hq // hkv, B)
-    index = R.build_index(q, k, v, pt, sl, cu, cfg, scale, plan)
-    kv = host_fp8.kv_operands(k, v, pt, sl, plan)
-    base = dataclasses.replace(get_config(d, torch.float16, B, precision="fp8").attn, block_n=bn)
-    want8, _ = R.sparse_attention(q, k, v, pt, sl, cu, cfg, scale, plan, index, precision="fp8")
-    want16, _ = R.sparse_attention(q, k, v, pt, sl, cu, cfg, scale, plan, index)
+    *shape, bn = CASES[name]
+    B = shape[-1]
+    c = fp8_case(*shape, seed=5)
+    index = c.index
+    base = dataclasses.replace(c.attn, block_n=bn)
+    operands = (c.q, c.k, c.v, c.pt, c.sl, c.cu, c.cfg, c.scale, c.plan, index)
+    want8, _ = R.sparse_attention(*operands, precision="fp8")
+    want16, _ = R.sparse_attention(*operands)
     res = {"case": name, "e": _rel(want8, want16), "pruned": int(index.nnz) < int(index.n_visible.sum())}
     outs = {}
     for mode in ("sparse", "dense"):
         for vname, fields in VARIANTS.items():
             tiles = dataclasses.replace(base, **fields)
-            o, lse = host_fp8.launch_attention_fp8(q, kv, sl, cu, scale, plan, tiles, sparse=mode == "sparse",
-                                                   mean_correction=True, block_size=B, index=index)
+            o, lse = host_fp8.launch_attention_fp8(c.q, c.kv, c.sl, c.cu, c.scale, c.plan, tiles,
+                                                   sparse=mode == "sparse", mean_correction=True, block_size=B,
+                                                   index=index)
             outs[mode, vname] = (o, lse)
             res[f"{mode}_{vname}_finite"] = bool(torch.isfinite(o).all() and not torch.isnan(lse).any())
             if mode == "sparse":
