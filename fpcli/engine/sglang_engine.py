@@ -841,32 +841,37 @@ class SGLangEngine:
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop SGLang; kill its children if it does not stop within ``shutdown_timeout_s``."""
+        """Stop SGLang; kill its children if it does not stop within ``shutdown_timeout_s``, or when
+        the shutdown is interrupted (Ctrl-C while waiting for it): the children never outlive a
+        close that began."""
         if self._closed:
             return
         self._closed = True
         _LIVE_ENGINES.discard(self)
         eng, self._engine = self._engine, None
         t0 = time.perf_counter()
-        if eng is not None:
-            tm = getattr(eng, "tokenizer_manager", None)
-            watchdog = getattr(tm, "_subprocess_watchdog", None)
-            if watchdog is not None:
-                try:
-                    watchdog.stop()
-                except Exception:
-                    pass
-            if not _LIVE_ENGINES:
-                # Engine.shutdown kills every child of this process: only when no other engine lives.
-                worker = threading.Thread(target=eng.shutdown, name="fp-sglang-shutdown", daemon=True)
-                worker.start()
-                worker.join(self.shutdown_timeout_s)
-                if worker.is_alive():
-                    logger.warning("SGLang shutdown did not finish in %.0f s; killing its processes", self.shutdown_timeout_s)
-        killed = _kill(self._child_pids)
-        if killed:
-            logger.info("killed SGLang children %s", killed)
-        shutil.rmtree(self._stats_dir, ignore_errors=True)
+        try:
+            if eng is not None:
+                tm = getattr(eng, "tokenizer_manager", None)
+                watchdog = getattr(tm, "_subprocess_watchdog", None)
+                if watchdog is not None:
+                    try:
+                        watchdog.stop()
+                    except Exception:
+                        pass
+                if not _LIVE_ENGINES:
+                    # Engine.shutdown kills every child of this process: only when no other engine lives.
+                    worker = threading.Thread(target=eng.shutdown, name="fp-sglang-shutdown", daemon=True)
+                    worker.start()
+                    worker.join(self.shutdown_timeout_s)
+                    if worker.is_alive():
+                        logger.warning("SGLang shutdown did not finish in %.0f s; killing its processes",
+                                       self.shutdown_timeout_s)
+        finally:
+            killed = _kill(self._child_pids)
+            if killed:
+                logger.info("killed SGLang children %s", killed)
+            shutil.rmtree(self._stats_dir, ignore_errors=True)
         logger.info("SGLang engine closed in %.1f s", time.perf_counter() - t0)
 
     def __enter__(self) -> "SGLangEngine":
