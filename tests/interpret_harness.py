@@ -68,7 +68,8 @@ class Fp8Case:
         pt, sl, cu: the page table, KV lengths and query offsets of ``make_inputs``.
         cfg: ``SparseConfig(block_size=B, sink_tokens=B, window_tokens=B, dense_tail_tokens=1,
             alpha=0.3)``; ``scale``: ``d ** -0.5``; ``plan``: ``make_plan(sl, cu, Hq // Hkv, B)``.
-        kernels: ``tiles.get_config(d, float16, B, precision="fp8")``; ``attn``: its ``.attn``.
+        kernels: ``tiles.get_config(d, float16, B, precision="fp8", variant="plain")`` (every optional
+            field off: the baseline each variant is compared against); ``attn``: its ``.attn``.
         index: the CPU reference ``BlockIndex`` (``reference.build_index``) and ``kv``: the FP8
             pre-pass operands (``host_fp8.kv_operands``), or both ``None`` (``with_index=False``).
     """
@@ -109,7 +110,7 @@ def fp8_case(q_lens: list[int], kv_lens: list[int], hq: int, hkv: int, d: int, p
     cfg = SparseConfig(block_size=B, sink_tokens=B, window_tokens=B, dense_tail_tokens=1, alpha=0.3)
     scale = d ** -0.5
     plan = make_plan(sl, cu, hq // hkv, B)
-    kernels = get_config(d, torch.float16, B, precision="fp8")
+    kernels = get_config(d, torch.float16, B, precision="fp8", variant="plain")
     index = kv = None
     if with_index:
         index = R.build_index(q, k, v, pt, sl, cu, cfg, scale, plan)

@@ -12,7 +12,8 @@ FP8 KV cache already exists), the same attention without the mean correction (``
 = the correction's share, also for BF16), the total with the BF16 index instead of the FP8 one
 (``bf16idx ms``) and the relative L2 of its output against the BF16 sparse output; the
 shipped pre-pass once per length (the ``bf16`` line's "pre ms"). Variants: the
-shipped tiles; ``exp_impl="f16"`` (``ex2.approx.f16x2``); ``exp_impl="poly_half"`` (half the exp2
+shipped tiles (``get_config``'s default); ``plain`` (every optional field off: the FP8 kernel before the
+tenth session, and each variant's base); ``exp_impl="f16"`` (``ex2.approx.f16x2``); ``exp_impl="poly_half"`` (half the exp2
 on the FMA pipes); ``fold_scale`` (logit scale fused into the exp2 argument's FFMA); the last two
 together, with 2 and 3 stages; ``pipeline`` (the hand software-pipelined exact-key loop) alone
 (``pipe``), with ``fold_scale`` (``pipe_fold``) and with 3 stages (``pipe_fold_st3``); ``mean_vec``
@@ -50,11 +51,12 @@ HQ, HKV, D = 32, 8, 128
 
 
 def variants(block_size: int, d: int = D) -> dict:
-    """name -> ``KernelConfig`` of the FP8 kernel at head dim ``d``; ``shipped`` is ``get_config``'s default."""
-    base = get_config(d, torch.bfloat16, block_size, precision="fp8")
+    """name -> ``KernelConfig`` of the FP8 kernel at head dim ``d``; ``shipped`` is ``get_config``'s default,
+    ``plain`` (and every other variant's starting point) its ``variant="plain"``: every optional field off."""
+    base = get_config(d, torch.bfloat16, block_size, precision="fp8", variant="plain")
     a = base.attn
     attn = {
-        "shipped": a,
+        "plain": a,
         "exp_f16": dataclasses.replace(a, exp_impl="f16"),
         "poly_half": dataclasses.replace(a, exp_impl="poly_half"),
         "fold": dataclasses.replace(a, fold_scale=True),
@@ -75,8 +77,9 @@ def variants(block_size: int, d: int = D) -> dict:
     }
     index = {"fusedidx": dataclasses.replace(base.index, fused_amax=True, hw_cvt=True),
              "fusedamax": dataclasses.replace(base.index, fused_amax=True)}
-    return {k: dataclasses.replace(base, attn=v, index=index.get(k.rsplit("_", 1)[-1], base.index))
-            for k, v in attn.items()}
+    out = {k: dataclasses.replace(base, attn=v, index=index.get(k.rsplit("_", 1)[-1], base.index))
+           for k, v in attn.items()}
+    return {"shipped": get_config(d, torch.bfloat16, block_size, precision="fp8"), **out}
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -113,10 +113,22 @@ class KernelConfig:
     index: IndexConfig
 
 
+def _plain(cfg: KernelConfig) -> KernelConfig:
+    """``cfg`` with every optional kernel field off: no ``loop_guard`` / ``fold_scale`` / ``mean_vec`` /
+    ``pipeline``, the fp32 ``exp2``, no ``fused_amax`` / ``hw_cvt``. The FP8 kernel as first shipped
+    (before the tenth session): what the tests and the lab compare each optional field against.
+    The 16-bit kernels ignore these fields (their tiles are unchanged)."""
+    return KernelConfig(
+        attn=dataclasses.replace(cfg.attn, loop_guard=False, fold_scale=False, mean_vec=False, pipeline=False,
+                                 exp_impl="mufu"),
+        index=dataclasses.replace(cfg.index, fused_amax=False, hw_cvt=False))
+
+
 # Named presets of the same dataclasses, chosen by ``get_config(..., variant=name)``: a function of
-# the default ``KernelConfig`` returning another. None are shipped: every measured alternative lost
-# (``docs/lab/variants.md``). The lab passes its own ``KernelConfig`` to the launchers instead.
-VARIANTS: dict[str, object] = {}
+# the default ``KernelConfig`` returning another. ``plain``: every optional field off (the baseline
+# of the variant tests). The lab passes its own ``KernelConfig`` to the launchers instead
+# (``docs/lab/variants.md``).
+VARIANTS: dict[str, object] = {"plain": _plain}
 
 
 def _attn_tiles(head_dim: int, block_size: int) -> AttnConfig:
@@ -139,18 +151,31 @@ def _attn_tiles(head_dim: int, block_size: int) -> AttnConfig:
 
 
 def _attn_tiles_fp8(head_dim: int, block_size: int) -> AttnConfig:
-    # UNTUNED (written without a GPU; checked only to compile for sm_90 with scripts/lab/compile_sm90.py):
-    # the FP8 kernel (attention_fp8_kernels._attn_fwd_fp8) needs block_m = the 128-row tile (one Q
+    # The FP8 kernel (attention_fp8_kernels._attn_fwd_fp8) needs block_m = the 128-row tile (one Q
     # scale per tile). e4m3 K / V tiles are half the bytes of bf16 ones, so 128 keys per step fit
     # 2 stages at d <= 128 (K 16 KiB + V^T 16 KiB per stage at d 128); d 256 keeps 64 keys (the
     # 128 x 256 float32 accumulator already takes 128 registers per thread).
     if head_dim == 256:
         cfg = AttnConfig(block_m=128, block_n=64, block_u=64, num_warps=8, num_stages=2, mc_stages=2)
+    elif head_dim == 128:
+        # loop_guard + fold_scale + mean_vec (with the fused amax / hardware cast of _index_tiles):
+        # H200, 32/8 heads, FP8 total 20.12 ms against 22.54 without them at 128K (BF16 21.50), 3.96
+        # against 4.09 at 32K (docs/benchmarks.md, tenth session). At d 64 they lost at 32K: off there.
+        cfg = AttnConfig(block_m=128, block_n=128, block_u=64, num_warps=8, num_stages=2, mc_stages=2,
+                         loop_guard=True, fold_scale=True, mean_vec=True)
     else:
         cfg = AttnConfig(block_m=128, block_n=128, block_u=64, num_warps=8, num_stages=2, mc_stages=2)
     if cfg.block_n > block_size:
         cfg = dataclasses.replace(cfg, block_n=block_size)
     return cfg
+
+
+def _index_tiles(head_dim: int, precision: str) -> IndexConfig:
+    # the FP8 index at d 128: the K / V amax from the block-means kernels, codes by the hardware cast
+    # (measured with the d-128 attention fields above; at d 64 the FP8 index was slower with them)
+    if precision == "fp8" and head_dim == 128:
+        return IndexConfig(fused_amax=True, hw_cvt=True)
+    return IndexConfig()
 
 
 def get_config(head_dim: int, dtype: torch.dtype, block_size: int, variant: str | None = None,
@@ -159,7 +184,8 @@ def get_config(head_dim: int, dtype: torch.dtype, block_size: int, variant: str 
 
     Never keyed on sequence lengths. ``variant``: the name of a preset in ``VARIANTS`` (None: the
     measured defaults). ``precision``: ``"bf16"`` (the 16-bit kernels, measured) or ``"fp8"``
-    (the e4m3 attention kernel's tiles, untuned; the index tiles are the same).
+    (the e4m3 attention kernel's tiles; at d 128 with ``loop_guard`` / ``fold_scale`` /
+    ``mean_vec`` and the index's ``fused_amax`` / ``hw_cvt``, measured on the H200).
 
     Raises:
         ValueError: ``head_dim`` not in ``TRITON_HEAD_DIMS``, ``dtype`` not in ``TRITON_DTYPES``,
@@ -173,7 +199,7 @@ def get_config(head_dim: int, dtype: torch.dtype, block_size: int, variant: str 
     if dtype not in TRITON_DTYPES:
         raise ValueError(f"dtype must be one of {TRITON_DTYPES}, got {dtype}")
     attn = _attn_tiles_fp8(head_dim, block_size) if precision == "fp8" else _attn_tiles(head_dim, block_size)
-    cfg = KernelConfig(attn=attn, index=IndexConfig())
+    cfg = KernelConfig(attn=attn, index=_index_tiles(head_dim, precision))
     if variant is not None:
         if variant not in VARIANTS:
             raise ValueError(f"variant must be None or one of {sorted(VARIANTS)}, got {variant!r}")
