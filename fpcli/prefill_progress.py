@@ -6,7 +6,7 @@ engine says before the prefill how many prompt tokens its KV cache serves (``on_
 transformers engine, in-process or resident), the line counts only the others ("prefilling 40
 tokens (773 cached)"); an engine that learns it only after the prefill (SGLang) shows the whole
 prompt, and no ETA. Only on a terminal: in a log or a pipe nothing is drawn (the command prints
-its one static line).
+its one static line, which for the resident engine gives the prompt's size, not a prefill count).
 """
 from __future__ import annotations
 
@@ -14,6 +14,11 @@ from typing import Callable
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+def tokens_phrase(n: int) -> str:
+    """``1 token``, ``1,343 tokens`` (``0 tokens``)."""
+    return f"{n:,} token{'' if n == 1 else 's'}"
 
 
 class PrefillDisplay:
@@ -64,10 +69,10 @@ class PrefillDisplay:
 
     def label(self, cached: int = 0) -> str:
         """``prefilling 813 tokens``, or with ``cached`` prompt tokens served by the KV cache
-        ``prefilling 40 tokens (773 cached)``."""
+        ``prefilling 40 tokens (773 cached)`` (``prefilling 1 token (812 cached)``)."""
         if cached <= 0:
-            return f"prefilling {self.tokens:,} tokens"
-        return f"prefilling {max(0, self.tokens - cached):,} tokens ({cached:,} cached)"
+            return f"prefilling {tokens_phrase(self.tokens)}"
+        return f"prefilling {tokens_phrase(max(0, self.tokens - cached))} ({cached:,} cached)"
 
     def on_cached(self, tokens: int) -> None:
         """The engine's count of prompt tokens its KV cache serves (before the prefill)."""

@@ -177,3 +177,16 @@ def test_prefill_display_on_a_terminal_only_and_gone_before_the_answer():
     with PrefillDisplay(Console(file=pipe, force_terminal=False), 99) as display:
         display.on_progress(1, 2)
     assert pipe.getvalue() == ""  # a log or a pipe: nothing drawn
+
+
+def test_prefill_label_counts_one_token_in_the_singular():
+    import io
+
+    from rich.console import Console
+
+    from fpcli.prefill_progress import PrefillDisplay
+
+    display = PrefillDisplay(Console(file=io.StringIO(), force_terminal=False), 1343)
+    assert display.label(1342) == "prefilling 1 token (1,342 cached)"
+    assert display.label(1341) == "prefilling 2 tokens (1,341 cached)"
+    assert display.label() == "prefilling 1,343 tokens"

@@ -431,6 +431,18 @@ def test_files_are_private_and_ask_uses_the_server(servers):
     assert json.loads(b.stdout)["summary"]["server"] is None and len(s.traced("load")) == 2
 
 
+def test_ask_through_the_resident_engine_does_not_claim_to_prefill_the_whole_prompt(servers):
+    """The resident engine's KV cache may serve most of the prompt, and it says how much only during
+    the request: the static line gives the prompt's size, never "prefilling" all of it."""
+    _start(servers)
+    resident = servers.fp("ask", DOC.as_posix(), "Who runs the harbor?", "--model", servers.model)
+    assert resident.returncode == 0, resident.stderr
+    line = next(ln for ln in resident.stderr.splitlines() if " engine, model " in ln)
+    assert re.search(r": prompt [\d,]+ tokens$", line) and "prefilling" not in resident.stderr, resident.stderr
+    local = servers.fp("ask", DOC.as_posix(), "Who runs the harbor?", "--model", servers.model, "--no-server")
+    assert local.returncode == 0 and re.search(r": prefilling [\d,]+ tokens$", local.stderr, re.M), local.stderr
+
+
 def test_stale_state_is_cleaned(servers):
     s = servers
     st = _start(s)

@@ -194,11 +194,8 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
         fit_s = time.perf_counter() - t_fit
         render_cuts(err, prompt)
         if not quiet:
-            err.print(
-                f"[dim]{eng.name} engine, model {eng.model_name}, profile {prof.name}: "
-                f"prefilling {prompt.tokens:,} tokens[/]",
-                highlight=False,
-            )
+            err.print(f"[dim]{eng.name} engine, model {eng.model_name}, profile {prof.name}: "
+                      f"{prefill_phrase(prompt.tokens, server_of(eng) is not None)}[/]", highlight=False)
 
         stream = StdoutStream()
 
@@ -233,6 +230,16 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
             render_resident_hint(err, eng, start_args(model, profile, context, engine.value))
         if report is not None:
             err.print(f"[dim]report saved to {report}[/]", highlight=False)
+
+
+def prefill_phrase(tokens: int, resident: bool) -> str:
+    """The static line's count before the request: ``prefilling 1,343 tokens`` for an engine this
+    command loaded (its KV cache is empty: the whole prompt is prefilled), ``prompt 1,343 tokens``
+    for the resident engine, whose KV cache may serve part of the prompt: it says how much only
+    during the request (the live line on a terminal, then the summary's ``cached``)."""
+    from fpcli.prefill_progress import tokens_phrase
+
+    return f"{'prompt' if resident else 'prefilling'} {tokens_phrase(tokens)}"
 
 
 def start_args(model: str | None, profile: str, context: str | None, engine: str) -> list[str]:
