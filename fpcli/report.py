@@ -327,14 +327,18 @@ def render_summary(console: Console, report: dict) -> None:
 def flops_text(s: dict, scope: str) -> str:
     """The 'attention FLOPs skipped' row; when the engine counted no prefill attention because the
     prompt came from the KV cache, say that instead of '0 of 0'. On the CPU (``device``) the sparse
-    path is the PyTorch reference, which computes every block: skipped FLOPs save no time there."""
+    path is the PyTorch reference, which computes every block: skipped FLOPs save no time there.
+    When part of the prompt came from the KV cache, the counts cover only the prefilled tokens and
+    the row says how many were cached (not counted)."""
     cached = s.get("cached_tokens") or 0
     if not s["attention_flops_dense"] and cached:
         return (f"none counted: {cached:,} of {s['prompt_tokens']:,} prompt tokens came from the KV cache "
                 "(their attention was computed by an earlier request)")
     cpu = " (CPU reference: no time saved)" if s.get("device") == "cpu" and s["attention_flops_skipped"] else ""
+    not_counted = (f"; {cached:,} of {s['prompt_tokens']:,} prompt tokens came from the KV cache, not counted"
+                   if cached else "")
     return (f"{format_flops(s['attention_flops_skipped'])} of {format_flops(s['attention_flops_dense'])} dense-equivalent "
-            f"({s['attention_flops_skipped_fraction']:.1%}, {scope}){cpu}")
+            f"({s['attention_flops_skipped_fraction']:.1%}, {scope}{not_counted}){cpu}")
 
 
 def prompt_tokens_text(s: dict) -> str:

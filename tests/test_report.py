@@ -148,6 +148,22 @@ def test_a_prompt_served_from_the_kv_cache_says_so_instead_of_zero_flops():
     assert f"{s['prompt_tokens'] - 1:,} of {s['prompt_tokens']:,}" in row[0]
 
 
+def test_a_partly_cached_prompt_says_its_cached_tokens_were_not_counted():
+    report = _report()
+    s = report["summary"]
+    s.update(prompt_tokens=1337, cached_tokens=1326, attention_flops_dense=1.01e9, attention_flops_skipped=0.0,
+             attention_flops_skipped_fraction=0.0)
+    buf = io.StringIO()
+    render_summary(Console(file=buf, force_terminal=False, width=200, soft_wrap=True), report)
+    row = [line for line in buf.getvalue().splitlines() if line.startswith("attention FLOPs skipped")]
+    assert len(row) == 1 and "dense-equivalent (0.0%" in row[0], row
+    assert "1,326 of 1,337 prompt tokens came from the KV cache, not counted" in row[0], row
+    s.update(cached_tokens=0)
+    buf = io.StringIO()
+    render_summary(Console(file=buf, force_terminal=False, width=200, soft_wrap=True), report)
+    assert "KV cache" not in buf.getvalue()
+
+
 @pytest.mark.parametrize("device, skipped, says", [("cpu", 1e9, True), ("cuda", 1e9, False), (None, 1e9, False),
                                                   ("cpu", 0.0, False)])
 def test_flops_skipped_on_the_cpu_say_no_time_was_saved(device, skipped, says):
