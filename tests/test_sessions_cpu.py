@@ -73,6 +73,8 @@ def test_fp_chat_two_questions_second_is_cached(smollm2):
     assert len(rows) == 2, proc.stderr
     (p1, c1), (p2, c2) = [(int(p.replace(",", "")), int((c or "0").replace(",", ""))) for p, c in rows]
     assert c1 == 0 and c2 >= 0.8 * p2
+    header = int(re.search(r"system message and documents: ([\d,]+) tokens", proc.stderr).group(1).replace(",", ""))
+    assert c2 >= header > 0.9 * p1  # the header counts what the second question really reuses
     assert "14 May" in proc.stdout
     # a quiet terminal: fp's own lines only (no log records, Python warnings or progress bars)
     third_party = re.compile(r"^(WARNING|INFO|DEBUG)\b|Warning:|warnings\.warn|\d+%\|[^\n]*\||it/s\]", re.M)

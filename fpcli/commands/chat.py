@@ -5,6 +5,8 @@ Every prompt is the same system message, the same (fitted) documents, then the e
 cache (the engines keep it: ``GenerationResult.cached_tokens``). Questions come from stdin, one
 per line (a ``> `` prompt on stderr when stdin is a terminal); answers stream to stdout, separated
 by a blank line, one summary line per answer goes to stderr; EOF or ``/exit`` ends the session.
+The header counts the shared tokens (``shared_prefix_tokens``): the documents' part up to where
+the prompts of different questions begin to differ.
 """
 from __future__ import annotations
 
@@ -128,16 +130,39 @@ def _chat(files, model, profile, engine, history, max_new_tokens, temperature, p
         except PromptError as exc:
             fail(str(exc))
         render_cuts(err, fitted)
+        shared = shared_prefix_tokens(eng, fitted, history)
         err.print(
             f"[dim]{eng.name} engine, model {eng.model_name}, profile {prof.name}: {len(fitted.documents)} "
-            f"document{'s' if len(fitted.documents) != 1 else ''}; system message and documents: {fitted.tokens:,} tokens, to which each prompt adds the "
-            f"question{' and the earlier turns' if history else ''} (see 'prompt tokens' after each answer); "
-            f"ask one question per line, "
+            f"document{'s' if len(fitted.documents) != 1 else ''}; system message and documents: {shared:,} tokens, "
+            f"which each question after the first reuses from the KV cache; each prompt adds the "
+            f"question{' and the earlier turns' if history else ''} and the chat template's closing tokens "
+            f"(see 'prompt tokens' after each answer); ask one question per line, "
             f"{EXIT_COMMANDS[0]} or end of input to quit[/]",
             highlight=False,
         )
         loop = _ChatLoop(eng, prof, docs, fitted, ctx, max_new_tokens, temperature, history, json_out, err)
         loop.run(sys.stdin)
+
+
+def shared_prefix_tokens(eng, fitted, history: bool) -> int:
+    """Tokens at the start of ``fitted.ids`` (the system message and the documents, encoded with an
+    empty question) that every prompt of this chat shares: what the engine's KV cache can serve to
+    each question after the first. Fewer than ``fitted.tokens``: the chat template's closing tokens
+    after the question differ, and with ``history`` the earlier turns come before ``Question:``.
+
+    Returns:
+        the shared token count (``0 <= n <= fitted.tokens``).
+    """
+    from fpcli.prompt import SYSTEM_PROMPT, format_user
+
+    turns = [("x", "x")] if history else []  # a later question: its earlier turns follow the documents
+    later = eng.encode_chat(SYSTEM_PROMPT, format_user(fitted.documents, "x", turns))
+    n = 0
+    for a, b in zip(fitted.ids, later):
+        if a != b:
+            break
+        n += 1
+    return n
 
 
 class _ChatLoop:
