@@ -482,11 +482,19 @@ def heatmap_table(per_layer_head: Sequence[Sequence[float | None]]) -> Table:
     t.add_column(" mean", justify="right")
     for layer, row in enumerate(per_layer_head):
         cells = [Text("--", style="dim") if v is None else
-                 Text(f"{min(99, round(v * 100)):2d}", style=f"{_ink(v)} on {density_color(v)}") for v in row]
+                 Text(density_cell(v), style=f"{_ink(v)} on {density_color(v)}") for v in row]
         known = [v for v in row if v is not None]
         mean = f" {sum(known) / len(known):.1%}" if known else " n/a"
         t.add_row(str(layer), " ", *cells, *[Text("--", style="dim")] * (heads - len(row)), mean)
     return t
+
+
+def density_cell(x: float) -> str:
+    """A heatmap cell's two characters for density ``x`` in [0, 1]: ``**`` when dense (every
+    visible block kept, ``x >= 1``), else the percent, rounded, at most ``99`` (98.5% to under 100%)."""
+    if x >= 1.0:
+        return "**"
+    return f"{min(99, round(x * 100)):2d}"
 
 
 def _ink(x: float) -> str:
@@ -495,8 +503,9 @@ def _ink(x: float) -> str:
 
 
 def heatmap_legend() -> Text:
-    """Colour scale; cells also print the density in percent (99 = 99-100%) for plain terminals."""
-    legend = Text("cells: density in % (99 = 99-100%); scale: ")
+    """Colour scale; cells also print the density in percent (``**`` = 100%, ``99`` = 98.5% to under
+    100%) for plain terminals."""
+    legend = Text("cells: density in % (** = 100%, dense; 99 = 98.5% to under 100%); scale: ")
     for i, color in enumerate(_RAMP):
         legend.append("  ", style=f"on {color}")
         if i in (0, len(_RAMP) - 1):

@@ -106,7 +106,17 @@ def test_png_and_terminal_heatmap_of_ragged_rows(tmp_path):
     buf = io.StringIO()
     Console(file=buf, width=120, force_terminal=False).print(heatmap_table(grid))
     lines = buf.getvalue().splitlines()
-    assert "--" in lines[4] and "99" in lines[1]  # layer 3 has a blank cell, layer 0 is dense
+    assert "--" in lines[4] and "**" in lines[1] and "99" not in lines[1]  # layer 3 has a blank cell, layer 0 is dense
+
+
+def test_terminal_heatmap_shows_a_dense_cell_apart_from_99_percent():
+    from fpcli.report import heatmap_legend, heatmap_table
+
+    buf = io.StringIO()
+    Console(file=buf, width=120, force_terminal=False).print(heatmap_table([[1.0, 0.993, 0.42]]))
+    row = buf.getvalue().splitlines()[1].split()
+    assert row[:4] == ["0", "**", "99", "42"], row
+    assert "** = 100%" in heatmap_legend().plain
 
 
 def test_png_title_lies_within_the_figure():
