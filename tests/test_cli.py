@@ -269,16 +269,20 @@ def test_model_help_is_one_text_that_names_each_devices_default(runner):
     ``default_model`` picks on a CUDA GPU (either engine) and on the CPU."""
     import typer
 
-    from fpcli.models import default_model
+    from fpcli.models import EMBEDDED, default_model
 
     commands = typer.main.get_command(app).commands
     helps = {name: {p.name: p for p in commands[name].params}["model"].help
              for name in ("ask", "chat", "eval", "profile", "serve", "start")}
     assert len(set(helps.values())) == 1, helps
     text = helps["ask"]
+
+    def named(model: str) -> bool:  # by its name or one of its aliases (shorter: fp ask --help at 80 columns)
+        return any(n in text for n in (model, *EMBEDDED[model].aliases))
+
     gpu = {default_model("sglang").name, default_model("transformers", "cuda").name}
-    assert len(gpu) == 1 and gpu.pop() in text
-    assert default_model("transformers", "cpu").name in text
+    assert len(gpu) == 1 and named(gpu.pop())
+    assert named(default_model("transformers", "cpu").name)
     assert f"{default_model('sglang').context_length // 1024}K" in text
 
 
@@ -883,6 +887,23 @@ def test_model_list_does_not_truncate_paths(runner, tmp_path):
 
 
 # -- the installed entry point, in a real subprocess -----------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["ask", "chat", "profile", "eval", "start", "serve", "bench"])
+def test_help_fits_an_80_column_terminal_without_ellipsis(runner, command):
+    """rich cuts a word wider than the help column with '…' (the default model's full name was)."""
+    r = runner.invoke(app, [command, "--help"], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    assert "…" not in r.output, r.output
+    assert max(len(line) for line in r.output.splitlines()) <= 80
+
+
+def test_the_default_models_named_in_the_help_are_accepted_names():
+    from fpcli.models import DEFAULT_MODEL, DEFAULT_MODEL_HELP, QWEN_CODER, _locate
+
+    assert "qwen2.5-coder-0.5b at 128K" in DEFAULT_MODEL_HELP and "smollm2-135m on the CPU" in DEFAULT_MODEL_HELP
+    assert _locate("smollm2-135m") == ("embedded", DEFAULT_MODEL)
+    assert _locate("qwen2.5-coder-0.5b") == ("embedded", QWEN_CODER)
 
 
 def _fp() -> list[str]:

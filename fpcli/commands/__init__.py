@@ -275,7 +275,7 @@ MODEL_HELP = ("Embedded model name (`fp model list`), Hugging Face folder or cac
 """The help of ``--model`` for every command that loads an engine (its default: ``fpcli.models.default_model``)."""
 
 CONTEXT_HELP = ("Context to run the model at, in tokens (e.g. 32k, 128k, 131072): a cap within the model's own "
-                "context, YaRN beyond it (up to 8x). Default: the profile's engine.context_length, else the model's own.")
+                "context, YaRN beyond it (up to 8x). Default: the profile's engine context_length, else the model's own.")
 
 
 def context_or_exit(text: str | None, profile, model: str | None, engine: str | None = None,
