@@ -32,7 +32,7 @@ app.add_typer(profile.app)
 app.add_typer(serve.app)
 app.add_typer(start.app)
 app.add_typer(stop.app)
-app.add_typer(model.app, name="model", help="Manage the embedded default model (list, pull, path).")
+app.add_typer(model.app, name="model", help="Manage the embedded models (list, pull, path).")
 
 
 def _version(value: bool) -> None:

@@ -898,6 +898,14 @@ def test_help_fits_an_80_column_terminal_without_ellipsis(runner, command):
     assert max(len(line) for line in r.output.splitlines()) <= 80
 
 
+def test_the_model_command_says_it_manages_every_embedded_model(runner):
+    from fpcli.models import EMBEDDED
+
+    r = invoke(runner, ["--help"])
+    line = next(ln for ln in r.output.splitlines() if " model " in ln and "(list, pull, path)" in ln)
+    assert len(EMBEDDED) > 1 and "embedded models" in line and "default model" not in line, line
+
+
 def test_the_default_models_named_in_the_help_are_accepted_names():
     from fpcli.models import DEFAULT_MODEL, DEFAULT_MODEL_HELP, QWEN_CODER, _locate
 
