@@ -203,6 +203,14 @@ def test_ask_quiet(runner, fake_engine, doc):
     assert "TTFT" not in r.stderr
 
 
+def test_ask_json_keeps_the_summary_on_stderr_unless_quiet(runner, fake_engine, doc):
+    """As the README's --json row says: stdout is the JSON object, the summary still goes to stderr; -q silences it."""
+    loud = invoke(runner, ["ask", str(doc), "q?", "--json"])
+    assert loud.exit_code == 0 and json.loads(loud.stdout)["answer"] and "TTFT" in loud.stderr
+    quiet = invoke(runner, ["ask", str(doc), "q?", "--json", "-q"])
+    assert quiet.exit_code == 0 and json.loads(quiet.stdout)["answer"] and "TTFT" not in quiet.stderr
+
+
 def test_ask_quiet_keeps_no_notes(runner, fake_engine, doc, tmp_path):
     """-q keeps warnings and errors only: the document cache's note ("text from fp's document
     cache") and the cut note were printed with -q too."""
