@@ -233,10 +233,23 @@ def _sdpa_decode_masked(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     (which, with a mask, has no fused kernel and expands K/V to ``Hq`` heads) and no copy of K/V.
     A captured decode step (``fpcli.engine.decode_graph``) reads the whole KV capacity and masks
     the slots not yet written, the mask computed on the device from the length.
+
+    On a GPU the call runs SDPA's math backend (two batched GEMMs and a softmax over
+    ``[B, Hkv, groups, Lk]`` scores: 7 MB in float32 at 130K keys, 2 KV heads, 7 rows): with a
+    mask SDPA otherwise picks a fused prefill kernel that parallelises over query tiles and heads
+    only, and for ``groups`` rows of ``Hkv`` heads one or two thread blocks walk all ``Lk`` keys
+    (cuDNN's flash kernel took 5.7 ms per layer at 130K on the H200, docs/benchmarks.md, tenth
+    session); the GEMMs spread the keys over the whole GPU.
     """
     b, hq, _, d = query.shape
     q = query.reshape(b, key.shape[1], groups, d)
-    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+    if q.is_cuda:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(b, 1, hq, d)
 
 
