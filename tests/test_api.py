@@ -399,3 +399,21 @@ def test_kernel_configs_are_frozen_and_explicit():
         tiles.get_config(128, torch.bfloat16, 128, variant="no-such-preset")
     assert not any(isinstance(v, (dict, list, set)) for k, v in vars(tiles).items()
                    if k.isupper() and k != "VARIANTS"), "a mutable module-level setting"
+
+
+def test_plain_variant_turns_every_optional_kernel_field_off():
+    """``get_config(..., variant="plain")`` is the baseline the variant tests compare against: every
+    optional field of the FP8 kernels off, the tiles themselves unchanged; the 16-bit configs are
+    the same with or without it (they ignore those fields)."""
+    from flashprefill.impl.triton import tiles
+
+    optional_attn = dict(loop_guard=False, fold_scale=False, mean_vec=False, pipeline=False, exp_impl="mufu")
+    for d in (64, 128, 256):
+        for B in (64, 128):
+            shipped = tiles.get_config(d, torch.bfloat16, B, precision="fp8")
+            plain = tiles.get_config(d, torch.bfloat16, B, precision="fp8", variant="plain")
+            assert plain.attn == dataclasses.replace(shipped.attn, **optional_attn)
+            assert plain.index == dataclasses.replace(shipped.index, fused_amax=False, hw_cvt=False)
+            assert not plain.index.fused_amax and not plain.index.hw_cvt
+            bf16 = tiles.get_config(d, torch.bfloat16, B)
+            assert tiles.get_config(d, torch.bfloat16, B, variant="plain") == bf16
