@@ -57,6 +57,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import stat
 import statistics
 from pathlib import Path
 from typing import Any, Sequence
@@ -250,15 +251,44 @@ def dumps(report: dict) -> str:
 
 
 def save_report(path: str | Path, report: dict) -> None:
-    """Write ``report`` as JSON to ``path``, atomically: a temporary file in the same directory
-    renamed over ``path``, so the file is either the whole report or left as it was (never half
-    written), even when Ctrl-C or a full disk stops the write. Raises ``OSError`` (the temporary
-    file is removed)."""
+    """Write ``report`` as JSON to ``path``.
+
+    A new file, or an existing regular file with one link that the user may write, is written
+    atomically: a temporary file in the same folder (a symlink's target folder), given the old
+    file's mode, renamed over it, so it is either the whole report or left as it was, even when
+    Ctrl-C or a full disk stops the write. Anything else is written in place as before: a device or
+    pipe (``/dev/stdout``, ``>(jq .)``), a file with other hard links, a read-only file (the write
+    fails as it should), or a folder where no temporary file can be made.
+
+    Raises:
+        OSError: the report cannot be written (the temporary file, if any, is removed).
+    """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    text = dumps(report) + "\n"
     try:
-        tmp.write_text(dumps(report) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        st = os.stat(path)                      # follows a symlink to its target
+    except FileNotFoundError:
+        st = None
+    except OSError:
+        st = None                               # e.g. a name too long: the write below says why
+    in_place = st is not None and (not stat.S_ISREG(st.st_mode) or st.st_nlink > 1
+                                   or not os.access(path, os.W_OK))
+    if in_place:
+        path.write_text(text, encoding="utf-8")
+        return
+    target = Path(os.path.realpath(path))
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for a new file
+    except OSError:
+        path.write_text(text, encoding="utf-8")  # no temporary file here (read-only folder): as before
+        return
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        if st is not None:
+            os.chmod(tmp, stat.S_IMODE(st.st_mode))  # keep the old file's mode
+        os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -430,8 +430,6 @@ def test_eval_second_ctrl_c_during_the_cleanup_stops_quietly(runner, fake_engine
     partial table printing): no traceback, exit 130, and the report whole or absent, never half
     written (a KeyboardInterrupt in the middle of the write leaves no file and no temporary file).
     Caught after the run, it ends fp with one line, the last one."""
-    import pathlib
-
     import fpcli.console
     from fp_fakes import FakeEngine
 
@@ -447,19 +445,32 @@ def test_eval_second_ctrl_c_during_the_cleanup_stops_quietly(runner, fake_engine
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    real_write_text = pathlib.Path.write_text
+    import fpcli.report
 
-    def half_write(self, text, *args, **kwargs):  # the second Ctrl-C halfway through writing the report
-        if "r.json" not in self.name:
-            return real_write_text(self, text, *args, **kwargs)
-        real_write_text(self, text[:len(text) // 2], *args, **kwargs)
-        raise KeyboardInterrupt
+    real_fdopen = fpcli.report.os.fdopen
+
+    class _HalfFile:  # the second Ctrl-C halfway through writing the report's temporary file
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            self.f.write(text[:len(text) // 2])
+            raise KeyboardInterrupt
+
+    def half_write(fd, *args, **kwargs):
+        return _HalfFile(real_fdopen(fd, *args, **kwargs))
 
     monkeypatch.setattr(FakeEngine, "generate", generate)
     if step == "engine_close":
         monkeypatch.setattr(FakeEngine, "close", interrupt)
     elif step == "report_write":
-        monkeypatch.setattr(pathlib.Path, "write_text", half_write)
+        monkeypatch.setattr(fpcli.report.os, "fdopen", half_write)
     else:
         monkeypatch.setattr(fpcli.console, "print_table", interrupt)
     out = tmp_path / "r.json"

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import io
+import json
+import os
+import stat
 
 import pytest
 
@@ -184,3 +187,72 @@ def test_flops_skipped_on_the_cpu_say_no_time_was_saved(device, skipped, says):
     render_summary(Console(file=buf, force_terminal=False, width=200, soft_wrap=True), report)
     row = [line for line in buf.getvalue().splitlines() if line.startswith("attention FLOPs skipped")]
     assert len(row) == 1 and ("(CPU reference: no time saved)" in row[0]) == says, row
+
+
+# -- save_report: atomic for a regular file, in place for what a rename would replace ------------
+
+def _report_doc(n: int = 3) -> dict:
+    return {"schema": "test/1", "values": list(range(n)), "note": "ß"}
+
+
+def test_save_report_new_and_existing_file_keeps_its_mode(tmp_path):
+    from fpcli.report import save_report
+
+    new = tmp_path / "new.json"
+    save_report(new, _report_doc())
+    assert json.loads(new.read_text(encoding="utf-8")) == _report_doc()
+    old = tmp_path / "old.json"
+    old.write_text("previous")
+    old.chmod(0o600)
+    save_report(old, _report_doc(5))
+    assert json.loads(old.read_text(encoding="utf-8"))["values"] == [0, 1, 2, 3, 4]
+    assert stat.S_IMODE(old.stat().st_mode) == 0o600
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_save_report_through_a_symlink_and_a_hard_link_writes_the_shared_file(tmp_path):
+    from fpcli.report import save_report
+
+    target = tmp_path / "real.json"
+    target.write_text("previous")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    save_report(link, _report_doc())
+    assert link.is_symlink() and json.loads(target.read_text(encoding="utf-8")) == _report_doc()
+    other = tmp_path / "other-name.json"
+    os.link(target, other)
+    save_report(target, _report_doc(7))
+    assert os.path.samefile(target, other)  # written in place: the hard link still shares the file
+    assert json.loads(other.read_text(encoding="utf-8"))["values"] == list(range(7))
+
+
+def test_save_report_to_a_pipe_writes_in_place(tmp_path):
+    import threading
+
+    from fpcli.report import save_report
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text(encoding="utf-8")), daemon=True)
+    reader.start()
+    save_report(fifo, _report_doc())
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)  # not replaced by a file (the reader would wait forever)
+    reader.join(10)
+    assert got and json.loads(got[0]) == _report_doc()
+
+
+def test_save_report_interrupted_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    from fpcli import report as R
+
+    path = tmp_path / "r.json"
+    path.write_text("previous")
+
+    def interrupted(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(R.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        R.save_report(path, _report_doc())
+    assert path.read_text() == "previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
