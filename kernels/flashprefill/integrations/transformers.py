@@ -239,7 +239,10 @@ def _sdpa_decode_masked(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     mask SDPA otherwise picks a fused prefill kernel that parallelises over query tiles and heads
     only, and for ``groups`` rows of ``Hkv`` heads one or two thread blocks walk all ``Lk`` keys
     (cuDNN's flash kernel took 5.7 ms per layer at 130K on the H200, docs/benchmarks.md, tenth
-    session); the GEMMs spread the keys over the whole GPU.
+    session); the GEMMs spread the keys over the whole GPU. Its cost: the math backend computes
+    in float32, so each call makes float32 copies of K and V (``2 x B x Hkv x Lk x d x 4`` bytes,
+    ~130 MB per layer at 130K for 2 KV heads of d 64, ~1 GB for 8 of d 128), freed at the end of
+    the call (lab, unmeasured; a split-KV kernel reading the length from the device would not copy).
     """
     b, hq, _, d = query.shape
     q = query.reshape(b, key.shape[1], groups, d)
