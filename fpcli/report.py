@@ -521,7 +521,7 @@ def heatmap_table(per_layer_head: Sequence[Sequence[float | None]]) -> Table:
 
 def density_cell(x: float) -> str:
     """A heatmap cell's two characters for density ``x`` in [0, 1]: ``**`` when dense (every
-    visible block kept, ``x >= 1``), else the percent, rounded, at most ``99`` (98.5% to under 100%)."""
+    visible block kept, ``x >= 1``), else the percent, rounded, at most ``99`` (over 98.5%, under 100%)."""
     if x >= 1.0:
         return "**"
     return f"{min(99, round(x * 100)):2d}"
@@ -533,9 +533,9 @@ def _ink(x: float) -> str:
 
 
 def heatmap_legend() -> Text:
-    """Colour scale; cells also print the density in percent (``**`` = 100%, ``99`` = 98.5% to under
+    """Colour scale; cells also print the density in percent (``**`` = 100%, ``99`` = over 98.5%, under
     100%) for plain terminals."""
-    legend = Text("cells: density in % (** = 100%, dense; 99 = 98.5% to under 100%); scale: ")
+    legend = Text("cells: density in % (** = 100%, dense; 99 = over 98.5%, under 100%); scale: ")
     for i, color in enumerate(_RAMP):
         legend.append("  ", style=f"on {color}")
         if i in (0, len(_RAMP) - 1):

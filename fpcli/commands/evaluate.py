@@ -168,7 +168,8 @@ def evaluate(
         fail(f"evaluation failed: {_one_line(exc)}")
 
     # after a Ctrl-C, a second one (while the partial results are shown and saved) stops quietly
-    with _second_interrupt_stops(run.interrupted):
+    pending = {"report": report}  # set to None once the report is saved
+    with _second_interrupt_stops(run.interrupted, pending):
         data = eval_report(run, seeds=seeds, samples_per_cell=samples, tasks=[t.name for t in task_list],
                            lengths=lengths, haystack=stack.name,
                            profile_sources={p.name: str(p.source) if p.source else None for p in profs},
@@ -180,6 +181,7 @@ def evaluate(
             sys.stdout.flush()
         if report is not None:
             save_report_or_exit(report, data)
+            pending["report"] = None
         from fpcli.ruler.render import missing_notes
 
         if not quiet:
@@ -203,17 +205,19 @@ def evaluate(
 
 
 @contextmanager
-def _second_interrupt_stops(interrupted: bool) -> Iterator[None]:
+def _second_interrupt_stops(interrupted: bool, pending: dict) -> Iterator[None]:
     """Around what follows an interrupted run (the partial table, --json, --report): another Ctrl-C
     there ends fp with one line, ``fp: error: interrupted again; stopping``, and exit 130 instead
-    of a traceback (the report is either whole or not written: ``save_report`` renames a complete
-    temporary file). A run that was not interrupted lets Ctrl-C through to fp's own handler."""
+    of a traceback; while ``pending["report"]`` names a report not yet saved, the line says so (the
+    report is either whole or not written: ``save_report`` renames a complete temporary file). A
+    run that was not interrupted lets Ctrl-C through to fp's own handler."""
     try:
         yield
     except KeyboardInterrupt:
         if not interrupted:
             raise
-        fail("interrupted again; stopping", code=130)
+        unsaved = f" ({pending['report']} not written)" if pending.get("report") is not None else ""
+        fail(f"interrupted again; stopping{unsaved}", code=130)
 
 
 class _LoadFailed(RuntimeError):
