@@ -267,10 +267,8 @@ def save_report(path: str | Path, report: dict) -> None:
     text = dumps(report) + "\n"
     try:
         st = os.stat(path)                      # follows a symlink to its target
-    except FileNotFoundError:
-        st = None
     except OSError:
-        st = None                               # e.g. a name too long: the write below says why
+        st = None                               # none yet (or, e.g., a name too long: the write below says why)
     in_place = st is not None and (not stat.S_ISREG(st.st_mode) or st.st_nlink > 1
                                    or not os.access(path, os.W_OK))
     if in_place:

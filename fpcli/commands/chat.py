@@ -153,16 +153,11 @@ def shared_prefix_tokens(eng, fitted, history: bool) -> int:
     Returns:
         the shared token count (``0 <= n <= fitted.tokens``).
     """
+    from fpcli.engine.tokens import common_prefix_len
     from fpcli.prompt import SYSTEM_PROMPT, format_user
 
     turns = [("x", "x")] if history else []  # a later question: its earlier turns follow the documents
-    later = eng.encode_chat(SYSTEM_PROMPT, format_user(fitted.documents, "x", turns))
-    n = 0
-    for a, b in zip(fitted.ids, later):
-        if a != b:
-            break
-        n += 1
-    return n
+    return common_prefix_len(fitted.ids, eng.encode_chat(SYSTEM_PROMPT, format_user(fitted.documents, "x", turns)))
 
 
 class _ChatLoop:

@@ -1,4 +1,5 @@
-"""Token offsets from a Hugging Face tokenizer: where each token of a text begins.
+"""Token offsets from a Hugging Face tokenizer: where each token of a text begins; and the common
+prefix of two prompts' token ids (what a KV cache can reuse).
 
 Prompt building (``fpcli.prompt``) cuts documents on token boundaries with these offsets, so a
 cut keeps exactly the tokens it counts, whatever the text's token density.
@@ -31,3 +32,16 @@ def token_starts(tokenizer, text: str) -> list[int]:
     # byte token's start before its predecessor's (e.g. [0, 3, 2, 5] -> [0, 3, 3, 5])
     starts = np.maximum.accumulate(np.clip(offsets[:, 0], 0, len(text)))
     return starts.tolist()
+
+
+def common_prefix_len(a: list[int], b: list[int], limit: int | None = None) -> int:
+    """Length of the longest common prefix of token id lists ``a`` and ``b``, at most ``limit``.
+
+    >>> common_prefix_len([1, 2, 3, 4], [1, 2, 5], limit=10)
+    2
+    """
+    n = min(len(a), len(b), len(a) + len(b) if limit is None else max(0, limit))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

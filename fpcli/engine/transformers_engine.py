@@ -67,7 +67,7 @@ from flashprefill.integrations.transformers import (
 
 from .base import GenerationResult, PrefillStats, check_fp8_profile, ran_precision
 from .context import ContextPlan, plan_context
-from .tokens import token_starts
+from .tokens import common_prefix_len, token_starts
 
 DTYPE_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -444,19 +444,6 @@ def cache_argument(model) -> str:
     has it (newer 5.x), else ``"past_key_values"`` (4.56 to 5.12 at least). A name the model does
     not take is swallowed by its ``**kwargs``: the cache would be ignored, not refused."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def common_prefix_len(a: list[int], b: list[int], limit: int | None = None) -> int:
-    """Length of the longest common prefix of token id lists ``a`` and ``b``, at most ``limit``.
-
-    >>> common_prefix_len([1, 2, 3, 4], [1, 2, 5], limit=10)
-    2
-    """
-    n = min(len(a), len(b), len(a) + len(b) if limit is None else max(0, limit))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def flops_summary(stats: PrefillStats) -> str:

@@ -36,6 +36,7 @@ Imports nothing of ``fp``'s CLI; transformers is imported only by ``register_att
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -246,12 +247,9 @@ def _sdpa_decode_masked(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """
     b, hq, _, d = query.shape
     q = query.reshape(b, key.shape[1], groups, d)
-    if q.is_cuda:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        with sdpa_kernel(SDPBackend.MATH):
-            out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
-    else:
+    with sdpa_kernel(SDPBackend.MATH) if q.is_cuda else contextlib.nullcontext():
         out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(b, 1, hq, d)
 

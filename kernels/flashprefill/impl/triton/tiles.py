@@ -155,16 +155,13 @@ def _attn_tiles_fp8(head_dim: int, block_size: int) -> AttnConfig:
     # scale per tile). e4m3 K / V tiles are half the bytes of bf16 ones, so 128 keys per step fit
     # 2 stages at d <= 128 (K 16 KiB + V^T 16 KiB per stage at d 128); d 256 keeps 64 keys (the
     # 128 x 256 float32 accumulator already takes 128 registers per thread).
-    if head_dim == 256:
-        cfg = AttnConfig(block_m=128, block_n=64, block_u=64, num_warps=8, num_stages=2, mc_stages=2)
-    elif head_dim == 128:
+    cfg = AttnConfig(block_m=128, block_n=64 if head_dim == 256 else 128, block_u=64, num_warps=8, num_stages=2,
+                     mc_stages=2)
+    if head_dim == 128:
         # loop_guard + fold_scale + mean_vec (with the fused amax / hardware cast of _index_tiles):
         # H200, 32/8 heads, FP8 total 20.12 ms against 22.54 without them at 128K (BF16 21.50), 3.96
         # against 4.09 at 32K (docs/benchmarks.md, tenth session). At d 64 they lost at 32K: off there.
-        cfg = AttnConfig(block_m=128, block_n=128, block_u=64, num_warps=8, num_stages=2, mc_stages=2,
-                         loop_guard=True, fold_scale=True, mean_vec=True)
-    else:
-        cfg = AttnConfig(block_m=128, block_n=128, block_u=64, num_warps=8, num_stages=2, mc_stages=2)
+        cfg = dataclasses.replace(cfg, loop_guard=True, fold_scale=True, mean_vec=True)
     if cfg.block_n > block_size:
         cfg = dataclasses.replace(cfg, block_n=block_size)
     return cfg
