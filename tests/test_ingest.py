@@ -101,6 +101,16 @@ def test_missing_pdf_package_is_one_line_naming_it(tmp_path, monkeypatch, packag
     assert b.ok and b.text == "still read"
 
 
+@pytest.fixture(autouse=True)
+def _pdfium_free_after_test():
+    """A test that hangs a page inside PDFium releases it in ``finally``; the abandoned worker then
+    finishes that page, holding PDFium's lock a moment longer (long enough on a loaded 2-core CI
+    machine). The next test starts once the lock is free, else it reads with the pypdf fallback."""
+    yield
+    assert ingest._PDFIUM_LOCK.acquire(timeout=30), "a test left PDFium held for 30 s"
+    ingest._PDFIUM_LOCK.release()
+
+
 def test_hanging_page_is_skipped_after_time_limit(pdf_factory, monkeypatch):
     path = pdf_factory("hang.pdf", ["page one ok", "page two hangs", "page three ok"])
     release = threading.Event()
