@@ -170,6 +170,11 @@ def brute_force(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config,
                         for j in range(nb):
                             if ends[j] <= P + t + 1:
                                 ell[(rho, j)] = tau * dots[r][j]
+                    win_lo = max(0, P + t_first - config.window_tokens + 1) // B
+                    is_dense = t_last >= lq - config.dense_tail_tokens or lq < config.min_sparse_len
+                    # the blocks the threshold decides and measures against (docs/method.md 3.4)
+                    decided = scored if config.threshold_max == "scored" else \
+                        [j for j in scored if not (j * B < config.sink_tokens or j >= win_lo or is_dense)]
                     kept = set()
                     if ell:
                         M = max(ell.values())
@@ -177,10 +182,8 @@ def brute_force(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config,
                         for (rho, j), val in ell.items():
                             if j in E:
                                 E[j] += math.exp(val - M)
-                        emax = max(E.values()) if E else 0.0
-                        kept = {j for j in scored if E[j] >= config.alpha * emax}
-                    win_lo = max(0, P + t_first - config.window_tokens + 1) // B
-                    is_dense = t_last >= lq - config.dense_tail_tokens or lq < config.min_sparse_len
+                        emax = max((E[j] for j in decided), default=0.0)
+                        kept = {j for j in decided if E[j] >= config.alpha * emax}
                     S = []
                     for j in range(vis_last + 1):
                         if (j in kept or j * B < config.sink_tokens or j >= win_lo or is_dense):

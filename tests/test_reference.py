@@ -150,6 +150,48 @@ def test_alpha_zero_is_dense():
     torch.testing.assert_close(lse, dlse, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("g,page_size", [(1, 16), (3, 1), (7, 64)])
+def test_threshold_over_prunable_blocks_vs_brute(g, page_size):
+    """``threshold_max="prunable"`` (docs/method.md 3.4): the reference equals the brute-force
+    definition (max E over the scored blocks that sink, window and dense tail do not keep)."""
+    inp = make_inputs([700, 130], [1000, 300], hq=g, hkv=1, d=32, page_size=page_size, seed=41, structured=True)
+    check_vs_brute(inp, SPARSE64.replace(threshold_max="prunable"))
+
+
+def test_a_strong_sink_sets_the_bar_only_when_the_max_is_over_every_scored_block():
+    """Every query along ``u``; the sink block's keys give logits ~8, block 7's ~4, the others ~0.
+    With the max over every scored block, block 7's energy is e^-4 = 1.8% of the sink's, under
+    alpha 0.1: pruned. With the max over the prunable blocks it sets the bar and is kept, and the
+    other blocks (e^-4 of it) stay pruned. Tiles 5 and 6 (tokens 640-895) see block 7 fully,
+    outside their window; tile 7 holds the dense tail."""
+    d, L, B = 64, 1024, 64
+    gen = torch.Generator().manual_seed(5)
+    u = torch.randn(d, generator=gen, dtype=torch.float64)
+    u = u / u.norm()
+    q = (math.sqrt(d) * u + 0.05 * torch.randn(L, 1, d, generator=gen, dtype=torch.float64))
+    k = 0.05 * torch.randn(L, 1, 1, d, generator=gen, dtype=torch.float64)     # page size 1
+    v = torch.randn(L, 1, 1, d, generator=gen, dtype=torch.float64)
+    k[:B] += 8.0 * u                                                            # tau q.k = u.k = 8
+    k[7 * B:8 * B] += 4.0 * u
+    pt = torch.arange(L, dtype=torch.int32)[None, :]
+    sl, cu = torch.tensor([L], dtype=torch.int32), torch.tensor([0, L], dtype=torch.int32)
+    inp = (q, k, v, pt, sl, cu)
+    base = SparseConfig(block_size=B, sink_tokens=B, window_tokens=B, dense_tail_tokens=32, alpha=0.1)
+    selected = {}
+    for mode in ("scored", "prunable"):
+        _, _, index, plan = check_vs_brute(inp, base.replace(threshold_max=mode))
+        selected[mode] = csr_segments(index, plan)
+    for tile in (5, 6):
+        window = set(range((tile * 128 - B + 1) // B, 2 * tile + 2))
+        assert set(selected["scored"][(0, 0, tile)]) == {0} | window
+        assert set(selected["prunable"][(0, 0, tile)]) == {0, 7} | window
+
+
+def test_threshold_max_is_checked():
+    with pytest.raises(ValueError, match="threshold_max must be one of"):
+        SparseConfig(threshold_max="all")
+
+
 def test_dense_vs_brute():
     inp = make_inputs([100, 700, 1], [100, 1000, 64], hq=6, hkv=2, d=32, page_size=16, seed=8)
     q, k, v, pt, sl, cu = inp

@@ -34,6 +34,11 @@ CASES = {
     "ps1_g1": ([700], [0], 1, 1, 64, 1, 64, {}, True),
     "g7_ps16_b128": ([200], [900], 1, 7, 64, 16, 128, {"sink_tokens": 128, "window_tokens": 128}, True),
     "no_mean_correction": ([300], [700], 1, 3, 64, 16, 64, {"mean_correction": False}, True),
+    # threshold_max "prunable": the max E over the blocks sink and window do not keep; with a
+    # sink whose keys score far above the rest (an attention sink), beside the same inputs scored
+    "prunable_batch_g3_ps64": ([300, 1, 129], [700, 63, 0], 2, 3, 64, 64, 64,
+                               {"threshold_max": "prunable", "_sink_boost": 2.0}, True),
+    "scored_strong_sink_batch_g3_ps64": ([300, 1, 129], [700, 63, 0], 2, 3, 64, 64, 64, {"_sink_boost": 2.0}, True),
     "alpha0_dense_scored": ([300], [700], 1, 2, 64, 16, 64, {"alpha": 0.0}, True),
     "alpha1": ([300], [700], 1, 2, 64, 16, 64, {"alpha": 1.0}, True),
     "short_request_dense": ([300], [100], 1, 2, 64, 16, 64, {"min_sparse_len": 400}, True),
@@ -83,8 +88,9 @@ def _patch_interpreter() -> None:
     interp._fp_patched = True
 
 
-def make_inputs(q_lens, prefixes, hkv, g, d, page_size, dtype, structured, seed=0):
-    """Paged varlen inputs, pages shuffled; ``structured`` adds a sink and needle pages."""
+def make_inputs(q_lens, prefixes, hkv, g, d, page_size, dtype, structured, seed=0, sink_boost=0.0):
+    """Paged varlen inputs, pages shuffled; ``structured`` adds a sink and needle pages;
+    ``sink_boost`` adds ``sink_boost * u`` more to the sink tokens' keys (an attention sink)."""
     import torch
     gen = torch.Generator().manual_seed(seed)
     kv_lens = [lq + p for lq, p in zip(q_lens, prefixes)]
@@ -109,6 +115,8 @@ def make_inputs(q_lens, prefixes, hkv, g, d, page_size, dtype, structured, seed=
             pick = (pos < 8) | ((pos // 40) % 7 == 3)           # sink + needle runs
             idx = page_table[b].long()[pos[pick] // page_size]
             k[idx, pos[pick] % page_size] += 0.5 * u
+            sink = pos[:8]
+            k[page_table[b].long()[sink // page_size], sink % page_size] += sink_boost * u
     seq_lens = torch.tensor(kv_lens, dtype=torch.int32)
     cu = torch.tensor([0] + list(torch.cumsum(torch.tensor(q_lens), 0)), dtype=torch.int32)
     return q.to(dtype), k.to(dtype), v.to(dtype), page_table, seq_lens, cu
@@ -118,10 +126,11 @@ def _run_case(name):
     q_lens, prefixes, hkv, g, d, ps, B, over, structured = CASES[name]
     over = dict(over)
     no_bits = over.pop("_no_bits", False)
-    return _run_case_body(name, q_lens, prefixes, hkv, g, d, ps, B, over, structured, no_bits)
+    sink_boost = over.pop("_sink_boost", 0.0)
+    return _run_case_body(name, q_lens, prefixes, hkv, g, d, ps, B, over, structured, no_bits, sink_boost)
 
 
-def _run_case_body(name, q_lens, prefixes, hkv, g, d, ps, B, over, structured, no_bits):
+def _run_case_body(name, q_lens, prefixes, hkv, g, d, ps, B, over, structured, no_bits, sink_boost=0.0):
     import dataclasses
 
     import torch
@@ -130,7 +139,8 @@ def _run_case_body(name, q_lens, prefixes, hkv, g, d, ps, B, over, structured, n
     from flashprefill.impl.triton import host as tb
 
     cfg = SparseConfig(block_size=B, **{**BASE_CONFIG, **over})
-    q, k, v, pt, sl, cu = make_inputs(q_lens, prefixes, hkv, g, d, ps, torch.float16, structured)
+    q, k, v, pt, sl, cu = make_inputs(q_lens, prefixes, hkv, g, d, ps, torch.float16, structured,
+                                      sink_boost=sink_boost)
     plan = make_plan(sl, cu, g, B)
     idx = tb.build_index(q, k, v, pt, sl, cu, cfg, None, plan)
     ridx = ref.build_index(q, k, v, pt, sl, cu, cfg, None, plan)
@@ -268,6 +278,8 @@ def test_selection_is_sparse_and_rules_hold(results):
     assert results["len300_prefix_g3_ps16"]["density"] < 0.9, results["len300_prefix_g3_ps16"]
     assert results["alpha0_dense_scored"]["density"] >= results["len300_prefix_g3_ps16"]["density"]
     assert results["short_request_dense"]["density"] == 1.0, results["short_request_dense"]
+    # a lower bar (the max over fewer blocks) keeps a superset: here strictly more
+    assert results["prunable_batch_g3_ps64"]["density"] > results["scored_strong_sink_batch_g3_ps64"]["density"]
     # the default (one-dot scores) writes the 16-bit means the correction reads
     assert all(r.get("lowp_made") for r in results.values()), results
 

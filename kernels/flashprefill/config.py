@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 
 SUPPORTED_BLOCK_SIZES = (64, 128)
+THRESHOLD_MAX = ("scored", "prunable")  # SparseConfig.threshold_max (docs/method.md section 3.4)
 
 # What the Triton kernels take (``impl/triton/``). Kept here, in a module that does not
 # import triton, so ``api.py`` (``backend="auto"``) and callers can test it without the kernels.
@@ -40,6 +41,10 @@ class SparseConfig:
         mean_correction: fold every pruned block fully visible to the whole tile back in as
             ``n_j`` copies of its mean key/value (section 4).
         min_sparse_len: requests with fewer new query tokens ``Lq`` than this run dense.
+        threshold_max: which blocks' largest energy the threshold is relative to (section 3.4):
+            ``"scored"`` (every scored block, the method as published) or ``"prunable"`` (only the
+            scored blocks that sink, local window and dense tail do not keep anyway, so that an
+            attention-sink or local block does not set the bar for the blocks the threshold decides).
 
     Raises:
         ValueError: naming the field, when a value is out of range.
@@ -53,6 +58,7 @@ class SparseConfig:
     alpha: float = 0.1
     mean_correction: bool = True
     min_sparse_len: int = 0
+    threshold_max: str = "scored"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "sink_tokens", "window_tokens", "dense_tail_tokens", "min_sparse_len"):
@@ -71,6 +77,8 @@ class SparseConfig:
             raise TypeError(f"SparseConfig.alpha must be a float, got {type(self.alpha).__name__} {self.alpha!r}")
         if not (0.0 <= float(self.alpha) <= 1.0):
             raise ValueError(f"SparseConfig.alpha must be in [0, 1], got {self.alpha}")
+        if self.threshold_max not in THRESHOLD_MAX:
+            raise ValueError(f"SparseConfig.threshold_max must be one of {THRESHOLD_MAX}, got {self.threshold_max!r}")
         if not isinstance(self.mean_correction, bool):
             raise TypeError(
                 f"SparseConfig.mean_correction must be a bool, got {type(self.mean_correction).__name__}"

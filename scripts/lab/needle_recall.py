@@ -115,6 +115,8 @@ def parse_config(spec: str, base: SparseConfig, base_dense: int) -> tuple[Sparse
             cfg = cfg.replace(mean_correction=val.lower() in ("1", "true", "on"))
         elif key == "alpha":
             cfg = cfg.replace(alpha=float(val))
+        elif key == "threshold_max":
+            cfg = cfg.replace(threshold_max=val)
         else:
             cfg = cfg.replace(**{key: int(val)})
     return cfg, dense

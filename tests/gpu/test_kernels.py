@@ -180,6 +180,16 @@ def test_prefix_default_config():
     run_case("default-config", [3000], [5000], 2, 4, 128, 64, torch.bfloat16, SparseConfig())
 
 
+@pytest.mark.parametrize("g,d,ps", [(3, 128, 16), (7, 64, 64)])
+def test_threshold_over_prunable_blocks(g, d, ps):
+    """``threshold_max="prunable"`` (docs/method.md 3.4): the compiled selection equals the
+    reference's, and keeps at least the blocks of ``"scored"`` at the same alpha."""
+    cfg = SMALL.replace(threshold_max="prunable")
+    idx = run_case("prunable", [100, 8192, 1], [0, 4096, 63], 2, g, d, ps, torch.bfloat16, cfg)
+    scored = run_case("scored", [100, 8192, 1], [0, 4096, 63], 2, g, d, ps, torch.bfloat16, SMALL)
+    assert idx.nnz >= scored.nnz
+
+
 @pytest.mark.parametrize("g,d,ps", [(3, 128, 16), (8, 64, 64), (7, 256, 1)])
 def test_correction_without_bitmask(g, d, ps):
     """An index without ``sel_bits`` (the reference's, or one with another CSR): the correction

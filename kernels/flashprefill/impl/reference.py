@@ -197,6 +197,16 @@ def _select_request(
     visible = j[None, :] <= vis_last[:, None]                              # [T, nb]
     scored = e[None, :] <= (P + t_last + 1)[:, None]                       # fully seen by the last row
 
+    # Always kept (3.5): sink, local window, dense tail, short request.
+    sink = (j * B < config.sink_tokens)[None, :]
+    win_lo = torch.clamp(P + t_first - config.window_tokens + 1, min=0) // B
+    window = j[None, :] >= win_lo[:, None]
+    dense = (t_last >= lq - config.dense_tail_tokens) | (lq < config.min_sparse_len)
+    always = sink | window | dense[:, None]                                # [T, nb]
+    # The blocks the threshold decides and measures against (3.4): every scored block, or only
+    # those not kept anyway (threshold_max "prunable").
+    cand = scored & ~always if config.threshold_max == "prunable" else scored
+
     # Energies (3.3) in chunks of tiles: ℓ is [Hkv, rows_chunk, nb].
     if fp8:
         qp = _fp8_q_tiles(qb, hkv, g, tile_rows, dt).view(hkv, -1, d)[:, :rows] * scale
@@ -215,6 +225,7 @@ def _select_request(
         rho = torch.arange(r0, r0 + (c1 - c0) * tile_rows, device=dev)
         tok = rho // g
         valid = (rho < rows)[:, None] & (e[None, :] <= (P + tok + 1)[:, None])   # [r, nb]
+        valid = valid & cand[c0:c1].repeat_interleave(tile_rows, 0)           # M over the decided blocks
         ell = ell.masked_fill(~valid, -math.inf).view(hkv, c1 - c0, tile_rows, nb)
         m = ell.amax(dim=(2, 3), keepdim=True)                             # M per (head, tile)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))         # tile without valid pair
@@ -222,15 +233,9 @@ def _select_request(
     E = torch.cat(energies, 1) if energies else k_mean.new_zeros(hkv, 0, nb)    # [Hkv, T, nb]
 
     # Max-based threshold (3.4): keep scored j iff E_j >= α max_j' E_j'.
-    e_max = torch.where(scored, E, torch.zeros_like(E)).amax(-1, keepdim=True) if nb else E
-    keep = scored & (E >= config.alpha * e_max)
+    e_max = torch.where(cand, E, torch.zeros_like(E)).amax(-1, keepdim=True) if nb else E
+    keep = cand & (E >= config.alpha * e_max)
 
-    # Always kept (3.5): sink, local window, dense tail, short request.
-    sink = (j * B < config.sink_tokens)[None, :]
-    win_lo = torch.clamp(P + t_first - config.window_tokens + 1, min=0) // B
-    window = j[None, :] >= win_lo[:, None]
-    dense = (t_last >= lq - config.dense_tail_tokens) | (lq < config.min_sparse_len)
-    always = sink | window | dense[:, None]
     S = visible & (keep | always)
     return S, vis_last + 1
 

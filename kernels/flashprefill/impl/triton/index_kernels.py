@@ -16,7 +16,8 @@ Four launches (means of K and of V, selection, expand), no dense ``tiles x block
        one tensor-core dot on k̄ rounded to q's 16-bit dtype) and writes the chunk's
        absolute log-energy ``log2 E_j = M_c + log2 Σ_ρ 2^(ℓ - M_c)`` (``M_c`` the running max)
        to a per-program scratch row ``[max_blocks]`` (L2-resident, ``n_programs x max_blocks``
-       floats: 2 MiB at 128K) and keeps ``max_j log2 E_j``. ``E_j / max E`` does not depend on
+       floats: 2 MiB at 128K) and keeps ``max_j log2 E_j`` (with ``threshold_max="prunable"``
+       over the blocks that sink and window do not keep). ``E_j / max E`` does not depend on
        ``M``, so no second sweep of dot products is needed;
      - pass B sweeps every causally visible block in chunks of ``BLOCK_J`` (a multiple of 32):
        keep = dense tile | sink | window | (scored & ``log2 E_j >= log2 α + max``); writes the
@@ -207,6 +208,7 @@ def _select_kernel(
     KEEP_ALL_SCORED: tl.constexpr,   # alpha == 0
     FP8: tl.constexpr = False,       # e4m3 scores (docs/fp8.md): k_lowp holds k_mean8, k_scale the K scales
     HW_CVT: tl.constexpr = False,    # FP8: the Q tile's codes by the hardware cast (quant_kernels._to_e4m3)
+    MAX_PRUNABLE: tl.constexpr = False,  # threshold_max "prunable": max E over blocks not sink / window
 ):
     """Selection of every segment (pass A: block energies, pass B: rules + threshold), see the
     module docstring. ``k_mean`` (float32 means) is not read: the scores use ``k_lowp``; it stays
@@ -262,9 +264,14 @@ def _select_kernel(
             log_e = _score_chunk(k_cur, qT, j0, n_score_loop, tok, row_ok, P, lk, seg_scale,
                                  j0 + BLOCK_J > n_first, BLOCK_J, BLOCK_SIZE)
             tl.store(scratch_row + j0 + tl.arange(0, BLOCK_J), log_e)
+            if MAX_PRUNABLE:  # the bar is set by the blocks the threshold decides, not by sink / window
+                js = j0 + tl.arange(0, BLOCK_J)
+                log_e = tl.where((js * BLOCK_SIZE >= sink_tokens) & (js < win_lo), log_e, float("-inf"))
             e_max_v = tl.maximum(e_max_v, log_e)
         e_max = tl.max(e_max_v, axis=0)
         tl.debug_barrier()  # scratch written by other threads of this program
+        # no prunable block (MAX_PRUNABLE): e_max = -inf, threshold -inf, every scored block is kept
+        # by sink / window anyway
         threshold = e_max + log2_alpha - TIE_LOG2_SLACK * tl.abs(e_max)
         # --- pass B: rules + threshold -> bitmask words, count
         count = 0
