@@ -179,9 +179,16 @@ def brute_force(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config,
                     if ell:
                         M = max(ell.values())
                         E = {j: 0.0 for j in scored}
-                        for (rho, j), val in ell.items():
-                            if j in E:
-                                E[j] += math.exp(val - M)
+                        if config.block_score == "mass":       # each row's softmax over its decided blocks
+                            for rho in rho_list:
+                                w = {j: math.exp(ell[(rho, j)] - M) for j in decided if (rho, j) in ell}
+                                z = sum(w.values())
+                                for j, x in w.items():
+                                    E[j] += x / z if z > 0 else 0.0
+                        else:
+                            for (rho, j), val in ell.items():
+                                if j in E:
+                                    E[j] += math.exp(val - M)
                         emax = max((E[j] for j in decided), default=0.0)
                         kept = {j for j in decided if E[j] >= config.alpha * emax}
                     S = []

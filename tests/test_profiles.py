@@ -58,6 +58,7 @@ def write(tmp_path, data) -> str:
         ({"name": "x", "attention": "sparse"}, "attention: 'sparse'", "allowed: flashprefill, dense"),
         ({"name": "x", "sparse": {"alpha": 2.0}}, "sparse.alpha", "[0, 1]"),
         ({"name": "x", "sparse": {"threshold_max": "all"}}, "sparse.threshold_max", "prunable"),
+        ({"name": "x", "sparse": {"block_score": "max"}}, "sparse.block_score", "mass"),
         ({"name": "x", "sparse": {"block_size": 96}}, "sparse.block_size", "(64, 128)"),
         ({"name": "x", "sparse": {"mean_correction": "yes"}}, "sparse.mean_correction", "bool"),
         ({"name": "x", "engine": {"chunked_prefill_size": 4096}}, "engine.chunked_prefill_size", ">= 8192"),

@@ -187,6 +187,43 @@ def test_a_strong_sink_sets_the_bar_only_when_the_max_is_over_every_scored_block
         assert set(selected["prunable"][(0, 0, tile)]) == {0, 7} | window
 
 
+@pytest.mark.parametrize("g,page_size,threshold_max", [(1, 16, "scored"), (3, 1, "prunable"), (7, 64, "scored")])
+def test_block_score_mass_vs_brute(g, page_size, threshold_max):
+    """``block_score="mass"`` (docs/method.md 3.3): each row's softmax over the blocks it scores,
+    summed over the tile; the reference equals the brute-force definition."""
+    inp = make_inputs([700, 130], [1000, 300], hq=g, hkv=1, d=32, page_size=page_size, seed=43, structured=True)
+    config = SPARSE64.replace(block_score="mass", threshold_max=threshold_max, alpha=0.1)
+    _, _, index, _ = check_vs_brute(inp, config)
+    assert density(index) < 0.9
+
+
+def test_mass_weighs_every_row_the_same():
+    """Two query heads share a KV head: head 0's rows have logits ~12 on block 2 and ~0 elsewhere,
+    head 1's rows logits ~6 on block 5 (a flatter head). By energy (one shared max) head 1's
+    block has e^-6 of block 2's: pruned at alpha 0.1. By mass each row counts once: block 5
+    holds ~98% of head 1's attention, about as much of the tile's mass as block 2: kept."""
+    d, L, B = 64, 1024, 64
+    gen = torch.Generator().manual_seed(9)
+    u, w = torch.linalg.qr(torch.randn(d, 2, generator=gen, dtype=torch.float64))[0].T
+    q = torch.empty(L, 2, d, dtype=torch.float64)
+    q[:, 0], q[:, 1] = math.sqrt(d) * u, math.sqrt(d) * w
+    q += 0.05 * torch.randn(L, 2, d, generator=gen, dtype=torch.float64)
+    k = 0.05 * torch.randn(L, 1, 1, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(L, 1, 1, d, generator=gen, dtype=torch.float64)
+    k[2 * B:3 * B] += 12.0 * u
+    k[5 * B:6 * B] += 6.0 * w
+    pt = torch.arange(L, dtype=torch.int32)[None, :]
+    inp = (q, k, v, pt, torch.tensor([L], dtype=torch.int32), torch.tensor([0, L], dtype=torch.int32))
+    base = SparseConfig(block_size=B, sink_tokens=B, window_tokens=B, dense_tail_tokens=32, alpha=0.1)
+    kept = {}
+    for score in ("energy", "mass"):
+        _, _, index, plan = check_vs_brute(inp, base.replace(block_score=score))
+        kept[score] = csr_segments(index, plan)
+    for tile in (8, 9):           # tokens 512-639 (g 2: 64 tokens a tile): blocks 2 and 5 outside the window
+        assert 2 in kept["energy"][(0, 0, tile)] and 5 not in kept["energy"][(0, 0, tile)]
+        assert {2, 5} <= set(kept["mass"][(0, 0, tile)])
+
+
 def test_threshold_max_is_checked():
     with pytest.raises(ValueError, match="threshold_max must be one of"):
         SparseConfig(threshold_max="all")

@@ -39,6 +39,11 @@ CASES = {
     "prunable_batch_g3_ps64": ([300, 1, 129], [700, 63, 0], 2, 3, 64, 64, 64,
                                {"threshold_max": "prunable", "_sink_boost": 2.0}, True),
     "scored_strong_sink_batch_g3_ps64": ([300, 1, 129], [700, 63, 0], 2, 3, 64, 64, 64, {"_sink_boost": 2.0}, True),
+    # block_score "mass": each row's softmax over its blocks (a pre-pass of row log-sum-exps), alone
+    # and with the prunable max; at d 128 with 128-token blocks and several BLOCK_J chunks
+    "mass_batch_g3_ps64": ([300, 1, 129], [700, 63, 0], 2, 3, 64, 64, 64, {"block_score": "mass", "alpha": 0.1}, True),
+    "mass_prunable_long_prefix_d128": ([100], [9000], 1, 2, 128, 64, 64,
+                                       {"block_score": "mass", "threshold_max": "prunable", "alpha": 0.1}, True),
     "alpha0_dense_scored": ([300], [700], 1, 2, 64, 16, 64, {"alpha": 0.0}, True),
     "alpha1": ([300], [700], 1, 2, 64, 16, 64, {"alpha": 1.0}, True),
     "short_request_dense": ([300], [100], 1, 2, 64, 16, 64, {"min_sparse_len": 400}, True),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 SUPPORTED_BLOCK_SIZES = (64, 128)
 THRESHOLD_MAX = ("scored", "prunable")  # SparseConfig.threshold_max (docs/method.md section 3.4)
+BLOCK_SCORES = ("energy", "mass")  # SparseConfig.block_score (docs/method.md section 3.3)
 
 # What the Triton kernels take (``impl/triton/``). Kept here, in a module that does not
 # import triton, so ``api.py`` (``backend="auto"``) and callers can test it without the kernels.
@@ -45,6 +46,10 @@ class SparseConfig:
             ``"scored"`` (every scored block, the method as published) or ``"prunable"`` (only the
             scored blocks that sink, local window and dense tail do not keep anyway, so that an
             attention-sink or local block does not set the bar for the blocks the threshold decides).
+        block_score: how a tile scores a block (section 3.3): ``"energy"`` (``E_j = Σ_ρ exp(ℓ(ρ, j) -
+            M)``, the method as published: the rows with the largest logits dominate) or ``"mass"``
+            (``Σ_ρ softmax_ρ(ℓ)_j``: each row's attention distribution over the block means it
+            decides, summed over the tile's rows, so every (token, head) row weighs the same).
 
     Raises:
         ValueError: naming the field, when a value is out of range.
@@ -59,6 +64,7 @@ class SparseConfig:
     mean_correction: bool = True
     min_sparse_len: int = 0
     threshold_max: str = "scored"
+    block_score: str = "energy"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "sink_tokens", "window_tokens", "dense_tail_tokens", "min_sparse_len"):
@@ -79,6 +85,8 @@ class SparseConfig:
             raise ValueError(f"SparseConfig.alpha must be in [0, 1], got {self.alpha}")
         if self.threshold_max not in THRESHOLD_MAX:
             raise ValueError(f"SparseConfig.threshold_max must be one of {THRESHOLD_MAX}, got {self.threshold_max!r}")
+        if self.block_score not in BLOCK_SCORES:
+            raise ValueError(f"SparseConfig.block_score must be one of {BLOCK_SCORES}, got {self.block_score!r}")
         if not isinstance(self.mean_correction, bool):
             raise TypeError(
                 f"SparseConfig.mean_correction must be a bool, got {type(self.mean_correction).__name__}"

@@ -190,6 +190,16 @@ def test_threshold_over_prunable_blocks(g, d, ps):
     assert idx.nnz >= scored.nnz
 
 
+@pytest.mark.parametrize("threshold_max", ["scored", "prunable"])
+@pytest.mark.parametrize("g,d,ps", [(3, 128, 16), (7, 64, 64), (8, 256, 1)])
+def test_block_score_mass(g, d, ps, threshold_max):
+    """``block_score="mass"`` (docs/method.md 3.3): the compiled selection (a row log-sum-exp
+    pre-pass, then the scores) equals the reference's, and still prunes."""
+    cfg = SMALL.replace(block_score="mass", threshold_max=threshold_max)
+    idx = run_case("mass", [100, 8192, 1], [0, 4096, 63], 2, g, d, ps, torch.bfloat16, cfg)
+    assert idx.nnz < int(idx.n_visible.sum())
+
+
 @pytest.mark.parametrize("g,d,ps", [(3, 128, 16), (8, 64, 64), (7, 256, 1)])
 def test_correction_without_bitmask(g, d, ps):
     """An index without ``sel_bits`` (the reference's, or one with another CSR): the correction

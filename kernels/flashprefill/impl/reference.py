@@ -207,7 +207,8 @@ def _select_request(
     # those not kept anyway (threshold_max "prunable").
     cand = scored & ~always if config.threshold_max == "prunable" else scored
 
-    # Energies (3.3) in chunks of tiles: ℓ is [Hkv, rows_chunk, nb].
+    # Energies (3.3) in chunks of tiles: ℓ is [Hkv, rows_chunk, nb]; with block_score "mass" each
+    # valid row's softmax over the blocks it sees (those the threshold decides), summed over rows.
     if fp8:
         qp = _fp8_q_tiles(qb, hkv, g, tile_rows, dt).view(hkv, -1, d)[:, :rows] * scale
     else:
@@ -227,6 +228,12 @@ def _select_request(
         valid = (rho < rows)[:, None] & (e[None, :] <= (P + tok + 1)[:, None])   # [r, nb]
         valid = valid & cand[c0:c1].repeat_interleave(tile_rows, 0)           # M over the decided blocks
         ell = ell.masked_fill(~valid, -math.inf).view(hkv, c1 - c0, tile_rows, nb)
+        if config.block_score == "mass":                                   # each row's softmax over its
+            m = ell.amax(dim=3, keepdim=True)                              # decided blocks, summed
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))     # row without valid pair
+            p = torch.exp(ell - m)
+            energies.append((p / p.sum(3, keepdim=True).clamp_min(1e-30)).sum(2))
+            continue
         m = ell.amax(dim=(2, 3), keepdim=True)                             # M per (head, tile)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))         # tile without valid pair
         energies.append(torch.exp(ell - m).sum(2))                         # exp(-inf) = 0 off-valid

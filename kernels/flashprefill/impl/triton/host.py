@@ -226,8 +226,8 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
     if n_seg:
         bits = torch.empty(n_seg, n_words, dtype=torch.int32, device=dev)
         alpha = float(config.alpha)
-        prunable = config.threshold_max == "prunable"
-        occ_key = (dev, d, q.dtype, g, B, plan.tile_rows, tiles, alpha == 0.0, fp8, prunable)
+        prunable, mass = config.threshold_max == "prunable", config.block_score == "mass"
+        occ_key = (dev, d, q.dtype, g, B, plan.tile_rows, tiles, alpha == 0.0, fp8, prunable, mass)
         n_prog = _n_programs(dev, n_seg, _SELECT_OCC.get(occ_key, tiles.select_programs_per_sm))
         scratch_cols = max(block_j, triton.cdiv(max_nb, block_j) * block_j)
         scratch = torch.empty(n_prog, scratch_cols, dtype=torch.float32, device=dev)
@@ -261,6 +261,7 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
             config.sink_tokens, config.window_tokens, config.dense_tail_tokens, config.min_sparse_len, k_scale,
             GROUP=g, HEAD_DIM=d, TILE_ROWS=plan.tile_rows, BLOCK_SIZE=B, BLOCK_J=block_j,
             KEEP_ALL_SCORED=alpha == 0.0, FP8=fp8, HW_CVT=fp8 and tiles.hw_cvt and q.is_cuda, MAX_PRUNABLE=prunable,
+            ROW_MASS=mass,
             num_warps=tiles.select_num_warps, num_stages=tiles.select_num_stages,
         )
         if dev.type == "cuda" and occ_key not in _SELECT_OCC:

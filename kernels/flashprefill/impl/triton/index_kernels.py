@@ -166,8 +166,41 @@ def _load_mean_keys(k_lowp, j0, n_scored, blk0, h, stride_mb, stride_mh,
 
 
 @triton.jit
+def _chunk_logits(kc, qT, j0, n_scored, rows_tok, row_ok, P, lk, scale_log2, sink_tokens, win_lo,
+                  BLOCK_J: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_PRUNABLE: tl.constexpr):
+    """``ℓ2ᵀ`` ``[BLOCK_J, TILE_ROWS]`` of blocks ``j0 ..`` (log2 units), ``-inf`` off the valid
+    (row, block) pairs and, with ``MAX_PRUNABLE``, on the blocks sink and window keep anyway."""
+    js = j0 + tl.arange(0, BLOCK_J)
+    e_j = tl.minimum((js + 1) * BLOCK_SIZE, lk)
+    ok = (js < n_scored)[:, None] & row_ok[None, :] & (e_j[:, None] <= P + rows_tok[None, :] + 1)
+    if MAX_PRUNABLE:
+        ok = ok & ((js * BLOCK_SIZE >= sink_tokens) & (js < win_lo))[:, None]
+    return tl.where(ok, tl.dot(kc, qT) * scale_log2, float("-inf"))
+
+
+@triton.jit
+def _row_log_mass(k_lowp, qT, n_scored, blk0, h, stride_mb, stride_mh, rows_tok, row_ok, P, lk,
+                  scale_log2, sink_tokens, win_lo, HEAD_DIM: tl.constexpr, TILE_ROWS: tl.constexpr,
+                  BLOCK_J: tl.constexpr, BLOCK_SIZE: tl.constexpr, MAX_PRUNABLE: tl.constexpr):
+    """``block_score="mass"``'s pre-pass: each row's log2-sum-exp2 of ``ℓ2`` over the blocks it
+    scores (an online log-sum-exp over the chunks; 0 for a row with none), ``[TILE_ROWS]``. The
+    scores then subtract it, so a row's terms are its softmax over the blocks."""
+    m_r = tl.full([TILE_ROWS], float("-inf"), dtype=tl.float32)
+    s_r = tl.zeros([TILE_ROWS], dtype=tl.float32)
+    for j0 in range(0, n_scored, BLOCK_J):
+        kc = _load_mean_keys(k_lowp, j0, n_scored, blk0, h, stride_mb, stride_mh, HEAD_DIM, BLOCK_J)
+        x = _chunk_logits(kc, qT, j0, n_scored, rows_tok, row_ok, P, lk, scale_log2, sink_tokens, win_lo,
+                          BLOCK_J, BLOCK_SIZE, MAX_PRUNABLE)
+        m_new = tl.maximum(m_r, tl.max(x, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s_r = s_r * tl.exp2(m_r - m_safe) + tl.sum(tl.exp2(x - m_safe[None, :]), axis=0)
+        m_r = m_new
+    return tl.where(s_r > 0, m_r + tl.log2(s_r), 0.0)
+
+
+@triton.jit
 def _score_chunk(kc, qT, j0, n_scored, rows_tok, row_ok, P, lk, scale_log2, need_mask,
-                 BLOCK_J: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                 BLOCK_J: tl.constexpr, BLOCK_SIZE: tl.constexpr, row_lse, ROW_MASS: tl.constexpr):
     """Log2-energy of blocks ``j0 .. j0+BLOCK_J-1``: ``log2 Σ_{valid ρ} 2^(ℓ2(ρ, j))``.
 
     ``kc``: their mean keys (``_load_mean_keys``). Transposed product ``ℓᵀ = k̄ qᵀ``
@@ -177,6 +210,8 @@ def _score_chunk(kc, qT, j0, n_scored, rows_tok, row_ok, P, lk, scale_log2, need
     (runtime): some (row, block) pair of the chunk is not valid (a block not fully seen by the
     tile's first row, or a partial tile); otherwise the mask is skipped. Each block's own max is
     subtracted (exact log-sum-exp per block). Blocks past ``n_scored`` get ``-inf``.
+    ``ROW_MASS`` (``block_score="mass"``): ``ℓ2 - row_lse`` per row (``_row_log_mass``), so the
+    result is ``log2 Σ_ρ softmax_ρ(ℓ)_j``.
     """
     js = j0 + tl.arange(0, BLOCK_J)
     j_ok = js < n_scored
@@ -187,9 +222,15 @@ def _score_chunk(kc, qT, j0, n_scored, rows_tok, row_ok, P, lk, scale_log2, need
         dotT = tl.where(valid, dotT, float("-inf"))
     # ℓ2 = scale_log2 q·k̄ (scale_log2 > 0: the max of ℓ2 is the scaled max of q·k̄), and
     # ℓ2 - m_j as one FMA per element
-    m_j = tl.max(dotT, axis=1) * scale_log2
-    m_j = tl.where(m_j == float("-inf"), 0.0, m_j)
-    energy = tl.sum(tl.exp2(tl.fma(dotT, scale_log2, -m_j[:, None])), axis=1)       # [BLOCK_J]
+    if ROW_MASS:
+        x = dotT * scale_log2 - row_lse[None, :]
+        m_j = tl.max(x, axis=1)
+        m_j = tl.where(m_j == float("-inf"), 0.0, m_j)
+        energy = tl.sum(tl.exp2(x - m_j[:, None]), axis=1)
+    else:
+        m_j = tl.max(dotT, axis=1) * scale_log2
+        m_j = tl.where(m_j == float("-inf"), 0.0, m_j)
+        energy = tl.sum(tl.exp2(tl.fma(dotT, scale_log2, -m_j[:, None])), axis=1)       # [BLOCK_J]
     return tl.where(j_ok, m_j + tl.log2(energy), float("-inf"))
 
 
@@ -209,6 +250,7 @@ def _select_kernel(
     FP8: tl.constexpr = False,       # e4m3 scores (docs/fp8.md): k_lowp holds k_mean8, k_scale the K scales
     HW_CVT: tl.constexpr = False,    # FP8: the Q tile's codes by the hardware cast (quant_kernels._to_e4m3)
     MAX_PRUNABLE: tl.constexpr = False,  # threshold_max "prunable": max E over blocks not sink / window
+    ROW_MASS: tl.constexpr = False,      # block_score "mass": each row's softmax over its blocks, summed
 ):
     """Selection of every segment (pass A: block energies, pass B: rules + threshold), see the
     module docstring. ``k_mean`` (float32 means) is not read: the scores use ``k_lowp``; it stays
@@ -254,6 +296,12 @@ def _select_kernel(
         n_first = tl.where(lq * GROUP - i * TILE_ROWS >= TILE_ROWS,
                            _n_fully_seen(P + t_first + 1, lk, BLOCK_SIZE), 0)
         win_lo = tl.maximum(P + t_first - window_tokens + 1, 0) // BLOCK_SIZE
+        if ROW_MASS:  # pass A0: each row's log-sum-exp over the blocks it scores (one more sweep)
+            row_lse = _row_log_mass(k_lowp, qT, n_score_loop, blk0, h, stride_mb, stride_mh, tok, row_ok, P, lk,
+                                    seg_scale, sink_tokens, win_lo, HEAD_DIM, TILE_ROWS, BLOCK_J, BLOCK_SIZE,
+                                    MAX_PRUNABLE)
+        else:
+            row_lse = tl.zeros([TILE_ROWS], dtype=tl.float32)    # not read
         # --- pass A: log2-energies of scored blocks -> scratch, and their max
         e_max_v = tl.full([BLOCK_J], float("-inf"), dtype=tl.float32)
         kc = _load_mean_keys(k_lowp, 0, n_score_loop, blk0, h, stride_mb, stride_mh, HEAD_DIM, BLOCK_J)
@@ -262,7 +310,7 @@ def _select_kernel(
             kc = _load_mean_keys(k_lowp, j0 + BLOCK_J, n_score_loop, blk0, h, stride_mb, stride_mh,
                                  HEAD_DIM, BLOCK_J)
             log_e = _score_chunk(k_cur, qT, j0, n_score_loop, tok, row_ok, P, lk, seg_scale,
-                                 j0 + BLOCK_J > n_first, BLOCK_J, BLOCK_SIZE)
+                                 j0 + BLOCK_J > n_first, BLOCK_J, BLOCK_SIZE, row_lse, ROW_MASS)
             tl.store(scratch_row + j0 + tl.arange(0, BLOCK_J), log_e)
             if MAX_PRUNABLE:  # the bar is set by the blocks the threshold decides, not by sink / window
                 js = j0 + tl.arange(0, BLOCK_J)
