@@ -820,3 +820,56 @@ def test_the_note_beside_a_resident_engine_says_what_differs(tmp_path):
     said = profile_difference(state, dense)
     assert said.startswith("profile bf16 at context 8,192 tokens (this command: dense at context 3,072 tokens, differs in ")
     assert "attention" in said
+
+
+# -- while fp start is still starting the engine ------------------------------------------------------
+
+
+def _starting(s: Servers, env: dict, timeout: float = 60) -> tuple[subprocess.Popen, int]:
+    """``fp start`` in the background; returns it and the pid of the server it is starting, once
+    its starting marker names one (the state file not written yet)."""
+    start = s.popen("start", *(["--model", s.model] if "FP_ENGINE_FACTORY" not in env else []),
+                    "--timeout", "300", env=env)
+    _wait(lambda: s.paths.starting.exists(), timeout, "the starting marker")
+    pid = json.loads(s.paths.starting.read_text())["pid"]
+    s.pids.add(pid)
+    return start, pid
+
+
+def test_status_and_ask_while_the_engine_starts(servers):
+    """fp status says "starting" (exit 4) and fp ask waits for the starting engine and uses it
+    instead of loading its own model."""
+    s = servers
+    start, pid = _starting(s, {"FP_FAKE_LOAD_S": "6"})
+    st = s.fp("status")
+    assert st.returncode == 4, (st.stdout, st.stderr)
+    assert re.match(rf"starting \(pid {pid}, since \d+ s\); log ", st.stdout), st.stdout
+    info = json.loads(s.fp("status", "--json").stdout)
+    assert info["status"] == "starting" and info["starting"]["pid"] == pid and info["state"] is None
+    a = _ask(s, timeout=120)
+    assert a.returncode == 0, a.stderr
+    assert f"a resident engine is starting (pid {pid}" in a.stderr and "waiting for it" in a.stderr, a.stderr
+    assert json.loads(a.stdout)["summary"]["server"]["pid"] == pid
+    assert len(s.traced("load")) == 1  # the ask loaded no model of its own
+    assert start.wait(timeout=60) == 0
+    assert not s.paths.starting.exists() and s.fp("status").returncode == 0
+
+
+@pytest.mark.slow
+def test_stop_ends_an_engine_that_is_still_starting(servers):
+    """With the real embedded model: fp stop while fp start loads it ends the starting server;
+    no engine comes up afterwards and fp start says it was stopped."""
+    s = servers
+    env = {"FP_ENGINE_FACTORY": ""}  # the real loader
+    start, pid = _starting(s, {**env, "FP_ENGINE_FACTORY": ""})
+    st = s.fp("status", env=env)
+    assert st.returncode == 4 and st.stdout.startswith(f"starting (pid {pid}, since "), (st.stdout, st.stderr)
+    stop = s.fp("stop", env=env)
+    assert stop.returncode == 0 and f"the starting resident engine (pid {pid}" in stop.stderr, stop.stderr
+    assert not _alive(pid)
+    _, err = start.communicate(timeout=60)
+    assert start.returncode == 1 and "stopped (fp stop) while it was starting" in err, err
+    time.sleep(1.0)
+    assert s.state() is None and not s.paths.starting.exists() and not _alive(pid)
+    after = s.fp("status", env=env)
+    assert after.returncode == 3 and "no resident engine runs" in after.stderr

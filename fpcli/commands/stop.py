@@ -15,6 +15,7 @@ from fpcli.server import STOP_WAIT_S
 app = typer.Typer()
 
 EXIT_NOT_RUNNING = 3  # fp status: nothing runs (or it was stale); 1: it hangs
+EXIT_STARTING = 4  # fp status: fp start launched it and it does not answer yet
 
 
 def _paths():
@@ -41,18 +42,21 @@ def status(
 ) -> None:
     """Show the resident engine: model, profile, engine, address, idle time, memory, requests.
 
-    Exit code 0 when it runs, 3 when none runs (a stale state file of a dead engine is removed, and said), 1 when it does not answer (hung).
+    Exit code 0 when it runs, 4 while fp start is still starting it, 3 when none runs (a stale state file of a dead engine is removed, and said), 1 when it does not answer (hung).
     """
     from fpcli.server.lifecycle import probe_status
 
     err = stderr_console()
     st = probe_status(_paths())
-    code = {"running": 0, "none": EXIT_NOT_RUNNING, "stale": EXIT_NOT_RUNNING, "hung": 1}[st.kind]
+    code = {"running": 0, "starting": EXIT_STARTING, "none": EXIT_NOT_RUNNING, "stale": EXIT_NOT_RUNNING,
+            "hung": 1}[st.kind]
     if json_out:
         sys.stdout.write(json.dumps(st.to_dict(), indent=2) + "\n")
         raise typer.Exit(code)
     if st.kind == "none":
         err.print("no resident engine runs (start one with fp start)", highlight=False)
+    elif st.kind == "starting":
+        sys.stdout.write(f"starting ({st.detail})" + (f"; log {st.starting.log}" if st.starting.log else "") + "\n")
     elif st.kind == "stale":
         warning(err, f"the resident engine is gone (stale): {st.detail}")
     elif st.kind == "hung":
@@ -83,7 +87,7 @@ def status(
 def stop(
     wait: Annotated[float, typer.Option("--wait", min=0.0, help="Seconds to wait for a clean shutdown before SIGTERM, then SIGKILL.")] = STOP_WAIT_S,
 ) -> None:
-    """Stop the resident engine (and every process it started); does nothing when none runs."""
+    """Stop the resident engine (and every process it started), also one fp start is still starting; does nothing when none runs."""
     from fpcli.server.lifecycle import LifecycleError, stop_server
 
     err = stderr_console()
@@ -95,6 +99,9 @@ def stop(
         err.print("no resident engine runs", highlight=False)
     elif before.kind == "stale":
         warning(err, f"the resident engine was already gone: {before.detail}")
+    elif before.kind == "starting":
+        err.print(f"fp: the starting resident engine ({before.detail}) ended with {how}; none runs", highlight=False,
+                  soft_wrap=True)
     else:
         s = before.state
         ended = "shut down" if how == "shutdown" else f"ended with {how}"

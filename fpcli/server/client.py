@@ -18,7 +18,7 @@ import httpx
 from fpcli.engine.base import GenerationResult
 
 from .paths import ServerPaths, default_paths
-from .state import ServerState, clear_stale, pid_alive, profile_hash, read_state
+from .state import ServerState, clear_stale, pid_alive, profile_hash, read_starting, read_state
 
 
 class ServerUnavailable(RuntimeError):
@@ -270,6 +270,30 @@ def context_words(tokens: int | None) -> str:
     return "the model's own context" if tokens is None else f"context {int(tokens):,} tokens"
 
 
+def wait_for_starting(paths: ServerPaths, note: Callable[[str], None], warn: Callable[[str], None],
+                      poll_s: float = 0.1) -> ServerState | None:
+    """Wait for the engine that ``fp start`` is starting, if any (its starting marker): its state
+    once it has written one, or ``None`` when none is starting, or it ended (said through ``warn``)
+    or was not ready when its ``fp start`` gives up on it (``StartingState.ready_by``). Says that
+    it waits through ``note``. Blocks; Ctrl-C raises KeyboardInterrupt."""
+    starting = read_starting(paths)
+    if starting is None:
+        return None
+    note(f"a resident engine is starting (pid {starting.pid}, since {max(0.0, time.time() - starting.started_at):.0f} s); "
+         "waiting for it (--no-server runs in-process instead)")
+    while True:
+        state = read_state(paths)
+        if state is not None and state.pid == starting.pid:
+            return state
+        if not pid_alive(starting.pid) or time.time() > starting.ready_by:
+            warn(f"the resident engine that was starting (pid {starting.pid}) did not start; running in-process")
+            return None
+        if read_starting(paths) is None and read_state(paths) is None:  # stopped (fp stop) or failed
+            warn(f"the resident engine that was starting (pid {starting.pid}) was stopped; running in-process")
+            return None
+        time.sleep(poll_s)
+
+
 def connect(model: str | None, profile, engine: str = "auto", paths: ServerPaths | None = None,
             config: ClientConfig = ClientConfig(), warn: Callable[[str], None] | None = None,
             note: Callable[[str], None] | None = None, one_request: bool = False) -> RemoteEngine | None:
@@ -277,6 +301,8 @@ def connect(model: str | None, profile, engine: str = "auto", paths: ServerPaths
     (by content: ``profile_hash``) and, unless ``engine`` is ``auto``, the same engine; else
     ``None`` (run in-process).
 
+    An engine that ``fp start`` is still starting (``ServerPaths.starting``) is waited for, said
+    through ``note`` (``wait_for_starting``); Ctrl-C stops the wait (KeyboardInterrupt).
     A stale state (dead process) is removed and reported through ``warn``; a server that does not
     answer its health check within ``config`` timeouts is reported through ``warn`` (in-process
     then); a running engine that does not match is reported through ``note``. Never raises for a
@@ -286,6 +312,8 @@ def connect(model: str | None, profile, engine: str = "auto", paths: ServerPaths
     note = note or (lambda m: None)
     paths = paths or default_paths()
     state = read_state(paths)
+    if state is None:
+        state = wait_for_starting(paths, note, warn)
     if state is None:
         return None
     if not pid_alive(state.pid):

@@ -10,13 +10,14 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from . import START_TIMEOUT_S, STOP_WAIT_S
 from .client import ClientConfig, ServerUnavailable, probe, shutdown
 from .paths import ServerPaths
-from .state import ServerState, clear_stale, clear_state, pid_alive, read_state, start_lock
+from .state import (ServerState, StartingState, clear_stale, clear_starting, clear_state, pid_alive, read_starting,
+                    read_state, start_lock, write_starting)
 
 
 class LifecycleError(RuntimeError):
@@ -43,23 +44,34 @@ class StartRequest:
 
 @dataclass(frozen=True)
 class Status:
-    """What ``probe_status`` found: ``kind`` is ``running``, ``none``, ``stale`` (the process was
-    gone; its state file was removed) or ``hung`` (alive, no health answer)."""
+    """What ``probe_status`` found: ``kind`` is ``running``, ``starting`` (``fp start`` spawned it and
+    it does not answer yet: ``starting`` says which), ``none``, ``stale`` (the process was gone; its
+    state file was removed) or ``hung`` (alive, no health answer)."""
 
     kind: str
     state: ServerState | None = None
     health: dict | None = None
     detail: str = ""
+    starting: StartingState | None = None
 
     def to_dict(self) -> dict:
         return {"status": self.kind, "running": self.kind == "running",
-                "state": self.state.to_dict() if self.state else None, "health": self.health, "detail": self.detail}
+                "state": self.state.to_dict() if self.state else None, "health": self.health, "detail": self.detail,
+                "starting": asdict(self.starting) if self.starting else None}
+
+
+def starting_words(starting: StartingState) -> str:
+    """``pid 123, since 4 s`` for a starting engine."""
+    return f"pid {starting.pid}, since {max(0.0, time.time() - starting.started_at):.0f} s"
 
 
 def probe_status(paths: ServerPaths, config: ClientConfig = ClientConfig()) -> Status:
     """The resident engine's status; cleans a stale state file."""
     state = read_state(paths)
     if state is None:
+        starting = read_starting(paths)
+        if starting is not None:
+            return Status("starting", detail=starting_words(starting), starting=starting)
         return Status("none")
     if not pid_alive(state.pid):
         removed = clear_stale(paths, state)
@@ -87,7 +99,9 @@ def serve_command(request: StartRequest, log: str) -> list[str]:
 def spawn(paths: ServerPaths, request: StartRequest, on_wait: Callable[[float, str], None] | None = None,
           config: ClientConfig = ClientConfig()) -> ServerState:
     """Start ``fp serve`` detached (new session, stdout/stderr to ``paths.log``) and wait until its
-    state file names it and its health check answers. The caller holds the start lock.
+    state file names it and its health check answers. The caller holds the start lock. Meanwhile
+    the starting marker (``ServerPaths.starting``) names it; it is removed once the server is ready
+    or has failed (an interrupted wait leaves it: the server goes on starting).
 
     Args:
         on_wait: called about every 0.5 s with (seconds waited, last log line).
@@ -102,23 +116,31 @@ def spawn(paths: ServerPaths, request: StartRequest, on_wait: Callable[[float, s
     proc = subprocess.Popen(serve_command(request, str(paths.log)), stdin=subprocess.DEVNULL,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, close_fds=True)
     log.close()
+    now = time.time()
+    write_starting(paths, StartingState(pid=proc.pid, started_at=now, ready_by=now + request.timeout_s,
+                                        log=str(paths.log)))
     t0 = time.monotonic()
     while True:
         waited = time.monotonic() - t0
         code = proc.poll()
         if code is not None:
+            stopped = not clear_starting(paths, proc.pid) and code < 0  # fp stop removed the marker, then killed it
+            if stopped:
+                raise LifecycleError(f"the engine was stopped (fp stop) while it was starting (log: {paths.log})")
             raise LifecycleError(f"the server exited with code {code} before it was ready: {last_log_line(paths)} "
                                  f"(log: {paths.log})")
         state = read_state(paths)
         if state is not None and state.pid == proc.pid:
             try:
                 probe(state, config)
+                clear_starting(paths, proc.pid)
                 return state
             except ServerUnavailable:
                 pass
         if waited > request.timeout_s:
             _end_process(proc.pid, grace_s=5.0)
             proc.wait(timeout=10)
+            clear_starting(paths, proc.pid)
             raise LifecycleError(f"the server was not ready after {request.timeout_s:.0f} s and was stopped: "
                                  f"{last_log_line(paths)} (log: {paths.log})")
         if on_wait is not None:
@@ -187,15 +209,25 @@ def _end_process(pid: int, grace_s: float) -> str:
 
 def stop_server(paths: ServerPaths, wait_s: float = STOP_WAIT_S, config: ClientConfig = ClientConfig()) -> tuple[Status, str]:
     """End the resident engine: ``/fp/shutdown``, wait ``wait_s``, then SIGTERM and SIGKILL its
-    process group. Idempotent. Returns (status before, how it ended: ``shutdown``, ``SIGTERM``,
-    ``SIGKILL``, or ``""`` when nothing ran).
+    process group; one still starting (``Status.kind == "starting"``) gets SIGTERM and SIGKILL at
+    once (its ``fp start`` then fails, saying so). Idempotent. Returns (status before, how it
+    ended: ``shutdown``, ``SIGTERM``, ``SIGKILL``, or ``""`` when nothing ran).
 
     Raises:
         LifecycleError: the process survived SIGKILL.
     """
     state = read_state(paths)
     if state is None:
-        return Status("none"), ""
+        starting = read_starting(paths)
+        if starting is None:
+            return Status("none"), ""
+        before = Status("starting", detail=starting_words(starting), starting=starting)
+        paths.starting.unlink(missing_ok=True)  # first: its fp start then knows it was stopped
+        how = _end_process(starting.pid, grace_s=5.0)
+        late = read_state(paths)  # it became ready meanwhile
+        if late is not None and late.pid == starting.pid:
+            clear_stale(paths, late)
+        return before, how
     if not pid_alive(state.pid):
         removed = clear_stale(paths, state)
         return Status("stale", state, detail=f"pid {state.pid} was already gone; removed {_files(removed, paths)}"), ""
@@ -232,6 +264,9 @@ def start_server(paths: ServerPaths, request: StartRequest, lock_timeout_s: floa
     with start_lock(paths, lock_timeout_s):
         status = probe_status(paths)
         outcome = "started"
+        if status.kind == "starting":  # spawned by an fp start that was interrupted; it goes on starting
+            raise LifecycleError(f"a resident engine is starting ({status.detail}; log {status.starting.log}); "
+                                 "see `fp status`, or stop it with `fp stop`")
         if status.kind == "running":
             differs = matches(status.state)
             if not differs:

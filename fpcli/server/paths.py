@@ -16,6 +16,7 @@ APP_NAME = "fp"
 SOCKET_NAME = "engine.sock"
 STATE_NAME = "engine.json"
 LOCK_NAME = "engine.lock"
+STARTING_NAME = "engine.starting.json"
 TOKEN_NAME = "token"
 LOG_NAME = "server.log"
 UNIX_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes including the NUL
@@ -30,7 +31,7 @@ class ServerPaths:
     """The resident engine's files.
 
     Attributes:
-        runtime_dir: private folder (0700) for ``socket``, ``state``, ``lock`` and ``token``.
+        runtime_dir: private folder (0700) for ``socket``, ``state``, ``starting``, ``lock`` and ``token``.
         log_dir: folder of ``log`` (the detached server's stdout and stderr).
     """
 
@@ -44,6 +45,11 @@ class ServerPaths:
     @property
     def state(self) -> Path:
         return self.runtime_dir / STATE_NAME
+
+    @property
+    def starting(self) -> Path:
+        """The marker of an engine ``fp start`` launched that does not answer yet (``StartingState``)."""
+        return self.runtime_dir / STARTING_NAME
 
     @property
     def lock(self) -> Path:

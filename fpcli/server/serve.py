@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from . import LOOPBACK
 from .app import ServerInfo, create_app
 from .paths import ServerPaths, write_private
-from .state import ServerState, clear_stale, clear_state, pid_alive, read_state, write_state
+from .state import ServerState, clear_stale, clear_starting, clear_state, pid_alive, read_state, write_state
 
 
 class ServeError(RuntimeError):
@@ -134,6 +134,7 @@ def run_server(engine, info: ServerInfo, paths: ServerPaths, config: ServeConfig
             await super().startup(sockets=sockets)
             if not self.should_exit:
                 write_state(paths, state)
+                clear_starting(paths, state.pid)  # its fp start may be gone (interrupted)
                 if on_ready is not None:
                     on_ready(state)
 

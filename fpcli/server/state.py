@@ -2,6 +2,10 @@
 
 The state file (``ServerPaths.state``, mode 0600) is written by the server once it accepts
 requests and removed when it ends. A state whose process is gone is stale: readers clean it.
+
+Between the spawn and the state file, ``fp start`` keeps a starting marker (``ServerPaths.starting``,
+``StartingState``): ``fp status`` says "starting", ``fp stop`` ends the starting process and ``fp ask``
+waits for it.
 """
 from __future__ import annotations
 
@@ -73,6 +77,72 @@ class ServerState:
         if not isinstance(state.pid, int) or not isinstance(state.address, str):
             raise ValueError("pid must be an integer and address a string")
         return state
+
+
+@dataclass(frozen=True)
+class StartingState:
+    """An engine that ``fp start`` spawned and that does not answer yet (the starting marker).
+
+    Attributes:
+        pid: the ``fp serve`` process (leader of its process group).
+        started_at: Unix time it was spawned.
+        ready_by: Unix time after which ``fp start`` gives up on it (and stops it).
+        log: its log file, or ``None``.
+    """
+
+    pid: int
+    started_at: float
+    ready_by: float
+    log: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "StartingState":
+        """Raises ``ValueError`` when a field is missing or of the wrong type."""
+        names = {f.name for f in fields(cls)}
+        try:
+            state = cls(**{k: v for k, v in data.items() if k in names})
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
+        if not isinstance(state.pid, int) or not isinstance(state.started_at, (int, float)) \
+                or not isinstance(state.ready_by, (int, float)):
+            raise ValueError("pid must be an integer, started_at and ready_by numbers")
+        return state
+
+
+def write_starting(paths: ServerPaths, starting: StartingState) -> None:
+    write_private(paths.starting, json.dumps(asdict(starting), indent=2) + "\n")
+
+
+def read_starting(paths: ServerPaths) -> StartingState | None:
+    """The starting marker while its process lives, else ``None`` (a marker of a dead process, or
+    one that cannot be parsed, is removed)."""
+    try:
+        text = paths.starting.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    try:
+        starting = StartingState.from_dict(json.loads(text))
+    except (ValueError, AttributeError):
+        paths.starting.unlink(missing_ok=True)
+        return None
+    if not pid_alive(starting.pid):
+        clear_starting(paths, starting.pid)
+        return None
+    return starting
+
+
+def clear_starting(paths: ServerPaths, pid: int) -> bool:
+    """Remove the starting marker if it names ``pid``. True if removed."""
+    try:
+        data = json.loads(paths.starting.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return False
+    except ValueError:
+        data = None
+    if isinstance(data, dict) and data.get("pid") != pid:
+        return False
+    paths.starting.unlink(missing_ok=True)
+    return True
 
 
 def profile_hash(profile, context: bool = True) -> str:
