@@ -8,6 +8,8 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
     {
       "schema": "fp.ask/1", "fp_version": "0.1.0", "created": "2025-01-01T12:00:00+00:00",
       "question": "...", "answer": "...",
+      "error": null,               # why no answer came: "no readable document" (then "answer" and
+                                   # "summary" are null, "ingestion" has each document's error)
       "summary": {
         "prompt_tokens", "output_tokens", "ttft_s", "prefill_s", "decode_tokens_per_s",
         "total_s",               # the engine's part: from when it took the request to the last answer
@@ -222,8 +224,38 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "question": question,
         "answer": result.text,
+        "error": None,
         "summary": summary,
         "ingestion": {"documents": documents, "prompt": prompt.to_dict() if prompt is not None else None},
+    }
+
+
+def failed_report(question: str, docs: Sequence, error: str) -> dict:
+    """The ``fp.ask/1`` report of a question that got no answer, e.g. when no document was
+    readable: ``answer``, ``summary`` and ``ingestion.prompt`` are ``None``, ``error`` says why
+    (one line), ``ingestion.documents`` has each document's row (its ``error`` among them).
+
+    Args:
+        question: the user's question.
+        docs: ``fpcli.ingest.Document`` list (all inputs).
+        error: why there is no answer, one line.
+    """
+    from fpcli import __version__
+
+    documents = []
+    for d in docs:
+        row = d.to_dict()
+        row["tokens"] = None
+        documents.append(row)
+    return {
+        "schema": SCHEMA,
+        "fp_version": __version__,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "question": question,
+        "answer": None,
+        "error": error,
+        "summary": None,
+        "ingestion": {"documents": documents, "prompt": None},
     }
 
 

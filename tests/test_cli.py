@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fp_fakes import FakeEngine, encrypt_pdf, make_pdf
+from fp_fakes import LAST_FAKE, FakeEngine, encrypt_pdf, make_pdf
 from fpcli.cli import app
 from fpcli.commands.bench import parse_heads, parse_lengths
 
@@ -474,6 +474,29 @@ def test_no_readable_document_is_said_once(runner, fake_engine, tmp_path):
     assert r.stderr.count("no %PDF- header") == 1 and "no readable document" in r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("fp: error: no readable document") and "garbage.pdf" not in lines[-1]
+
+
+def test_no_readable_document_still_gives_the_json_and_the_report(runner, fake_engine, tmp_path):
+    """--json and --report say what each document gave even when none was readable: the report
+    with no answer and an error, exit 1."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    bad = tmp_path / "garbage.pdf"
+    bad.write_bytes(b"not a pdf at all")
+    out = tmp_path / "report.json"
+    r = invoke(runner, ["ask", str(empty), str(bad), "q?", "--json", "--report", str(out)])
+    assert r.exit_code == 1, r.output
+    data = json.loads(r.stdout)
+    assert data["schema"] == "fp.ask/1" and data["question"] == "q?"
+    assert data["answer"] is None and data["summary"] is None and data["error"] == "no readable document remains"
+    docs = data["ingestion"]["documents"]
+    assert [d["name"] for d in docs] == [str(empty), str(bad)]
+    assert "no %PDF- header" in docs[1]["error"]
+    assert json.loads(out.read_text()) == data
+    assert "no readable document" in r.stderr.strip().splitlines()[-1]
+    assert not LAST_FAKE  # no model was loaded
+    r = invoke(runner, ["ask", str(empty), "q?"])  # no --json: stdout stays empty
+    assert r.exit_code == 1 and r.stdout == ""
 
 
 def test_encrypted_empty_password_is_a_note(runner, fake_engine, tmp_path):

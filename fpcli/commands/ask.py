@@ -110,7 +110,7 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
     from fpcli.prefill_progress import PrefillDisplay
     from fpcli.doccache import fit_cache_for
     from fpcli.prompt import NoRoomError, PromptError, build_prompt
-    from fpcli.report import ask_report, dumps, render_cuts, render_ingestion, render_summary
+    from fpcli.report import ask_report, dumps, failed_report, render_cuts, render_ingestion, render_summary
 
     err = stderr_console(quiet=quiet)
     files = list(files or [])
@@ -159,6 +159,14 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
     render_ingestion(err, docs)
     usable = [d for d in docs if d.ok and d.text.strip()]
     if not usable:  # each file's reason was printed just above, once
+        if json_out or report is not None:  # the report still says what each document gave
+            failed = failed_report(question, docs, "no readable document remains" if len(docs) > 1
+                                   else "no readable document")
+            if json_out:
+                sys.stdout.write(dumps(failed) + "\n")
+                sys.stdout.flush()
+            if report is not None:
+                save_report_or_exit(report, failed)
         fail("no readable document remains (see the reasons above)" if len(docs) > 1 else "no readable document (see the reason above)")
 
     from fpcli.engine.context import ContextError
