@@ -498,11 +498,20 @@ def render_ingestion(console: Console, docs: Sequence) -> None:
             warning(console, w)
 
 
-def render_cuts(console: Console, prompt) -> None:
+def render_cuts(console: Console, prompt, turns_reserve: int = 0) -> None:
     """Say what was cut to fit the context (never silently), and the size of ``prompt`` (for ``fp ask``,
-    the tokens it prefills; the budget it leaves unused is room for a longer question)."""
+    the tokens it prefills; the budget it leaves unused is room for a longer question).
+
+    Args:
+        turns_reserve: tokens of ``prompt.max_new_tokens`` that are not the answer's but kept for
+            the later turns of ``fp chat`` (named apart from the answer's); 0 for ``fp ask``.
+    """
     if not prompt.cuts:
         return
+    turns_reserve = min(max(0, int(turns_reserve)), prompt.max_new_tokens)
+    answer = f"{prompt.max_new_tokens - turns_reserve:,} for the answer"
+    if turns_reserve:
+        answer += f" - {turns_reserve:,} kept for the later turns"
     kept = f" - {prompt.reserved} kept by the engine" if prompt.reserved else ""
     unused = prompt.budget - prompt.tokens
     # the fit ignores the question (up to question_room tokens): the same cut, and a reusable KV cache,
@@ -510,7 +519,7 @@ def render_cuts(console: Console, prompt) -> None:
     slack = (f", {unused:,} left unused so that any question up to {prompt.question_room:,} tokens gets the same cut"
              if prompt.question_room and unused > 0 else "")
     note(console, f"the documents exceed the prompt budget of {prompt.budget:,} tokens "
-                  f"(context {prompt.context_length:,} - {prompt.max_new_tokens:,} for the answer{kept}); "
+                  f"(context {prompt.context_length:,} - {answer}{kept}); "
                   f"the prompt is fitted to {prompt.tokens:,} tokens{slack}; cut:")
     for c in prompt.cuts:
         console.print(Text(f"  {c.describe()}", style="yellow"))

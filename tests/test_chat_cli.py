@@ -73,6 +73,23 @@ def test_chat_json_is_one_report_per_line(runner, fake_engine, doc):
         assert s["wall_s"] > 0 and s["total_s"] > 0
 
 
+def test_chat_cut_note_names_the_answer_and_the_turns_reserve_apart(runner, fake_engine, tmp_path):
+    """The prompt budget of a chat whose documents are cut: the answer's tokens (-n) and the
+    reserve for the later turns are named apart (they were summed as "for the answer")."""
+    from fpcli.commands.chat import HISTORY_RESERVE
+
+    long_doc = tmp_path / "long.txt"
+    long_doc.write_text(" ".join(f"word{i}" for i in range(9000)) + "\n")
+    r = invoke(runner, ["chat", str(long_doc), "-n", "15"], input="Who wrote it?\n", env={"FP_FAKE_CONTEXT": "8192"})
+    assert r.exit_code == 0, r.stderr
+    err = " ".join(r.stderr.split())
+    assert f"(context 8,192 - 15 for the answer - {HISTORY_RESERVE:,} kept for the later turns" in err, err
+    assert f"{15 + HISTORY_RESERVE:,} for the answer" not in err
+    plain = invoke(runner, ["chat", str(long_doc), "-n", "15", "--no-history"], input="Who wrote it?\n",
+                   env={"FP_FAKE_CONTEXT": "8192"})
+    assert "(context 8,192 - 15 for the answer" in " ".join(plain.stderr.split()) and "later turns" not in plain.stderr
+
+
 def test_chat_bad_input(runner, fake_engine, tmp_path):
     r = invoke(runner, ["chat", str(tmp_path / "missing.txt")])
     assert r.exit_code == 2 and "missing.txt" in r.stderr

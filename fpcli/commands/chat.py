@@ -129,7 +129,7 @@ def _chat(files, model, profile, engine, history, max_new_tokens, temperature, p
                                   fit_cache=fit_cache_for(cache_config, eng.model_path))
         except PromptError as exc:
             fail(str(exc))
-        render_cuts(err, fitted)
+        render_cuts(err, fitted, turns_reserve=reserve)
         shared = shared_prefix_tokens(eng, fitted, history)
         err.print(
             f"[dim]{eng.name} engine, model {eng.model_name}, profile {prof.name}: {len(fitted.documents)} "
