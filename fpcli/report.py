@@ -500,13 +500,21 @@ def render_ingestion(console: Console, docs: Sequence) -> None:
 
 def render_cuts(console: Console, prompt, turns_reserve: int = 0) -> None:
     """Say what was cut to fit the context (never silently), and the size of ``prompt`` (for ``fp ask``,
-    the tokens it prefills; the budget it leaves unused is room for a longer question).
+    the tokens it prefills; the budget it leaves unused is room for a longer question): a note
+    and one line per cut, or, on a quiet console (``-q``: no notes), one warning line naming the
+    cuts.
 
     Args:
         turns_reserve: tokens of ``prompt.max_new_tokens`` that are not the answer's but kept for
             the later turns of ``fp chat`` (named apart from the answer's); 0 for ``fp ask``.
     """
     if not prompt.cuts:
+        return
+    if not getattr(console, "notes", True):  # -q: no notes, but a cut is still said, on one line
+        warning(console, f"the documents were cut to fit the prompt budget of {prompt.budget:,} tokens: "
+                         + "; ".join(c.describe() for c in prompt.cuts))
+        if prompt.budget_note:
+            warning(console, prompt.budget_note)
         return
     turns_reserve = min(max(0, int(turns_reserve)), prompt.max_new_tokens)
     answer = f"{prompt.max_new_tokens - turns_reserve:,} for the answer"

@@ -150,6 +150,21 @@ def test_ask_truncation_is_reported(runner, fake_engine, tmp_path):
     assert "for the question;" not in stderr
 
 
+def test_quiet_says_a_cut_on_one_line_with_its_heading(runner, fake_engine, tmp_path):
+    """-q: a cut is still said, as one warning line naming the budget and the cut (the detail
+    line came alone: its heading was a note, which -q drops)."""
+    big = tmp_path / "big.txt"
+    big.write_text(" ".join(f"w{i}" for i in range(5000)))
+    r = invoke(runner, ["ask", str(big), "q?", "-q", "--cut", "end"], env={"FP_FAKE_CONTEXT": "1000"})
+    assert r.exit_code == 0, r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert re.match(r"fp: warning: the documents were cut to fit the prompt budget of [\d,]+ tokens: "
+                    rf"{re.escape(str(big))}: dropped [\d,]+ of [\d,]+ tokens from the end \(", lines[0]), lines[0]
+    loud = invoke(runner, ["ask", str(big), "q?", "--cut", "end"], env={"FP_FAKE_CONTEXT": "1000"})
+    assert "fp: note: the documents exceed the prompt budget" in loud.stderr and "big.txt: dropped" in loud.stderr
+
+
 def test_ask_encrypted_pdf_needs_password_others_survive(runner, fake_engine, doc, tmp_path):
     locked = tmp_path / "locked.pdf"
     encrypt_pdf(make_pdf(["The vault number is 8812"]), "pw", locked)
