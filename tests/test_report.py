@@ -59,6 +59,26 @@ def test_density_line_says_why_nothing_ran_sparse():
     assert "dense attention" in density_line(d, "dense", prompt_tokens=813, min_sparse_len=None)
 
 
+def test_density_line_of_a_follow_up_counts_only_the_new_tokens():
+    """A follow-up whose prompt the KV cache mostly served prefilled only its new tokens: when they
+    are below min_sparse_len, that is the reason nothing ran sparse (the prompt's total is not)."""
+    from fpcli.report import density_line
+
+    d = {"overall": 1.0, "per_layer": [1.0] * 4, "sparse_layers": [], "min": 1.0, "median": 1.0, "max": 1.0}
+    line = density_line(d, "flashprefill", prompt_tokens=9_000, min_sparse_len=8192, cached_tokens=8_950)
+    assert "(no layer ran sparse: 50 new tokens after 8,950 cached < min_sparse_len 8,192)" in line
+    assert "new tokens" not in density_line(d, "flashprefill", prompt_tokens=813, min_sparse_len=8192,
+                                            cached_tokens=0)
+    report = _report()
+    s = report["summary"]
+    s.update(prompt_tokens=9_000, cached_tokens=8_950, min_sparse_len=8192,
+             density={**d, "over": "all layers"})
+    buf = io.StringIO()
+    render_summary(Console(file=buf, force_terminal=False, width=80, soft_wrap=True), report)
+    row = next(ln for ln in buf.getvalue().splitlines() if ln.startswith("attention density"))
+    assert "50 new tokens after 8,950 cached < min_sparse_len 8,192" in row, row
+
+
 # -- ragged per-head rows (SGLang: dense layers report no per-head row) ---------------------------
 
 

@@ -170,7 +170,7 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
     d = data["density"]
     if d["overall"] is not None:
         msl = None if prof.attention == "dense" else int(prof.sparse.min_sparse_len)
-        out.print(f"density {density_line(d, prof.attention, result.prompt_tokens, msl)}", soft_wrap=True)
+        out.print(f"density {density_line(d, prof.attention, result.prompt_tokens, msl, result.cached_tokens)}", soft_wrap=True)
     print_table(_times_table(index_per_layer, attn_per_layer, stats.index_ms, stats.attention_ms))
     if fp8:
         if fp8_error:
