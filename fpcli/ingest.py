@@ -41,6 +41,7 @@ import re
 import sys
 import threading
 import time
+import unicodedata
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Callable
@@ -296,7 +297,7 @@ def _extractor(kind: str) -> str:
             found.append(f"{package} {version(package)}")
         except PackageNotFoundError:
             found.append(f"{package} absent")
-    return "pdf: " + ", ".join(found)
+    return "pdf: " + ", ".join(found) + ", TeX accents joined"
 
 
 _NAME = "\0name"  # stands for the file's name in cached notes and warnings
@@ -481,6 +482,43 @@ def _pdfium_page_text(pdf, index: int) -> tuple[str, bool]:
         page.close()
 
 
+# TeX draws an accented letter as two glyphs, the spacing accent, then the letter under it, which
+# text extraction gives as "Br¨oker": each spacing accent (never an ASCII one: ^ ~ ` are code and
+# markup far more often) and the combining mark it stands for
+_SPACING_ACCENTS = {
+    "\u00a8": "\u0308",  # ¨ diaeresis
+    "\u00b4": "\u0301",  # ´ acute
+    "\u02cb": "\u0300",  # ˋ grave (the modifier letter; the ASCII ` is left alone)
+    "\u02c6": "\u0302",  # ˆ circumflex
+    "\u02dc": "\u0303",  # ˜ tilde
+    "\u00b8": "\u0327",  # ¸ cedilla
+    "\u02d8": "\u0306",  # ˘ breve
+    "\u02c7": "\u030c",  # ˇ caron
+    "\u02dd": "\u030b",  # ˝ double acute
+    "\u02da": "\u030a",  # ˚ ring above
+    "\u00af": "\u0304",  # ¯ macron
+    "\u02d9": "\u0307",  # ˙ dot above
+}
+_ACCENT_LETTER = re.compile(f"([{''.join(_SPACING_ACCENTS)}])([^\\W\\d_])")
+_DOTLESS = {"\u0131": "i", "\u0237": "j"}  # TeX's \\i and \\j carry an accent above: í, not ı + ´
+
+
+def join_tex_accents(text: str) -> str:
+    """``text`` with each spacing accent that directly precedes a letter composed with it, as TeX
+    places them ("Br¨oker" -> "Bröker", "J´erˆome" -> "Jérôme"; a dotless i or j under an accent
+    above becomes i or j: "Mikul´ık" -> "Mikulík"). The pair is kept as it is when Unicode has no
+    single character for it (NFC), and an accent not before a letter ("the ¨ sign"), and the ASCII
+    circumflex, tilde and backquote, are never touched."""
+    def compose(m: re.Match) -> str:
+        accent, letter = m.group(1), m.group(2)
+        mark = _SPACING_ACCENTS[accent]
+        base = _DOTLESS.get(letter, letter) if mark != "\u0327" else letter
+        composed = unicodedata.normalize("NFC", base + mark)
+        return composed if len(composed) == 1 else m.group(0)
+
+    return _ACCENT_LETTER.sub(compose, text)
+
+
 def pdfium_plain_text(text: str) -> str:
     """PDFium's page text as plain text: its ``\r\n`` line ends become ``\n``, and the ``\x02``
     it puts where a word was hyphenated across a line end (the line break already removed) is
@@ -645,7 +683,7 @@ def _read_pdf_pages(doc: Document, source, name: str, password: str | None, page
             doc.skipped_pages.append(number)
             doc.warnings.append(f"{name}: page {number}: text extraction failed ({value}); page skipped")
             continue
-        text = value.strip()
+        text = join_tex_accents(value.strip())
         if not text:
             doc.empty_pages.append(number)
             if page.has_images:

@@ -8,7 +8,8 @@ whitespace-separated word, plus ``TEMPLATE_TOKENS`` for the chat template. It st
 answer and reports synthetic ``PrefillStats``. Use it directly, through the ``fake_engine``
 fixture of ``tests/conftest.py`` (which routes ``fpcli.engine.load_engine`` to it), or from a
 subprocess with ``FP_ENGINE_FACTORY=fp_fakes:fake_load_engine`` and ``tests/`` on ``PYTHONPATH``.
-``make_pdf``, ``make_tex_pdf`` (words placed one by one, as TeX does), ``encrypt_pdf`` and
+``make_pdf``, ``make_tex_pdf`` (words placed one by one, as TeX does), ``make_tex_accent_pdf`` (accent
+glyphs drawn over their letters, as TeX does), ``encrypt_pdf`` and
 ``garble_pdf`` build real PDFs for the ingestion tests.
 """
 from __future__ import annotations
@@ -298,6 +299,39 @@ def make_tex_pdf(
     data = buf.getvalue()
     if space_width is not None:
         data = _with_widths(data, space_width)
+    if path is not None:
+        with open(path, "wb") as f:
+            f.write(data)
+    return data
+
+
+def make_tex_accent_pdf(pieces: list, path=None) -> bytes:
+    """A one-line PDF whose accented letters are drawn the way TeX draws them: the spacing accent
+    glyph first, raised a little over the letter's box, then the letter at the same x (two glyphs,
+    no composed character). ``pieces``: strings drawn as they are, and ``(accent, letter)`` pairs,
+    e.g. ``["Br", ("\u00a8", "o"), "ker"]``; Times-Roman (WinAnsi: ¨ ´ ˆ ˜ ¸ ¯ and the letters).
+    Written to ``path`` when given."""
+    from reportlab.pdfbase.pdfmetrics import stringWidth
+    from reportlab.pdfgen import canvas
+
+    font, size = "Times-Roman", 10
+    buf = io.BytesIO()
+    c = canvas.Canvas(buf)
+    t = c.beginText()
+    t.setFont(font, size)
+    x, y = 72.0, 760.0
+    for piece in pieces:
+        accent, text = piece if isinstance(piece, tuple) else (None, piece)
+        if accent is not None:
+            t.setTextOrigin(x, y + 0.5)
+            t.textOut(accent)
+        t.setTextOrigin(x, y)
+        t.textOut(text)
+        x += stringWidth(text, font, size)
+    c.drawText(t)
+    c.showPage()
+    c.save()
+    data = buf.getvalue()
     if path is not None:
         with open(path, "wb") as f:
             f.write(data)

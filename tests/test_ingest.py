@@ -686,3 +686,32 @@ def test_empty_file_gets_no_document_cache_note(tmp_path):
     ingest_all([str(full)], cache=cache)
     (again,) = ingest_all([str(full)], cache=cache)
     assert again.from_cache and any("document cache" in n for n in again.notes)  # the cache still works
+
+
+@pytest.mark.parametrize("package", ["pypdfium2", "pypdf"])
+def test_tex_accents_drawn_over_their_letters_are_composed(tmp_path, package):
+    """TeX draws "ö" as the spacing accent "¨", then "o" under it: both extractors gave "Br¨oker".
+    The accent before a letter is composed with it; one not before a letter, and ASCII ^ ~, stay."""
+    from fp_fakes import make_tex_accent_pdf
+
+    pdf = tmp_path / "authors.pdf"
+    make_tex_accent_pdf(["Bernhard Br", ("\u00a8", "o"), "ker, J", ("\u00b4", "e"), "r", ("\u02c6", "o"),
+                         "me, Timoth", ("\u00b4", "e"), "e, Fran", ("\u00b8", "c"), "ois; the ", "\u00a8",
+                         " sign, ", "\u00b4", " alone, x^2 and ~a"], pdf)
+    import contextlib
+
+    with ingest._PDFIUM_LOCK if package == "pypdf" else contextlib.nullcontext():  # held: the pypdf fallback
+        doc = ingest.read_pdf(str(pdf), str(pdf), None, 30.0)
+    assert any("read with pypdf" in w for w in doc.warnings) == (package == "pypdf")
+    assert doc.ok, doc.error
+    assert "Bernhard Bröker, Jérôme, Timothée" in doc.text, doc.text
+    assert "the \u00a8 sign, \u00b4 alone, x^2 and ~a" in doc.text
+    assert "\u00a8o" not in doc.text and "\u00b4e" not in doc.text
+
+
+def test_join_tex_accents_keeps_what_unicode_cannot_compose():
+    from fpcli.ingest import join_tex_accents
+
+    assert join_tex_accents("Mikul\u00b4\u0131k") == "Mikul\u00edk"  # TeX's \\'\\i: a dotless i under the acute
+    assert join_tex_accents("\u00afq and \u02c7s") == "\u00afq and \u0161"  # no q with macron in Unicode
+    assert join_tex_accents("a\u02dc b, 5\u00b4 3, \u00a8") == "a\u02dc b, 5\u00b4 3, \u00a8"  # not before a letter
