@@ -17,7 +17,8 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
         "cached_tokens",         # prompt tokens served from the KV cache of an earlier request
         "wall_s",                # the whole command, from the start of the fp process (the OS's record) to
                                  # the answer's end; the process's exit after the summary is not in it
-                                 # (fp chat: from reading the question to the end of its answer);
+                                 # (fp chat: from reading the question to the end of its answer; the
+                                 # first answer's also counts reading the documents and the engine start);
                                  # null when not measured
         "engine_start_s",        # part of wall_s spent loading/starting the engine (0: it was running)
         "stages_s",              # wall_s split: {"read", "fit", "engine_start", "queued", "ttft", "decode",
@@ -425,11 +426,12 @@ def time_row(s: dict) -> tuple[str, str]:
 
 def summary_line(report: dict) -> str:
     """One line per answer (``fp chat``): 'prompt tokens 813 (780 cached), TTFT 0.412 s, decode
-    12.3 tokens/s, answer 30 tokens (stop), density 100.0%, 2.950 s'."""
+    12.3 tokens/s, answer 30 tokens (stop), density 100.0%, wall time 2.950 s' (``wall_s``; the
+    first answer's counts the chat's set-up: reading the documents and starting the engine)."""
     s = report["summary"]
     d = s["density"]["overall"]
     density = "n/a" if d is None else f"{d:.1%}" + ("" if s["density"].get("sparse_layers") else " (dense)")
-    wall = "" if s.get("wall_s") is None else f", {s['wall_s']:.3f} s"
+    wall = "" if s.get("wall_s") is None else f", wall time {s['wall_s']:.3f} s"
     return (f"prompt tokens {prompt_tokens_text(s)}, TTFT {s['ttft_s']:.3f} s, decode {s['decode_tokens_per_s']:.1f} "
             f"tokens/s, answer {s['output_tokens']:,} tokens ({s['finish_reason']}), density {density}{wall}")
 

@@ -63,14 +63,36 @@ def test_chat_takes_context_as_ask_does(runner, fake_engine, doc):
 
 
 def test_chat_json_is_one_report_per_line(runner, fake_engine, doc):
+    """One report per answer; the first counts the chat's set-up (reading the documents, the
+    engine start: both were 0.0), the later ones only their question."""
     r = invoke(runner, ["chat", str(doc), "--json"], input="a?\nb?\n")
     assert r.exit_code == 0, r.stderr
     rows = [json.loads(ln) for ln in r.stdout.splitlines()]
     assert [row["question"] for row in rows] == ["a?", "b?"]
     for row in rows:
         s = row["summary"]
-        assert row["schema"] == "fp.ask/1" and s["cached_tokens"] == 0 and s["engine_start_s"] == 0.0
+        assert row["schema"] == "fp.ask/1" and s["cached_tokens"] == 0
         assert s["wall_s"] > 0 and s["total_s"] > 0
+    first, second = rows[0]["summary"], rows[1]["summary"]
+    assert first["engine_start_s"] > 0 and first["stages_s"]["engine_start"] == first["engine_start_s"]
+    assert first["stages_s"]["read"] > 0
+    assert first["wall_s"] >= first["engine_start_s"] + first["stages_s"]["read"]  # the set-up is in it
+    assert second["engine_start_s"] == 0.0 and second["stages_s"]["read"] == 0.0
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("prompt tokens")]
+    assert len(lines) == 2 and all(re.search(r", wall time \d+\.\d{3} s$", ln) for ln in lines), lines
+
+
+def test_chat_answers_slash_commands_itself(runner, fake_engine, doc):
+    """/help lists the commands; an unknown one is an error naming them; neither reaches the model,
+    and the session goes on."""
+    r = invoke(runner, ["chat", str(doc)], input="/help\n/frobnicate\nWhat is the code?\n/quit\nnever asked\n")
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout == "The answer is 42.\n"
+    err = " ".join(r.stderr.split())
+    assert "commands: /exit, /quit end the chat" in err and "/help shows this" in err
+    assert "fp: error: unknown command /frobnicate; commands: /exit, /quit" in err
+    asked = [u for _, u in fake_engine().prompts if "Question: " in u and not u.endswith(("Question: ", "Question: x"))]
+    assert len(asked) == 1 and asked[0].endswith("What is the code?")
 
 
 def test_chat_cut_note_names_the_answer_and_the_turns_reserve_apart(runner, fake_engine, tmp_path):

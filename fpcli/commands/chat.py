@@ -4,14 +4,16 @@ Every prompt is the same system message, the same (fitted) documents, then the e
 (``--history``) and the question, so each question after the first reuses the documents' KV
 cache (the engines keep it: ``GenerationResult.cached_tokens``). Questions come from stdin, one
 per line (a ``> `` prompt on stderr when stdin is a terminal); answers stream to stdout, separated
-by a blank line, one summary line per answer goes to stderr; EOF or ``/exit`` ends the session.
+by a blank line, one summary line per answer goes to stderr; EOF, ``/exit`` or ``/quit`` ends the session; ``/help`` lists the commands.
 The header counts the shared tokens (``shared_prefix_tokens``): the documents' part up to where
 the prompts of different questions begin to differ.
 """
 from __future__ import annotations
 
+import re
 import sys
 import time
+from dataclasses import dataclass
 from typing import Annotated, Optional
 
 import typer
@@ -39,6 +41,8 @@ from fpcli.commands.ask import CutChoice, EngineChoice, _one_line
 app = typer.Typer()
 
 EXIT_COMMANDS = ("/exit", "/quit")
+HELP_COMMAND = "/help"
+COMMAND = re.compile(r"/[A-Za-z][\w-]*")  # a whole line like this is a command, never a question
 HISTORY_RESERVE = 1024  # tokens kept free for the earlier turns with --history when the documents
 # must be cut (never over a quarter of the budget); the question's room is fpcli.prompt.QUESTION_ALLOWANCE
 
@@ -71,7 +75,7 @@ def chat(
 ) -> None:
     """Answer questions about the documents FILE... in a loop, reusing their KV cache.
 
-    Questions are read from standard input, one per line, until end of input or /exit. Each answer streams to stdout; a summary line (prompt and cached tokens, TTFT, decode speed, density) goes to stderr.
+    Questions are read from standard input, one per line, until end of input, /exit or /quit (/help lists the commands). Each answer streams to stdout; a summary line (prompt and cached tokens, TTFT, decode speed, density, wall time) goes to stderr.
     """
     from fpcli.logs import third_party_output
 
@@ -101,9 +105,11 @@ def _chat(files, model, profile, engine, history, max_new_tokens, temperature, p
     from fpcli.doccache import DiskCache, default_config, fit_cache_for
 
     cache_config = default_config()  # a repeat reads neither the PDFs nor the tokens again
+    t_setup = time.perf_counter()
     with err.status("reading documents") as status:
         docs = ingest(files, password=password, on_file=lambda n: status.update(f"reading {n}"),
                       cache=DiskCache(cache_config, "documents"))
+    read_s = time.perf_counter() - t_setup
     render_ingestion(err, docs)
     usable = [d for d in docs if d.ok and d.text.strip()]
     if not usable:
@@ -111,6 +117,7 @@ def _chat(files, model, profile, engine, history, max_new_tokens, temperature, p
 
     from fpcli.engine.context import ContextError
 
+    t_load = time.perf_counter()
     try:
         eng = obtain_engine(engine.value, model, prof, err, no_server, err, verbose=verbose)
     except typer.Exit:
@@ -119,6 +126,8 @@ def _chat(files, model, profile, engine, history, max_new_tokens, temperature, p
         fail(f"{context_source(prof, context)}: {exc}", code=2)
     except Exception as exc:  # noqa: BLE001 - one line for any load failure
         fail(f"cannot load the model: {_one_line(exc)}")
+    # the loader's wall time; 0 when a running (resident) engine answers
+    engine_start_s = time.perf_counter() - t_load if eng.start_s > 0 else 0.0
     warn_precision(err, prof, eng)
     with eng:
         check_max_new_tokens_or_exit(max_new_tokens, None, prof, context_length=eng.context_length)
@@ -137,10 +146,11 @@ def _chat(files, model, profile, engine, history, max_new_tokens, temperature, p
             f"which each question after the first reuses from the KV cache; each prompt adds the "
             f"question{' and the earlier turns' if history else ''} and the chat template's closing tokens "
             f"(see 'prompt tokens' after each answer); ask one question per line, "
-            f"{EXIT_COMMANDS[0]} or end of input to quit[/]",
+            f"{EXIT_COMMANDS[0]} or end of input to quit, /help for the commands[/]",
             highlight=False,
         )
-        loop = _ChatLoop(eng, prof, docs, fitted, ctx, max_new_tokens, temperature, history, json_out, err)
+        loop = _ChatLoop(eng, prof, docs, fitted, ctx, max_new_tokens, temperature, history, json_out, err,
+                         setup=_Setup(read_s, engine_start_s, time.perf_counter() - t_setup))
         loop.run(sys.stdin)
 
 
@@ -160,13 +170,27 @@ def shared_prefix_tokens(eng, fitted, history: bool) -> int:
     return common_prefix_len(fitted.ids, eng.encode_chat(SYSTEM_PROMPT, format_user(fitted.documents, "x", turns)))
 
 
-class _ChatLoop:
-    """The question loop of one ``fp chat``."""
+@dataclass(frozen=True)
+class _Setup:
+    """What ``fp chat`` spent before its first question, in seconds: reading the documents, starting
+    the engine (0.0: a resident one answered) and all of it (fitting the documents included)."""
 
-    def __init__(self, eng, prof, docs, fitted, ctx, max_new_tokens, temperature, history, json_out, err) -> None:
+    read_s: float = 0.0
+    engine_start_s: float = 0.0
+    total_s: float = 0.0
+
+
+class _ChatLoop:
+    """The question loop of one ``fp chat``. The first answer's report counts the set-up
+    (``_Setup``: its ``stages_s.read`` and ``engine_start_s``, and its ``wall_s``, which adds the
+    set-up to the answer's time); each later one counts only its own question."""
+
+    def __init__(self, eng, prof, docs, fitted, ctx, max_new_tokens, temperature, history, json_out, err,
+                 setup: "_Setup" = None) -> None:
         self.eng, self.prof, self.docs, self.fitted = eng, prof, docs, fitted
         self.ctx, self.max_new_tokens, self.temperature = ctx, max_new_tokens, temperature
         self.history, self.json_out, self.err = history, json_out, err
+        self.setup = setup or _Setup()
         self.turns: list[tuple[str, str]] = []
         self.answered = 0  # answers written to stdout so far
 
@@ -188,7 +212,20 @@ class _ChatLoop:
                 continue
             if question.lower() in EXIT_COMMANDS:
                 return
+            if COMMAND.fullmatch(question):  # /help, or a command chat does not know: never a question
+                self.command(question)
+                continue
             self.answer(question)
+
+    def command(self, word: str) -> None:
+        """Answer a slash command locally: ``/help`` lists the commands; any other is an error
+        that lists them (the session goes on)."""
+        listing = f"commands: {', '.join(EXIT_COMMANDS)} end the chat (so does end of input); {HELP_COMMAND} shows this"
+        if word.lower() == HELP_COMMAND:
+            self.err.print(listing + "; any other line is a question about the documents", highlight=False,
+                           soft_wrap=True, markup=False)
+        else:
+            error(self.err, f"unknown command {word}; {listing}")
 
     def prompt_for(self, question: str):
         """The ``Prompt`` of ``question`` (documents, the turns that fit, the question), or ``None``
@@ -244,8 +281,11 @@ class _ChatLoop:
             if not self.json_out:
                 sys.stdout.write("\n")
             fail(f"generation failed: {_one_line(exc)}")
-        data = ask_report(result, question, self.docs, prompt, self.prof, wall_s=time.perf_counter() - t0,
-                          engine_start_s=0.0, fit_s=fit_s)
+        first = self.answered == 1  # the set-up counts in the first answer
+        setup = self.setup if first else _Setup()
+        data = ask_report(result, question, self.docs, prompt, self.prof,
+                          wall_s=time.perf_counter() - t0 + setup.total_s, engine_start_s=setup.engine_start_s,
+                          read_s=setup.read_s, fit_s=fit_s)
         if self.json_out:
             import json
 
