@@ -873,3 +873,27 @@ def test_stop_ends_an_engine_that_is_still_starting(servers):
     assert s.state() is None and not s.paths.starting.exists() and not _alive(pid)
     after = s.fp("status", env=env)
     assert after.returncode == 3 and "no resident engine runs" in after.stderr
+
+
+def test_a_hung_servers_timeout_says_the_time_waited(tmp_path):
+    """A server that accepts the connection and never answers: the message says the seconds
+    waited (the health timeout here; it said connect + health, 30.3 s, whatever was waited)."""
+    import socket as _socket
+
+    from fpcli.server.client import ClientConfig, ServerUnavailable, probe
+    from fpcli.server.state import ServerState
+
+    path = Path(tempfile.mkdtemp(prefix="fph-", dir="/tmp")) / "s.sock"
+    listener = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(8)  # the kernel accepts the connection; nobody ever answers
+    state = ServerState(pid=os.getpid(), address=f"unix:{path}", model="m", model_path="/m", profile="bf16",
+                        profile_hash="x", engine="transformers", started_at=0.0, version="0")
+    try:
+        with pytest.raises(ServerUnavailable) as info:
+            probe(state, ClientConfig(connect_s=30.0, health_s=0.3))
+    finally:
+        listener.close()
+        path.unlink(missing_ok=True)
+    waited = float(re.search(r"timed out after ([\d.]+) s", str(info.value)).group(1))
+    assert 0.3 <= waited < 30.0, str(info.value)

@@ -61,17 +61,19 @@ def probe(state: ServerState, config: ClientConfig = ClientConfig()) -> dict:
     """``/fp/health`` of the server in ``state``.
 
     Raises:
-        ServerUnavailable: refused, closed, or no answer within ``connect_s`` + ``health_s``
-            (``"timed out"`` in the message: the process lives but does not answer).
+        ServerUnavailable: refused, closed, or no answer (``connect_s`` to connect, then
+            ``health_s`` for the answer); ``"timed out after N s"`` in the message, N the seconds
+            actually waited: the process lives but does not answer.
     """
     timeout = httpx.Timeout(config.health_s, connect=config.connect_s)
+    t0 = time.monotonic()
     try:
         with _client(state, _token(state)) as c:
             r = c.get("/fp/health", timeout=timeout)
             r.raise_for_status()
             return r.json()
     except httpx.TimeoutException:
-        raise ServerUnavailable(f"timed out after {config.connect_s + config.health_s:.0f} s") from None
+        raise ServerUnavailable(f"timed out after {time.monotonic() - t0:.1f} s") from None
     except (httpx.HTTPError, ValueError) as exc:
         raise ServerUnavailable(str(exc) or type(exc).__name__) from None
 
