@@ -45,14 +45,33 @@ def test_readme_sizes_match_the_embedded_model():
 
 
 def test_readme_exit_codes_list_every_code_fp_uses():
-    from fpcli.commands.stop import EXIT_NOT_RUNNING
+    from fpcli.commands.stop import EXIT_NOT_RUNNING, EXIT_STARTING
 
     text = " ".join(README.read_text(encoding="utf-8").split())
     codes = re.search(r"Exit codes: (.*?)(?:\n\n|\*\*The JSON report)", text, re.S)
     assert codes, "the README's exit-code list is missing"
     listed = codes.group(1)
-    for code, what in ((0, "success"), (1, "failure"), (2, "bad usage"), (EXIT_NOT_RUNNING, "fp status")):
+    for code, what in ((0, "success"), (1, "failure"), (2, "bad usage"), (EXIT_NOT_RUNNING, "fp status"),
+                       (EXIT_STARTING, "still starting")):
         assert re.search(rf"(^|[ ,;]){code} [^;,]*{re.escape(what)}", listed), (code, what, listed)
+
+
+def test_readme_ask_table_lists_every_option_of_fp_ask():
+    """The README's `fp ask` options table has a row for each option `fp ask --help` shows."""
+    import typer
+
+    from fpcli.cli import app
+
+    command = typer.main.get_command(app).commands["ask"]
+    text = README.read_text(encoding="utf-8")
+    table = re.search(r"\| option \| meaning \|\n\|---\|---\|\n((?:\|.*\n)+)", text)
+    assert table, "the README's fp ask options table is missing"
+    rows = [line.split("|")[1] for line in table.group(1).splitlines()]
+    documented = set(re.findall(r"`(--?[\w-]+)", " ".join(rows)))
+    options = {name for p in command.params if p.param_type_name == "option" and not getattr(p, "hidden", False)
+               for name in p.opts if name.startswith("--") and name != "--help"}
+    assert "--no-server" in options and "--page-timeout" in options  # the test sees the options
+    assert options - documented == set(), sorted(options - documented)
 
 
 def test_documented_cpu_eval_runs_sparse_on_the_embedded_model():
