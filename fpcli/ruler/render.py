@@ -151,20 +151,22 @@ def ttft_notes(report: dict) -> list[str]:
 
 
 def missing_notes(report: dict) -> list[str]:
-    """For an interrupted report, one line per profile that did not answer every sample (its
-    ``missing`` entries), e.g. "interrupted: profile bf16 answered 3 of 8 samples (its cells
-    average those), fp8 none". Empty for a finished run."""
+    """For an interrupted report, one line naming each profile that did not answer every sample
+    (its ``missing`` entries), e.g. "interrupted (Ctrl-C), the table is partial: profile bf16
+    answered 3 of 8 samples (its cells average those); profile fp8 answered none of its 8 samples
+    (no cells)". Empty for a finished run."""
     if not report.get("interrupted"):
         return []
     parts = []
     for m in report.get("missing", []):
         if m["answered"] == 0:
-            parts.append(f"{m['profile']} none")
+            parts.append(f"profile {m['profile']} answered none of its {m['samples']} samples (no cells)")
         else:
-            parts.append(f"{m['profile']} answered {m['answered']} of {m['samples']} samples (its cells average those)")
+            parts.append(f"profile {m['profile']} answered {m['answered']} of {m['samples']} samples "
+                         "(its cells average those)")
     if not parts:
         return ["interrupted after the last answer: the table is complete"]
-    return ["interrupted (Ctrl-C), the table is partial: profile " + ", ".join(parts)]
+    return ["interrupted (Ctrl-C), the table is partial: " + "; ".join(parts)]
 
 
 def empty_notes(report: dict) -> list[str]:
