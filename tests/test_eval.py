@@ -415,6 +415,9 @@ def test_eval_ctrl_c_keeps_the_finished_cells_and_exits_130(runner, fake_engine,
     cells = {(c["length"], c["profile"]): c for c in data["cells"]}
     assert set(cells) == {(1024, "dense"), (2048, "dense"), (1024, "bf16")}
     assert cells[(1024, "dense")]["samples"] == 2 and cells[(1024, "bf16")]["samples"] == 1
+    for (length, prof), c in cells.items():  # tokens are an int: the mean of the samples, rounded
+        sizes = [s["prompt_tokens"] for s in data["samples"] if s["length"] == length and prof in s["results"]]
+        assert type(c["prompt_tokens"]) is int and c["prompt_tokens"] == round(sum(sizes) / len(sizes))
     assert sum(len(s["results"]) for s in data["samples"]) == 5
     assert all(e.closed for e in LAST_FAKE) and len(LAST_FAKE) == 2  # the engine in use was closed
     err = " ".join(r.stderr.split())

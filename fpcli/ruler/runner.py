@@ -122,7 +122,7 @@ def run_profiles(
 def cells(run: EvalRun) -> list[dict]:
     """One dict per (task, length, profile), in sample order then profile order: ``score``
     (points 0-100, over every seed's samples), ``score_by_seed`` (``{str(seed): points}``: JSON keys), ``ttft_s``
-    and ``density`` (means), ``samples`` (all seeds), ``prompt_tokens`` (mean), ``min_sparse_len``
+    and ``density`` (means), ``samples`` (all seeds), ``prompt_tokens`` (mean, rounded to an int), ``min_sparse_len``
     (the profile's, ``None`` for a dense profile) and ``ran_dense``: ``True`` when a sparse profile
     ran no sparse layer on any sample because every prompt was shorter than its ``min_sparse_len``
     (density 1.0: the cell measured dense attention); ``empty_answers``: samples on which the
@@ -150,7 +150,7 @@ def cells(run: EvalRun) -> list[dict]:
                 "ttft_s": fmean(r.ttft_s for r in results),
                 "density": fmean(r.stats.density for r in results),
                 "samples": len(group),
-                "prompt_tokens": fmean(s.prompt_tokens for s in group),
+                "prompt_tokens": round(fmean(s.prompt_tokens for s in group)),  # an int: tokens
                 "min_sparse_len": p.min_sparse_len,
                 "ran_dense": below and all(not r.stats.sparse_layers and r.stats.density == 1.0 for r in results),
                 "empty_answers": sum(1 for r in results if r.output_tokens == 0),
