@@ -40,8 +40,8 @@ CASES = {
                                {"threshold_max": "prunable", "_sink_boost": 2.0}, True),
     "scored_strong_sink_batch_g3_ps64": ([300, 1, 129], [700, 63, 0], 2, 3, 64, 64, 64, {"_sink_boost": 2.0}, True),
     # block_score "mass": each row's softmax over its blocks (a pre-pass of row log-sum-exps), alone
-    # and with the prunable max; at d 128 with 128-token blocks and several BLOCK_J chunks
-    "mass_batch_g3_ps64": ([300, 1, 129], [700, 63, 0], 2, 3, 64, 64, 64, {"block_score": "mass", "alpha": 0.1}, True),
+    # and with the prunable max; at d 128 with several BLOCK_J chunks
+    "mass_batch_g3_ps64": ([300, 1, 129], [700, 63, 0], 2, 3, 64, 64, 64, {"block_score": "mass", "alpha": 0.5}, True),
     "mass_prunable_long_prefix_d128": ([100], [9000], 1, 2, 128, 64, 64,
                                        {"block_score": "mass", "threshold_max": "prunable", "alpha": 0.1}, True),
     "alpha0_dense_scored": ([300], [700], 1, 2, 64, 16, 64, {"alpha": 0.0}, True),
@@ -285,6 +285,9 @@ def test_selection_is_sparse_and_rules_hold(results):
     assert results["short_request_dense"]["density"] == 1.0, results["short_request_dense"]
     # a lower bar (the max over fewer blocks) keeps a superset: here strictly more
     assert results["prunable_batch_g3_ps64"]["density"] > results["scored_strong_sink_batch_g3_ps64"]["density"]
+    # the selection options' cases prune (a too generous score would otherwise pass)
+    for name in ("prunable_batch_g3_ps64", "mass_batch_g3_ps64", "mass_prunable_long_prefix_d128"):
+        assert results[name]["density"] < 0.95, results[name]
     # the default (one-dot scores) writes the 16-bit means the correction reads
     assert all(r.get("lowp_made") for r in results.values()), results
 
