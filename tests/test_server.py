@@ -897,3 +897,138 @@ def test_a_hung_servers_timeout_says_the_time_waited(tmp_path):
         path.unlink(missing_ok=True)
     waited = float(re.search(r"timed out after ([\d.]+) s", str(info.value)).group(1))
     assert 0.3 <= waited < 30.0, str(info.value)
+
+
+# -- a starting marker that is stale, or names another process -------------------------------------------
+
+
+def _marker(s: Servers, pid: int, ready_in_s: float, **fields) -> None:
+    """A starting marker naming ``pid`` (as ``fp start`` writes one), ``ready_by`` ``ready_in_s``
+    from now (negative: in the past)."""
+    from fpcli.server.state import StartingState, write_starting
+
+    s.paths.ensure()
+    now = time.time()
+    write_starting(s.paths, StartingState(pid=pid, started_at=now - 7200, ready_by=now + ready_in_s, **fields))
+
+
+@pytest.fixture
+def sleeper():
+    """A ``sleep`` in a session of its own (as ``setsid sleep 1000 &``): a live process that is no engine."""
+    p = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+    try:
+        yield p
+    finally:
+        p.kill()
+        p.wait(timeout=10)
+
+
+def test_a_marker_past_its_deadline_is_stale_and_its_process_never_signalled(servers, sleeper):
+    """A marker naming an unrelated live process, an hour past ready_by: fp status says it was
+    stale and removes it (exit 3, said once), fp ask runs in-process at once, fp stop signals nothing."""
+    s = servers
+    _marker(s, sleeper.pid, -3600)
+    st = s.fp("status")
+    assert st.returncode == 3, (st.stdout, st.stderr)
+    assert f"pid {sleeper.pid} was not ready by its deadline" in st.stderr and "removed its starting marker" in st.stderr
+    assert not s.paths.starting.exists() and sleeper.poll() is None
+    again = s.fp("status")
+    assert again.returncode == 3 and "no resident engine runs" in again.stderr and "stale" not in again.stderr
+    _marker(s, sleeper.pid, -3600)
+    a = _ask(s, timeout=120)
+    assert a.returncode == 0, a.stderr
+    assert "waiting for it" not in a.stderr and "was not ready by its deadline" in a.stderr, a.stderr
+    assert "server" not in json.loads(a.stdout)["summary"] or not json.loads(a.stdout)["summary"]["server"]
+    _marker(s, sleeper.pid, -3600)
+    stop = s.fp("stop")
+    assert stop.returncode == 0 and "was not ready by its deadline" in stop.stderr, stop.stderr
+    time.sleep(0.3)
+    assert sleeper.poll() is None  # never signalled
+    _marker(s, sleeper.pid, -3600)
+    assert _start(s)["pid"] != sleeper.pid and sleeper.poll() is None  # fp start is not refused
+
+
+def test_a_marker_whose_pid_is_another_process_is_stale(servers, sleeper):
+    """A marker in time whose pid now runs another process (its start time differs): not
+    "starting", removed, and fp stop sends it no signal; with the right start time it is starting."""
+    from fpcli.server.state import proc_start_time
+
+    s = servers
+    ticks = proc_start_time(sleeper.pid)
+    assert isinstance(ticks, int) and ticks > 0
+    _marker(s, sleeper.pid, 600, proc_start=ticks + 1)
+    st = s.fp("status", "--json")
+    assert st.returncode == 3 and json.loads(st.stdout)["status"] == "stale", (st.stdout, st.stderr)
+    assert f"pid {sleeper.pid} is now another process" in json.loads(st.stdout)["detail"]
+    _marker(s, sleeper.pid, 600, proc_start=ticks + 1)
+    stop = s.fp("stop")
+    assert stop.returncode == 0 and "is now another process" in stop.stderr, stop.stderr
+    time.sleep(0.3)
+    assert sleeper.poll() is None and not s.paths.starting.exists()
+    _marker(s, sleeper.pid, 600, proc_start=ticks)
+    assert s.fp("status").returncode == 4
+
+
+def test_replace_stops_an_engine_that_is_still_starting(servers, sleeper):
+    """fp start beside a starting engine refuses (naming --replace); with --replace it ends the
+    starting process (here a sleep named by a marker with its start time) and starts its own."""
+    from fpcli.server.state import proc_start_time
+
+    s = servers
+    _marker(s, sleeper.pid, 600, proc_start=proc_start_time(sleeper.pid))
+    r = s.fp("start", "--model", s.model, "--timeout", "60")
+    assert r.returncode == 1 and "a resident engine is starting" in r.stderr and "--replace" in r.stderr, r.stderr
+    assert sleeper.poll() is None
+    r = s.fp("start", "--model", s.model, "--timeout", "60", "--replace")
+    assert r.returncode == 0 and "replaced" in r.stderr, r.stderr
+    assert sleeper.wait(timeout=20) < 0  # signalled
+    assert s.state() is not None and s.state()["pid"] != sleeper.pid
+
+
+def test_a_late_marker_of_its_own_engine_ends_it(servers, sleeper):
+    """A marker past its deadline whose process is still the one it names (same start time): as
+    its fp start would have, the reader ends it and says so."""
+    from fpcli.server.state import proc_start_time
+
+    s = servers
+    _marker(s, sleeper.pid, -3600, proc_start=proc_start_time(sleeper.pid))
+    st = s.fp("status")
+    assert st.returncode == 3 and "and ended it (SIGTERM)" in st.stderr, st.stderr
+    assert sleeper.wait(timeout=20) < 0 and not s.paths.starting.exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may signal every process")
+def test_signalling_another_users_process_is_a_clear_error():
+    from fpcli.server.lifecycle import LifecycleError, _signal
+
+    with pytest.raises(LifecycleError, match="not permitted to signal pid 1"):
+        _signal(1, 0)
+
+
+def test_ask_does_not_wait_for_a_starting_engine_of_another_model(servers, sleeper):
+    """The marker says what the starting engine will serve: an ask for another model says so in
+    one line and runs in-process at once instead of waiting for it."""
+    from fpcli.server.state import proc_start_time
+
+    s = servers
+    _marker(s, sleeper.pid, 600, proc_start=proc_start_time(sleeper.pid), model="other", model_path="/models/other",
+            profile="bf16", profile_hash="0123456789abcdef", engine="transformers")
+    a = _ask(s, timeout=120)
+    assert a.returncode == 0, a.stderr
+    assert f"the resident engine that is starting (pid {sleeper.pid}) will run model other" in a.stderr, a.stderr
+    assert "waiting for it" not in a.stderr
+    assert s.paths.starting.exists() and sleeper.poll() is None  # still starting, left alone
+
+
+def test_ctrl_c_on_fp_start_leaves_the_engine_starting(servers):
+    """Ctrl-C while fp start waits: exit 130, it says the engine goes on starting (pid N) and that
+    fp stop ends it; the engine does come up, and fp stop ends it."""
+    s = servers
+    start, pid = _starting(s, {"FP_FAKE_LOAD_S": "4"})
+    start.send_signal(signal.SIGINT)
+    _, err = start.communicate(timeout=60)
+    assert start.returncode == 130, err
+    assert f"interrupted; the engine goes on starting (pid {pid}): fp stop ends it" in err, err
+    _wait(lambda: s.state() is not None, 60, "the engine to come up")
+    assert s.state()["pid"] == pid and s.fp("status").returncode == 0
+    assert s.fp("stop").returncode == 0 and not _alive(pid)

@@ -30,7 +30,7 @@ def start(
 ) -> None:
     """Start the resident engine in the background and return once it answers; fp ask and fp profile then use it.
 
-    Extra arguments after -- are engine settings for SGLang, e.g. fp start --engine sglang -- --tp 2. See fp status and fp stop.
+    Extra arguments after -- are engine settings for SGLang, e.g. fp start --engine sglang -- --tp 2. See fp status and fp stop. Ctrl-C stops the wait, not the engine: it goes on starting (fp stop ends it).
     """
     from fpcli.server.lifecycle import LifecycleError, StartRequest, start_server
     from fpcli.server.state import profile_hash
@@ -60,6 +60,9 @@ def start(
     if context is not None:
         args += ["--context", context]
     want_hash = profile_hash(prof)
+    serves = {"model": os.path.basename(str(resolved_model).rstrip("/")), "model_path": model_path,
+              "profile": prof.name, "profile_hash": want_hash, "settings_hash": profile_hash(prof, context=False),
+              "engine": resolved_engine, "context": prof.engine.context_length}
 
     def differences(state) -> list[str]:
         out = []
@@ -78,10 +81,17 @@ def start(
 
         try:
             outcome, state = start_server(paths, StartRequest(serve_args=args, engine_args=list(ctx.args),
-                                                                           timeout_s=timeout), lock_timeout_s=timeout + 30,
+                                                                           timeout_s=timeout, serves=serves), lock_timeout_s=timeout + 30,
                                           matches=differences, replace=replace, on_wait=waiting)
         except (LifecycleError, TimeoutError) as exc:
             fail(str(exc))
+        except KeyboardInterrupt:  # the detached server is not interrupted: it goes on starting
+            from fpcli.server.state import read_starting
+
+            starting = read_starting(paths)
+            if starting is None:
+                raise
+            fail(f"interrupted; the engine goes on starting (pid {starting.pid}): fp stop ends it", code=130)
     verb = {"running": "already runs", "started": "started", "replaced": "replaced the previous one and started"}[outcome]
     err.print(f"fp: resident engine {verb}: {escape(state.model)} ({state.engine} engine, profile {escape(state.profile)}) "
               f"at {escape(state.address)}, pid {state.pid}" + (f"; log {escape(state.log)}" if state.log else ""),

@@ -42,7 +42,7 @@ def status(
 ) -> None:
     """Show the resident engine: model, profile, engine, address, idle time, memory, requests.
 
-    Exit code 0 when it runs, 4 while fp start is still starting it, 3 when none runs (a stale state file of a dead engine is removed, and said), 1 when it does not answer (hung).
+    Exit code 0 when it runs, 4 while fp start is still starting it, 3 when none runs (a stale state file of a dead engine, or a stale starting marker, is removed, and said), 1 when it does not answer (hung).
     """
     from fpcli.server.lifecycle import probe_status
 
@@ -87,7 +87,7 @@ def status(
 def stop(
     wait: Annotated[float, typer.Option("--wait", min=0.0, help="Seconds to wait for a clean shutdown before SIGTERM, then SIGKILL.")] = STOP_WAIT_S,
 ) -> None:
-    """Stop the resident engine (and every process it started), also one fp start is still starting; does nothing when none runs."""
+    """Stop the resident engine (and every process it started), also one that fp start is still starting; does nothing when none runs."""
     from fpcli.server.lifecycle import LifecycleError, stop_server
 
     err = stderr_console()

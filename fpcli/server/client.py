@@ -18,7 +18,7 @@ import httpx
 from fpcli.engine.base import GenerationResult
 
 from .paths import ServerPaths, default_paths
-from .state import ServerState, clear_stale, pid_alive, profile_hash, read_starting, read_state
+from .state import ServerState, StartingState, clear_stale, pid_alive, profile_hash, read_starting, read_state
 
 
 class ServerUnavailable(RuntimeError):
@@ -273,12 +273,13 @@ def context_words(tokens: int | None) -> str:
 
 
 def wait_for_starting(paths: ServerPaths, note: Callable[[str], None], warn: Callable[[str], None],
-                      poll_s: float = 0.1) -> ServerState | None:
-    """Wait for the engine that ``fp start`` is starting, if any (its starting marker): its state
-    once it has written one, or ``None`` when none is starting, or it ended (said through ``warn``)
-    or was not ready when its ``fp start`` gives up on it (``StartingState.ready_by``). Says that
-    it waits through ``note``. Blocks; Ctrl-C raises KeyboardInterrupt."""
-    starting = read_starting(paths)
+                      poll_s: float = 0.1, starting: StartingState | None = None) -> ServerState | None:
+    """Wait for the engine that ``fp start`` is starting, if any (``starting``, else its starting
+    marker read now): its state once it has written one, or ``None`` when none is starting, or it
+    ended (said through ``warn``) or was not ready when its ``fp start`` gives up on it
+    (``StartingState.ready_by``). Says that it waits through ``note``. Blocks; Ctrl-C raises
+    KeyboardInterrupt."""
+    starting = starting or read_starting(paths)
     if starting is None:
         return None
     note(f"a resident engine is starting (pid {starting.pid}, since {max(0.0, time.time() - starting.started_at):.0f} s); "
@@ -304,7 +305,9 @@ def connect(model: str | None, profile, engine: str = "auto", paths: ServerPaths
     ``None`` (run in-process).
 
     An engine that ``fp start`` is still starting (``ServerPaths.starting``) is waited for, said
-    through ``note`` (``wait_for_starting``); Ctrl-C stops the wait (KeyboardInterrupt).
+    through ``note`` (``wait_for_starting``), unless its marker says it will serve another model,
+    profile or engine (said through ``note``: in-process at once); Ctrl-C stops the wait
+    (KeyboardInterrupt). A stale starting marker is removed and said through ``warn``.
     A stale state (dead process) is removed and reported through ``warn``; a server that does not
     answer its health check within ``config`` timeouts is reported through ``warn`` (in-process
     then); a running engine that does not match is reported through ``note``. Never raises for a
@@ -315,13 +318,48 @@ def connect(model: str | None, profile, engine: str = "auto", paths: ServerPaths
     paths = paths or default_paths()
     state = read_state(paths)
     if state is None:
-        state = wait_for_starting(paths, note, warn)
+        from .lifecycle import check_starting
+
+        starting, stale = check_starting(paths)
+        if stale:
+            warn(f"{stale}; running in-process")
+        if starting is None:
+            return None
+        serves = starting.serves()
+        if serves is not None:
+            differs = _differences(serves, model, profile, engine, one_request)
+            if differs is None:
+                return None
+            if differs:
+                note(f"the resident engine that is starting (pid {starting.pid}) will run {', '.join(differs)}; "
+                     "this command runs in-process")
+                return None
+        state = wait_for_starting(paths, note, warn, starting=starting)
     if state is None:
         return None
     if not pid_alive(state.pid):
         clear_stale(paths, state)
         warn(f"the resident engine (pid {state.pid}) is gone; removed its stale state file; running in-process")
         return None
+    differs = _differences(state, model, profile, engine, one_request)
+    if differs is None:
+        return None
+    if differs:
+        note(f"the resident engine runs {', '.join(differs)}; this command runs in-process")
+        return None
+    try:
+        health = probe(state, config)
+    except ServerUnavailable as exc:
+        warn(f"the resident engine (pid {state.pid}, {state.address}) does not answer ({exc}); "
+             "running in-process (see `fp status`)")
+        return None
+    return RemoteEngine(state, health, config)
+
+
+def _differences(state: ServerState, model: str | None, profile, engine: str, one_request: bool) -> list[str] | None:
+    """What differs between the engine ``state`` describes and this command's model, profile and
+    engine (``["model X", ...]``; empty: it matches), or ``None`` when the request cannot be
+    resolved (the in-process path reports a bad model)."""
     try:
         from fpcli.engine import resolve_request
         from fpcli.models import resolve_model
@@ -343,13 +381,4 @@ def connect(model: str | None, profile, engine: str = "auto", paths: ServerPaths
             differs.append(profile_difference(state, profile))
     if engine not in ("auto", state.engine):
         differs.append(f"engine {state.engine}")
-    if differs:
-        note(f"the resident engine runs {', '.join(differs)}; this command runs in-process")
-        return None
-    try:
-        health = probe(state, config)
-    except ServerUnavailable as exc:
-        warn(f"the resident engine (pid {state.pid}, {state.address}) does not answer ({exc}); "
-             "running in-process (see `fp status`)")
-        return None
-    return RemoteEngine(state, health, config)
+    return differs

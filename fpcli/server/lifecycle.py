@@ -16,8 +16,8 @@ from typing import Callable
 from . import START_TIMEOUT_S, STOP_WAIT_S
 from .client import ClientConfig, ServerUnavailable, probe, shutdown
 from .paths import ServerPaths
-from .state import (ServerState, StartingState, clear_stale, clear_starting, clear_state, pid_alive, read_starting,
-                    read_state, start_lock, write_starting)
+from .state import (ServerState, StartingState, clear_stale, clear_starting, clear_state, load_starting, pid_alive,
+                    proc_start_time, read_state, start_lock, starting_problem, write_starting)
 
 
 class LifecycleError(RuntimeError):
@@ -35,11 +35,16 @@ class StartRequest:
         engine_args: engine settings for SGLang (e.g. ``["--tp", "2"]``); they follow ``--``,
             after every fp option.
         timeout_s: how long to wait for the server to be ready.
+        serves: what the server will serve, as its state file will say (``model``, ``model_path``,
+            ``profile``, ``profile_hash``, ``settings_hash``, ``engine``, ``context``; the fields of
+            ``StartingState`` after ``proc_start``); the starting marker carries it, so an ``fp ask``
+            for another model or profile does not wait for this engine. Empty: unknown.
     """
 
     serve_args: list[str] = field(default_factory=list)
     engine_args: list[str] = field(default_factory=list)
     timeout_s: float = START_TIMEOUT_S
+    serves: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -65,14 +70,43 @@ def starting_words(starting: StartingState) -> str:
     return f"pid {starting.pid}, since {max(0.0, time.time() - starting.started_at):.0f} s"
 
 
+def check_starting(paths: ServerPaths) -> tuple[StartingState | None, str]:
+    """The starting marker while it is live: (marker, ``""``). Else (``None``, why): a stale marker
+    (``state.starting_problem``: its process gone, its pid now another process, or past its deadline)
+    or an unreadable one is removed and the reason returned, once (``""`` when there was none, or
+    another reader removed it first). A marker past its deadline whose process is still the
+    ``fp serve`` it names (same start time) has that process ended too, as its ``fp start`` would
+    have; no other process is ever signalled."""
+    try:
+        starting = load_starting(paths)
+    except ValueError:
+        paths.starting.unlink(missing_ok=True)
+        return None, f"removed an unreadable starting marker {paths.starting}"
+    if starting is None:
+        return None, ""
+    problem, verified = starting_problem(starting)
+    if not problem:
+        return starting, ""
+    if not clear_starting(paths, starting.pid):
+        return None, ""  # another reader removed it (and said so)
+    said = f"the starting engine's {problem}; removed its starting marker {paths.starting}"
+    if verified:
+        try:
+            said += f" and ended it ({_end_process(starting.pid, grace_s=5.0)})"
+        except LifecycleError as exc:
+            said += f" ({exc})"
+    return None, said
+
+
 def probe_status(paths: ServerPaths, config: ClientConfig = ClientConfig()) -> Status:
-    """The resident engine's status; cleans a stale state file."""
+    """The resident engine's status; cleans a stale state file or starting marker (``stale``, its
+    ``detail`` says what was removed)."""
     state = read_state(paths)
     if state is None:
-        starting = read_starting(paths)
+        starting, stale = check_starting(paths)
         if starting is not None:
             return Status("starting", detail=starting_words(starting), starting=starting)
-        return Status("none")
+        return Status("stale", detail=stale) if stale else Status("none")
     if not pid_alive(state.pid):
         removed = clear_stale(paths, state)
         return Status("stale", state, detail=f"pid {state.pid} is gone; removed {_files(removed, paths)}")
@@ -117,8 +151,12 @@ def spawn(paths: ServerPaths, request: StartRequest, on_wait: Callable[[float, s
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, close_fds=True)
     log.close()
     now = time.time()
+    try:
+        started = proc_start_time(proc.pid)
+    except ProcessLookupError:
+        started = None  # already gone: the poll below says how it ended
     write_starting(paths, StartingState(pid=proc.pid, started_at=now, ready_by=now + request.timeout_s,
-                                        log=str(paths.log)))
+                                        log=str(paths.log), proc_start=started, **request.serves))
     t0 = time.monotonic()
     while True:
         waited = time.monotonic() - t0
@@ -162,13 +200,17 @@ def last_log_line(paths: ServerPaths) -> str:
 def _group_leader(pid: int) -> bool:
     try:
         return os.getpgid(pid) == pid
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         return False
 
 
 def _signal(pid: int, sig: int) -> None:
     """``sig`` to the process group of ``pid`` when it leads one (a detached server and its
-    children), else to ``pid`` alone (a foreground ``fp serve`` shares the shell's group)."""
+    children), else to ``pid`` alone (a foreground ``fp serve`` shares the shell's group).
+
+    Raises:
+        LifecycleError: not permitted (the pid, or one in its group, is another user's process).
+    """
     try:
         if _group_leader(pid):
             os.killpg(pid, sig)
@@ -176,6 +218,9 @@ def _signal(pid: int, sig: int) -> None:
             os.kill(pid, sig)
     except ProcessLookupError:
         pass
+    except PermissionError:
+        raise LifecycleError(f"not permitted to signal pid {pid} (another user's process); "
+                             "it is not an engine of yours, nothing was ended") from None
 
 
 def _wait_gone(pid: int, timeout_s: float) -> bool:
@@ -202,7 +247,7 @@ def _end_process(pid: int, grace_s: float) -> str:
     if group:  # children left in the group (e.g. SGLang's scheduler) go too
         try:
             os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
             pass
     return how
 
@@ -210,17 +255,18 @@ def _end_process(pid: int, grace_s: float) -> str:
 def stop_server(paths: ServerPaths, wait_s: float = STOP_WAIT_S, config: ClientConfig = ClientConfig()) -> tuple[Status, str]:
     """End the resident engine: ``/fp/shutdown``, wait ``wait_s``, then SIGTERM and SIGKILL its
     process group; one still starting (``Status.kind == "starting"``) gets SIGTERM and SIGKILL at
-    once (its ``fp start`` then fails, saying so). Idempotent. Returns (status before, how it
-    ended: ``shutdown``, ``SIGTERM``, ``SIGKILL``, or ``""`` when nothing ran).
+    once (its ``fp start`` then fails, saying so); a stale starting marker is removed and nothing
+    signalled (``check_starting``). Idempotent. Returns (status before, how it ended: ``shutdown``,
+    ``SIGTERM``, ``SIGKILL``, or ``""`` when nothing ran).
 
     Raises:
-        LifecycleError: the process survived SIGKILL.
+        LifecycleError: the process survived SIGKILL, or signalling it was not permitted.
     """
     state = read_state(paths)
     if state is None:
-        starting = read_starting(paths)
+        starting, stale = check_starting(paths)
         if starting is None:
-            return Status("none"), ""
+            return (Status("stale", detail=stale) if stale else Status("none")), ""
         before = Status("starting", detail=starting_words(starting), starting=starting)
         paths.starting.unlink(missing_ok=True)  # first: its fp start then knows it was stopped
         how = _end_process(starting.pid, grace_s=5.0)
@@ -251,7 +297,7 @@ def start_server(paths: ServerPaths, request: StartRequest, lock_timeout_s: floa
                  matches: Callable[[ServerState], list[str]], replace: bool = False,
                  on_wait: Callable[[float, str], None] | None = None) -> tuple[str, ServerState]:
     """``fp start``: under the start lock, reuse a matching running server, replace or refuse a
-    different one, else spawn one. Returns (``"running"`` | ``"started"`` | ``"replaced"``, state).
+    different one (or one still starting: an interrupted ``fp start`` spawned it), else spawn one. Returns (``"running"`` | ``"started"`` | ``"replaced"``, state).
 
     Args:
         matches: the differences (``["model X", ...]``) between a running server and the request.
@@ -264,9 +310,12 @@ def start_server(paths: ServerPaths, request: StartRequest, lock_timeout_s: floa
     with start_lock(paths, lock_timeout_s):
         status = probe_status(paths)
         outcome = "started"
-        if status.kind == "starting":  # spawned by an fp start that was interrupted; it goes on starting
+        if status.kind == "starting" and not replace:  # spawned by an fp start that was interrupted
             raise LifecycleError(f"a resident engine is starting ({status.detail}; log {status.starting.log}); "
-                                 "see `fp status`, or stop it with `fp stop`")
+                                 "see `fp status`, stop it with `fp stop`, or use `fp start --replace`")
+        if status.kind == "starting":
+            stop_server(paths)
+            outcome = "replaced"
         if status.kind == "running":
             differs = matches(status.state)
             if not differs:

@@ -79,6 +79,9 @@ class ServerState:
         return state
 
 
+STARTING_GRACE_S = 30.0  # a starting marker this long past its ready_by is stale (its fp start gave up on it)
+
+
 @dataclass(frozen=True)
 class StartingState:
     """An engine that ``fp start`` spawned and that does not answer yet (the starting marker).
@@ -86,14 +89,28 @@ class StartingState:
     Attributes:
         pid: the ``fp serve`` process (leader of its process group).
         started_at: Unix time it was spawned.
-        ready_by: Unix time after which ``fp start`` gives up on it (and stops it).
+        ready_by: Unix time after which ``fp start`` gives up on it (and stops it); past it (plus
+            ``STARTING_GRACE_S``) the marker is stale.
         log: its log file, or ``None``.
+        proc_start: the process's start time (``proc_start_time``: Linux clock ticks since boot),
+            ``None`` where ``/proc`` is absent (or in a marker of an older fp): a pid whose start time
+            differs is another process, never reported as starting nor signalled.
+        model, model_path, profile, profile_hash, settings_hash, engine, context: what it will serve,
+            as its ``ServerState`` will say (``None`` in a marker of an older fp: unknown).
     """
 
     pid: int
     started_at: float
     ready_by: float
     log: str | None = None
+    proc_start: int | None = None
+    model: str | None = None
+    model_path: str | None = None
+    profile: str | None = None
+    profile_hash: str | None = None
+    settings_hash: str | None = None
+    engine: str | None = None
+    context: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict) -> "StartingState":
@@ -106,27 +123,94 @@ class StartingState:
         if not isinstance(state.pid, int) or not isinstance(state.started_at, (int, float)) \
                 or not isinstance(state.ready_by, (int, float)):
             raise ValueError("pid must be an integer, started_at and ready_by numbers")
+        if state.proc_start is not None and not isinstance(state.proc_start, int):
+            raise ValueError("proc_start must be an integer")
         return state
+
+    def serves(self) -> ServerState | None:
+        """What it will serve, as a ``ServerState`` (no address yet), or ``None`` when the marker
+        does not say (an older fp wrote it)."""
+        if not (self.model_path and self.profile_hash and self.engine):
+            return None
+        return ServerState(pid=self.pid, address="", model=self.model or self.model_path, model_path=self.model_path,
+                           profile=self.profile or "?", profile_hash=self.profile_hash, engine=self.engine,
+                           started_at=self.started_at, version="", context=self.context,
+                           settings_hash=self.settings_hash)
+
+
+def proc_start_time(pid: int) -> int | None:
+    """The start time of process ``pid``: field 22 of ``/proc/<pid>/stat`` (clock ticks since
+    boot), which tells a process from a later one that reuses its pid. ``None`` where ``/proc`` is
+    absent or unreadable.
+
+    Raises:
+        ProcessLookupError: ``/proc`` exists and has no such process.
+    """
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        if Path("/proc/self/stat").exists():
+            raise ProcessLookupError(pid) from None
+        return None
+    except OSError:
+        return None
+    try:
+        return int(text.rsplit(")", 1)[1].split()[19])  # fields 3.. follow the ")" of the command name
+    except (IndexError, ValueError):
+        return None
 
 
 def write_starting(paths: ServerPaths, starting: StartingState) -> None:
     write_private(paths.starting, json.dumps(asdict(starting), indent=2) + "\n")
 
 
-def read_starting(paths: ServerPaths) -> StartingState | None:
-    """The starting marker while its process lives, else ``None`` (a marker of a dead process, or
-    one that cannot be parsed, is removed)."""
+def load_starting(paths: ServerPaths) -> StartingState | None:
+    """The starting marker as written, checking nothing.
+
+    Raises:
+        ValueError: it cannot be parsed.
+    """
     try:
         text = paths.starting.read_text(encoding="utf-8")
     except FileNotFoundError:
         return None
     try:
-        starting = StartingState.from_dict(json.loads(text))
-    except (ValueError, AttributeError):
-        paths.starting.unlink(missing_ok=True)
-        return None
+        return StartingState.from_dict(json.loads(text))
+    except AttributeError:
+        raise ValueError("not a JSON object") from None
+
+
+def starting_problem(starting: StartingState, now: float | None = None) -> tuple[str, bool]:
+    """Why the marker ``starting`` is stale (``""``: it is not), and whether its process is the one
+    ``fp start`` spawned and still lives (its start time matches ``proc_start``): only then may it be
+    signalled. Stale: its process is gone, or the pid is now another process (another start time),
+    or it is more than ``STARTING_GRACE_S`` past ``ready_by``."""
+    now = time.time() if now is None else now
     if not pid_alive(starting.pid):
-        clear_starting(paths, starting.pid)
+        return f"pid {starting.pid} is gone", False
+    verified = False
+    if starting.proc_start is not None:
+        try:
+            current = proc_start_time(starting.pid)
+        except ProcessLookupError:
+            return f"pid {starting.pid} is gone", False
+        if current is not None and current != starting.proc_start:
+            return f"pid {starting.pid} is now another process", False
+        verified = current is not None
+    late = now - starting.ready_by
+    if late > STARTING_GRACE_S:
+        return f"pid {starting.pid} was not ready by its deadline ({late:.0f} s ago)", verified
+    return "", verified
+
+
+def read_starting(paths: ServerPaths) -> StartingState | None:
+    """The starting marker while it is not stale (``starting_problem``), else ``None``; reads only
+    (``fpcli.server.lifecycle.check_starting`` removes a stale one and says why)."""
+    try:
+        starting = load_starting(paths)
+    except ValueError:
+        return None
+    if starting is None or starting_problem(starting)[0]:
         return None
     return starting
 
