@@ -8,8 +8,10 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
     {
       "schema": "fp.ask/1", "fp_version": "0.1.0", "created": "2025-01-01T12:00:00+00:00",
       "question": "...", "answer": "...",
-      "error": null,               # why no answer came: "no readable document" (then "answer" and
-                                   # "summary" are null, "ingestion" has each document's error)
+      "error": null,               # why no answer came, one line: "no readable document", "cannot load
+                                   # the model: ...", a prompt that does not fit, "generation failed: ..."
+                                   # (then "answer" and "summary" are null, "ingestion" has each
+                                   # document's error: why it gave no text, an empty file included)
       "summary": {
         "prompt_tokens", "output_tokens", "ttft_s", "prefill_s", "decode_tokens_per_s",
         "total_s",               # the engine's part: from when it took the request to the last answer
@@ -232,9 +234,11 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
 
 
 def failed_report(question: str, docs: Sequence, error: str) -> dict:
-    """The ``fp.ask/1`` report of a question that got no answer, e.g. when no document was
-    readable: ``answer``, ``summary`` and ``ingestion.prompt`` are ``None``, ``error`` says why
-    (one line), ``ingestion.documents`` has each document's row (its ``error`` among them).
+    """The ``fp.ask/1`` report of a question that got no answer (no readable document, the model
+    did not load, the documents did not fit, generation failed): ``answer``, ``summary`` and
+    ``ingestion.prompt`` are ``None``, ``error`` says why (one line), ``ingestion.documents`` has
+    each document's row, whose ``error`` says why a document gave no text (an empty or blank file
+    included: its warning, e.g. ``"a.txt: empty"``), else ``None``.
 
     Args:
         question: the user's question.
@@ -247,6 +251,8 @@ def failed_report(question: str, docs: Sequence, error: str) -> dict:
     for d in docs:
         row = d.to_dict()
         row["tokens"] = None
+        if row.get("error") is None and not d.text.strip():  # read, but nothing in it: say why here too
+            row["error"] = d.warnings[-1] if d.warnings else "no text"
         documents.append(row)
     return {
         "schema": SCHEMA,

@@ -1181,3 +1181,31 @@ def test_ask_answer_cut_by_max_new_tokens_says_so(runner, fake_engine, doc):
     r = invoke(runner, ["ask", str(doc), "What?", "-n", "2"])
     assert r.exit_code == 0, r.stderr
     assert re.search(r"answer tokens\s+2 \(length: stopped at --max-new-tokens\)", r.stderr), r.stderr
+
+
+def test_failed_report_names_each_documents_error_and_every_failure_gives_it(runner, monkeypatch, tmp_path, doc):
+    """The failed report's row of an empty file has its reason in ``error`` (not only in
+    warnings); a model that does not load under --json / --report gives the same failed report."""
+    import fpcli.engine
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    r = invoke(runner, ["ask", str(empty), "q?", "--json"])
+    assert r.exit_code == 1, r.output
+    row = json.loads(r.stdout)["ingestion"]["documents"][0]
+    assert row["error"] == f"{empty}: empty", row
+
+    def broken(*a, **k):
+        raise RuntimeError("no such model: foo")
+
+    monkeypatch.setattr(fpcli.engine, "load_engine", broken, raising=False)
+    monkeypatch.delenv("FP_ENGINE_FACTORY", raising=False)
+    out = tmp_path / "report.json"
+    r = invoke(runner, ["ask", str(doc), "q?", "--json", "--no-server", "--report", str(out)])
+    assert r.exit_code == 1, r.output
+    data = json.loads(r.stdout)
+    assert data["error"] == "cannot load the model: no such model: foo" and data["answer"] is None
+    assert data["summary"] is None and [d["name"] for d in data["ingestion"]["documents"]] == [str(doc)]
+    assert data["ingestion"]["documents"][0]["error"] is None  # the document was fine
+    assert json.loads(out.read_text()) == data
+    assert "cannot load the model: no such model: foo" in r.stderr

@@ -158,16 +158,23 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
     read_s = time.perf_counter() - t_read
     render_ingestion(err, docs)
     usable = [d for d in docs if d.ok and d.text.strip()]
-    if not usable:  # each file's reason was printed just above, once
+
+    def failed(message: str, code: int = 1, said: str | None = None) -> None:
+        """Exit ``code`` saying ``said`` (default ``message``); with --json / --report, first the
+        failed report (``failed_report``: each document's row, ``error`` = ``message``)."""
         if json_out or report is not None:  # the report still says what each document gave
-            failed = failed_report(question, docs, "no readable document remains" if len(docs) > 1
-                                   else "no readable document")
+            data = failed_report(question, docs, message)
             if json_out:
-                sys.stdout.write(dumps(failed) + "\n")
+                sys.stdout.write(dumps(data) + "\n")
                 sys.stdout.flush()
             if report is not None:
-                save_report_or_exit(report, failed)
-        fail("no readable document remains (see the reasons above)" if len(docs) > 1 else "no readable document (see the reason above)")
+                save_report_or_exit(report, data)
+        fail(said or message, code=code)
+
+    if not usable:  # each file's reason was printed just above, once
+        failed("no readable document remains" if len(docs) > 1 else "no readable document",
+               said="no readable document remains (see the reasons above)" if len(docs) > 1
+               else "no readable document (see the reason above)")
 
     from fpcli.engine.context import ContextError
 
@@ -178,9 +185,9 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
     except typer.Exit:
         raise
     except ContextError as exc:
-        fail(f"{context_source(prof, context)}: {exc}", code=2)
+        failed(f"{context_source(prof, context)}: {exc}", code=2)
     except Exception as exc:  # noqa: BLE001 - one line for any load failure
-        fail(f"cannot load the model: {_one_line(exc)}")
+        failed(f"cannot load the model: {_one_line(exc)}")
     # the loader's wall time (model fetch/conversion included); 0 when a running engine answered
     engine_start_s = time.perf_counter() - t_load if eng.start_s > 0 else 0.0
 
@@ -198,7 +205,7 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
             )
         except PromptError as exc:
             code = 2 if context or isinstance(exc, NoRoomError) else 1
-            fail(f"{context_source(prof, context)}: {exc}" if context else str(exc), code=code)
+            failed(f"{context_source(prof, context)}: {exc}" if context else str(exc), code=code)
         fit_s = time.perf_counter() - t_fit
         render_cuts(err, prompt)
         if not quiet:
@@ -219,7 +226,7 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
             raise
         except Exception as exc:  # noqa: BLE001
             sys.stdout.write("\n") if not json_out else None
-            fail(f"generation failed: {_one_line(exc)}")
+            failed(f"generation failed: {_one_line(exc)}")
 
     data = ask_report(result, question, docs, prompt, prof, context=context_info,
                       start_phases=getattr(eng, "start_phases", None), wall_s=process_age_s(),
