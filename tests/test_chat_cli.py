@@ -231,3 +231,27 @@ def test_prefill_label_counts_one_token_in_the_singular():
     assert display.label(1342) == "prefilling 1 token (1,342 cached)"
     assert display.label(1341) == "prefilling 2 tokens (1,341 cached)"
     assert display.label() == "prefilling 1,343 tokens"
+
+
+def test_chat_reports_the_set_up_with_the_next_answer_after_ctrl_c(runner, fake_engine, doc, monkeypatch):
+    """Ctrl-C during the first answer gives no report; the set-up (reading, engine start) is then
+    counted in the next answer's report, once."""
+    from fp_fakes import FakeEngine
+
+    real = FakeEngine.generate
+    calls = []
+
+    def interrupted_first(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(FakeEngine, "generate", interrupted_first)
+    r = invoke(runner, ["chat", str(doc), "--json"], input="a?\nb?\nc?\n")
+    assert r.exit_code == 0, r.stderr
+    assert "interrupted; ask the next question" in r.stderr
+    rows = [json.loads(ln)["summary"] for ln in r.stdout.splitlines() if ln.strip()]
+    assert len(rows) == 2 and len(calls) == 3
+    assert rows[0]["engine_start_s"] > 0 and rows[0]["stages_s"]["read"] > 0
+    assert rows[1]["engine_start_s"] == 0.0 and rows[1]["stages_s"]["read"] == 0.0

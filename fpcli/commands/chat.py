@@ -183,7 +183,8 @@ class _Setup:
 class _ChatLoop:
     """The question loop of one ``fp chat``. The first answer's report counts the set-up
     (``_Setup``: its ``stages_s.read`` and ``engine_start_s``, and its ``wall_s``, which adds the
-    set-up to the answer's time); each later one counts only its own question."""
+    set-up to the answer's time); each later one counts only its own question. An answer that gives
+    no report (interrupted, or a question that does not fit) leaves the set-up to the next report."""
 
     def __init__(self, eng, prof, docs, fitted, ctx, max_new_tokens, temperature, history, json_out, err,
                  setup: "_Setup" = None) -> None:
@@ -193,6 +194,7 @@ class _ChatLoop:
         self.setup = setup or _Setup()
         self.turns: list[tuple[str, str]] = []
         self.answered = 0  # answers written to stdout so far
+        self.reported = 0  # answers reported (an interrupted one is not)
 
     def run(self, stdin) -> None:
         interactive = stdin.isatty()
@@ -281,8 +283,9 @@ class _ChatLoop:
             if not self.json_out:
                 sys.stdout.write("\n")
             fail(f"generation failed: {_one_line(exc)}")
-        first = self.answered == 1  # the set-up counts in the first answer
+        first = self.reported == 0  # the set-up counts in the first report
         setup = self.setup if first else _Setup()
+        self.reported += 1
         data = ask_report(result, question, self.docs, prompt, self.prof,
                           wall_s=time.perf_counter() - t0 + setup.total_s, engine_start_s=setup.engine_start_s,
                           read_s=setup.read_s, fit_s=fit_s)
