@@ -24,6 +24,8 @@ The same file given twice is read once. The cases handled, each with a test in
   ``%PDF-`` header), truncated (no ``startxref`` / ``%%EOF`` at the end: re-download it), or
   damaged (repair it with ``qpdf in.pdf out.pdf``, or re-download it);
 - text that is mostly U+FFFD or private-use characters: a "looks garbled" warning;
+- accented letters that TeX draws as two glyphs ("Br¨oker"): composed ("Bröker", with a
+  note), only in a PDF whose Producer or Creator names TeX (``tex_maker``), never a URL's tilde;
 - PDF pages whose words still run together (``is_glued``): a warning naming the pages;
 - text files that are not valid UTF-8: decoded with replacement characters and a warning;
 - a missing runtime dependency (pypdfium2, pypdf): ``error`` names the package and the install
@@ -297,7 +299,8 @@ def _extractor(kind: str) -> str:
             found.append(f"{package} {version(package)}")
         except PackageNotFoundError:
             found.append(f"{package} absent")
-    return "pdf: " + ", ".join(found) + ", TeX accents joined"
+    # the accent rule is part of the key: a text cached under an older rule is read again
+    return "pdf: " + ", ".join(found) + ", TeX accents joined in TeX-made PDFs, never a URL's tilde"
 
 
 _NAME = "\0name"  # stands for the file's name in cached notes and warnings
@@ -484,7 +487,8 @@ def _pdfium_page_text(pdf, index: int) -> tuple[str, bool]:
 
 # TeX draws an accented letter as two glyphs, the spacing accent, then the letter under it, which
 # text extraction gives as "Br¨oker": each spacing accent (never an ASCII one: ^ ~ ` are code and
-# markup far more often) and the combining mark it stands for
+# markup far more often) and the combining mark it stands for. Joined only in a PDF made by TeX
+# (``tex_maker``): elsewhere a spacing accent before a letter is no accent ("Peter´s", "rock´n´roll").
 _SPACING_ACCENTS = {
     "\u00a8": "\u0308",  # ¨ diaeresis
     "\u00b4": "\u0301",  # ´ acute
@@ -501,22 +505,57 @@ _SPACING_ACCENTS = {
 }
 _ACCENT_LETTER = re.compile(f"([{''.join(_SPACING_ACCENTS)}])([^\\W\\d_])")
 _DOTLESS = {"\u0131": "i", "\u0237": "j"}  # TeX's \\i and \\j carry an accent above: í, not ı + ´
+# the tilde TeX draws for \~{} in a URL ("edu/˜alice"): after "/", "~", "." (or "˜"), or starting a
+# path segment broken onto the next line ("edu/" + line end + "˜alice"): never a letter's accent
+_URL_TILDE_BEFORE = re.compile(r"(?:[/~.\u02dc]|/[ \t]*\n\s*)$")
+# a TeX engine or driver in the PDF's Producer / Creator: a word ending in "TeX" (TeX, LaTeX, pdfTeX,
+# LuaTeX, XeTeX, MiKTeX: not TeXmacs, not "tex" in a file name), or a driver (dvipdfm(x), xdvipdfmx, dvips)
+_TEX_MAKER = re.compile(r"(?<![A-Za-z])[A-Za-z]{0,6}TeX(?![A-Za-z])"
+                        r"|(?i:(?<![a-z])(?:pdftex|luatex|luahbtex|xetex|x?dvipdfmx?|dvips)(?![a-z]))")
+
+
+def tex_maker(info: dict) -> str | None:
+    """The TeX engine or driver that made a PDF, from its document information ``info`` (keys
+    ``Producer`` and ``Creator``, values ``str``; other keys and non-string values are ignored), or
+    ``None`` when neither names one. "pdfTeX-1.40.25", "LaTeX with hyperref", "xdvipdfmx (20220710)",
+    "dvips(k) 2021.1" are TeX; "Microsoft® Word for Microsoft 365", "ReportLab PDF Library" are not.
+    The one place that decides whether a PDF's spacing accents are TeX's (``join_tex_accents``)."""
+    for key in ("Producer", "Creator"):
+        value = info.get(key)
+        if isinstance(value, str) and _TEX_MAKER.search(value):
+            return value.strip()
+    return None
 
 
 def join_tex_accents(text: str) -> str:
-    """``text`` with each spacing accent that directly precedes a letter composed with it, as TeX
-    places them ("Br¨oker" -> "Bröker", "J´erˆome" -> "Jérôme"; a dotless i or j under an accent
-    above becomes i or j: "Mikul´ık" -> "Mikulík"). The pair is kept as it is when Unicode has no
-    single character for it (NFC), and an accent not before a letter ("the ¨ sign"), and the ASCII
-    circumflex, tilde and backquote, are never touched."""
+    """``text`` (a page of a PDF made by TeX: ``tex_maker``) with each spacing accent that directly
+    precedes a letter composed with it, as TeX places them ("Br¨oker" -> "Bröker", "J´erˆome" ->
+    "Jérôme"; a dotless i or j under an accent above becomes i or j: "Mikul´ık" -> "Mikulík").
+    The pair is kept as it is when Unicode has no single character for it (NFC); so are an accent
+    not before a letter ("the ¨ sign"), a tilde in a URL (after "/", "~" or ".", or at the start of
+    a path segment broken onto the next line: "edu/˜alice"), and the ASCII circumflex, tilde and
+    backquote."""
+    return _join_tex_accents(text)[0]
+
+
+def _join_tex_accents(text: str) -> tuple[str, int]:
+    """``join_tex_accents(text)`` and the number of accents it composed."""
+    joined = 0
+
     def compose(m: re.Match) -> str:
+        nonlocal joined
         accent, letter = m.group(1), m.group(2)
+        if accent == "\u02dc" and _URL_TILDE_BEFORE.search(text, max(0, m.start() - 80), m.start()):
+            return m.group(0)
         mark = _SPACING_ACCENTS[accent]
         base = _DOTLESS.get(letter, letter) if mark != "\u0327" else letter
         composed = unicodedata.normalize("NFC", base + mark)
-        return composed if len(composed) == 1 else m.group(0)
+        if len(composed) != 1:
+            return m.group(0)
+        joined += 1
+        return composed
 
-    return _ACCENT_LETTER.sub(compose, text)
+    return _ACCENT_LETTER.sub(compose, text), joined
 
 
 def pdfium_plain_text(text: str) -> str:
@@ -573,8 +612,31 @@ def _open_pdfium(doc: Document, data: bytes, name: str, password: str | None, pr
     return pdf
 
 
-def _open_pypdf(doc: Document, data: bytes, name: str, password: str | None, problem, head: bytes) -> list | None:
-    """Pages of a pypdf reader as ``_PypdfPage``, or ``None`` with ``doc.error`` set."""
+def _pdfium_info(pdf) -> dict:
+    """The document information (``Producer``, ``Creator``, ...) of an open PDFium document (caller
+    holds the lock); empty when it cannot be read (damaged metadata loses only the accent joining)."""
+    try:
+        return pdf.get_metadata_dict(skip_empty=True)
+    except Exception:  # pypdfium2 raises PdfiumError or a decoding error on odd metadata
+        return {}
+
+
+def _pypdf_info(reader) -> dict:
+    """The ``Producer`` and ``Creator`` of a pypdf reader's document information, as ``str``;
+    empty when there is none or it cannot be read."""
+    try:
+        meta = reader.metadata
+        found = {"Producer": meta.producer, "Creator": meta.creator} if meta is not None else {}
+    except Exception:  # pypdf raises a wide range on damaged files
+        return {}
+    return {k: str(v) for k, v in found.items() if v}
+
+
+def _open_pypdf(
+    doc: Document, data: bytes, name: str, password: str | None, problem, head: bytes
+) -> tuple[list, dict] | None:
+    """Pages of a pypdf reader as ``_PypdfPage`` and its document information (``_pypdf_info``),
+    or ``None`` with ``doc.error`` set."""
     try:
         from pypdf import PdfReader
         from pypdf.errors import DependencyError
@@ -593,7 +655,7 @@ def _open_pypdf(doc: Document, data: bytes, name: str, password: str | None, pro
             if not reader.decrypt(password):
                 doc.error = f"{name}: wrong password given with --password"
                 return None
-        return [_PypdfPage(p) for p in reader.pages]
+        return [_PypdfPage(p) for p in reader.pages], _pypdf_info(reader)
     except DependencyError as exc:  # AES without the cryptography package: not damage
         doc.error = _needs_crypto(name, exc)
     except Exception as exc:  # pypdf raises a wide range on damaged files
@@ -624,15 +686,19 @@ def _read_pdf_pages(doc: Document, source, name: str, password: str | None, page
             if pdf is None:
                 return
             pages: list = [_PdfiumPage(pdf, i) for i in range(len(pdf))]
+            info = _pdfium_info(pdf)
         finally:
             _PDFIUM_LOCK.release()
     else:
         doc.warnings.append(f"{name}: PDFium is still busy with a timed-out page; read with pypdf instead "
                             "(slower, and words may run together)")
-        pages = _open_pypdf(doc, data, name, password, problem, head)
-        if pages is None:
+        opened = _open_pypdf(doc, data, name, password, problem, head)
+        if opened is None:
             return
+        pages, info = opened
     doc.pages = len(pages)
+    tex = tex_maker(info)  # the spacing accents are TeX's only in a PDF TeX made
+    accents = 0
 
     parts: list[str] = []
     offset = 0
@@ -662,7 +728,7 @@ def _read_pdf_pages(doc: Document, source, name: str, password: str | None, page
             doc.warnings.append(f"{name}: PDFium is still busy with a timed-out page; page(s) "
                                 f"{_ranges(list(range(number, len(pages) + 1)))} read with pypdf instead "
                                 "(words may run together)")
-            pages[number - 1:] = fallback[number - 1:]
+            pages[number - 1:] = fallback[0][number - 1:]
             number -= 1
             continue
         if status == "timeout":
@@ -683,7 +749,10 @@ def _read_pdf_pages(doc: Document, source, name: str, password: str | None, page
             doc.skipped_pages.append(number)
             doc.warnings.append(f"{name}: page {number}: text extraction failed ({value}); page skipped")
             continue
-        text = join_tex_accents(value.strip())
+        text = value.strip()
+        if tex is not None:
+            text, joined = _join_tex_accents(text)
+            accents += joined
         if not text:
             doc.empty_pages.append(number)
             if page.has_images:
@@ -701,6 +770,9 @@ def _read_pdf_pages(doc: Document, source, name: str, password: str | None, page
         worker.close()
     doc.text = "\n\n".join(parts)
     doc.glued_pages = glued
+    if accents:
+        doc.notes.append(f"{name}: made by TeX ({tex[:60]}): {accents} accent(s) that TeX draws apart from "
+                         "their letter joined with it (Br¨oker -> Bröker)")
     if pdf is not None and _PDFIUM_LOCK.acquire(blocking=False):  # else a timed-out page still uses it
         try:
             pdf.close()

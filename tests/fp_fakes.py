@@ -223,15 +223,17 @@ def fake_load_engine(engine: str = "auto", model: str | None = None, profile=Non
 # -- PDF builders (reportlab) --------------------------------------------------------------------
 
 
-def make_pdf(pages: list[str | None], path=None) -> bytes:
+def make_pdf(pages: list[str | None], path=None, producer: str | None = None) -> bytes:
     """A real PDF with one page per entry: a string is drawn as text lines; ``None`` makes an
-    image-only page (no text layer, like a scan); ``""`` a blank page (nothing drawn). Written to
-    ``path`` when given."""
+    image-only page (no text layer, like a scan); ``""`` a blank page (nothing drawn). ``producer``:
+    the document information's Producer (``None``: ReportLab's own). Written to ``path`` when given."""
     from reportlab.lib.utils import ImageReader
     from reportlab.pdfgen import canvas
 
     buf = io.BytesIO()
     c = canvas.Canvas(buf)
+    if producer is not None:
+        c.setProducer(producer)
     for content in pages:
         if content is None:
             c.drawImage(ImageReader(_scan_image()), 72, 300, width=400, height=400)
@@ -305,11 +307,14 @@ def make_tex_pdf(
     return data
 
 
-def make_tex_accent_pdf(pieces: list, path=None) -> bytes:
+def make_tex_accent_pdf(pieces: list, path=None, producer: str = "pdfTeX-1.40.25",
+                        creator: str | None = "LaTeX with hyperref") -> bytes:
     """A one-line PDF whose accented letters are drawn the way TeX draws them: the spacing accent
     glyph first, raised a little over the letter's box, then the letter at the same x (two glyphs,
     no composed character). ``pieces``: strings drawn as they are, and ``(accent, letter)`` pairs,
     e.g. ``["Br", ("\u00a8", "o"), "ker"]``; Times-Roman (WinAnsi: ¨ ´ ˆ ˜ ¸ ¯ and the letters).
+    ``producer`` and ``creator``: the document information's Producer and Creator (``None``:
+    ReportLab's defaults); the default names pdfTeX and LaTeX, as a pdflatex run does.
     Written to ``path`` when given."""
     from reportlab.pdfbase.pdfmetrics import stringWidth
     from reportlab.pdfgen import canvas
@@ -317,6 +322,10 @@ def make_tex_accent_pdf(pieces: list, path=None) -> bytes:
     font, size = "Times-Roman", 10
     buf = io.BytesIO()
     c = canvas.Canvas(buf)
+    if producer is not None:
+        c.setProducer(producer)
+    if creator is not None:
+        c.setCreator(creator)
     t = c.beginText()
     t.setFont(font, size)
     x, y = 72.0, 760.0

@@ -195,3 +195,38 @@ def test_profile_and_chat_repeats_read_the_pdf_and_the_fit_from_the_cache(runner
         assert len(list(fits.glob("*.json"))) == 1
     assert calls[1] == calls[0] - 1  # the fit came from the cache
     assert "text from fp's document cache" in r.stderr
+
+
+def test_a_text_cached_under_the_old_accent_rule_is_read_again(tmp_path):
+    """Before accents were joined only in TeX-made PDFs, a Word PDF's "Peter´s" was cached as
+    "Peterś" under the key that named the old rule: that entry must never be returned."""
+    import hashlib
+    from importlib.metadata import version
+
+    from fp_fakes import make_tex_accent_pdf
+    from fpcli import __version__
+
+    pdf = tmp_path / "letter.pdf"
+    data = make_tex_accent_pdf(["Peter", ("\u00b4", "s"), " letter"], pdf, producer="Microsoft Word", creator=None)
+    cache = _cache(tmp_path)
+    old_rule = f"pdf: pypdfium2 {version('pypdfium2')}, pypdf {version('pypdf')}, TeX accents joined"
+    old = digest("document", hashlib.sha256(data).hexdigest(), __version__, old_rule)
+    assert cache.put(old, {"kind": "pdf", "text": "Peter\u015b letter", "pages": 1, "page_starts": [[1, 0]],
+                           "skipped_pages": [], "empty_pages": [], "scanned_pages": [], "glued_pages": [],
+                           "notes": [], "warnings": []})
+    doc = ingest([str(pdf)], cache=cache)[0]
+    assert not doc.from_cache and "Peter\u00b4s letter" in doc.text, doc.text
+    again = ingest([str(pdf)], cache=cache)[0]  # the new entry is used
+    assert again.from_cache and again.text == doc.text
+
+
+def test_a_tex_pdf_from_the_cache_keeps_its_joined_accents_and_note(tmp_path):
+    from fp_fakes import make_tex_accent_pdf
+
+    pdf = tmp_path / "paper.pdf"
+    make_tex_accent_pdf(["Br", ("\u00a8", "o"), "ker"], pdf)
+    cache = _cache(tmp_path)
+    first = ingest([str(pdf)], cache=cache)[0]
+    second = ingest([str(pdf)], cache=cache)[0]
+    assert second.from_cache and second.text == first.text and "Br\u00f6ker" in second.text
+    assert any(n.startswith(f"{pdf}: made by TeX") for n in second.notes), second.notes

@@ -707,6 +707,71 @@ def test_tex_accents_drawn_over_their_letters_are_composed(tmp_path, package):
     assert "Bernhard Bröker, Jérôme, Timothée" in doc.text, doc.text
     assert "the \u00a8 sign, \u00b4 alone, x^2 and ~a" in doc.text
     assert "\u00a8o" not in doc.text and "\u00b4e" not in doc.text
+    assert any(n.startswith(f"{pdf}: made by TeX (pdfTeX-1.40.25): 5 accent(s)") for n in doc.notes), doc.notes
+
+
+def _read_pdf_with(package: str, pdf) -> "ingest.Document":
+    """``read_pdf`` through PDFium, or through pypdf (PDFium held, as after a timed-out page)."""
+    import contextlib
+
+    with ingest._PDFIUM_LOCK if package == "pypdf" else contextlib.nullcontext():
+        doc = ingest.read_pdf(str(pdf), str(pdf), None, 30.0)
+    assert any("read with pypdf" in w for w in doc.warnings) == (package == "pypdf")
+    assert doc.ok, doc.error
+    return doc
+
+
+@pytest.mark.parametrize("package", ["pypdfium2", "pypdf"])
+@pytest.mark.parametrize("producer", ["Microsoft\u00ae Word for Microsoft 365", None])  # None: ReportLab's
+def test_spacing_accents_outside_tex_pdfs_are_left_alone(tmp_path, package, producer):
+    """Word uses "´" as an apostrophe: "Peter´s" is no accented s. Only a PDF whose Producer or
+    Creator names TeX gets its accents joined; the same pieces drawn the same way stay as they are."""
+    from fp_fakes import make_tex_accent_pdf
+
+    pieces = ["Br", ("\u00a8", "o"), "ker met Peter", ("\u00b4", "s"), " friend; it", ("\u00b4", "s"),
+              " rock", ("\u00b4", "n"), ("\u00b4", "r"), "oll"]
+    make_tex_accent_pdf(pieces, tmp_path / "word.pdf", producer=producer, creator=None)
+    doc = _read_pdf_with(package, tmp_path / "word.pdf")
+    assert "Br\u00a8oker met Peter\u00b4s friend; it\u00b4s rock\u00b4n\u00b4roll" in doc.text, doc.text
+    assert not any("made by TeX" in n for n in doc.notes)
+    # the very same drawing with pdfTeX as its Producer: joined (the Producer alone decides)
+    tex = tmp_path / "tex.pdf"
+    make_tex_accent_pdf(pieces, tex, producer="pdfTeX-1.40.25", creator=None)
+    assert "Br\u00f6ker" in _read_pdf_with(package, tex).text
+
+
+@pytest.mark.parametrize("package", ["pypdfium2", "pypdf"])
+def test_a_url_tilde_in_a_tex_pdf_is_not_an_accent(tmp_path, package):
+    """TeX's \\~{} in an older paper's URL draws "˜" before the name: "edu/˜alice" is no "ãlice".
+    A tilde after "/", "~" or "." stays; one before a letter in a word ("Se˜nor") is still joined."""
+    from fp_fakes import make_tex_accent_pdf
+
+    pdf = tmp_path / "paper.pdf"
+    make_tex_accent_pdf(["See http://www.example.edu/", ("\u02dc", "a"), "lice and cs.example.org/", ("\u02dc", "n"),
+                         "lp/.", ("\u02dc", "x"), ", Se", ("\u02dc", "n"), "or"], pdf, producer="xdvipdfmx (20220710)")
+    doc = _read_pdf_with(package, pdf)
+    assert "http://www.example.edu/\u02dcalice and cs.example.org/\u02dcnlp/.\u02dcx, Se\u00f1or" in doc.text, doc.text
+    assert any("made by TeX (xdvipdfmx (20220710)): 1 accent(s)" in n for n in doc.notes), doc.notes
+
+
+def test_tex_maker_reads_producer_and_creator():
+    from fpcli.ingest import tex_maker
+
+    for tex in ("pdfTeX-1.40.25", "LuaHBTeX, Version 1.17.0", "XeTeX 0.999994", "dvipdfmx (20200315)",
+                "xdvipdfmx (20220710)", "dvips(k) 2021.1", "MiKTeX pdfTeX-1.40.22", "TeX"):
+        assert tex_maker({"Producer": tex}) == tex
+    assert tex_maker({"Producer": "GPL Ghostscript 9.55", "Creator": "LaTeX with hyperref"}) == "LaTeX with hyperref"
+    for other in ("Microsoft\u00ae Word for Microsoft 365", "ReportLab PDF Library - www.reportlab.com",
+                  "GNU TeXmacs 2.1", "Microsoft Word - latex_notes.docx", "Acrobat Distiller 9.0 (Windows)"):
+        assert tex_maker({"Producer": other, "Creator": other}) is None
+    assert tex_maker({}) is None and tex_maker({"Producer": None, "Title": "TeX"}) is None
+
+
+def test_join_tex_accents_leaves_a_url_tilde():
+    from fpcli.ingest import join_tex_accents
+
+    text = "a/\u02dcb, a.\u02dcb, a~\u02dcb, edu/\n\u02dcbob, Espa\u02dcna"
+    assert join_tex_accents(text) == "a/\u02dcb, a.\u02dcb, a~\u02dcb, edu/\n\u02dcbob, Espa\u00f1a"
 
 
 def test_join_tex_accents_keeps_what_unicode_cannot_compose():
