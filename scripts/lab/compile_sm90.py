@@ -183,15 +183,17 @@ def compile_index(sass_dir=None, shard=(0, 1)):
                         floats=("scale_log2", "log2_alpha"), num_warps=t.select_num_warps,
                         num_stages=t.select_num_stages, sass_dir=sass_dir)
     # the selection options of SparseConfig: threshold_max "prunable", block_score "mass", both
-    for prunable, mass in ((True, False), (False, True), (True, True)):
+    for d, fp8, prunable, mass in ((128, False, True, False), (128, False, False, True), (128, False, True, True),
+                                   (128, True, True, True), (64, False, False, True), (256, False, True, True)):
         ptrs = {n: "*i32" for n in ("tile_request", "tile_local", "cu_seqlens_q", "seq_lens", "block_ptr",
                                     "counts", "row_ptr", "n_visible", "bits")}
-        ptrs.update(q_ptr="*bf16", k_mean="*fp32", k_lowp="*bf16", scratch="*fp32", k_scale="*fp32")
-        consts = dict(GROUP=4, HEAD_DIM=128, TILE_ROWS=128, BLOCK_SIZE=128, BLOCK_J=t.select_block_j,
-                      KEEP_ALL_SCORED=False, FP8=False, HW_CVT=False, MAX_PRUNABLE=prunable, ROW_MASS=mass)
-        compile_one(f"select d128 bfloat16 B128 prunable{int(prunable)} mass{int(mass)}", ik._select_kernel, ptrs,
-                    consts, floats=("scale_log2", "log2_alpha"), num_warps=t.select_num_warps,
-                    num_stages=t.select_num_stages, sass_dir=sass_dir)
+        ptrs.update(q_ptr="*bf16", k_mean="*fp32", k_lowp="*fp8e4nv" if fp8 else "*bf16", scratch="*fp32",
+                    k_scale="*fp32")
+        consts = dict(GROUP=4, HEAD_DIM=d, TILE_ROWS=128, BLOCK_SIZE=128, BLOCK_J=t.select_block_j,
+                      KEEP_ALL_SCORED=False, FP8=fp8, HW_CVT=False, MAX_PRUNABLE=prunable, ROW_MASS=mass)
+        compile_one(f"select{' fp8' if fp8 else ''} d{d} bfloat16 B128 prunable{int(prunable)} mass{int(mass)}",
+                    ik._select_kernel, ptrs, consts, floats=("scale_log2", "log2_alpha"),
+                    num_warps=t.select_num_warps, num_stages=t.select_num_stages, sass_dir=sass_dir)
     # the FP8 selection: e4m3 Q tile and k_mean8; the Q codes by the fp32 emulation, and at d 128 also
     # by the hardware cast (IndexConfig.hw_cvt)
     for d, hw in ((64, False), (128, False), (256, False), (128, True)):
