@@ -299,8 +299,9 @@ def _extractor(kind: str) -> str:
             found.append(f"{package} {version(package)}")
         except PackageNotFoundError:
             found.append(f"{package} absent")
-    # the accent rule is part of the key: a text cached under an older rule is read again
-    return "pdf: " + ", ".join(found) + ", TeX accents joined in TeX-made PDFs, never a URL's tilde"
+    # the accent rule (and its note, cached) is part of the key: a text cached under an older rule is read again
+    return ("pdf: " + ", ".join(found) + ", TeX accents joined in TeX-made PDFs, never a URL's tilde"
+            + ", the note names the first")
 
 
 _NAME = "\0name"  # stands for the file's name in cached notes and warnings
@@ -504,6 +505,7 @@ _SPACING_ACCENTS = {
     "\u02d9": "\u0307",  # ˙ dot above
 }
 _ACCENT_LETTER = re.compile(f"([{''.join(_SPACING_ACCENTS)}])([^\\W\\d_])")
+_EXAMPLE_CHARS = 12  # the note's example word is cut to this many characters either side of the accent
 _DOTLESS = {"\u0131": "i", "\u0237": "j"}  # TeX's \\i and \\j carry an accent above: í, not ı + ´
 # the tilde TeX draws for \~{} in a URL ("edu/˜alice"): after "/", "~", "." (or "˜"), or starting a
 # path segment broken onto the next line ("edu/" + line end + "˜alice"): never a letter's accent
@@ -538,24 +540,49 @@ def join_tex_accents(text: str) -> str:
     return _join_tex_accents(text)[0]
 
 
-def _join_tex_accents(text: str) -> tuple[str, int]:
-    """``join_tex_accents(text)`` and the number of accents it composed."""
+def _join_tex_accents(text: str) -> tuple[str, int, tuple[str, str] | None]:
+    """``join_tex_accents(text)``, the number of accents it composed, and the first word it changed,
+    before and after (``("Br¨oker", "Bröker")``; at most ``_EXAMPLE_CHARS`` letters either side of the
+    pair), or
+    ``None`` when it composed none."""
     joined = 0
+    first: tuple[int, int] | None = None
 
     def compose(m: re.Match) -> str:
-        nonlocal joined
-        accent, letter = m.group(1), m.group(2)
-        if accent == "\u02dc" and _URL_TILDE_BEFORE.search(text, max(0, m.start() - 80), m.start()):
-            return m.group(0)
-        mark = _SPACING_ACCENTS[accent]
-        base = _DOTLESS.get(letter, letter) if mark != "\u0327" else letter
-        composed = unicodedata.normalize("NFC", base + mark)
-        if len(composed) != 1:
+        nonlocal joined, first
+        composed = _composed(m, text)
+        if composed is None:
             return m.group(0)
         joined += 1
+        first = first or m.span()
         return composed
 
-    return _ACCENT_LETTER.sub(compose, text), joined
+    result = _ACCENT_LETTER.sub(compose, text)
+    if first is None:
+        return result, 0, None
+    def in_word(i: int) -> bool:
+        return text[i].isalpha() or text[i] in _SPACING_ACCENTS
+
+    start, end = first  # the word around the first joined pair, at most _EXAMPLE_CHARS either side
+    while start > max(0, first[0] - _EXAMPLE_CHARS) and in_word(start - 1):
+        start -= 1
+    while end < min(len(text), first[1] + _EXAMPLE_CHARS) and in_word(end):
+        end += 1
+    before = text[start:end]
+    after = _ACCENT_LETTER.sub(lambda m: _composed(m, before) or m.group(0), before)
+    return result, joined, (before, after)
+
+
+def _composed(m: re.Match, text: str) -> str | None:
+    """The one character for ``_ACCENT_LETTER``'s match ``m`` in ``text`` (accent, then letter),
+    or ``None`` where it stays as it is (a URL's tilde, no single character in Unicode)."""
+    accent, letter = m.group(1), m.group(2)
+    if accent == "\u02dc" and _URL_TILDE_BEFORE.search(text, max(0, m.start() - 80), m.start()):
+        return None
+    mark = _SPACING_ACCENTS[accent]
+    base = _DOTLESS.get(letter, letter) if mark != "\u0327" else letter
+    composed = unicodedata.normalize("NFC", base + mark)
+    return composed if len(composed) == 1 else None
 
 
 def pdfium_plain_text(text: str) -> str:
@@ -699,6 +726,7 @@ def _read_pdf_pages(doc: Document, source, name: str, password: str | None, page
     doc.pages = len(pages)
     tex = tex_maker(info)  # the spacing accents are TeX's only in a PDF TeX made
     accents = 0
+    accent_example: tuple[str, str] | None = None  # the document's first joined word, before and after
 
     parts: list[str] = []
     offset = 0
@@ -751,8 +779,9 @@ def _read_pdf_pages(doc: Document, source, name: str, password: str | None, page
             continue
         text = value.strip()
         if tex is not None:
-            text, joined = _join_tex_accents(text)
+            text, joined, found = _join_tex_accents(text)
             accents += joined
+            accent_example = accent_example or found
         if not text:
             doc.empty_pages.append(number)
             if page.has_images:
@@ -772,7 +801,7 @@ def _read_pdf_pages(doc: Document, source, name: str, password: str | None, page
     doc.glued_pages = glued
     if accents:
         doc.notes.append(f"{name}: made by TeX ({tex[:60]}): {accents} accent(s) that TeX draws apart from "
-                         "their letter joined with it (Br¨oker -> Bröker)")
+                         f"their letter joined with it (first: {accent_example[0]} -> {accent_example[1]})")
     if pdf is not None and _PDFIUM_LOCK.acquire(blocking=False):  # else a timed-out page still uses it
         try:
             pdf.close()

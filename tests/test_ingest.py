@@ -708,6 +708,7 @@ def test_tex_accents_drawn_over_their_letters_are_composed(tmp_path, package):
     assert "the \u00a8 sign, \u00b4 alone, x^2 and ~a" in doc.text
     assert "\u00a8o" not in doc.text and "\u00b4e" not in doc.text
     assert any(n.startswith(f"{pdf}: made by TeX (pdfTeX-1.40.25): 5 accent(s)") for n in doc.notes), doc.notes
+    assert any(n.endswith("(first: Br\u00a8oker -> Br\u00f6ker)") for n in doc.notes), doc.notes
 
 
 def _read_pdf_with(package: str, pdf) -> "ingest.Document":
@@ -752,6 +753,9 @@ def test_a_url_tilde_in_a_tex_pdf_is_not_an_accent(tmp_path, package):
     doc = _read_pdf_with(package, pdf)
     assert "http://www.example.edu/\u02dcalice and cs.example.org/\u02dcnlp/.\u02dcx, Se\u00f1or" in doc.text, doc.text
     assert any("made by TeX (xdvipdfmx (20220710)): 1 accent(s)" in n for n in doc.notes), doc.notes
+    # the note's example is this document's own first join, never another document's word
+    assert any(n.endswith("(first: Se\u02dcnor -> Se\u00f1or)") for n in doc.notes), doc.notes
+    assert not any("Br" in n for n in doc.notes), doc.notes
 
 
 def test_tex_maker_reads_producer_and_creator():
@@ -772,6 +776,19 @@ def test_join_tex_accents_leaves_a_url_tilde():
 
     text = "a/\u02dcb, a.\u02dcb, a~\u02dcb, edu/\n\u02dcbob, Espa\u02dcna"
     assert join_tex_accents(text) == "a/\u02dcb, a.\u02dcb, a~\u02dcb, edu/\n\u02dcbob, Espa\u00f1a"
+
+
+def test_the_accent_note_example_is_the_first_joined_word_cut_short():
+    from fpcli.ingest import _join_tex_accents
+
+    text = "see edu/\u02dcalice; na\u00a8\u0131ve caf\u00b4e and Sch\u00a8onheit"
+    joined, count, example = _join_tex_accents(text)
+    assert count == 3 and joined == "see edu/\u02dcalice; na\u00efve caf\u00e9 and Sch\u00f6nheit"
+    assert example == ("na\u00a8\u0131ve", "na\u00efve")  # the URL's tilde is skipped: not joined
+    long_word = "x" * 40 + "\u00b4e" + "y" * 40
+    _, _, (before, after) = _join_tex_accents(long_word)
+    assert before == "x" * 12 + "\u00b4e" + "y" * 12 and after == "x" * 12 + "\u00e9" + "y" * 12
+    assert _join_tex_accents("no accent, x^2 and ~a") == ("no accent, x^2 and ~a", 0, None)
 
 
 def test_join_tex_accents_keeps_what_unicode_cannot_compose():
