@@ -290,7 +290,7 @@ def build_prompt(
     budget = ctx - max_new_tokens - reserved
     if max_new_tokens < 1 or budget <= 0:
         raise NoRoomError(
-            f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's context of {ctx} tokens"
+            f"--max-new-tokens {max_new_tokens:,} leaves no room for a prompt in the model's context of {ctx:,} tokens"
         )
     docs = [d for d in docs if d.text.strip()]
     labels = prompt_names([d.name for d in docs])  # the prompt's names; the user's names in doc_tokens and cuts
@@ -371,8 +371,8 @@ def build_prompt(
     overhead = overhead_question()
     if overhead > budget:
         raise NoRoomError(
-            f"the question and chat template alone need {overhead} tokens, more than the {budget} available "
-            f"(context {ctx} - {max_new_tokens} for the answer); shorten the question or lower --max-new-tokens"
+            f"the question and chat template alone need {overhead:,} tokens, more than the {budget:,} available "
+            f"(context {ctx:,} - {max_new_tokens:,} for the answer); shorten the question or lower --max-new-tokens"
         )
     best = _fit(docs, labels, starts_of(), engine, make, question, budget, overhead, cut)
     if best is None:

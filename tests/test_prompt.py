@@ -118,6 +118,12 @@ def test_question_too_long_is_an_error():
     eng = FakeEngine(context_length=100)
     with pytest.raises(PromptError, match="question and chat template alone"):
         build_prompt([Doc("d", "text")], words("q", 200), eng, max_new_tokens=10)
+    # every number with thousands separators, as in the other messages ("context 1,024")
+    with pytest.raises(PromptError, match=r"need \d,\d{3} tokens, more than the 1,004 available "
+                                          r"\(context 1,024 - 20 for the answer\)"):
+        build_prompt([Doc("d", "text")], words("q", 1500), FakeEngine(context_length=1024), max_new_tokens=20)
+    with pytest.raises(PromptError, match="--max-new-tokens 1,024 leaves no room .* context of 1,024 tokens"):
+        build_prompt([Doc("d", "text")], "q?", FakeEngine(context_length=1024), max_new_tokens=1024)
     with pytest.raises(PromptError, match="max-new-tokens"):
         build_prompt([Doc("d", "text")], "q?", eng, max_new_tokens=100)
 
