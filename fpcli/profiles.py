@@ -144,6 +144,56 @@ def sparse_threshold(min_sparse_len: int, context_length: int) -> int:
     return min(int(min_sparse_len), int(context_length) // 2)
 
 
+def sparse_settings(profile: Profile, context_length: int | None) -> dict | None:
+    """The sparse settings a run of ``profile`` on a model of ``context_length`` tokens uses: every
+    ``SparseConfig`` field after ``fit_to_context`` (``min_sparse_len`` as run, tokens), plus
+    ``dense_layers`` and ``min_sparse_len_requested`` (the profile's own, larger when capped to half
+    the context). ``None`` for a dense profile. ``context_length`` ``None``: not fitted.
+
+    >>> sparse_settings(Profile("p", sparse=SparseConfig(min_sparse_len=8192)), 8192)["min_sparse_len"]
+    4096
+    """
+    if profile.is_dense:
+        return None
+    run = profile.fit_to_context(context_length) if context_length else profile
+    settings = dataclasses.asdict(run.sparse)
+    settings["dense_layers"] = int(profile.dense_layers)
+    settings["min_sparse_len_requested"] = int(profile.sparse.min_sparse_len)
+    return settings
+
+
+def sparse_cap_note(profile: Profile, context_length: int | None) -> str | None:
+    """One line when ``fit_to_context`` lowered ``profile``'s ``min_sparse_len`` for a model of
+    ``context_length`` tokens ("min_sparse_len 8,192 capped to 4,096: half the model's 8,192-token
+    context"), else ``None``."""
+    if profile.is_dense or not context_length:
+        return None
+    requested = int(profile.sparse.min_sparse_len)
+    run = sparse_threshold(requested, context_length)
+    if run == requested:
+        return None
+    return f"min_sparse_len {requested:,} capped to {run:,}: half the model's {int(context_length):,}-token context"
+
+
+def sparse_differences(settings: dict | None, base: Profile) -> list[str]:
+    """The settings of ``settings`` (``sparse_settings``) that differ from ``base``'s (the built-in
+    ``bf16`` in the summary), each as "key value" ("block_score mass", "alpha 0.1"); the profile's
+    ``min_sparse_len`` is compared as requested (the cap to the context is the same for both).
+    Empty for ``None`` (dense) or a dense ``base``."""
+    if settings is None or base.is_dense:
+        return []
+    ref = dict(dataclasses.asdict(base.sparse), dense_layers=base.dense_layers)
+    out = []
+    for key, value in settings.items():
+        if key == "min_sparse_len":
+            continue
+        name = "min_sparse_len" if key == "min_sparse_len_requested" else key
+        if name in ref and value != ref[name]:
+            out.append(f"{name} {value:,}" if isinstance(value, int) and not isinstance(value, bool)
+                       else f"{name} {str(value).lower() if isinstance(value, bool) else value}")
+    return out
+
+
 def profiles_dir() -> Path:
     """The built-in profiles: ``fpcli/builtin_profiles/*.yaml``, package data of the installed
     ``fpcli`` (found with ``importlib.resources``, editable install or wheel alike).

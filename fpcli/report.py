@@ -33,7 +33,14 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
         "precision",             # attention precision that RAN: bf16/fp16/fp32, or "fp8 (sparse layers)"
         "precision_requested",   # the profile's precision (bf16 / fp8)
         "attention",
-        "min_sparse_len",        # the profile's (tokens; null for dense): shorter prefill chunks run dense
+        "min_sparse_len",        # as run (tokens; null for dense): shorter prefill chunks run dense
+        "sparse",                # the sparse settings as run, null for dense: every SparseConfig field
+                                 # ("block_size", "sink_tokens", "window_tokens", "dense_tail_tokens",
+                                 # "alpha", "mean_correction", "min_sparse_len", "threshold_max",
+                                 # "block_score") after fitting to the context, "dense_layers", and
+                                 # "min_sparse_len_requested" (the profile's; larger when capped)
+        "sparse_note",           # null, or why min_sparse_len is lower than the profile's: "min_sparse_len
+                                 # 8,192 capped to 4,096: half the model's 8,192-token context"
         "density": {"overall", "min", "median", "max", "per_layer": [...],
                     "over": "sparse layers" | "all layers",   # what "overall" averages
                     "sparse_layers": [...]},                  # layer indices that ran sparse
@@ -159,7 +166,7 @@ def layer_ranges(layers: Sequence[int]) -> str:
 def ask_report(result, question: str, docs: Sequence, prompt, profile, context: dict | None = None,
                start_phases: dict | None = None, *, wall_s: float | None = None,
                engine_start_s: float | None = None, read_s: float | None = None,
-               fit_s: float | None = None) -> dict:
+               fit_s: float | None = None, context_length: int | None = None) -> dict:
     """The ``fp.ask/1`` report of one answer.
 
     Args:
@@ -167,7 +174,7 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
         question: the user's question.
         docs: ``fpcli.ingest.Document`` list (all inputs, failed ones included).
         prompt: ``fpcli.prompt.Prompt`` that was sent.
-        profile: ``fpcli.profiles.Profile`` in use.
+        profile: ``fpcli.profiles.Profile`` in use, as loaded (``min_sparse_len`` not yet fitted).
         context: the engine's context (``ContextPlan.to_dict``: ``native_context``, ``context``,
             ``rope_scaling``), in tokens; ``None`` when the engine does not say.
         start_phases: the engine's start-up seconds per phase (``engine.start_phases``).
@@ -175,10 +182,14 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
         engine_start_s: seconds of ``wall_s`` spent starting the engine (0.0 when it was running).
         read_s, fit_s: seconds of ``wall_s`` spent reading the documents and building the prompt
             (``None``: not measured, counted in ``other``).
+        context_length: the engine's context in tokens (``engine.context_length``), to which
+            ``profile``'s ``min_sparse_len`` is fitted (``Profile.fit_to_context``); ``None``: as is.
     """
     from fpcli import __version__
+    from fpcli.profiles import sparse_cap_note, sparse_settings
 
     stats = result.stats
+    sparse = sparse_settings(profile, context_length)
     dense = float(stats.attention_flops_dense or 0.0)
     skipped = float(stats.attention_flops_skipped or 0.0)
     summary = {
@@ -206,7 +217,9 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
         "precision": getattr(result, "precision", None) or profile.precision,
         "precision_requested": profile.precision,
         "attention": profile.attention,
-        "min_sparse_len": None if profile.attention == "dense" else int(profile.sparse.min_sparse_len),
+        "min_sparse_len": None if sparse is None else sparse["min_sparse_len"],
+        "sparse": sparse,
+        "sparse_note": sparse_cap_note(profile, context_length),
         "density": density_summary(stats.density_per_layer, stats.density, getattr(stats, "sparse_layers", None)),
         "density_per_layer_head": density_grid(stats.density_per_layer_head, stats.density_per_layer,
                                                getattr(stats, "sparse_layers", None)),
@@ -387,8 +400,20 @@ def render_summary(console: Console, report: dict) -> None:
                else "ran at the model's dtype")
         precision = f"{precision}; {requested} requested, {why}"
     source = f"{Path(s['profile_source']).name}; " if s.get("profile_source") else ""
-    t.add_row("profile", f"{s['profile']} ({source}{s['attention']}, {precision})")
+    t.add_row("profile", f"{s['profile']} ({source}{s['attention']}, {precision}{profile_differences(s)})")
     t.print(console, title="fp ask")
+    if s.get("sparse_note"):
+        note(console, s["sparse_note"])
+
+
+def profile_differences(s: dict) -> str:
+    """The summary's sparse settings (``s["sparse"]``) that differ from the built-in ``bf16``
+    profile's, as "; block_score mass, alpha 0.1" ("" when none differ, for a dense run, or a
+    report without them)."""
+    from fpcli.profiles import load_profile, sparse_differences
+
+    found = sparse_differences(s.get("sparse"), load_profile("bf16"))
+    return "; " + ", ".join(found) if found else ""
 
 
 def flops_text(s: dict, scope: str) -> str:

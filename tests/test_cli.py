@@ -75,6 +75,7 @@ SUMMARY_KEYS = {
     "prompt_tokens", "output_tokens", "ttft_s", "prefill_s", "total_s", "decode_tokens_per_s", "finish_reason",
     "cached_tokens", "wall_s", "engine_start_s", "stages_s",
     "engine", "model", "profile", "profile_source", "precision", "precision_requested", "attention", "min_sparse_len", "density", "density_per_layer_head",
+    "sparse", "sparse_note",
     "attention_flops_dense", "attention_flops_skipped", "attention_flops_skipped_fraction", "index_ms", "attention_ms",
     "native_context", "context", "rope_scaling", "engine_start_phases", "device",
     "cached_tokens", "server",
@@ -787,6 +788,38 @@ def test_profile_heatmap_png_and_json(runner, fake_engine, doc, tmp_path):
     assert data["fp8_rel_l2_per_layer"] is None and data["png"] == str(png)  # the fake does not compare
     assert fake_engine().requested["profile"].precision == "fp8"
     assert f"heatmap written to {png}" in r.stderr          # said with --json too (stdout stays JSON)
+
+
+def test_the_report_says_which_sparse_settings_ran(runner, fake_engine, doc, tmp_path, monkeypatch):
+    """A profile scoring by mass: fp ask's JSON has every sparse setting as run (min_sparse_len fitted
+    to the 8,192-token context) with dense_layers and the profile's own min_sparse_len; the summary's
+    profile row names what differs from bf16, and a note says why min_sparse_len is lower; fp profile too."""
+    monkeypatch.setenv("FP_FAKE_CONTEXT", "8192")
+    yaml_file = tmp_path / "mass.yaml"
+    yaml_file.write_text("name: mass\ndense_layers: 2\nsparse:\n  block_score: mass\n  alpha: 0.05\n"
+                         "  sink_tokens: 512\n  window_tokens: 1024\n  min_sparse_len: 8192\n")
+    r = invoke(runner, ["ask", str(doc), "What is the code?", "--json", "--profile", str(yaml_file)])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)["summary"]
+    assert s["sparse"] == {"block_size": 128, "sink_tokens": 512, "window_tokens": 1024, "dense_tail_tokens": 256,
+                           "alpha": 0.05, "mean_correction": True, "min_sparse_len": 4096, "threshold_max": "scored",
+                           "block_score": "mass", "dense_layers": 2, "min_sparse_len_requested": 8192}
+    assert s["min_sparse_len"] == 4096
+    note = "min_sparse_len 8,192 capped to 4,096: half the model's 8,192-token context"
+    assert s["sparse_note"] == note
+    r = invoke(runner, ["ask", str(doc), "What is the code?", "--profile", str(yaml_file)])
+    assert r.exit_code == 0, r.output
+    err = " ".join(r.stderr.split())
+    assert "profile mass (mass.yaml; flashprefill, bf16; block_score mass)" in err, err
+    assert "alpha" not in err and note in err, err  # bf16's alpha, sink and window: not named
+    r = invoke(runner, ["ask", str(doc), "What is the code?"])  # bf16 itself: nothing differs
+    assert r.exit_code == 0 and "block_score" not in r.stderr and note in " ".join(r.stderr.split())
+    r = invoke(runner, ["ask", str(doc), "What is the code?", "--json", "--profile", "dense"])
+    assert json.loads(r.stdout)["summary"]["sparse"] is None and json.loads(r.stdout)["summary"]["sparse_note"] is None
+    r = invoke(runner, ["profile", str(doc), "--json", "--profile", str(yaml_file), "--png", str(tmp_path / "h.png")])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["sparse"] == s["sparse"] and data["sparse_note"] == note
 
 
 def test_profile_tables_in_a_pipe_keep_each_row_on_one_line(runner, fake_engine, doc, tmp_path, monkeypatch):

@@ -276,3 +276,21 @@ def test_save_report_interrupted_leaves_the_old_file_and_no_temporary(tmp_path, 
         R.save_report(path, _report_doc())
     assert path.read_text() == "previous"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
+
+
+def test_profile_row_names_only_the_settings_that_differ_from_bf16():
+    """min_sparse_len is compared as the profile asked (both are capped alike); a bool is 'true'."""
+    import dataclasses
+
+    from fpcli.profiles import sparse_cap_note, sparse_differences, sparse_settings
+
+    bf16 = load_profile("bf16")
+    assert sparse_differences(sparse_settings(bf16, 4096), bf16) == []
+    other = dataclasses.replace(bf16, dense_layers=0, sparse=dataclasses.replace(
+        bf16.sparse, alpha=0.1, mean_correction=False, min_sparse_len=16384, threshold_max="prunable"))
+    assert sparse_differences(sparse_settings(other, 4096), bf16) == [
+        "alpha 0.1", "mean_correction false", "threshold_max prunable", "dense_layers 0", "min_sparse_len 16,384"]
+    assert sparse_settings(other, 4096)["min_sparse_len"] == 2048
+    assert sparse_cap_note(other, 4096) == "min_sparse_len 16,384 capped to 2,048: half the model's 4,096-token context"
+    assert sparse_cap_note(other, 65536) is None and sparse_settings(load_profile("dense"), 4096) is None
+    assert sparse_differences(None, bf16) == []

@@ -193,7 +193,6 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
 
     context_info = say_context(None if quiet else err, eng)
     warn_precision(err, prof, eng)
-    prof = prof.fit_to_context(eng.context_length)  # the sparse threshold the engine runs (reports)
     with eng:
         # a GGUF or hub model's context is only known now: the same usage error, exit 2
         check_max_new_tokens_or_exit(max_new_tokens, None, prof, context_length=eng.context_length)
@@ -230,7 +229,8 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
 
     data = ask_report(result, question, docs, prompt, prof, context=context_info,
                       start_phases=getattr(eng, "start_phases", None), wall_s=process_age_s(),
-                      engine_start_s=engine_start_s, read_s=read_s, fit_s=fit_s)
+                      engine_start_s=engine_start_s, read_s=read_s, fit_s=fit_s,
+                      context_length=eng.context_length)  # min_sparse_len fitted to it, as the engine runs
     data["summary"]["server"] = server_of(eng)  # None: answered in-process
     if json_out:
         sys.stdout.write(dumps(data) + "\n")

@@ -288,7 +288,7 @@ class _ChatLoop:
         self.reported += 1
         data = ask_report(result, question, self.docs, prompt, self.prof,
                           wall_s=time.perf_counter() - t0 + setup.total_s, engine_start_s=setup.engine_start_s,
-                          read_s=setup.read_s, fit_s=fit_s)
+                          read_s=setup.read_s, fit_s=fit_s, context_length=self.eng.context_length)
         if self.json_out:
             import json
 

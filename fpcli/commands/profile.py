@@ -84,7 +84,7 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
         fail(f"cannot load the model: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
     context_info = say_context(err, eng) or {}
     warn_precision(err, prof, eng)
-    prof = prof.fit_to_context(eng.context_length)  # the sparse threshold the engine runs (reports)
+    loaded, prof = prof, prof.fit_to_context(eng.context_length)  # the sparse threshold the engine runs (reports)
     with eng:
         try:
             prompt = build_prompt(docs, question, eng, max_new_tokens=1, context_length=prof.engine.context_length,
@@ -100,6 +100,8 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
                 result = eng.generate(prompt.ids, max_new_tokens=1, temperature=0.0)
             except Exception as exc:  # noqa: BLE001
                 fail(f"prefill failed: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}")
+
+    from fpcli.profiles import sparse_cap_note, sparse_settings
 
     stats = result.stats
     # rectangular even when dense layers report no per-head row (one column without per-head data)
@@ -122,6 +124,8 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
         "profile": prof.name,
         "precision": getattr(result, "precision", None) or prof.precision,
         "precision_requested": prof.precision,
+        "sparse": sparse_settings(loaded, eng.context_length),  # as run; the fields as in fp.ask/1
+        "sparse_note": sparse_cap_note(loaded, eng.context_length),
         "density": density_summary(stats.density_per_layer, stats.density, getattr(stats, "sparse_layers", None)),
         "density_per_layer_head": grid,
         "index_ms": stats.index_ms,
