@@ -95,6 +95,15 @@ def test_chat_answers_slash_commands_itself(runner, fake_engine, doc):
     assert len(asked) == 1 and asked[0].endswith("What is the code?")
 
 
+def test_chat_exit_with_trailing_words_ends_the_chat(runner, fake_engine, doc):
+    """``/exit now`` and ``/QUIT please`` are the command, never a question sent to the model."""
+    for word in ("/exit now", "/QUIT please"):
+        r = invoke(runner, ["chat", str(doc)], input=f"What is the code?\n{word}\nnever asked\n")
+        assert r.exit_code == 0, r.stderr
+        asked = [u for _, u in fake_engine().prompts if "Question: " in u]
+        assert not any(word in u or "never asked" in u for u in asked), asked
+
+
 def test_chat_cut_note_names_the_answer_and_the_turns_reserve_apart(runner, fake_engine, tmp_path):
     """The prompt budget of a chat whose documents are cut: the answer's tokens (-n) and the
     reserve for the later turns are named apart (they were summed as "for the answer")."""

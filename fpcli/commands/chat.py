@@ -212,7 +212,7 @@ class _ChatLoop:
             question = line.strip()
             if not question:
                 continue
-            if question.lower() in EXIT_COMMANDS:
+            if question.split()[0].lower() in EXIT_COMMANDS:  # "/exit now" ends the chat too
                 return
             if COMMAND.fullmatch(question):  # /help, or a command chat does not know: never a question
                 self.command(question)
