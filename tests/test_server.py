@@ -1032,3 +1032,24 @@ def test_ctrl_c_on_fp_start_leaves_the_engine_starting(servers):
     _wait(lambda: s.state() is not None, 60, "the engine to come up")
     assert s.state()["pid"] == pid and s.fp("status").returncode == 0
     assert s.fp("stop").returncode == 0 and not _alive(pid)
+
+
+def test_exit_words_name_the_signal():
+    from fpcli.server.lifecycle import _colon, exit_words
+
+    assert exit_words(-9) == "was killed by SIGKILL" and exit_words(-15) == "was killed by SIGTERM"
+    assert exit_words(2) == "exited with code 2"
+    assert _colon("") == "" and _colon("boom") == ": boom"
+
+
+def test_start_whose_engine_is_killed_says_by_which_signal(servers):
+    """kill -9 of the engine fp start is starting: 'was killed by SIGKILL before it was ready',
+    never 'exited with code -9', and no empty detail after a colon."""
+    s = servers
+    start, pid = _starting(s, {"FP_FAKE_LOAD_S": "30"})
+    os.kill(pid, signal.SIGKILL)
+    _, err = start.communicate(timeout=60)
+    err = " ".join(err.split())
+    assert start.returncode == 1, err
+    assert "the server was killed by SIGKILL before it was ready" in err and "code -9" not in err, err
+    assert ":  (" not in err and ": (log" not in err, err

@@ -165,7 +165,7 @@ def spawn(paths: ServerPaths, request: StartRequest, on_wait: Callable[[float, s
             stopped = not clear_starting(paths, proc.pid) and code < 0  # fp stop removed the marker, then killed it
             if stopped:
                 raise LifecycleError(f"the engine was stopped (fp stop) while it was starting (log: {paths.log})")
-            raise LifecycleError(f"the server exited with code {code} before it was ready: {last_log_line(paths)} "
+            raise LifecycleError(f"the server {exit_words(code)} before it was ready{_colon(last_log_line(paths))} "
                                  f"(log: {paths.log})")
         state = read_state(paths)
         if state is not None and state.pid == proc.pid:
@@ -179,11 +179,27 @@ def spawn(paths: ServerPaths, request: StartRequest, on_wait: Callable[[float, s
             _end_process(proc.pid, grace_s=5.0)
             proc.wait(timeout=10)
             clear_starting(paths, proc.pid)
-            raise LifecycleError(f"the server was not ready after {request.timeout_s:.0f} s and was stopped: "
-                                 f"{last_log_line(paths)} (log: {paths.log})")
+            raise LifecycleError(f"the server was not ready after {request.timeout_s:.0f} s and was stopped"
+                                 f"{_colon(last_log_line(paths))} (log: {paths.log})")
         if on_wait is not None:
             on_wait(waited, last_log_line(paths))
         time.sleep(0.25)
+
+
+def exit_words(code: int) -> str:
+    """How a process ended, from its ``Popen.returncode``: ``exited with code 1``, or ``was killed
+    by SIGKILL`` for a negative code (the signal's number, negated)."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
+
+
+def _colon(detail: str) -> str:
+    """``": detail"``, or nothing for an empty detail."""
+    return f": {detail}" if detail else ""
 
 
 def last_log_line(paths: ServerPaths) -> str:
