@@ -22,7 +22,8 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
                                  # (fp chat: from reading the question to the end of its answer; the
                                  # first answer's also counts reading the documents and the engine start);
                                  # null when not measured
-        "engine_start_s",        # part of wall_s spent loading/starting the engine (0: it was running)
+        "engine_start_s",        # part of wall_s spent loading/starting the engine, or waiting for a
+                                 # resident engine that fp start was starting (0: it was running)
         "stages_s",              # wall_s split: {"read", "fit", "engine_start", "queued", "ttft", "decode",
                                  # "other"} (read: ingestion; fit: prompt building; queued: waiting in the
                                  # resident engine's queue behind other requests; other: the rest, process

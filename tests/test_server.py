@@ -849,7 +849,10 @@ def test_status_and_ask_while_the_engine_starts(servers):
     a = _ask(s, timeout=120)
     assert a.returncode == 0, a.stderr
     assert f"a resident engine is starting (pid {pid}" in a.stderr and "waiting for it" in a.stderr, a.stderr
-    assert json.loads(a.stdout)["summary"]["server"]["pid"] == pid
+    summary = json.loads(a.stdout)["summary"]
+    assert summary["server"]["pid"] == pid
+    # the wait for the engine is its start, not "other"
+    assert summary["engine_start_s"] > 0 and summary["stages_s"]["engine_start"] == summary["engine_start_s"]
     assert len(s.traced("load")) == 1  # the ask loaded no model of its own
     assert start.wait(timeout=60) == 0
     assert not s.paths.starting.exists() and s.fp("status").returncode == 0

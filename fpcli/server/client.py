@@ -92,7 +92,8 @@ class RemoteEngine:
     """An ``Engine`` whose model lives in the resident engine (see ``fpcli.engine.base.Engine``).
 
     ``server`` describes who answers (``address``, ``pid``, and ``engine_start_s = 0``: no engine
-    was started for this command). ``close`` closes the connection only; the server lives on.
+    was started for this command). ``waited_s``: seconds the command waited for it to start
+    (``fp start`` was starting it; 0.0 when it ran), which the command counts as its engine start. ``close`` closes the connection only; the server lives on.
     """
 
     def __init__(self, state: ServerState, health: dict, config: ClientConfig = ClientConfig()) -> None:
@@ -106,6 +107,7 @@ class RemoteEngine:
         self.model_path = state.model_path  # the model folder (both processes read the same tokenizer)
         self.server = {"address": state.address, "pid": state.pid, "engine_start_s": 0.0}
         self.start_s = 0.0  # no engine was started by this process
+        self.waited_s = 0.0  # seconds this command waited for it to start (``connect``); counted as engine start
         self._http = _client(state, _token(state))
         self._reserves: dict[int, int] = {}  # max_new_tokens -> the server's context_reserve
 
@@ -334,7 +336,11 @@ def connect(model: str | None, profile, engine: str = "auto", paths: ServerPaths
                 note(f"the resident engine that is starting (pid {starting.pid}) will run {', '.join(differs)}; "
                      "this command runs in-process")
                 return None
+        t_wait = time.monotonic()
         state = wait_for_starting(paths, note, warn, starting=starting)
+        waited = time.monotonic() - t_wait
+    else:
+        waited = 0.0
     if state is None:
         return None
     if not pid_alive(state.pid):
@@ -353,7 +359,9 @@ def connect(model: str | None, profile, engine: str = "auto", paths: ServerPaths
         warn(f"the resident engine (pid {state.pid}, {state.address}) does not answer ({exc}); "
              "running in-process (see `fp status`)")
         return None
-    return RemoteEngine(state, health, config)
+    remote = RemoteEngine(state, health, config)
+    remote.waited_s = waited
+    return remote
 
 
 def _differences(state: ServerState, model: str | None, profile, engine: str, one_request: bool) -> list[str] | None:
