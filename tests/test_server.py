@@ -1031,7 +1031,8 @@ def test_ctrl_c_on_fp_start_leaves_the_engine_starting(servers):
     start.send_signal(signal.SIGINT)
     _, err = start.communicate(timeout=60)
     assert start.returncode == 130, err
-    assert f"interrupted; the engine goes on starting (pid {pid}): fp stop ends it" in err, err
+    assert f"fp: warning: interrupted; the engine goes on starting (pid {pid}): fp stop ends it" in err, err
+    assert "fp: error" not in err, err
     _wait(lambda: s.state() is not None, 60, "the engine to come up")
     assert s.state()["pid"] == pid and s.fp("status").returncode == 0
     assert s.fp("stop").returncode == 0 and not _alive(pid)
@@ -1056,3 +1057,27 @@ def test_start_whose_engine_is_killed_says_by_which_signal(servers):
     assert start.returncode == 1, err
     assert "the server was killed by SIGKILL before it was ready" in err and "code -9" not in err, err
     assert ":  (" not in err and ": (log" not in err, err
+
+
+def test_ask_waiting_for_an_engine_that_is_stopped_says_so_and_counts_the_wait(servers, tmp_path):
+    """fp stop while fp ask waits for the starting engine: the ask says it 'was stopped' (not 'did
+    not start'), runs in-process, and its engine start counts the wait plus its own start."""
+    s = servers
+    start, pid = _starting(s, {"FP_FAKE_LOAD_S": "60"})
+    log = tmp_path / "ask.err"
+    with open(log, "w") as err_file:
+        ask = subprocess.Popen([sys.executable, "-m", "fpcli", "ask", DOC.as_posix(), "Who runs the harbor?", "--model",
+                                s.model, "--json"], stdout=subprocess.PIPE, stderr=err_file, text=True, env=s.env,
+                               cwd=str(ROOT))
+        s.pids.add(ask.pid)
+        _wait(lambda: "waiting for it" in log.read_text(), 120, "the ask to wait")
+        assert s.fp("stop").returncode == 0
+        out, _ = ask.communicate(timeout=120)
+    err = " ".join(log.read_text().split())
+    assert ask.returncode == 0, err
+    assert f"the resident engine that was starting (pid {pid}) was stopped; running in-process" in err, err
+    assert "did not start" not in err
+    summary = json.loads(out)["summary"]
+    assert not summary.get("server") and summary["engine_start_s"] > 0
+    assert summary["stages_s"]["engine_start"] == summary["engine_start_s"]
+    start.communicate(timeout=60)

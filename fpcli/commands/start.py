@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from fpcli.commands import MODEL_HELP, CONTEXT_HELP, EngineArgsCommand, fail, resident_setup_or_exit, stderr_console
+from fpcli.commands import (MODEL_HELP, CONTEXT_HELP, EngineArgsCommand, fail, resident_setup_or_exit, stderr_console,
+                            warning)
 from fpcli.commands.ask import EngineChoice
 from fpcli.server import START_TIMEOUT_S
 
@@ -91,7 +92,8 @@ def start(
             starting = read_starting(paths)
             if starting is None:
                 raise
-            fail(f"interrupted; the engine goes on starting (pid {starting.pid}): fp stop ends it", code=130)
+            warning(err, f"interrupted; the engine goes on starting (pid {starting.pid}): fp stop ends it")
+            raise typer.Exit(130) from None
     verb = {"running": "already runs", "started": "started", "replaced": "replaced the previous one and started"}[outcome]
     err.print(f"fp: resident engine {verb}: {escape(state.model)} ({state.engine} engine, profile {escape(state.profile)}) "
               f"at {escape(state.address)}, pid {state.pid}" + (f"; log {escape(state.log)}" if state.log else ""),

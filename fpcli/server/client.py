@@ -278,8 +278,8 @@ def wait_for_starting(paths: ServerPaths, note: Callable[[str], None], warn: Cal
                       poll_s: float = 0.1, starting: StartingState | None = None) -> ServerState | None:
     """Wait for the engine that ``fp start`` is starting, if any (``starting``, else its starting
     marker read now): its state once it has written one, or ``None`` when none is starting, or it
-    ended (said through ``warn``) or was not ready when its ``fp start`` gives up on it
-    (``StartingState.ready_by``). Says that it waits through ``note``. Blocks; Ctrl-C raises
+    was stopped (its marker removed: ``fp stop``), ended by itself, or was not ready when its
+    ``fp start`` gives up on it (``StartingState.ready_by``), each said through ``warn``. Says that it waits through ``note``. Blocks; Ctrl-C raises
     KeyboardInterrupt."""
     starting = starting or read_starting(paths)
     if starting is None:
@@ -290,11 +290,17 @@ def wait_for_starting(paths: ServerPaths, note: Callable[[str], None], warn: Cal
         state = read_state(paths)
         if state is not None and state.pid == starting.pid:
             return state
-        if not pid_alive(starting.pid) or time.time() > starting.ready_by:
-            warn(f"the resident engine that was starting (pid {starting.pid}) did not start; running in-process")
-            return None
-        if read_starting(paths) is None and read_state(paths) is None:  # stopped (fp stop) or failed
+        # fp stop removes the marker first, then ends the process; one that fails ends with its marker
+        if read_starting(paths) is None and read_state(paths) is None:
             warn(f"the resident engine that was starting (pid {starting.pid}) was stopped; running in-process")
+            return None
+        if not pid_alive(starting.pid):
+            warn(f"the resident engine that was starting (pid {starting.pid}) ended before it was ready"
+                 + (f" (log {starting.log}); " if starting.log else "; ") + "running in-process")
+            return None
+        if time.time() > starting.ready_by:
+            warn(f"the resident engine that was starting (pid {starting.pid}) was not ready by its deadline; "
+                 "running in-process")
             return None
         time.sleep(poll_s)
 
