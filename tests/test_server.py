@@ -871,7 +871,7 @@ def test_stop_ends_an_engine_that_is_still_starting(servers):
     assert stop.returncode == 0 and f"the starting resident engine (pid {pid}" in stop.stderr, stop.stderr
     assert not _alive(pid)
     _, err = start.communicate(timeout=60)
-    assert start.returncode == 1 and "stopped (fp stop) while it was starting" in err, err
+    assert start.returncode == 1 and "was stopped (fp stop, or replaced by fp start --replace) while it was starting" in " ".join(err.split()), err
     time.sleep(1.0)
     assert s.state() is None and not s.paths.starting.exists() and not _alive(pid)
     after = s.fp("status", env=env)
@@ -1081,3 +1081,50 @@ def test_ask_waiting_for_an_engine_that_is_stopped_says_so_and_counts_the_wait(s
     assert not summary.get("server") and summary["engine_start_s"] > 0
     assert summary["stages_s"]["engine_start"] == summary["engine_start_s"]
     start.communicate(timeout=60)
+
+
+def test_replace_ends_an_engine_another_fp_start_is_starting(servers):
+    """fp start --replace while another fp start is still starting its engine (and holds the start
+    lock): the starting engine is ended at once (said), the first fp start fails saying it was
+    replaced (never 'started'), and the replacing start's engine runs."""
+    s = servers
+    first, pid = _starting(s, {"FP_FAKE_LOAD_S": "60"})
+    r = s.fp("start", "--model", s.model, "--timeout", "60", "--replace")
+    err = " ".join(r.stderr.split())
+    assert r.returncode == 0, err
+    assert f"ending the engine that is starting (pid {pid}" in err and "replaced the previous one" in err, err
+    _, first_err = first.communicate(timeout=60)
+    first_err = " ".join(first_err.split())
+    assert first.returncode == 1, first_err
+    assert "replaced by fp start --replace" in first_err and "resident engine started" not in first_err, first_err
+    assert not _alive(pid) and s.state() is not None and s.state()["pid"] != pid
+
+
+def test_plain_start_waits_for_a_matching_engine_that_is_starting(servers):
+    """After Ctrl-C of fp start, a plain fp start with the same options waits for the engine that
+    goes on starting and reports it started (exit 0); it starts no second engine."""
+    s = servers
+    first, pid = _starting(s, {"FP_FAKE_LOAD_S": "6"})
+    first.send_signal(signal.SIGINT)
+    first.communicate(timeout=60)
+    assert first.returncode == 130
+    r = s.fp("start", "--model", s.model, "--timeout", "60")
+    err = " ".join(r.stderr.split())
+    assert r.returncode == 0, err
+    assert "waiting for it" in err and f"pid {pid}" in err and "started" in err, err
+    assert s.state()["pid"] == pid and not s.paths.starting.exists()
+    assert len(s.traced("load")) == 1  # one engine loaded
+
+
+def test_plain_start_refuses_a_starting_engine_of_another_model(servers, sleeper):
+    """A starting engine whose marker names another model: a plain fp start refuses, naming the
+    difference and --replace, and leaves it alone."""
+    from fpcli.server.state import proc_start_time
+
+    s = servers
+    _marker(s, sleeper.pid, 600, proc_start=proc_start_time(sleeper.pid), model="other", model_path="/models/other",
+            profile="bf16", profile_hash="0123456789abcdef", engine="transformers")
+    r = s.fp("start", "--model", s.model, "--timeout", "60")
+    err = " ".join(r.stderr.split())
+    assert r.returncode == 1 and "a resident engine is starting with another model" in err and "--replace" in err, err
+    assert sleeper.poll() is None and s.paths.starting.exists()

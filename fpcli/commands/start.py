@@ -8,7 +8,7 @@ import typer
 from rich.markup import escape
 
 from fpcli.commands import (MODEL_HELP, CONTEXT_HELP, EngineArgsCommand, fail, resident_setup_or_exit, stderr_console,
-                            warning)
+                            note, warning)
 from fpcli.commands.ask import EngineChoice
 from fpcli.server import START_TIMEOUT_S
 
@@ -26,12 +26,12 @@ def start(
     profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, fp8, dense, or a path to a profile .yaml.")] = "bf16",
     engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: SGLang when CUDA and sglang are present, else transformers.")] = EngineChoice.auto,
     idle: Annotated[Optional[str], typer.Option("--idle", help="End after this long without a request, e.g. 10m (default: never).")] = None,
-    replace: Annotated[bool, typer.Option("--replace", help="Stop a resident engine with another model or profile first.")] = False,
+    replace: Annotated[bool, typer.Option("--replace", help="Stop a resident engine with another model or profile first (one still starting too).")] = False,
     timeout: Annotated[float, typer.Option("--timeout", min=1.0, help="Seconds to wait for the engine to be ready.")] = START_TIMEOUT_S,
 ) -> None:
     """Start the resident engine in the background and return once it answers; fp ask and fp profile then use it.
 
-    Extra arguments after -- are engine settings for SGLang, e.g. fp start --engine sglang -- --tp 2. See fp status and fp stop. Ctrl-C stops the wait, not the engine: it goes on starting (fp stop ends it).
+    Extra arguments after -- are engine settings for SGLang, e.g. fp start --engine sglang -- --tp 2. See fp status and fp stop. Ctrl-C stops the wait, not the engine: it goes on starting (fp stop ends it; fp start with the same options waits for it).
     """
     from fpcli.server.lifecycle import LifecycleError, StartRequest, start_server
     from fpcli.server.state import profile_hash
@@ -83,7 +83,8 @@ def start(
         try:
             outcome, state = start_server(paths, StartRequest(serve_args=args, engine_args=list(ctx.args),
                                                                            timeout_s=timeout, serves=serves), lock_timeout_s=timeout + 30,
-                                          matches=differences, replace=replace, on_wait=waiting)
+                                          matches=differences, replace=replace, on_wait=waiting,
+                                          on_note=lambda m: note(err, m))
         except (LifecycleError, TimeoutError) as exc:
             fail(str(exc))
         except KeyboardInterrupt:  # the detached server is not interrupted: it goes on starting
@@ -94,7 +95,7 @@ def start(
                 raise
             warning(err, f"interrupted; the engine goes on starting (pid {starting.pid}): fp stop ends it")
             raise typer.Exit(130) from None
-    verb = {"running": "already runs", "started": "started", "replaced": "replaced the previous one and started"}[outcome]
+    verb = {"running": "already runs", "started": "started", "waited": "started (it was starting; waited for it)", "replaced": "replaced the previous one and started"}[outcome]
     err.print(f"fp: resident engine {verb}: {escape(state.model)} ({state.engine} engine, profile {escape(state.profile)}) "
               f"at {escape(state.address)}, pid {state.pid}" + (f"; log {escape(state.log)}" if state.log else ""),
               highlight=False, soft_wrap=True)

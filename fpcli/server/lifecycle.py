@@ -164,7 +164,8 @@ def spawn(paths: ServerPaths, request: StartRequest, on_wait: Callable[[float, s
         if code is not None:
             stopped = not clear_starting(paths, proc.pid) and code < 0  # fp stop removed the marker, then killed it
             if stopped:
-                raise LifecycleError(f"the engine was stopped (fp stop) while it was starting (log: {paths.log})")
+                raise LifecycleError(f"the engine was stopped (fp stop, or replaced by fp start --replace) while it was "
+                                     f"starting (log: {paths.log})")
             raise LifecycleError(f"the server {exit_words(code)} before it was ready{_colon(last_log_line(paths))} "
                                  f"(log: {paths.log})")
         state = read_state(paths)
@@ -309,25 +310,99 @@ def stop_server(paths: ServerPaths, wait_s: float = STOP_WAIT_S, config: ClientC
     return Status("running", state), how
 
 
+def wait_ready(paths: ServerPaths, starting: StartingState, on_wait: Callable[[float, str], None] | None = None,
+               config: ClientConfig = ClientConfig(), poll_s: float = 0.25) -> ServerState:
+    """Wait for the engine that another (interrupted) ``fp start`` spawned, as its starting marker
+    ``starting`` names it: its state once it answers its health check.
+
+    Args:
+        on_wait: called about every ``poll_s`` with (seconds waited, last log line).
+
+    Raises:
+        LifecycleError: it was stopped (its marker removed, no state: ``fp stop``), it ended
+            before it was ready, or it was not ready by the marker's ``ready_by`` (left to
+            ``check_starting``, which ends it); the message names the log file.
+    """
+    t0 = time.monotonic()
+    log = f"log: {starting.log}" if starting.log else f"log: {paths.log}"
+    while True:
+        state = read_state(paths)
+        if state is not None and state.pid == starting.pid:
+            try:
+                probe(state, config)
+                clear_starting(paths, starting.pid)  # its own fp start, interrupted, did not
+                return state
+            except ServerUnavailable:
+                pass
+        elif load_starting_or_none(paths) is None:
+            raise LifecycleError(f"the engine that was starting (pid {starting.pid}) was stopped before it was ready ({log})")
+        elif not pid_alive(starting.pid):
+            raise LifecycleError(f"the engine that was starting (pid {starting.pid}) ended before it was ready"
+                                 f"{_colon(last_log_line(paths))} ({log})")
+        if time.time() > starting.ready_by:
+            raise LifecycleError(f"the engine that was starting (pid {starting.pid}) was not ready by its deadline "
+                                 f"({log}); see `fp status`, or `fp start --replace`")
+        if on_wait is not None:
+            on_wait(time.monotonic() - t0, last_log_line(paths))
+        time.sleep(poll_s)
+
+
+def load_starting_or_none(paths: ServerPaths) -> StartingState | None:
+    """The starting marker, or ``None`` when it is absent or unreadable."""
+    try:
+        return load_starting(paths)
+    except ValueError:
+        return None
+
+
 def start_server(paths: ServerPaths, request: StartRequest, lock_timeout_s: float,
                  matches: Callable[[ServerState], list[str]], replace: bool = False,
-                 on_wait: Callable[[float, str], None] | None = None) -> tuple[str, ServerState]:
+                 on_wait: Callable[[float, str], None] | None = None,
+                 on_note: Callable[[str], None] | None = None) -> tuple[str, ServerState]:
     """``fp start``: under the start lock, reuse a matching running server, replace or refuse a
-    different one (or one still starting: an interrupted ``fp start`` spawned it), else spawn one. Returns (``"running"`` | ``"started"`` | ``"replaced"``, state).
+    different one, else spawn one. Returns (``"running"`` | ``"waited"`` | ``"started"`` |
+    ``"replaced"``, state).
+
+    An engine still starting (an interrupted ``fp start`` spawned it) is waited for
+    (``"waited"``, ``wait_ready``) when its marker says it will serve what ``matches`` accepts; a
+    different one, or one whose marker does not say, is refused, or replaced with ``replace``.
+    With ``replace``, an engine another ``fp start`` is starting right now (it holds the lock) is
+    ended at once (that ``fp start`` then fails, saying it was stopped or replaced), said through
+    ``on_note``; a wait for the lock held by another ``fp start`` is said through ``on_note`` too.
 
     Args:
         matches: the differences (``["model X", ...]``) between a running server and the request.
+        on_wait: called about every 0.25 s with (seconds waited, last log line) while an engine starts.
+        on_note: called with one line about what this start does or waits for.
 
     Raises:
         LifecycleError: a different server runs and ``replace`` is False (names it and how to
             stop it), or the start failed.
         TimeoutError: another start held the lock for ``lock_timeout_s``.
     """
-    with start_lock(paths, lock_timeout_s):
+    note = on_note or (lambda m: None)
+    ended_starting = False
+    if replace:
+        starting, _ = check_starting(paths)
+        if starting is not None:  # another fp start may hold the lock while it starts it
+            note(f"ending the engine that is starting ({starting_words(starting)}) to replace it")
+            stop_server(paths)
+            ended_starting = True
+
+    def blocked() -> None:
+        note(f"waiting for another `fp start` to finish (it holds {paths.lock})")
+
+    with start_lock(paths, lock_timeout_s, on_blocked=blocked):
         status = probe_status(paths)
-        outcome = "started"
+        outcome = "replaced" if ended_starting else "started"
         if status.kind == "starting" and not replace:  # spawned by an fp start that was interrupted
-            raise LifecycleError(f"a resident engine is starting ({status.detail}; log {status.starting.log}); "
+            serves = status.starting.serves()
+            differs = matches(serves) if serves is not None else None
+            if differs == []:
+                note(f"a resident engine with the same model and profile is starting ({status.detail}); waiting for it")
+                return "waited", wait_ready(paths, status.starting, on_wait=on_wait)
+            what = (f"with another {', '.join(differs)}" if differs else "(what it will serve is not recorded)")
+            raise LifecycleError(f"a resident engine is starting {what} ({status.detail}; log {status.starting.log}); "
                                  "see `fp status`, stop it with `fp stop`, or use `fp start --replace`")
         if status.kind == "starting":
             stop_server(paths)

@@ -18,7 +18,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .paths import ServerPaths, write_private
 
@@ -324,8 +324,11 @@ def running_state(paths: ServerPaths | None = None) -> ServerState | None:
 
 
 @contextmanager
-def start_lock(paths: ServerPaths, timeout_s: float) -> Iterator[None]:
+def start_lock(paths: ServerPaths, timeout_s: float, on_blocked: Callable[[], None] | None = None) -> Iterator[None]:
     """Hold the exclusive start lock (``fcntl.flock`` on ``paths.lock``).
+
+    Args:
+        on_blocked: called once when another process holds the lock (before waiting for it).
 
     Raises:
         TimeoutError: another ``fp start`` held it for ``timeout_s``.
@@ -338,6 +341,9 @@ def start_lock(paths: ServerPaths, timeout_s: float) -> Iterator[None]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                if on_blocked is not None:
+                    on_blocked()
+                    on_blocked = None
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"another `fp start` holds {paths.lock} (waited {timeout_s:.0f} s)") from None
                 time.sleep(0.1)
