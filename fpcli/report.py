@@ -186,7 +186,6 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
         context_length: the engine's context in tokens (``engine.context_length``), to which
             ``profile``'s ``min_sparse_len`` is fitted (``Profile.fit_to_context``); ``None``: as is.
     """
-    from fpcli import __version__
     from fpcli.profiles import sparse_cap_note, sparse_settings
 
     stats = result.stats
@@ -235,15 +234,24 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
         row = d.to_dict()
         row["tokens"] = prompt.doc_tokens.get(d.name) if prompt is not None else None
         documents.append(row)
+    return _ask_envelope(question, result.text, None, summary, documents,
+                         prompt.to_dict() if prompt is not None else None)
+
+
+def _ask_envelope(question: str, answer: str | None, error: str | None, summary: dict | None,
+                  documents: list[dict], prompt: dict | None) -> dict:
+    """The ``fp.ask/1`` object around an answered or a failed question."""
+    from fpcli import __version__
+
     return {
         "schema": SCHEMA,
         "fp_version": __version__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "question": question,
-        "answer": result.text,
-        "error": None,
+        "answer": answer,
+        "error": error,
         "summary": summary,
-        "ingestion": {"documents": documents, "prompt": prompt.to_dict() if prompt is not None else None},
+        "ingestion": {"documents": documents, "prompt": prompt},
     }
 
 
@@ -259,8 +267,6 @@ def failed_report(question: str, docs: Sequence, error: str) -> dict:
         docs: ``fpcli.ingest.Document`` list (all inputs).
         error: why there is no answer, one line.
     """
-    from fpcli import __version__
-
     documents = []
     for d in docs:
         row = d.to_dict()
@@ -268,16 +274,7 @@ def failed_report(question: str, docs: Sequence, error: str) -> dict:
         if row.get("error") is None and not d.text.strip():  # read, but nothing in it: say why here too
             row["error"] = d.warnings[-1] if d.warnings else "no text"
         documents.append(row)
-    return {
-        "schema": SCHEMA,
-        "fp_version": __version__,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "question": question,
-        "answer": None,
-        "error": error,
-        "summary": None,
-        "ingestion": {"documents": documents, "prompt": None},
-    }
+    return _ask_envelope(question, None, error, None, documents, None)
 
 
 def stages(wall_s: float | None, ttft_s: float, total_s: float, *, read_s: float | None = None,

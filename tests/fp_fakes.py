@@ -223,6 +223,16 @@ def fake_load_engine(engine: str = "auto", model: str | None = None, profile=Non
 # -- PDF builders (reportlab) --------------------------------------------------------------------
 
 
+def _saved(c, buf, path) -> bytes:
+    """The bytes of reportlab canvas ``c`` (written into ``buf``), also written to ``path`` if given."""
+    c.save()
+    data = buf.getvalue()
+    if path is not None:
+        with open(path, "wb") as f:
+            f.write(data)
+    return data
+
+
 def make_pdf(pages: list[str | None], path=None, producer: str | None = None) -> bytes:
     """A real PDF with one page per entry: a string is drawn as text lines; ``None`` makes an
     image-only page (no text layer, like a scan); ``""`` a blank page (nothing drawn). ``producer``:
@@ -243,12 +253,7 @@ def make_pdf(pages: list[str | None], path=None, producer: str | None = None) ->
                 c.drawString(72, y, line)
                 y -= 14
         c.showPage()
-    c.save()
-    data = buf.getvalue()
-    if path is not None:
-        with open(path, "wb") as f:
-            f.write(data)
-    return data
+    return _saved(c, buf, path)
 
 
 def make_tex_pdf(
@@ -339,12 +344,7 @@ def make_tex_accent_pdf(pieces: list, path=None, producer: str = "pdfTeX-1.40.25
         x += stringWidth(text, font, size)
     c.drawText(t)
     c.showPage()
-    c.save()
-    data = buf.getvalue()
-    if path is not None:
-        with open(path, "wb") as f:
-            f.write(data)
-    return data
+    return _saved(c, buf, path)
 
 
 def _with_widths(data: bytes, space_width: int) -> bytes:
