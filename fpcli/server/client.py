@@ -277,32 +277,29 @@ def context_words(tokens: int | None) -> str:
 def wait_for_starting(paths: ServerPaths, note: Callable[[str], None], warn: Callable[[str], None],
                       poll_s: float = 0.1, starting: StartingState | None = None) -> ServerState | None:
     """Wait for the engine that ``fp start`` is starting, if any (``starting``, else its starting
-    marker read now): its state once it has written one, or ``None`` when none is starting, or it
-    was stopped (its marker removed: ``fp stop``), ended by itself, or was not ready when its
-    ``fp start`` gives up on it (``StartingState.ready_by``), each said through ``warn``. Says that it waits through ``note``. Blocks; Ctrl-C raises
-    KeyboardInterrupt."""
+    marker read now; ``lifecycle.await_starting``): its state once it answers, or ``None`` when none
+    is starting, or it was stopped (its marker removed: ``fp stop``), ended by itself, or was not
+    ready when its ``fp start`` gives up on it (``StartingState.ready_by``), each said through
+    ``warn``. Says that it waits through ``note``. Blocks; Ctrl-C raises KeyboardInterrupt."""
+    from .lifecycle import await_starting
+
     starting = starting or read_starting(paths)
     if starting is None:
         return None
     note(f"a resident engine is starting (pid {starting.pid}, since {max(0.0, time.time() - starting.started_at):.0f} s); "
          "waiting for it (--no-server runs in-process instead)")
-    while True:
-        state = read_state(paths)
-        if state is not None and state.pid == starting.pid:
-            return state
-        # fp stop removes the marker first, then ends the process; one that fails ends with its marker
-        if read_starting(paths) is None and read_state(paths) is None:
-            warn(f"the resident engine that was starting (pid {starting.pid}) was stopped; running in-process")
-            return None
-        if not pid_alive(starting.pid):
-            warn(f"the resident engine that was starting (pid {starting.pid}) ended before it was ready"
-                 + (f" (log {starting.log}); " if starting.log else "; ") + "running in-process")
-            return None
-        if time.time() > starting.ready_by:
-            warn(f"the resident engine that was starting (pid {starting.pid}) was not ready by its deadline; "
-                 "running in-process")
-            return None
-        time.sleep(poll_s)
+    state, why = await_starting(paths, starting, poll_s=poll_s)
+    if state is not None:
+        return state
+    what = f"the resident engine that was starting (pid {starting.pid})"
+    if why == "stopped":
+        warn(f"{what} was stopped; running in-process")
+    elif why == "ended":
+        warn(f"{what} ended before it was ready" + (f" (log {starting.log}); " if starting.log else "; ")
+             + "running in-process")
+    else:
+        warn(f"{what} was not ready by its deadline; running in-process")
+    return None
 
 
 def connect(model: str | None, profile, engine: str = "auto", paths: ServerPaths | None = None,

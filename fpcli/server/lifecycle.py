@@ -16,8 +16,9 @@ from typing import Callable
 from . import START_TIMEOUT_S, STOP_WAIT_S
 from .client import ClientConfig, ServerUnavailable, probe, shutdown
 from .paths import ServerPaths
-from .state import (ServerState, StartingState, clear_stale, clear_starting, clear_state, load_starting, pid_alive,
-                    proc_start_time, read_state, start_lock, starting_problem, write_starting)
+from .state import (ServerState, StartingState, clear_stale, clear_starting, clear_state, load_starting,
+                    load_starting_or_none, pid_alive, proc_start_time, read_state, start_lock, starting_problem,
+                    write_starting)
 
 
 class LifecycleError(RuntimeError):
@@ -310,49 +311,60 @@ def stop_server(paths: ServerPaths, wait_s: float = STOP_WAIT_S, config: ClientC
     return Status("running", state), how
 
 
-def wait_ready(paths: ServerPaths, starting: StartingState, on_wait: Callable[[float, str], None] | None = None,
-               config: ClientConfig = ClientConfig(), poll_s: float = 0.25) -> ServerState:
-    """Wait for the engine that another (interrupted) ``fp start`` spawned, as its starting marker
-    ``starting`` names it: its state once it answers its health check.
+def await_starting(paths: ServerPaths, starting: StartingState, on_wait: Callable[[float, str], None] | None = None,
+                   config: ClientConfig = ClientConfig(), poll_s: float = 0.25) -> tuple[ServerState | None, str]:
+    """Wait for the engine that ``fp start`` spawned, as its starting marker ``starting`` names it:
+    ``(its state, "")`` once it answers its health check (its marker removed: an interrupted
+    ``fp start`` did not), else ``(None, why)``: ``"stopped"`` (its marker removed and no state:
+    ``fp stop``), ``"ended"`` (its process ended before it was ready) or ``"late"`` (not ready by
+    the marker's ``ready_by``). The one wait of ``fp start`` (``wait_ready``) and ``fp ask``
+    (``client.wait_for_starting``); each words the outcome.
 
     Args:
         on_wait: called about every ``poll_s`` with (seconds waited, last log line).
+    """
+    t0 = time.monotonic()
+    while True:
+        state = read_state(paths)
+        if state is not None and state.pid == starting.pid:
+            try:
+                probe(state, config)
+                clear_starting(paths, starting.pid)
+                return state, ""
+            except ServerUnavailable:
+                pass
+        elif load_starting_or_none(paths) is None:
+            return None, "stopped"
+        elif not pid_alive(starting.pid):
+            return None, "ended"
+        if time.time() > starting.ready_by:
+            return None, "late"
+        if on_wait is not None:
+            on_wait(time.monotonic() - t0, last_log_line(paths))
+        time.sleep(poll_s)
+
+
+def wait_ready(paths: ServerPaths, starting: StartingState, on_wait: Callable[[float, str], None] | None = None,
+               config: ClientConfig = ClientConfig(), poll_s: float = 0.25) -> ServerState:
+    """Wait for the engine that another (interrupted) ``fp start`` spawned (``await_starting``):
+    its state once it answers its health check.
 
     Raises:
         LifecycleError: it was stopped (its marker removed, no state: ``fp stop``), it ended
             before it was ready, or it was not ready by the marker's ``ready_by`` (left to
             ``check_starting``, which ends it); the message names the log file.
     """
-    t0 = time.monotonic()
+    state, why = await_starting(paths, starting, on_wait, config, poll_s)
+    if state is not None:
+        return state
     log = f"log: {starting.log}" if starting.log else f"log: {paths.log}"
-    while True:
-        state = read_state(paths)
-        if state is not None and state.pid == starting.pid:
-            try:
-                probe(state, config)
-                clear_starting(paths, starting.pid)  # its own fp start, interrupted, did not
-                return state
-            except ServerUnavailable:
-                pass
-        elif load_starting_or_none(paths) is None:
-            raise LifecycleError(f"the engine that was starting (pid {starting.pid}) was stopped before it was ready ({log})")
-        elif not pid_alive(starting.pid):
-            raise LifecycleError(f"the engine that was starting (pid {starting.pid}) ended before it was ready"
-                                 f"{_colon(last_log_line(paths))} ({log})")
-        if time.time() > starting.ready_by:
-            raise LifecycleError(f"the engine that was starting (pid {starting.pid}) was not ready by its deadline "
-                                 f"({log}); see `fp status`, or `fp start --replace`")
-        if on_wait is not None:
-            on_wait(time.monotonic() - t0, last_log_line(paths))
-        time.sleep(poll_s)
-
-
-def load_starting_or_none(paths: ServerPaths) -> StartingState | None:
-    """The starting marker, or ``None`` when it is absent or unreadable."""
-    try:
-        return load_starting(paths)
-    except ValueError:
-        return None
+    if why == "stopped":
+        raise LifecycleError(f"the engine that was starting (pid {starting.pid}) was stopped before it was ready ({log})")
+    if why == "ended":
+        raise LifecycleError(f"the engine that was starting (pid {starting.pid}) ended before it was ready"
+                             f"{_colon(last_log_line(paths))} ({log})")
+    raise LifecycleError(f"the engine that was starting (pid {starting.pid}) was not ready by its deadline "
+                         f"({log}); see `fp status`, or `fp start --replace`")
 
 
 def start_server(paths: ServerPaths, request: StartRequest, lock_timeout_s: float,

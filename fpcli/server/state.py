@@ -23,6 +23,16 @@ from typing import Callable, Iterator
 from .paths import ServerPaths, write_private
 
 
+def _from_known_fields(cls, data: dict):
+    """``cls(**data)`` with the keys ``cls`` does not have left out (a file written by a newer or
+    older fp). Raises ``ValueError`` when a required field is missing."""
+    names = {f.name for f in fields(cls)}
+    try:
+        return cls(**{k: v for k, v in data.items() if k in names})
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+
+
 @dataclass(frozen=True)
 class ServerState:
     """What runs, as written by the server.
@@ -69,11 +79,7 @@ class ServerState:
     @classmethod
     def from_dict(cls, data: dict) -> "ServerState":
         """Raises ``ValueError`` when a required field is missing or of the wrong type."""
-        names = {f.name for f in fields(cls)}
-        try:
-            state = cls(**{k: v for k, v in data.items() if k in names})
-        except TypeError as exc:
-            raise ValueError(str(exc)) from None
+        state = _from_known_fields(cls, data)
         if not isinstance(state.pid, int) or not isinstance(state.address, str):
             raise ValueError("pid must be an integer and address a string")
         return state
@@ -115,11 +121,7 @@ class StartingState:
     @classmethod
     def from_dict(cls, data: dict) -> "StartingState":
         """Raises ``ValueError`` when a field is missing or of the wrong type."""
-        names = {f.name for f in fields(cls)}
-        try:
-            state = cls(**{k: v for k, v in data.items() if k in names})
-        except TypeError as exc:
-            raise ValueError(str(exc)) from None
+        state = _from_known_fields(cls, data)
         if not isinstance(state.pid, int) or not isinstance(state.started_at, (int, float)) \
                 or not isinstance(state.ready_by, (int, float)):
             raise ValueError("pid must be an integer, started_at and ready_by numbers")
@@ -206,13 +208,18 @@ def starting_problem(starting: StartingState, now: float | None = None) -> tuple
 def read_starting(paths: ServerPaths) -> StartingState | None:
     """The starting marker while it is not stale (``starting_problem``), else ``None``; reads only
     (``fpcli.server.lifecycle.check_starting`` removes a stale one and says why)."""
-    try:
-        starting = load_starting(paths)
-    except ValueError:
-        return None
+    starting = load_starting_or_none(paths)
     if starting is None or starting_problem(starting)[0]:
         return None
     return starting
+
+
+def load_starting_or_none(paths: ServerPaths) -> StartingState | None:
+    """The starting marker as written (``load_starting``), or ``None`` when it is absent or unreadable."""
+    try:
+        return load_starting(paths)
+    except ValueError:
+        return None
 
 
 def clear_starting(paths: ServerPaths, pid: int) -> bool:
