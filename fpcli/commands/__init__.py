@@ -520,6 +520,17 @@ def obtain_engine(engine: str, model: str | None, profile, progress, no_server: 
                            max_requests=1, **extra)
 
 
+def engine_start_seconds(engine, t_load: float) -> float:
+    """The seconds a command spent on its engine since ``t_load`` (``time.perf_counter()`` before
+    ``obtain_engine``): the loader's wall time when it started one (``engine.start_s > 0``; model
+    fetch and conversion included), or the wait for a resident engine that ``fp start`` was starting
+    (``RemoteEngine.waited_s > 0``); 0.0 when a running resident engine answered at once."""
+    import time
+
+    started = engine.start_s > 0 or getattr(engine, "waited_s", 0.0) > 0
+    return time.perf_counter() - t_load if started else 0.0
+
+
 def server_of(engine) -> dict | None:
     """The report's ``server`` value: ``{"address", "pid", "engine_start_s": 0.0}`` when the resident
     engine answered (``RemoteEngine``), ``None`` for an in-process engine."""

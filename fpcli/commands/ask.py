@@ -10,6 +10,7 @@ import typer
 
 from fpcli.commands import (
     MODEL_HELP,
+    engine_start_seconds,
     StdoutStream,
     FpCommand,
     check_max_new_tokens_or_exit,
@@ -188,9 +189,7 @@ def _ask(files, question, model, profile, max_new_tokens, engine, temperature, p
         failed(f"{context_source(prof, context)}: {exc}", code=2)
     except Exception as exc:  # noqa: BLE001 - one line for any load failure
         failed(f"cannot load the model: {_one_line(exc)}")
-    # the loader's wall time (model fetch/conversion included), or the wait for a resident engine that
-    # fp start was starting (RemoteEngine.waited_s); 0 when a running engine answered
-    engine_start_s = time.perf_counter() - t_load if eng.start_s > 0 or getattr(eng, "waited_s", 0.0) > 0 else 0.0
+    engine_start_s = engine_start_seconds(eng, t_load)
 
     context_info = say_context(None if quiet else err, eng)
     warn_precision(err, prof, eng)

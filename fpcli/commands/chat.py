@@ -20,6 +20,7 @@ import typer
 
 from fpcli.commands import (
     MODEL_HELP,
+    engine_start_seconds,
     CONTEXT_HELP,
     StdoutStream,
     FpCommand,
@@ -126,8 +127,7 @@ def _chat(files, model, profile, engine, history, max_new_tokens, temperature, p
         fail(f"{context_source(prof, context)}: {exc}", code=2)
     except Exception as exc:  # noqa: BLE001 - one line for any load failure
         fail(f"cannot load the model: {_one_line(exc)}")
-    # the loader's wall time, or the wait for a starting resident engine; 0 when a running one answers
-    engine_start_s = time.perf_counter() - t_load if eng.start_s > 0 or getattr(eng, "waited_s", 0.0) > 0 else 0.0
+    engine_start_s = engine_start_seconds(eng, t_load)
     warn_precision(err, prof, eng)
     with eng:
         check_max_new_tokens_or_exit(max_new_tokens, None, prof, context_length=eng.context_length)
