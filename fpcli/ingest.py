@@ -86,6 +86,8 @@ class Document:
         error: why the file was skipped, or ``None`` (the reason only: the CLI prints it after
             "fp: warning: skipped ").
         from_cache: the text came from fp's document cache (``fpcli.doccache``), not a new read.
+        password_protected: a PDF that opens only with a user password (whether or not the one
+            given opened it); ``ingest`` says when ``--password`` was given and no input needed it.
     """
 
     name: str
@@ -101,6 +103,7 @@ class Document:
     warnings: list[str] = field(default_factory=list)
     error: str | None = None
     from_cache: bool = False
+    password_protected: bool = False
 
     @property
     def ok(self) -> bool:
@@ -147,6 +150,9 @@ def check_paths(paths: list[str]) -> list[str]:
     return problems
 
 
+UNUSED_PASSWORD_NOTE = "--password was given, but no input is password-protected: it was not used"
+
+
 def ingest(
     paths: list[str],
     password: str | None = None,
@@ -163,7 +169,8 @@ def ingest(
 
     Args:
         paths: file paths; ``-`` reads standard input (PDF if ``%PDF-`` is in its first KiB, as for files).
-        password: user password for encrypted PDFs (the same for all of them).
+        password: user password for encrypted PDFs (the same for all of them). When no input
+            needs one, the first document's ``notes`` say it was not used.
         page_timeout: seconds allowed to extract one PDF page.
         stdin: binary stream to use for ``-`` (default ``sys.stdin.buffer``).
         on_file: called with each name before it is read (progress display).
@@ -187,6 +194,8 @@ def ingest(
         if doc.ok and not doc.text.strip() and not doc.warnings:  # say why a file adds nothing
             doc.warnings.append(f"{STDIN_NAME if p == STDIN else p}: no text extracted")
         docs.append(doc)
+    if password is not None and docs and not any(d.password_protected for d in docs):
+        docs[0].notes.append(UNUSED_PASSWORD_NOTE)
     return docs
 
 
@@ -619,6 +628,7 @@ def _open_pdfium(doc: Document, data: bytes, name: str, password: str | None, pr
         except pdfium.PdfiumError as exc:
             code = getattr(exc, "err_code", None)
             if code == pdfium_c.FPDF_ERR_PASSWORD:
+                doc.password_protected = True
                 if attempt is None and password is None:
                     doc.error = f"{name}: the PDF is password-protected; pass its password with --password"
                 elif attempt is not None:
@@ -676,6 +686,7 @@ def _open_pypdf(
             note = f"{name}: encrypted with an empty password; decrypted"
             doc.notes += [] if note in doc.notes else [note]
         elif reader.is_encrypted:
+            doc.password_protected = True
             if password is None:
                 doc.error = f"{name}: the PDF is password-protected; pass its password with --password"
                 return None

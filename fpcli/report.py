@@ -54,7 +54,8 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
       "ingestion": {
         "documents": [{"name", "kind", "pages", "chars", "tokens", "skipped_pages", "empty_pages",
                        "scanned_pages", "glued_pages", "notes", "warnings", "error",
-                       "from_cache"}],   # from_cache: text from fp's document cache (fpcli.doccache)
+                       "from_cache",     # text from fp's document cache (fpcli.doccache)
+                       "password_protected"}],   # a PDF that needs a user password
         "prompt": {"prompt_tokens", "context_length", "max_new_tokens", "budget",
                    "budget_note",   # null, or why the documents got little room (the answer reserve)
                    "question_room", # tokens of the budget a cut kept for any question (0: not cut, or cut for this one)

@@ -98,7 +98,8 @@ def test_ask_json_is_one_object_same_as_report(runner, fake_engine, doc, tmp_pat
     (docrow,) = data["ingestion"]["documents"]
     assert docrow["name"] == str(doc) and docrow["kind"] == "text" and docrow["tokens"] > 0 and docrow["error"] is None
     assert set(docrow) == {"name", "kind", "pages", "chars", "tokens", "skipped_pages", "empty_pages",
-                           "scanned_pages", "glued_pages", "notes", "warnings", "error", "from_cache"}  # as fpcli/report.py documents
+                           "scanned_pages", "glued_pages", "notes", "warnings", "error", "from_cache",
+                           "password_protected"}  # as fpcli/report.py documents
     assert data["ingestion"]["prompt"]["truncated"] is False
     assert json.loads(saved.read_text()) == data
 

@@ -50,6 +50,30 @@ def test_encrypted_real_password_names_file_and_option(tmp_path, pdf_factory):
     assert not bad.ok and "wrong password" in bad.error and "--password" in bad.error
 
 
+def test_password_not_needed_is_said_once_and_a_needed_one_is_not(tmp_path, pdf_factory):
+    """--password with no protected input: a note on the first document (nothing is wrong, the
+    text is read); with a protected input in the batch, opened or not, no such note."""
+    plain = pdf_factory("plain.pdf", ["Nothing to unlock here"])
+    note = ingest.UNUSED_PASSWORD_NOTE
+    docs = ingest_all([str(plain), str(plain.with_name("x.txt"))], password="hunter2")
+    assert docs[0].ok and "Nothing to unlock" in docs[0].text
+    assert [n for d in docs for n in d.notes].count(note) == 1 and note in docs[0].notes
+    assert not any(note in w for d in docs for w in d.warnings)
+    (no_pw,) = ingest_all([str(plain)])
+    assert note not in no_pw.notes and not no_pw.password_protected
+
+    locked = tmp_path / "locked.pdf"
+    encrypt_pdf(make_pdf(["The vault code is 1234"]), "hunter2", locked)
+    for pw in ("hunter2", "wrong"):
+        docs = ingest_all([str(plain), str(locked)], password=pw)
+        assert docs[1].password_protected and not docs[0].password_protected
+        assert not any(note in n for d in docs for n in d.notes), pw
+    empty = tmp_path / "empty-pw.pdf"
+    encrypt_pdf(make_pdf(["Opens without a prompt"]), "", empty)
+    (doc,) = ingest_all([str(empty)], password="hunter2")  # encrypted, but no user password needed
+    assert doc.ok and not doc.password_protected and note in doc.notes
+
+
 @pytest.mark.parametrize("algorithm", ["AES-128", "AES-256"])
 def test_aes_encrypted_pdfs_are_read(tmp_path, algorithm):
     """AES (what most PDF writers use today) with an empty and with a real user password."""
