@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from flashprefill.config import PRECISIONS, SparseConfig
+from flashprefill.config import PRECISIONS, SparseConfig, setting_text
 
 ATTENTIONS = ("flashprefill", "dense")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -189,8 +189,7 @@ def sparse_differences(settings: dict | None, base: Profile) -> list[str]:
             continue
         name = "min_sparse_len" if key == "min_sparse_len_requested" else key
         if name in ref and value != ref[name]:
-            out.append(f"{name} {value:,}" if isinstance(value, int) and not isinstance(value, bool)
-                       else f"{name} {str(value).lower() if isinstance(value, bool) else value}")
+            out.append(setting_text({name: value}))
     return out
 
 
@@ -371,6 +370,28 @@ def with_context_length(profile: Profile, tokens: int) -> Profile:
     if problem:
         raise ProfileError(problem)
     return dataclasses.replace(profile, engine=dataclasses.replace(profile.engine, context_length=int(tokens)))
+
+
+def with_precision(profile: Profile, precision: str) -> Profile:
+    """The twin of ``profile`` whose sparse prefill runs its attention operands at ``precision``
+    (``bf16`` or ``fp8``), everything else the same: for the built-in ``bf16`` and ``fp8`` profiles
+    (twins that differ only in precision) the other built-in, as a user expects by name; for any
+    other profile the same profile at ``precision``, named ``<name>+<precision>`` (a dense profile
+    only records the request: it has no sparse prefill, and the engines say so). ``profile``
+    itself when it already asks for ``precision``.
+
+    >>> with_precision(load_profile("bf16"), "fp8").name, with_precision(load_profile("fp8"), "bf16").name
+    ('fp8', 'bf16')
+
+    Raises:
+        ProfileError: ``precision`` is not one of ``PRECISIONS``.
+    """
+    _check_choice(None, "precision", precision, PRECISIONS)
+    if profile.precision == precision:
+        return profile
+    if profile.source is not None and profile_file(profile) is None and profile.name in PRECISIONS:
+        return load_profile(precision)  # the built-in twin: bf16 <-> fp8
+    return profile.replace(precision=precision, name=f"{profile.name}+{precision}")
 
 
 def _check_keys(where: str, prefix: str, data: dict, allowed: tuple[str, ...]) -> None:

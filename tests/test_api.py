@@ -336,6 +336,22 @@ def test_sparse_config_errors():
         SparseConfig(alpha=1.5)
 
 
+def test_sparse_config_differences_and_setting_text():
+    from flashprefill.config import setting_text
+
+    assert SparseConfig().differences() == {} and setting_text({}) == ""
+    cfg = SparseConfig(block_score="mass", alpha=0.05, window_tokens=1024, mean_correction=False)
+    diff = cfg.differences()
+    assert diff == {"window_tokens": 1024, "alpha": 0.05, "mean_correction": False, "block_score": "mass"}
+    assert list(diff) == [n for n in SparseConfig.field_names() if n in diff]  # field order
+    assert setting_text(diff) == "window_tokens 1,024, alpha 0.05, mean_correction false, block_score mass"
+    other = SparseConfig(alpha=0.05)
+    assert cfg.differences(other) == {"window_tokens": 1024, "mean_correction": False, "block_score": "mass"}
+    assert other.differences(cfg) == {"window_tokens": 512, "mean_correction": True, "block_score": "energy"}
+    with pytest.raises(TypeError, match="other must be a SparseConfig"):
+        cfg.differences({"alpha": 0.05})
+
+
 def test_return_index_is_the_index_the_attention_used(inp):
     """``return_index=True`` appends the ``BlockIndex`` last, ``(out[, lse][, stats][, index])``:
     the one built inside the call equals ``build_index``'s; a given index comes back as is."""

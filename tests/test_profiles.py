@@ -12,6 +12,7 @@ from fpcli.profiles import (
     load_profile,
     profile_from_dict,
     profiles_dir,
+    with_precision,
 )
 
 
@@ -32,6 +33,28 @@ def test_profile_is_frozen_and_replace_validates():
     assert p.replace(precision="fp8").precision == "fp8"
     with pytest.raises(ProfileError, match="precision"):
         p.replace(precision="int4")
+
+
+def test_the_builtin_bf16_and_fp8_profiles_are_twins_and_with_precision_swaps_them():
+    """with_precision relies on it: the built-in fp8 profile is the bf16 one at fp8 precision."""
+    bf16, fp8 = load_profile("bf16"), load_profile("fp8")
+    same = {k: v for k, v in bf16.to_dict().items() if k not in ("name", "description", "precision", "source")}
+    assert same == {k: v for k, v in fp8.to_dict().items() if k not in ("name", "description", "precision", "source")}
+    assert with_precision(bf16, "fp8") == fp8 and with_precision(fp8, "bf16") == bf16
+    assert with_precision(bf16, "bf16") is bf16
+    with pytest.raises(ProfileError, match="precision"):
+        with_precision(bf16, "int4")
+
+
+def test_with_precision_of_a_users_profile_keeps_its_settings(tmp_path):
+    path = tmp_path / "bf16.yaml"  # a user's file named like a built-in is not the built-in
+    path.write_text("name: bf16\nsparse:\n  alpha: 0.3\n")
+    mine = load_profile(str(path))
+    twin = with_precision(mine, "fp8")
+    assert twin.name == "bf16+fp8" and twin.precision == "fp8" and twin.sparse == mine.sparse and twin.source == path
+    assert with_precision(twin, "bf16").name == "bf16+fp8+bf16" and with_precision(twin, "bf16").sparse.alpha == 0.3
+    dense = with_precision(load_profile("dense"), "fp8")  # recorded as asked; the engines say it runs dense
+    assert dense.is_dense and dense.name == "dense+fp8"
 
 
 def test_load_by_path(tmp_path):

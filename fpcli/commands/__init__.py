@@ -245,16 +245,15 @@ def engine_loader():
 
 
 def load_profile_or_exit(name: str, fp8: bool = False):
-    """The profile ``name`` (built-in or path); with ``fp8``, the ``fp8`` profile instead of ``bf16``,
-    else the profile with its precision set to fp8 (named ``<name>+fp8``). Exit 2 on a bad profile."""
-    from fpcli.profiles import ProfileError, load_profile
+    """The profile ``name`` (built-in or path); with ``fp8``, its FP8 twin (``fpcli.profiles.
+    with_precision``: the ``fp8`` profile instead of ``bf16``, else the profile with its precision
+    set to fp8, named ``<name>+fp8``). Exit 2 on a bad profile."""
+    from fpcli.profiles import ProfileError, load_profile, with_precision
 
-    if fp8 and name == "bf16":
-        name = "fp8"  # the built-in fp8 profile is bf16 with fp8 attention
     try:
         profile = load_profile(name)
-        if fp8 and profile.precision != "fp8":
-            profile = profile.replace(precision="fp8", name=f"{profile.name}+fp8")
+        if fp8:
+            profile = with_precision(profile, "fp8")
         return profile
     except ProfileError as exc:
         fail(str(exc), code=2)

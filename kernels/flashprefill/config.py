@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 
 SUPPORTED_BLOCK_SIZES = (64, 128)
@@ -99,6 +100,40 @@ class SparseConfig:
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
+
+    def differences(self, other: "SparseConfig | None" = None) -> dict[str, Any]:
+        """The settings of this config that differ from ``other``'s (default: ``SparseConfig()``),
+        as ``{field: this config's value}`` in field order; empty when they are equal.
+
+        >>> SparseConfig(alpha=0.05, sink_tokens=512).differences()
+        {'sink_tokens': 512, 'alpha': 0.05}
+
+        Raises:
+            TypeError: ``other`` is not a ``SparseConfig``.
+        """
+        if other is None:
+            other = SparseConfig()
+        if not isinstance(other, SparseConfig):
+            raise TypeError(f"SparseConfig.differences: other must be a SparseConfig, got {type(other).__name__}")
+        return {name: getattr(self, name) for name in self.field_names() if getattr(self, name) != getattr(other, name)}
+
+
+def setting_text(settings: Mapping[str, Any]) -> str:
+    """One line for a few settings, "name value" joined by ", ": ints with thousands separators,
+    booleans in lower case (as in a profile's YAML), e.g. ``SparseConfig.differences`` ->
+    ``"sink_tokens 512, window_tokens 1,024, alpha 0.05, block_score mass"``; ``""`` for none.
+
+    >>> setting_text({"window_tokens": 1024, "mean_correction": False})
+    'window_tokens 1,024, mean_correction false'
+    """
+    def value_text(value: Any) -> str:
+        if isinstance(value, bool):
+            return str(value).lower()
+        if isinstance(value, int):
+            return f"{value:,}"
+        return str(value)
+
+    return ", ".join(f"{name} {value_text(value)}" for name, value in settings.items())
 
 
 def __getattr__(name: str):
