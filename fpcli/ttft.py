@@ -1,18 +1,20 @@
-"""``fp bench --e2e``: time to first token, FlashPrefill vs dense prefill, on one model, side by side.
+"""``fp bench --e2e``: time to first token through the engine, sparse profiles beside dense, on one model.
 
-For each profile (the sparse one, then ``dense``) one SGLang engine is started (its start-up
-warm-up compiles every kernel) with a context that fits the longest length (YaRN beyond the
-model's native context, ``fpcli.engine.context``). At each length a synthetic document with a
-planted needle (``The secret number is N.`` at mid-depth) is asked for the number: one untimed
-request, then ``repeats`` timed ones, each after the prefix cache was flushed (every request
-prefills its whole prompt). A row holds the median TTFTs, the speed-up, the sparse prefill's
-density, and whether each engine answered the needle.
+For each profile (the sparse ones, e.g. ``bf16`` and ``fp8``, then ``dense``) one SGLang engine is
+started (its start-up warm-up compiles every kernel) with a context that fits the longest length
+(YaRN beyond the model's native context, ``fpcli.engine.context``). At each length a synthetic
+document with a planted needle (``The secret number is N.`` at mid-depth) is asked for the number:
+one untimed request, then ``repeats`` timed ones, each after the prefix cache was flushed (every
+request prefills its whole prompt). The prompts are built once, so every engine gets the same token
+ids. ``ttft_rows`` turns the measurements into one row per (length, profile): the median TTFT, the
+precision the engine reports, the density, whether the needle was answered, and the speed-ups over
+the dense and the BF16 sparse rows of the same length.
 """
 from __future__ import annotations
 
 import random
 import statistics
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 _WORDS = (
     "river stone market lantern harvest orchard valley signal engine copper meadow harbor "
@@ -23,6 +25,7 @@ _WORDS = (
 
 NEEDLE_QUESTION = "What is the secret number mentioned in the document? Answer with the number only."
 ANSWER_MARGIN = 256  # tokens kept free below the context for the template and the answer
+REPEATS = 3  # timed requests per (length, profile); the median is reported
 
 
 def filler_sentences(seed: int = 0) -> Callable[[], str]:
@@ -72,7 +75,8 @@ def measure(engine: Any, ids: list[int], secret: str, repeats: int, max_new_toke
     """One untimed request, then ``repeats`` timed ones, each after ``engine.flush_cache()``.
 
     Returns ``{"ttft_s": median seconds, "density": float, "needle": bool, "answer": str,
-    "prompt_tokens": int}``."""
+    "prompt_tokens": int, "precision": str}`` (``precision``: what the engine reports it ran,
+    ``GenerationResult.precision``, e.g. ``"fp8 (sparse layers)"``)."""
     engine.flush_cache()
     engine.generate(ids, max_new_tokens=2)  # this length's allocations, outside the timing
     runs = []
@@ -86,50 +90,145 @@ def measure(engine: Any, ids: list[int], secret: str, repeats: int, max_new_toke
         "needle": answered(last.text, secret),
         "answer": last.text.strip()[:80],
         "prompt_tokens": last.prompt_tokens,
+        "precision": last.precision,
     }
 
 
-def run_ttft_bench(lengths: Sequence[int], model_path: str, sparse: Any, dense: Any,
-                   progress: Callable[..., None] | None = None, *, repeats: int = 3,
-                   max_new_tokens: int = 16, start_engine: Callable[[str, Any], Any] | None = None) -> list[dict]:
-    """TTFT of ``sparse`` vs ``dense`` (``fpcli.profiles.Profile``) at each length (tokens).
-
-    ``start_engine(model_path, profile)`` starts an engine (default ``SGLangEngine``); ``progress``
-    gets ``(message,)`` lines and ``()`` after each measured length.
-
-    Returns one dict per length: ``target_len``, ``prompt_tokens``, ``ttft_dense_s``,
-    ``ttft_sparse_s``, ``speedup`` (dense / sparse), ``density``, ``needle_dense``, ``needle_sparse``.
+def check_profiles(profiles: Sequence[Any]) -> None:
+    """What ``run_ttft_bench`` needs of its profiles: at least one, names unique (they key the rows).
 
     Raises:
+        ValueError: no profile, or two with the same name.
+    """
+    names = [p.name for p in profiles]
+    if not names:
+        raise ValueError("run_ttft_bench: no profile to measure")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"run_ttft_bench: profile names must be unique (they name the rows), got {', '.join(twice)} twice")
+
+
+def ttft_rows(lengths: Sequence[int], profiles: Sequence[Any], measured: Mapping[tuple[str, int], dict]) -> list[dict]:
+    """The rows of the end-to-end table: one per (length, profile), lengths in order, the profiles of
+    each length in the order given. A pure function of ``measure``'s results.
+
+    Args:
+        lengths: target prompt lengths in tokens.
+        profiles: ``fpcli.profiles.Profile`` each (``name``, ``precision``, ``is_dense``).
+        measured: ``measure``'s dict per ``(profile name, length)``.
+
+    Returns:
+        dicts with ``length`` (target tokens), ``prompt_tokens``, ``profile``, ``precision`` (what
+        the engine ran), ``ttft_s`` (median seconds), ``density`` (1.0 for dense), ``needle``
+        (answered), ``answer``, ``x_dense`` (the dense row's TTFT / this row's, the speed-up over
+        dense; ``None`` without a dense profile) and ``x_bf16`` (the BF16 sparse row's TTFT / this
+        row's; ``None`` unless an FP8 sparse profile is measured beside a BF16 one).
+
+    Raises:
+        KeyError: a ``(profile, length)`` missing from ``measured``.
+    """
+    dense = next((p.name for p in profiles if p.is_dense), None)
+    sparse = [p for p in profiles if not p.is_dense]
+    bf16 = next((p.name for p in sparse if p.precision == "bf16"), None)
+    bf16 = bf16 if any(p.precision == "fp8" for p in sparse) else None
+
+    def over(ref: str | None, n: int, ttft: float) -> float | None:
+        if ref is None:
+            return None
+        t = measured[(ref, n)]["ttft_s"]
+        return t / ttft if t and ttft else None
+
+    rows = []
+    for n in lengths:
+        for p in profiles:
+            m = measured[(p.name, n)]
+            rows.append({
+                "length": n,
+                "prompt_tokens": m["prompt_tokens"],
+                "profile": p.name,
+                "precision": m["precision"],
+                "ttft_s": m["ttft_s"],
+                "density": m["density"],
+                "needle": m["needle"],
+                "answer": m["answer"],
+                "x_dense": over(dense, n, m["ttft_s"]),
+                "x_bf16": over(bf16, n, m["ttft_s"]),
+            })
+    return rows
+
+
+def ttft_notes(rows: list[dict], profiles: Sequence[Any]) -> list[str]:
+    """One line per length where a sparse profile's prompt was below its ``min_sparse_len``, so that
+    its engine prefilled it dense (density 100%, like dense): "at 4096 tokens bf16, fp8 ran dense:
+    prompts below min_sparse_len 8,192"."""
+    threshold = {p.name: int(p.sparse.min_sparse_len) for p in profiles if not p.is_dense}
+    notes = []
+    for n in dict.fromkeys(r["length"] for r in rows):
+        short = [r for r in rows if r["length"] == n and r["profile"] in threshold
+                 and r["prompt_tokens"] < threshold[r["profile"]]]
+        if short:
+            msl = ", ".join(f"{v:,}" for v in dict.fromkeys(threshold[r["profile"]] for r in short))
+            notes.append(f"at {n} tokens {', '.join(r['profile'] for r in short)} ran dense: prompts below "
+                         f"min_sparse_len {msl}")
+    return notes
+
+
+TTFT_COLS = [("length", "length", "{:d}"), ("prompt_tokens", "prompt tokens", "{:d}"), ("profile", "profile", "{}"),
+             ("precision", "precision", "{}"), ("ttft_s", "TTFT s", "{:.4f}"), ("density", "density", "{:.1%}"),
+             ("needle", "needle", lambda v: "answered" if v else "missed"), ("x_dense", "x dense", "{:.2f}"),
+             ("x_bf16", "x bf16", "{:.2f}")]
+
+
+def format_ttft_table(rows: list[dict], meta: Mapping[str, Any]) -> str:
+    """Plain-text table (fixed-width, no truncation) of ``ttft_rows``, under a header line from
+    ``meta`` (``model``, ``gpu``, ``repeats``): the columns of ``TTFT_COLS``, ``x bf16`` only when
+    an FP8 profile ran beside BF16."""
+    from flashprefill.bench import plain_table
+
+    if not rows:
+        return "(no rows)"
+    head = (f"end-to-end TTFT: {meta.get('model')}" + (f"  {meta['gpu']}" if meta.get("gpu") else "")
+            + f"  median of {meta.get('repeats')} requests per length and profile, each after a cache flush; "
+              "needle at mid-depth")
+    return "\n".join([head] + plain_table(rows, TTFT_COLS, always=("length", "x_dense")))
+
+
+def run_ttft_bench(lengths: Sequence[int], model_path: str, profiles: Sequence[Any],
+                   progress: Callable[..., None] | None = None, *, repeats: int = REPEATS,
+                   max_new_tokens: int = 16, start_engine: Callable[[str, Any], Any] | None = None) -> list[dict]:
+    """TTFT of each of ``profiles`` (``fpcli.profiles.Profile``: the sparse ones and ``dense``, one
+    engine each, started in this order) at each length (tokens), on the same prompts.
+
+    ``start_engine(model_path, profile)`` starts an engine (default ``SGLangEngine``), a context
+    manager with ``encode_chat``, ``count_tokens``, ``flush_cache`` and ``generate``; ``progress``
+    gets ``(message,)`` lines and ``()`` after each measured (profile, length).
+
+    Returns ``ttft_rows``: one dict per (length, profile).
+
+    Raises:
+        ValueError: no profile, or two with the same name (``check_profiles``).
         fpcli.engine.context.ContextError: a length beyond what the model can be extended to.
     """
     from fpcli.profiles import with_context_length
 
+    check_profiles(profiles)
     if start_engine is None:
         from fpcli.engine.sglang_engine import SGLangEngine as start_engine
     say = progress or (lambda *a: None)
     context = max(lengths) + ANSWER_MARGIN
-    rows = {n: {"target_len": n} for n in lengths}
-    prompts: dict[int, tuple[list[int], str]] = {}  # one tokenizer for both engines: built once
-    for label, profile in (("sparse", sparse), ("dense", dense)):
-        if profile.engine.context_length is None or profile.engine.context_length < context:
-            profile = with_context_length(profile, context)
-        say(f"starting the {label} engine ({profile.name})")
-        with start_engine(model_path, profile) as eng:
+    measured: dict[tuple[str, int], dict] = {}
+    prompts: dict[int, tuple[list[int], str]] = {}  # one tokenizer for every engine: built once
+    for profile in profiles:
+        run = profile
+        if run.engine.context_length is None or run.engine.context_length < context:
+            run = with_context_length(run, context)
+        say(f"starting the {profile.name} engine")
+        with start_engine(model_path, run) as eng:
             for n in lengths:
                 if n not in prompts:
                     prompts[n] = needle_prompt(eng, n)
                 ids, secret = prompts[n]
-                m = measure(eng, ids, secret, repeats, max_new_tokens)
-                row = rows[n]
-                row["prompt_tokens"] = m["prompt_tokens"]
-                row[f"ttft_{label}_s"] = m["ttft_s"]
-                row[f"needle_{label}"] = m["needle"]
-                if label == "sparse":
-                    row["density"] = m["density"]
-                say(f"{label} {n}: TTFT {m['ttft_s']:.4f} s, needle {'answered' if m['needle'] else 'missed'}")
+                m = measured[(profile.name, n)] = measure(eng, ids, secret, repeats, max_new_tokens)
+                say(f"{profile.name} {n}: TTFT {m['ttft_s']:.4f} s, needle {'answered' if m['needle'] else 'missed'}")
                 say()
-    for row in rows.values():
-        d, s = row.get("ttft_dense_s"), row.get("ttft_sparse_s")
-        row["speedup"] = (d / s) if d and s else None
-    return [rows[n] for n in lengths]
+    return ttft_rows(lengths, profiles, measured)

@@ -8,6 +8,7 @@ whitespace-separated word, plus ``TEMPLATE_TOKENS`` for the chat template. It st
 answer and reports synthetic ``PrefillStats``. Use it directly, through the ``fake_engine``
 fixture of ``tests/conftest.py`` (which routes ``fpcli.engine.load_engine`` to it), or from a
 subprocess with ``FP_ENGINE_FACTORY=fp_fakes:fake_load_engine`` and ``tests/`` on ``PYTHONPATH``.
+``FakeSGLangEngine`` (made by ``fake_sglang``) stands in for ``SGLangEngine`` in ``fp bench --e2e``.
 ``make_pdf``, ``make_tex_pdf`` (words placed one by one, as TeX does), ``make_tex_accent_pdf`` (accent
 glyphs drawn over their letters, as TeX does), ``encrypt_pdf`` and
 ``garble_pdf`` build real PDFs for the ingestion tests.
@@ -19,7 +20,7 @@ import re
 import time
 from typing import Callable
 
-from fpcli.engine.base import GenerationResult, PrefillStats
+from fpcli.engine.base import GenerationResult, PrefillStats, ran_precision
 
 TEMPLATE_TOKENS = 7  # tokens the fake chat template adds around system + user
 
@@ -184,6 +185,118 @@ def run_env() -> dict:
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env.setdefault("HF_HUB_OFFLINE", "1")
     return env
+
+
+class FakeSGLangEngine:
+    """Stands in for ``fpcli.engine.sglang_engine.SGLangEngine`` where ``fpcli.ttft.run_ttft_bench``
+    starts one engine per profile (``fake_sglang`` makes the class). The same constructor
+    (``model_path, profile``, keywords), public methods and public attributes as the real class,
+    and no others (``tests/test_ttft.py`` checks both against it); results as the real engine reports
+    them: a ``GenerationResult`` on ``cuda`` whose ``precision`` is ``"fp8 (sparse layers)"`` only
+    when an FP8 profile's prompt reaches its ``min_sparse_len`` (the sparse layers ran; else the
+    model's ``bf16``), with ``dense_prefill_stats`` for a dense profile and ``PrefillStats`` over
+    the sparse layers otherwise (density 1.0 below ``min_sparse_len``, where no layer runs sparse).
+
+    Tokens: one per whitespace-separated word after ``TEMPLATE_TOKENS``; a number (``12345.``) is
+    the id ``_NUMBER_ID + 12345``, so an engine that did not build the prompt reads the needle back:
+    the answer is the prompt's first number, unless the profile's name is in ``_miss``. A radix
+    cache like SGLang's: the same ids again without ``flush_cache`` are served from the cache
+    (``cached_tokens``) and only the rest is prefilled. TTFT: ``_ttft_per_1k[profile name]`` seconds
+    per 1024 prefilled tokens (no clock)."""
+
+    name = "sglang"
+    _NUMBER_ID = 100_000
+    _LAYERS, _Q_HEADS, _KV_HEADS, _HEAD_DIM = 4, 4, 2, 64
+    _ttft_per_1k: dict = {}
+    _miss: tuple = ()
+    _started: list = []  # (model_path, profile) of every engine started, in order
+    _calls: list = []  # ("flush",) / ("generate", profile name, ids) of every engine, in order
+
+    def __init__(self, model_path, profile, **kwargs) -> None:
+        self.model_path = str(model_path)
+        self.model_name = str(model_path).rstrip("/").rsplit("/", 1)[-1]
+        self.profile = profile
+        self.profile_name = profile.name
+        self.sparse = not profile.is_dense
+        self.model_precision = "bf16"
+        self.precision = ran_precision(self.model_precision, int(self.sparse and profile.precision == "fp8"))
+        self.context_length = int(profile.engine.context_length or 32768)
+        self.start_s = self.warmup_s = 0.0
+        self._cache: list[int] | None = None
+        self._closed = False
+        self._started.append((self.model_path, profile))
+
+    def count_tokens(self, text: str) -> int:
+        return len(text.split())
+
+    def token_starts(self, text: str) -> list[int]:
+        return [m.start() for m in re.finditer(r"\S+", text)]
+
+    def encode_chat(self, system: str | None, user: str) -> list[int]:
+        words = (system or "").split() + user.split()
+        ids = []
+        for w in words:
+            number = w.strip(".,:;")
+            ids.append(self._NUMBER_ID + int(number) if number.isdigit() else hash(w) % 50000 + 2)
+        return [1] * TEMPLATE_TOKENS + ids
+
+    def generate(self, prompt_ids, max_new_tokens: int = 256, temperature: float = 0.0, on_text=None,
+                 on_progress=None, on_cached=None, *, top_p: float = 1.0, top_k: int = -1,
+                 rid: str | None = None) -> GenerationResult:
+        if self._closed:
+            raise RuntimeError("SGLangEngine is closed")
+        ids = [int(x) for x in prompt_ids]
+        if len(ids) + max_new_tokens > self.context_length:
+            raise ValueError(f"prompt of {len(ids)} tokens + {max_new_tokens} exceeds the context {self.context_length}")
+        self._calls.append(("generate", self.profile_name, ids))
+        cached = len(ids) - 1 if self._cache == ids else 0  # SGLang prefills at least the last token
+        self._cache = ids
+        n = len(ids)
+        ttft = self._ttft_per_1k.get(self.profile_name, 1.0) * (n - cached) / 1024
+        numbers = [str(i - self._NUMBER_ID) for i in ids if i >= self._NUMBER_ID]
+        text = "I do not know." if self.profile_name in self._miss or not numbers else numbers[0]
+        text = " ".join(text.split()[:max_new_tokens])
+        if on_text is not None:
+            on_text(text)
+        from fpcli.engine.base import dense_prefill_stats
+
+        sparse_ran = self.sparse and n - cached >= self.profile.sparse.min_sparse_len
+        if not self.sparse:
+            stats = dense_prefill_stats(n, self._LAYERS, self._Q_HEADS, self._KV_HEADS, self._HEAD_DIM)
+        elif sparse_ran:
+            layers = list(range(int(self.profile.dense_layers), self._LAYERS))
+            per_layer = [1.0 if i not in layers else 0.4 for i in range(self._LAYERS)]
+            stats = PrefillStats(density=0.4, density_per_layer=per_layer, sparse_layers=layers)
+        else:
+            stats = PrefillStats(density=1.0, density_per_layer=[1.0] * self._LAYERS)
+        return GenerationResult(
+            text=text, prompt_tokens=n, output_tokens=len(text.split()), ttft_s=ttft, prefill_s=ttft,
+            total_s=ttft + 0.01, engine=self.name, model=self.model_name, profile=self.profile_name, stats=stats,
+            finish_reason="stop", precision=ran_precision(self.model_precision, int(sparse_ran and self.precision != "bf16")),
+            device="cuda", cached_tokens=cached,
+        )
+
+    def flush_cache(self, timeout_s: float = 3.0) -> bool:
+        self._calls.append(("flush",))
+        self._cache = None
+        return True
+
+    def close(self) -> None:
+        self._closed = True
+
+    def __enter__(self) -> "FakeSGLangEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def fake_sglang(ttft_per_1k: dict | None = None, miss: tuple = ()) -> type:
+    """A ``FakeSGLangEngine`` class of its own (its own ``_started`` and ``_calls`` logs) with the
+    TTFT per 1024 prefilled tokens of each profile name (default 1 s) and the profiles that miss
+    the needle."""
+    return type("FakeSGLangEngine", (FakeSGLangEngine,), {"_ttft_per_1k": dict(ttft_per_1k or {}),
+                                                          "_miss": tuple(miss), "_started": [], "_calls": []})
 
 
 LAST_FAKE: list[FakeEngine] = []  # engines made by fake_load_engine, newest last

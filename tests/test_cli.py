@@ -610,6 +610,7 @@ def fake_operator_bench(monkeypatch):
     mod = types.ModuleType("flashprefill.bench")
     mod.run_operator_bench = run_operator_bench
     mod.CPU_MAX_LEN = real_bench.CPU_MAX_LEN  # the one owner of the CPU length limit
+    mod.plain_table = real_bench.plain_table  # and of the plain-text tables (the end-to-end one too)
     monkeypatch.setitem(sys.modules, "flashprefill.bench", mod)
     return calls
 
@@ -630,7 +631,10 @@ def test_bench_cpu_run_is_labelled(runner, fake_operator_bench, monkeypatch):
     assert r.exit_code == 0, r.output
     assert "NOT representative" in r.stderr
     data = json.loads(r.stdout)
-    assert data["kind"] == "operator" and data["device"] == "cpu" and [row["len"] for row in data["rows"]] == [1024, 2048]
+    assert data["schema"] == "fp.bench/2" and data["kind"] == "operator" and data["e2e"] is None
+    op = data["operator"]
+    assert op["device"] == "cpu" and [row["len"] for row in op["rows"]] == [1024, 2048]
+    assert op["profile"] is None and op["config_differences"] == {} and op["config"]["alpha"] == 0.1
     call = fake_operator_bench[-1]
     assert call["heads_q"] == 4 and call["heads_kv"] == 2 and call["head_dim"] == 64 and call["device"] == "cpu"
     assert call["dtype"] == torch.bfloat16
@@ -645,9 +649,11 @@ def test_bench_cpu_run_is_labelled(runner, fake_operator_bench, monkeypatch):
     assert r.exit_code == 0, r.output
     assert fake_operator_bench[-1]["lens"] == [2048, 4096]
 
-    r = invoke(runner, ["bench", "--e2e", "--cpu"])
-    assert r.exit_code == 1 and "--cpu applies to the operator benchmark only" in r.stderr
-    assert "fp ask" in r.stderr
+    calls = len(fake_operator_bench)
+    for e2e in ("--e2e", "--e2e-only"):
+        r = invoke(runner, ["bench", e2e, "--cpu"])
+        assert r.exit_code == 2 and "--cpu runs the operator table alone" in r.stderr and "fp ask" in r.stderr
+    assert len(fake_operator_bench) == calls  # nothing ran
 
 
 def test_bench_cpu_runs_the_real_operator_bench(runner, monkeypatch):
@@ -657,7 +663,7 @@ def test_bench_cpu_runs_the_real_operator_bench(runner, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     r = invoke(runner, ["bench", "--cpu", "--len", "1k,2k", "--heads", "2/1", "--head-dim", "64", "--json"])
     assert r.exit_code == 0, r.output
-    data = json.loads(r.stdout)
+    data = json.loads(r.stdout)["operator"]
     assert data["device"] == "cpu" and data["gpu"] is None
     assert [row["L"] for row in data["rows"]] == [1024, 2048]
     for row in data["rows"]:
@@ -669,6 +675,7 @@ def test_bench_cpu_runs_the_real_operator_bench(runner, monkeypatch):
     r = invoke(runner, ["bench", "--cpu", "--len", "1k", "--heads", "2/1", "--head-dim", "64"], env={"COLUMNS": "80"})
     assert r.exit_code == 0, r.output
     assert "CPU reference, not representative" in r.stdout and "SDPA ms" in r.stdout and "x dense ref" in r.stdout
+    assert "\nconfig: default SparseConfig\n" in r.stdout  # which settings ran
     said = (r.stdout + r.stderr).lower()
     assert said.count("not representative") == 1, said  # once is enough
     row = [line.split() for line in r.stdout.splitlines() if line.strip().startswith("1024 ")]
@@ -678,10 +685,12 @@ def test_bench_cpu_runs_the_real_operator_bench(runner, monkeypatch):
 
 def test_bench_table_density_in_percent_and_a_sum_that_does_not_add_up_is_explained():
     from flashprefill.bench import CPU_LABEL, format_table
+    from flashprefill.config import SparseConfig
 
     base = {"device": "cpu", "cpu": "x86_64", "label": CPU_LABEL, "batch": 1, "heads_q": 32, "heads_kv": 8,
             "head_dim": 128, "dtype": "bfloat16", "page_size": 64, "inputs": "synthetic", "repeats": 3,
-            "notes": {"cpu": CPU_LABEL}, "dense_ref_ms": 1405.9, "sdpa_ms": 717.9}
+            "notes": {"cpu": CPU_LABEL}, "dense_ref_ms": 1405.9, "sdpa_ms": 717.9,
+            "config": dataclasses.asdict(SparseConfig())}
     rows = [dict(base, L=2048, density=0.8272, index_ms=67.3, attn_ms=1395.8, total_ms=1405.2),
             dict(base, L=4096, density=0.5, index_ms=100.0, attn_ms=400.0, total_ms=502.0)]
     text = format_table(rows)
@@ -691,6 +700,10 @@ def test_bench_table_density_in_percent_and_a_sum_that_does_not_add_up_is_explai
     assert len(timing) == 1 and "separate timings" in timing[0]
     assert "L=2048: 67.3 + 1395.8 = 1463.1 vs total 1405.2" in timing[0] and "L=4096" not in timing[0]  # within 1%
     assert "note timing" not in format_table(rows[1:])
+    assert text.splitlines()[1] == "config: default SparseConfig"
+    mass = [dict(r, config=dataclasses.asdict(SparseConfig(block_score="mass", alpha=0.05))) for r in rows]
+    assert format_table(mass, config_name="profile m").splitlines()[1] == (
+        "config: profile m: SparseConfig with alpha 0.05, block_score mass (other settings default)")
 
 
 def test_bench_cpu_fp8_side_by_side(runner, monkeypatch):
@@ -702,7 +715,7 @@ def test_bench_cpu_fp8_side_by_side(runner, monkeypatch):
     args = ["bench", "--cpu", "--fp8", "--len", "1k", "--heads", "2/1", "--head-dim", "64"]
     r = invoke(runner, args + ["--json"])
     assert r.exit_code == 0, r.output
-    data = json.loads(r.stdout)
+    data = json.loads(r.stdout)["operator"]
     assert data["fp8"] is True and len(data["rows"]) == 1
     row = data["rows"][0]
     for key in ("total_ms", "dense_ref_ms", "sdpa_ms", "fp8_total_ms", "fp8_index_ms", "fp8_speedup",
@@ -727,7 +740,8 @@ def test_bench_on_gpu_passes_options(runner, fake_operator_bench, monkeypatch):
     assert r.exit_code == 0, r.output
     call = fake_operator_bench[-1]
     assert call["lens"] == [131072] and call["fp8"] and call["batch"] == 2 and "device" not in call
-    assert json.loads(r.stdout)["gpu"] == "Fake H200"
+    assert "config" not in call  # no --profile: the operator's default SparseConfig
+    assert json.loads(r.stdout)["operator"]["gpu"] == "Fake H200"
 
 
 def test_bench_bad_arguments(runner):
@@ -736,36 +750,135 @@ def test_bench_bad_arguments(runner):
     assert r.exit_code == 2 and "--heads" in r.stderr
 
 
-def test_bench_e2e(runner, monkeypatch, tmp_path):
+@pytest.fixture
+def gpu_bench(monkeypatch, tmp_path, fake_operator_bench):
+    """A GPU as far as `fp bench` can tell, the operator bench faked (``fake_operator_bench``), the
+    real ``fpcli.ttft.run_ttft_bench`` over ``FakeSGLangEngine`` (``fake_sglang``) and a model
+    folder; returns ``(operator calls, engine class, model folder)``."""
     import torch
 
-    from fpcli import models, ttft
+    import fpcli.engine.sglang_engine as sglang_engine
+    from fp_fakes import fake_sglang
+    from fpcli import models
 
-    seen = {}
-
-    def run_ttft_bench(lens, model_path, profile_sparse, profile_dense, progress=None, **kw):
-        seen.update(lens=lens, model_path=model_path, sparse=profile_sparse, dense=profile_dense)
-        progress("starting")
-        return [{"target_len": n, "ttft_sparse_s": 1.0, "ttft_dense_s": 2.0, "speedup": 2.0} for n in lens]
-
-    monkeypatch.setattr(ttft, "run_ttft_bench", run_ttft_bench)
+    engine = fake_sglang(ttft_per_1k={"bf16": 0.2, "fp8": 0.16, "dense": 0.5})
+    monkeypatch.setattr(sglang_engine, "SGLangEngine", engine)
     monkeypatch.setattr(models, "resolve_model", lambda spec, progress=None: tmp_path / "model")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake H200")
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")
+    return fake_operator_bench, engine, tmp_path / "m"
+
+
+def test_bench_e2e_fp8_runs_the_operator_table_then_bf16_fp8_and_dense(runner, gpu_bench, tmp_path):
+    operator, engine, model = gpu_bench
     r = invoke(runner, ["bench", "--e2e", "--len", "32k", "--fp8", "--model", str(tmp_path / "nope")])
-    assert r.exit_code == 2 and "--model" in r.stderr and not seen  # checked before the run
-    r = invoke(runner, ["bench", "--e2e", "--len", "32k", "--json", "--fp8", "--model", str(tmp_path / "m")])
+    assert r.exit_code == 2 and "--model" in r.stderr and not operator and not engine._started  # checked first
+    r = invoke(runner, ["bench", "--e2e", "--len", "4k,16k", "--json", "--fp8", "--model", str(model)])
     assert r.exit_code == 0, r.output
-    assert seen["lens"] == [32768] and seen["model_path"] == str(tmp_path / "model")
-    assert seen["sparse"].precision == "fp8" and seen["dense"].is_dense
     data = json.loads(r.stdout)
-    assert data["kind"] == "e2e" and data["rows"][0]["speedup"] == 2.0
+    assert data["schema"] == "fp.bench/2" and data["kind"] == "operator+e2e"
+    assert operator[-1]["lens"] == [4096, 16384] and operator[-1]["fp8"] and "config" not in operator[-1]
+    assert data["operator"]["fp8"] and [row["len"] for row in data["operator"]["rows"]] == [4096, 16384]
+    e2e = data["e2e"]
+    assert e2e["profiles"] == ["bf16", "fp8", "dense"] and e2e["model"] == str(tmp_path / "model")
+    assert e2e["gpu"] == "Fake H200" and e2e["lens"] == [4096, 16384] and e2e["repeats"] == 3
+    assert [p.name for _, p in engine._started] == ["bf16", "fp8", "dense"]
+    rows = {(row["length"], row["profile"]): row for row in e2e["rows"]}
+    assert len(e2e["rows"]) == 6
+    assert rows[(16384, "fp8")]["precision"] == "fp8 (sparse layers)" and rows[(16384, "bf16")]["precision"] == "bf16"
+    assert rows[(16384, "fp8")]["x_bf16"] == pytest.approx(0.2 / 0.16)
+    assert rows[(16384, "bf16")]["x_dense"] == pytest.approx(0.5 / 0.2) and rows[(4096, "dense")]["density"] == 1.0
+
+    r = invoke(runner, ["bench", "--e2e", "--len", "16k", "--fp8", "--model", str(model)])  # the tables
+    assert r.exit_code == 0, r.output
+    head = next(i for i, line in enumerate(r.stdout.splitlines()) if line.startswith("end-to-end TTFT"))
+    assert r.stdout.index("fp bench (operator)") < r.stdout.index("end-to-end TTFT")
+    lines = r.stdout.splitlines()[head + 1:]
+    assert lines[0].split()[:4] == ["length", "prompt", "tokens", "profile"] and "x bf16" in lines[0]
+    assert [line.split()[2] for line in lines[1:4]] == ["bf16", "fp8", "dense"]
+    assert "default SparseConfig (no --profile)" in " ".join(r.stderr.split())  # which settings the operator ran
+    assert data["e2e"]["notes"] == ["at 4096 tokens bf16, fp8 ran dense: prompts below min_sparse_len 8,192"]
+
+
+def test_bench_e2e_only_and_without_fp8(runner, gpu_bench):
+    operator, engine, model = gpu_bench
+    r = invoke(runner, ["bench", "--e2e-only", "--len", "16k", "--json", "--model", str(model)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["kind"] == "e2e" and data["operator"] is None and not operator
+    assert data["e2e"]["profiles"] == ["bf16", "dense"] and [row["x_bf16"] for row in data["e2e"]["rows"]] == [None, None]
+    r = invoke(runner, ["bench", "--e2e-only", "--len", "16k", "--json", "--model", str(model), "--profile", "fp8"])
+    assert r.exit_code == 0, r.output  # an fp8 profile implies --fp8: its bf16 twin beside it
+    assert json.loads(r.stdout)["e2e"]["profiles"] == ["bf16", "fp8", "dense"]
+
+
+def test_bench_e2e_needs_cuda_before_anything_runs(runner, gpu_bench, monkeypatch):
+    import torch
+
+    operator, engine, model = gpu_bench
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for e2e in ("--e2e", "--e2e-only"):
+        r = invoke(runner, ["bench", e2e, "--model", str(model)])
+        assert r.exit_code == 1 and "needs a CUDA GPU" in r.stderr, r.output
+    assert not operator and not engine._started
+
+
+def test_bench_operator_table_runs_the_profiles_sparse_settings(runner, gpu_bench, tmp_path):
+    """--profile reaches run_operator_bench as its SparseConfig (the GPU run of bf16-mass used to
+    bench the default); an fp8 profile implies --fp8; a dense profile is a usage error before
+    anything runs; --model without --e2e is one too."""
+    from fpcli.profiles import load_profile
+
+    operator, engine, model = gpu_bench
+    lab = str(TESTS.parent / "scripts" / "lab" / "profiles" / "bf16-mass.yaml")
+    r = invoke(runner, ["bench", "--len", "16k", "--profile", lab, "--json"])
+    assert r.exit_code == 0, r.output
+    mass = load_profile(lab)
+    assert operator[-1]["config"] == mass.sparse and mass.sparse.block_score == "mass" and not operator[-1]["fp8"]
+    op = json.loads(r.stdout)["operator"]
+    assert op["profile"] == "bf16-mass" and op["profile_file"] == lab
+    assert op["config"]["block_score"] == "mass" and op["config_differences"]["block_score"] == "mass"
+    assert op["config_differences"]["alpha"] == 0.05 and "block_size" not in op["config_differences"]
+
+    r = invoke(runner, ["bench", "--len", "16k", "--profile", "fp8", "--json"])
+    assert r.exit_code == 0, r.output
+    assert operator[-1]["fp8"] and operator[-1]["config"] == load_profile("fp8").sparse
+
+    calls = len(operator)
+    dense_file = tmp_path / "flat.yaml"
+    dense_file.write_text("name: flat\nattention: dense\n")
+    for args, said in ((["--profile", "dense"], "--profile dense: dense has no sparse settings to benchmark; "
+                                                 "the dense baselines are in every row"),
+                       (["--profile", str(dense_file)], "flat (attention: dense) has no sparse settings"),
+                       (["--profile", "dense", "--e2e-only", "--model", str(model)], "dense has no sparse settings"),
+                       (["--model", str(model)], "--model is for --e2e")):
+        r = invoke(runner, ["bench", "--len", "16k"] + args)
+        assert r.exit_code == 2 and said in " ".join(r.stderr.split()), (args, r.stderr)
+    assert len(operator) == calls and not engine._started
+
+
+def test_bench_cpu_table_header_names_the_profile_and_short_lengths(runner, monkeypatch, tmp_path):
+    """No fake: the real CPU operator bench with a profile file. Its header names the profile and
+    the settings that differ from the default SparseConfig; a length below the profile's
+    min_sparse_len gets a note (the engines would prefill it dense) and density 100%."""
+    import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    r = invoke(runner, ["bench", "--e2e"])
-    assert r.exit_code == 1 and "needs a CUDA GPU" in r.stderr
+    path = tmp_path / "short.yaml"
+    path.write_text("name: short\nsparse:\n  alpha: 0.2\n  min_sparse_len: 2048\n  sink_tokens: 128\n")
+    args = ["bench", "--cpu", "--len", "1k,2k", "--heads", "2/1", "--head-dim", "64", "--profile", str(path)]
+    r = invoke(runner, args)
+    assert r.exit_code == 0, r.output
+    assert (f"config: profile short ({path}): SparseConfig with sink_tokens 128, alpha 0.2, min_sparse_len 2,048 "
+            "(other settings default)") in r.stdout
+    notes = [line for line in r.stdout.splitlines() if line.startswith("note min_sparse_len:")]
+    assert len(notes) == 1 and notes[0].startswith("note min_sparse_len: L=1024 < min_sparse_len 2,048: the engines")
+    r = invoke(runner, args + ["--json"])
+    rows = json.loads(r.stdout)["operator"]["rows"]
+    assert rows[0]["density"] == 1.0 and rows[0]["notes"]["min_sparse_len"].startswith("L=1024 < min_sparse_len")
+    assert "min_sparse_len" not in rows[1]["notes"] and rows[1]["config"]["alpha"] == 0.2
 
 
 # -- fp profile -----------------------------------------------------------------------------------
@@ -1188,7 +1301,7 @@ def test_bench_cpu_library_log_lines_only_with_verbose(runner):
     args = ["bench", "--cpu", "--len", "1k", "--heads", "2/1", "--head-dim", "64", "--json"]
     r = invoke(runner, args)
     assert r.exit_code == 0, r.stderr
-    assert "[bench]" not in r.stderr and json.loads(r.stdout)["rows"]
+    assert "[bench]" not in r.stderr and json.loads(r.stdout)["operator"]["rows"]
     r = invoke(runner, [*args, "-v"])
     assert r.exit_code == 0, r.stderr
     assert "operator: [bench] CPU reference: L=1024" in r.stderr

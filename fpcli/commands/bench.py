@@ -1,6 +1,8 @@
-"""``fp bench``: the operator benchmark (``flashprefill.bench``) or end-to-end TTFT (``--e2e``)."""
+"""``fp bench``: the operator benchmark (``flashprefill.bench``), and with ``--e2e`` the end-to-end
+TTFT (``fpcli.ttft``) after it, in one run and one JSON (``--e2e-only``: the end-to-end part alone)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -15,6 +17,9 @@ app = typer.Typer()
 
 GPU_DEFAULT_LENS = "8k,32k,128k"
 CPU_DEFAULT_LENS = "2k,4k"
+BENCH_SCHEMA = "fp.bench/2"
+"""``fp bench --json``: ``{"schema", "kind": "operator" | "operator+e2e" | "e2e", "operator": {meta...,
+"rows"} | null, "e2e": {meta..., "rows"} | null}`` (``_operator_part``, ``_e2e_part``)."""
 
 
 def parse_lengths(text: str, option: str = "--len") -> list[int]:
@@ -48,114 +53,202 @@ def parse_heads(text: str) -> tuple[int, int]:
     return hq, hkv
 
 
+DENSE_PROFILE_ERROR = "has no sparse settings to benchmark; the dense baselines are in every row"
+
+
 @app.command("bench", cls=FpCommand)
 def bench(
     lens: Annotated[Optional[str], typer.Option("--len", "-l", help=f"Lengths in tokens: 4k, 131072, 128k, or a comma list. Default: {GPU_DEFAULT_LENS} on a GPU, {CPU_DEFAULT_LENS} with --cpu.", show_default=False)] = None,
-    fp8: Annotated[bool, typer.Option("--fp8", help="FP8 attention operands in the sparse path.")] = False,
-    batch: Annotated[int, typer.Option("--batch", "-b", min=1, help="Requests per batch, each of the given length.")] = 1,
-    heads: Annotated[str, typer.Option("--heads", help="Query/KV heads, e.g. 32/8.")] = "32/8",
-    head_dim: Annotated[int, typer.Option("--head-dim", min=16, help="Head dimension d.")] = 128,
-    e2e: Annotated[bool, typer.Option("--e2e", help="Measure end-to-end TTFT through the engine, flashprefill vs dense.")] = False,
+    fp8: Annotated[bool, typer.Option("--fp8", help="FP8 attention operands in the sparse path, beside BF16: FP8 columns in the operator table; with --e2e an FP8 engine beside the BF16 and dense ones (the built-in fp8 profile beside bf16; for another profile, the same at fp8 precision, named PROFILE+fp8). Implied by an fp8 profile.")] = False,
+    batch: Annotated[int, typer.Option("--batch", "-b", min=1, help="Operator table: requests per batch, each of the given length.")] = 1,
+    heads: Annotated[str, typer.Option("--heads", help="Operator table: query/KV heads, e.g. 32/8.")] = "32/8",
+    head_dim: Annotated[int, typer.Option("--head-dim", min=16, help="Operator table: head dimension d.")] = 128,
+    e2e: Annotated[bool, typer.Option("--e2e", help="After the operator table, the end-to-end TTFT through the engine in the same run: the profile (with --fp8 its BF16 and FP8 twins) and dense side by side. Needs a CUDA GPU.")] = False,
+    e2e_only: Annotated[bool, typer.Option("--e2e-only", help="The end-to-end TTFT alone, without the operator table.")] = False,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help=f"Model for --e2e, as for fp ask. Default: {DEFAULT_MODEL} (the embedded CPU default, on any device).")] = None,
-    profile: Annotated[str, typer.Option("--profile", "-p", help="Profile for --e2e (bf16, fp8, dense, or a path).")] = "bf16",
-    cpu: Annotated[bool, typer.Option("--cpu", help="Tiny CPU reference run (short lengths only); NOT representative of GPU speed.")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the rows as a JSON object on stdout.")] = False,
+    profile: Annotated[Optional[str], typer.Option("--profile", "-p", help="Profile (bf16, fp8, or a path): the operator table runs its sparse settings (without --profile: the default SparseConfig, not the bf16 profile's), --e2e its engine (default: bf16). Not dense: the dense baselines are in every run.", show_default=False)] = None,
+    cpu: Annotated[bool, typer.Option("--cpu", help="Tiny CPU reference run of the operator table (short lengths only); NOT representative of GPU speed.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the tables' rows as one JSON object on stdout (schema fp.bench/2).")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also show other libraries' log lines, warnings and progress bars.")] = False,
 ) -> None:
-    """Benchmark the FlashPrefill operator, or with --e2e the TTFT through the engine.
+    """Benchmark the FlashPrefill operator, and with --e2e also the TTFT through the engine.
 
-    Operator: index time, attention time, total, density, and the speed-up over each dense baseline available, all measured in the same run. Needs a CUDA GPU (--cpu: a tiny, non-representative CPU run).
+    Operator table: index time, attention time, total, density, and the speed-up over each dense baseline available, all measured in the same run, with the profile's sparse settings (its header names them). Needs a CUDA GPU (--cpu: a tiny, non-representative CPU run). End-to-end table (--e2e, --e2e-only): per length and profile, the median TTFT of a needle prompt, the precision that ran, the density, whether the needle was answered, and the speed-up over dense and over BF16.
     """
     err = stderr_console()
+    with_e2e = e2e or e2e_only
+    if cpu and with_e2e:
+        fail("--cpu runs the operator table alone, on the CPU reference; the end-to-end benchmark runs the SGLang "
+             "engine and needs a CUDA GPU (on a CPU, `fp ask FILE QUESTION` reports the TTFT of one real request)", code=2)
+    if model is not None and not with_e2e:
+        fail("--model: the operator table runs synthetic inputs, not a model; --model is for --e2e or --e2e-only", code=2)
     if lens is None:
-        lens = CPU_DEFAULT_LENS if cpu and not e2e else GPU_DEFAULT_LENS
+        lens = CPU_DEFAULT_LENS if cpu else GPU_DEFAULT_LENS
     try:
         lengths = parse_lengths(lens)
         hq, hkv = parse_heads(heads)
     except ValueError as exc:
         fail(str(exc), code=2)
+    prof = None
+    if profile is not None:
+        prof = load_profile_or_exit(profile)
+        if prof.is_dense:
+            who = "dense" if prof.name == "dense" else f"{prof.name} (attention: dense)"
+            fail(f"--profile {profile}: {who} {DENSE_PROFILE_ERROR}", code=2)
+        fp8 = fp8 or prof.precision == "fp8"
 
     cuda = _cuda_available()
-    if e2e:
-        prof = load_profile_or_exit(profile, fp8=fp8)
-        dense = load_profile_or_exit("dense")
-        if not cuda:
-            fail("the end-to-end benchmark runs the SGLang engine and needs a CUDA GPU (none found"
-                 + ("; --cpu applies to the operator benchmark only" if cpu else "")
-                 + "); on a CPU, `fp ask FILE QUESTION` reports the TTFT of one real request")
+    run_operator = not e2e_only
+    if with_e2e and not cuda:
+        fail("the end-to-end benchmark runs the SGLang engine and needs a CUDA GPU (none found); on a CPU, "
+             "`fp ask FILE QUESTION` reports the TTFT of one real request, and `fp bench --cpu` runs the operator "
+             "table on the CPU reference")
+    if run_operator:
+        device = _operator_device_or_exit(cuda, cpu, lengths, json_out, err)
+    e2e_profiles = _e2e_profiles(prof, fp8) if with_e2e else []
+    model_path = None
+    if with_e2e:
         from fpcli.models import ModelError, resolve_model
-        from fpcli.ttft import run_ttft_bench
 
         check_model_or_exit(model)
         try:
             model_path = str(resolve_model(model, progress=err))
         except ModelError as exc:
             fail(str(exc))
-        rows = _run_with_progress(
-            err, "TTFT", 2 * len(lengths), lambda progress: run_ttft_bench(lengths, model_path, prof, dense, progress=progress),
-            verbose=verbose,
-        )
-        meta = {"kind": "e2e", "lens": lengths, "model": model_path, "profile": prof.name, "gpu": _gpu_name()}
-    else:
-        if not cuda and not cpu:
-            fail(
-                "the operator benchmark needs a CUDA GPU (none found); `fp bench --cpu --len 2k` runs a tiny "
-                "CPU reference instead, which is not representative of GPU speed"
-            )
-        device = "cuda" if cuda and not cpu else "cpu"
-        if device == "cpu":
-            from flashprefill.bench import CPU_MAX_LEN  # the reference is O(L^2) on the CPU
 
-            too_long = [n for n in lengths if n > CPU_MAX_LEN]
-            if too_long:
-                fail(f"--cpu runs lengths up to {CPU_MAX_LEN} tokens; got {too_long} (use --len 2k for example)", code=2)
-            if json_out:  # the table says it otherwise, once, in its header
-                warning(err, "CPU reference run: correctness plumbing only, NOT representative of GPU speed")
-        import torch
+    operator_part = e2e_part = None
+    if run_operator:
+        operator_part = _operator_part(err, lengths, hq, hkv, head_dim, batch, fp8, device, prof, verbose)
+        if not json_out:
+            _print_operator(err, operator_part, with_e2e and prof is None)
+            if with_e2e:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+    if with_e2e:
+        e2e_part = _e2e_part(err, lengths, model_path, e2e_profiles, verbose)
+        if not json_out:
+            from fpcli.ttft import format_ttft_table
 
-        from flashprefill.bench import run_operator_bench
-        kwargs: dict[str, Any] = {"fp8": fp8, "batch": batch}
-        if device == "cpu":
-            kwargs["device"] = "cpu"
-        rows = _run_with_progress(
-            err,
-            "operator",
-            len(lengths),
-            lambda progress: run_operator_bench(lengths, hq, hkv, head_dim, torch.bfloat16, progress=progress, **kwargs),
-            verbose=verbose,
-        )
-        meta = {
-            "kind": "operator",
-            "lens": lengths,
-            "heads_q": hq,
-            "heads_kv": hkv,
-            "head_dim": head_dim,
-            "batch": batch,
-            "fp8": fp8,
-            "device": device,
-            "gpu": _gpu_name() if device == "cuda" else None,
-        }
+            sys.stdout.write(format_ttft_table(e2e_part["rows"], e2e_part) + "\n")
+            sys.stdout.flush()
+            for line in e2e_part["notes"]:
+                note(err, line)
 
     if json_out:
-        sys.stdout.write(json.dumps({"schema": "fp.bench/1", **meta, "rows": rows}, indent=2, default=str) + "\n")
+        kind = "operator+e2e" if run_operator and with_e2e else ("e2e" if with_e2e else "operator")
+        data = {"schema": BENCH_SCHEMA, "kind": kind, "operator": operator_part, "e2e": e2e_part}
+        sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def _operator_device_or_exit(cuda: bool, cpu: bool, lengths: list[int], json_out: bool, err) -> str:
+    """``"cuda"`` or ``"cpu"`` (``--cpu``) for the operator table; exit 1 without a GPU and without
+    ``--cpu``, exit 2 for a CPU length above ``CPU_MAX_LEN``."""
+    if not cuda and not cpu:
+        fail(
+            "the operator benchmark needs a CUDA GPU (none found); `fp bench --cpu --len 2k` runs a tiny "
+            "CPU reference instead, which is not representative of GPU speed"
+        )
+    device = "cuda" if cuda and not cpu else "cpu"
+    if device == "cpu":
+        from flashprefill.bench import CPU_MAX_LEN  # the reference is O(L^2) on the CPU
+
+        too_long = [n for n in lengths if n > CPU_MAX_LEN]
+        if too_long:
+            fail(f"--cpu runs lengths up to {CPU_MAX_LEN} tokens; got {too_long} (use --len 2k for example)", code=2)
+        if json_out:  # the table says it otherwise, once, in its header
+            warning(err, "CPU reference run: correctness plumbing only, NOT representative of GPU speed")
+    return device
+
+
+def _e2e_profiles(prof, fp8: bool) -> list:
+    """The engines of the end-to-end part, in order: the sparse profile (``prof``, default the
+    built-in ``bf16``), with ``fp8`` its BF16 and FP8 twins (``fpcli.profiles.with_precision``),
+    then the built-in ``dense``."""
+    from fpcli.profiles import with_precision
+
+    base = prof if prof is not None else load_profile_or_exit("bf16")
+    sparse = [with_precision(base, "bf16"), with_precision(base, "fp8")] if fp8 else [base]
+    return sparse + [load_profile_or_exit("dense")]
+
+
+def _operator_part(err, lengths, hq, hkv, head_dim, batch, fp8, device, prof, verbose) -> dict:
+    """Run the operator table (``flashprefill.bench.run_operator_bench``) with ``prof``'s sparse
+    settings (``None``: the default ``SparseConfig``); its meta and rows for the JSON."""
+    import torch
+
+    from flashprefill.bench import run_operator_bench
+    from flashprefill.config import SparseConfig
+    from fpcli.profiles import profile_file
+
+    config = prof.sparse_config() if prof is not None else SparseConfig()
+    kwargs: dict[str, Any] = {"fp8": fp8, "batch": batch}
+    if device == "cpu":
+        kwargs["device"] = "cpu"
+    if prof is not None:
+        kwargs["config"] = config
+    rows = _run_with_progress(
+        err,
+        "operator",
+        len(lengths),
+        lambda progress: run_operator_bench(lengths, hq, hkv, head_dim, torch.bfloat16, progress=progress, **kwargs),
+        verbose=verbose,
+    )
+    return {
+        "lens": lengths,
+        "heads_q": hq,
+        "heads_kv": hkv,
+        "head_dim": head_dim,
+        "batch": batch,
+        "fp8": fp8,
+        "device": device,
+        "gpu": _gpu_name() if device == "cuda" else None,
+        "profile": prof.name if prof is not None else None,  # None: the default SparseConfig
+        "profile_file": profile_file(prof) if prof is not None else None,
+        "config": dataclasses.asdict(config),
+        "config_differences": config.differences(),  # from the default SparseConfig
+        "rows": rows,
+    }
+
+
+def _print_operator(err, part: dict, default_beside_e2e: bool) -> None:
+    """The operator table on stdout (its notes with it); ``default_beside_e2e``: a note on stderr
+    that the table ran the default ``SparseConfig`` while the end-to-end part runs a profile."""
+    from fpcli.console import print_table
+
+    rows = part["rows"]
+    if rows and "inputs" in rows[0]:
+        # the operator's own fixed-width table: the main columns, never truncated
+        from flashprefill.bench import format_table
+
+        name = None
+        if part["profile"] is not None:
+            name = f"profile {part['profile']}" + (f" ({part['profile_file']})" if part["profile_file"] else "")
+        sys.stdout.write(f"fp bench (operator{', CPU)' if part['device'] == 'cpu' else ')'}\n"
+                         f"{format_table(rows, config_name=name)}\n")
     else:
-        from fpcli.console import print_table
+        title = ("fp bench (operator, CPU reference, not representative of GPU speed)" if part["device"] == "cpu"
+                 else "fp bench (operator)")
+        print_table(rows_table(rows, title=title))  # the result: stdout, as wide as it needs
+        notes = {k: v for r in rows for k, v in (r.get("notes") or {}).items() if k != "cpu"}
+        for k, v in notes.items():
+            note(err, f"{k}: {v}")
+    sys.stdout.flush()
+    if default_beside_e2e:
+        note(err, "the operator table ran the default SparseConfig (no --profile); the end-to-end table runs the "
+                  "bf16 profile: --profile bf16 runs its settings in both")
 
-        title = f"fp bench ({meta['kind']}" + (", CPU)" if meta.get("device") == "cpu" else ")")
-        if meta["kind"] == "operator" and rows and "inputs" in rows[0]:
-            # the operator's own fixed-width table: the main columns, never truncated
-            from flashprefill.bench import format_table
 
-            sys.stdout.write(f"{title}\n{format_table(rows)}\n")
-        else:
-            if meta.get("device") == "cpu":
-                title = f"fp bench ({meta['kind']}, CPU reference, not representative of GPU speed)"
-            table = rows_table(rows, title=title)
-            print_table(table)  # the result: stdout, as wide as it needs
-        if not (meta["kind"] == "operator" and rows and "inputs" in rows[0]):  # format_table prints its notes
-            notes = {k: v for r in rows for k, v in (r.get("notes") or {}).items() if k != "cpu"}
-            for k, v in notes.items():
-                note(err, f"{k}: {v}")
+def _e2e_part(err, lengths, model_path: str, profiles: list, verbose: bool) -> dict:
+    """Run the end-to-end table (``fpcli.ttft.run_ttft_bench``) of ``profiles``; its meta and rows."""
+    from fpcli.ttft import REPEATS, run_ttft_bench, ttft_notes
+
+    rows = _run_with_progress(
+        err, "TTFT", len(profiles) * len(lengths),
+        lambda progress: run_ttft_bench(lengths, model_path, profiles, progress=progress, repeats=REPEATS),
+        verbose=verbose,
+    )
+    return {"lens": lengths, "model": model_path, "gpu": _gpu_name(), "repeats": REPEATS,
+            "profiles": [p.name for p in profiles], "notes": ttft_notes(rows, profiles), "rows": rows}
 
 
 def rows_table(rows: list[dict], title: str = ""):

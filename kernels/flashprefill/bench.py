@@ -4,8 +4,10 @@
 
 Inputs are SYNTHETIC with sink / local / needle structure (``synthetic_inputs``): a shared
 direction ``u`` in every query, the first 4 keys and one key block in 37 ("needles") along ``u``,
-and a slowly varying positional component shared by q_t and k_t (locality). Default
-``SparseConfig``. Paged KV (page size 64 unless ``--page-size``).
+and a slowly varying positional component shared by q_t and k_t (locality). The default
+``SparseConfig`` unless ``config=`` (``fp bench --profile``: a profile's sparse settings); the
+table's header names the settings that differ from the default. Paged KV (page size 64 unless
+``--page-size``).
 
 Per length: index ms, attention ms, total (what ``flashprefill_attention`` runs: index, then
 attention), density, index memory (the ``BlockIndex`` tensors and the peak allocation delta of
@@ -30,7 +32,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .config import SparseConfig
+from .config import SparseConfig, setting_text
 from .flops import dense_causal_flops
 from .lengths import parse_length, parse_lengths
 from .plan import make_plan
@@ -120,6 +122,28 @@ def _dense_baselines(q, k_lin, v_lin, L, batch, hq, hkv, d, scale):
     return res, notes
 
 
+SHORT_WHY = ("the engines prefill a request this short with their stock dense attention; the operator's index "
+             "marks every tile of it dense (density 100%), so the sparse path ran skipping nothing")
+
+
+def short_note(L: int, config: SparseConfig) -> str | None:
+    """The row note of a length ``L`` (tokens) below ``config.min_sparse_len`` (``SHORT_WHY``), else
+    ``None``."""
+    if L >= config.min_sparse_len:
+        return None
+    return f"L={L} < min_sparse_len {config.min_sparse_len:,}: {SHORT_WHY}"
+
+
+def config_text(config: SparseConfig, name: str | None = None) -> str:
+    """What the operator ran, for the table's header: ``"default SparseConfig"``, or ``"SparseConfig
+    with alpha 0.05, block_score mass (other settings default)"`` (``SparseConfig.differences``),
+    after ``name`` when given (``"profile bf16-mass: ..."``)."""
+    diff = config.differences()
+    what = (f"SparseConfig with {setting_text(diff)} (other settings default)" if diff
+            else "default SparseConfig")
+    return f"{name}: {what}" if name else what
+
+
 # --device cpu: a tiny reference run for plumbing and correctness, NOT representative of GPU speed
 
 CPU_LABEL = "CPU reference, not representative"
@@ -207,6 +231,8 @@ def _run_cpu_bench(lens, heads_q, heads_kv, head_dim, dtype, fp8, batch, say, pa
                "dtype": str(dtype).replace("torch.", ""), "page_size": page_size,
                "inputs": "synthetic sink/local/needle", "repeats": repeats,
                "config": {f: getattr(config, f) for f in config.field_names()}, "notes": {"cpu": CPU_LABEL}}
+        if short_note(L, config):
+            row["notes"]["min_sparse_len"] = short_note(L, config)
         q, kc, vc, pt, sl, cu, k_lin, v_lin = synthetic_inputs(L, heads_q, heads_kv, head_dim, dtype, page_size,
                                                                batch, device="cpu")
         scale = 1.0 / math.sqrt(head_dim)
@@ -246,6 +272,8 @@ def run_operator_bench(lens, heads_q: int, heads_kv: int, head_dim: int, dtype, 
                        baselines: bool = True, device: str = "cuda", repeats: int = CPU_REPEATS) -> list[dict]:
     """Benchmark each length; one dict per length (the JSON rows). ``lens``: ints or strings such
     as ``"128k"``. ``dtype``: torch dtype or 'bf16'/'fp16'. ``progress``: optional callable(str).
+    ``config``: the sparse settings (default ``SparseConfig()``), in every row as ``config``; a
+    length below its ``min_sparse_len`` gets the note ``notes["min_sparse_len"]`` (``short_note``).
 
     ``device="cuda"`` (default): the Triton operator vs the GPU dense baselines, CUDA-event medians.
     ``device="cpu"``: the reference backend at small lengths (<= ``CPU_MAX_LEN``), ``time.perf_counter``
@@ -276,6 +304,8 @@ def run_operator_bench(lens, heads_q: int, heads_kv: int, head_dim: int, dtype, 
         row = {"gpu": gpu, "L": L, "batch": batch, "heads_q": heads_q, "heads_kv": heads_kv, "head_dim": head_dim,
                "dtype": str(dtype).replace("torch.", ""), "page_size": page_size, "inputs": "synthetic sink/local/needle",
                "config": {f: getattr(config, f) for f in config.field_names()}, "notes": {}}
+        if short_note(L, config):
+            row["notes"]["min_sparse_len"] = short_note(L, config)
         q, kc, vc, pt, sl, cu, k_lin, v_lin = synthetic_inputs(L, heads_q, heads_kv, head_dim, dtype, page_size, batch)
         scale = 1.0 / math.sqrt(head_dim)
         plan = make_plan(sl, cu, heads_q // heads_kv, config.block_size)
@@ -330,10 +360,20 @@ TABLE_COLS = [("L", "L", "{:d}"), ("density", "density", "{:.1%}"), ("index_ms",
               ("fp8_flashinfer_ms", "FI fp8 ms", "{:.3f}")]
 
 
-def _plain(rows: list[dict], cols) -> list[str]:
-    cols = [c for c in cols if c[0] == "L" or any(c[0] in r for r in rows)]
+def plain_table(rows: list[dict], cols, always: tuple[str, ...] = ("L",)) -> list[str]:
+    """Fixed-width lines (header, then one per row; right-aligned, never truncated) of ``rows``.
+    ``cols``: ``(key, title, format)`` each, ``format`` a ``str.format`` pattern or a callable of
+    the value; a column no row has is left out unless its key is in ``always``; a missing or
+    ``None`` value is ``-``."""
+    cols = [c for c in cols if c[0] in always or any(r.get(c[0]) is not None for r in rows)]
     head = [c[1] for c in cols]
-    body = [[(c[2].format(r[c[0]]) if c[0] in r else "-") for c in cols] for r in rows]
+
+    def cell(fmt, value) -> str:
+        if value is None:
+            return "-"
+        return fmt(value) if callable(fmt) else fmt.format(value)
+
+    body = [[cell(c[2], r.get(c[0])) for c in cols] for r in rows]
     w = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     lines = ["  ".join(h.rjust(w[i]) for i, h in enumerate(head))]
     lines += ["  ".join(x.rjust(w[i]) for i, x in enumerate(b)) for b in body]
@@ -343,27 +383,39 @@ def _plain(rows: list[dict], cols) -> list[str]:
 SUM_TOLERANCE = 0.01  # index ms + attn ms may differ from total ms by this share (rounding) before a note explains it
 
 
-def format_table(rows: list[dict]) -> str:
+def format_table(rows: list[dict], config_name: str | None = None) -> str:
     """Plain-text table (fixed-width, no truncation) of ``run_operator_bench``'s rows, with notes.
     Density is a percentage. The CPU label is said once, in the header line (not again as a note).
-    Where ``index_ms + attn_ms`` differs from ``total_ms`` by more than ``SUM_TOLERANCE``, a note
-    says why: the three are timed apart, ``total_ms`` being one whole call (index, then attention)."""
+    The second line says which sparse settings ran (``config_text`` of the rows' ``config``, after
+    ``config_name``, e.g. ``"profile bf16-mass"``). Where ``index_ms + attn_ms`` differs from
+    ``total_ms`` by more than ``SUM_TOLERANCE``, a note says why: the three are timed apart,
+    ``total_ms`` being one whole call (index, then attention). Lengths below ``min_sparse_len``
+    share one note."""
     if not rows:
         return "(no rows)"
     r = rows[0]
+    config = "config: " + config_text(SparseConfig(**r["config"]), config_name)
     if r.get("device") == "cpu":
         lines = [f"{CPU_LABEL} of GPU speed: {r['cpu']}  batch {r['batch']}  heads {r['heads_q']}/{r['heads_kv']}  "
                  f"d {r['head_dim']}  {r['dtype']}  page {r['page_size']}  inputs: {r['inputs']}  "
-                 f"median of {r['repeats']} calls"]
-        lines += _plain(rows, CPU_COLS)
-        notes = {k: v for row in rows for k, v in row["notes"].items() if k != "cpu"}
-        return "\n".join(lines + _sum_notes(rows) + [f"note {k}: {v}" for k, v in notes.items()])
-    lines = [f"{r['gpu']}  batch {r['batch']}  heads {r['heads_q']}/{r['heads_kv']}  d {r['head_dim']}  "
-             f"{r['dtype']}  page {r['page_size']}  inputs: {r['inputs']}  config: default SparseConfig"]
-    lines += _plain(rows, TABLE_COLS)
-    notes = {k: v for r in rows for k, v in r["notes"].items()}
-    lines += _sum_notes(rows) + [f"note {k}: {v}" for k, v in notes.items()]
-    return "\n".join(lines)
+                 f"median of {r['repeats']} calls", config]
+        lines += plain_table(rows, CPU_COLS)
+    else:
+        lines = [f"{r['gpu']}  batch {r['batch']}  heads {r['heads_q']}/{r['heads_kv']}  d {r['head_dim']}  "
+                 f"{r['dtype']}  page {r['page_size']}  inputs: {r['inputs']}", config]
+        lines += plain_table(rows, TABLE_COLS)
+    notes = {k: v for row in rows for k, v in row["notes"].items() if k not in ("cpu", "min_sparse_len")}
+    return "\n".join(lines + _short_notes(rows) + _sum_notes(rows) + [f"note {k}: {v}" for k, v in notes.items()])
+
+
+def _short_notes(rows: list[dict]) -> list[str]:
+    """One note for every row below its ``min_sparse_len`` (``short_note``), naming the lengths."""
+    short = [row for row in rows if "min_sparse_len" in row["notes"]]
+    if not short:
+        return []
+    lens = ", ".join(str(row["L"]) for row in short)
+    msl = short[0]["config"]["min_sparse_len"]
+    return [f"note min_sparse_len: L={lens} < min_sparse_len {msl:,}: {SHORT_WHY}"]
 
 
 def _sum_notes(rows: list[dict]) -> list[str]:
