@@ -123,6 +123,10 @@ def test_engine_direct_sparse_prefill(smollm2, tmp_path):
     assert all(len(h) == 3 for h in s["density_per_layer_head"])
     assert 0 < s["attention_flops_skipped"] < s["attention_flops_dense"]
     assert r["prefill_s"] > 0 and s["attention_ms"] and s["index_ms"]
+    # timed (as fp profile asks): one index and one attention time per sparse layer, summing to the totals
+    assert len(s["index_ms_per_layer"]) == len(s["attention_ms_per_layer"]) == len(s["sparse_layers"]) == 30 - n_dense
+    assert sum(s["index_ms_per_layer"]) == pytest.approx(s["index_ms"])
+    assert sum(s["attention_ms_per_layer"]) == pytest.approx(s["attention_ms"])
 
 
 def test_readme_sample_is_what_the_command_prints(smollm2):

@@ -330,6 +330,76 @@ def test_timing_is_measured_only_when_asked_for():
     assert all(r.index_ms is None and r.attention_ms is None for r in rt.summary(LAYERS))
 
 
+@torch.inference_mode()
+def test_stage_times_per_sparse_layer_sum_to_the_totals():
+    """Timed, ``prefill_stats`` has one index and one attention time per sparse layer, in
+    ``sparse_layers`` order, and the totals are their sums: the dense layer's SDPA is in neither
+    (it diluted the index share); a prefill with no sparse layer keeps its attention total."""
+    model, rt = fp_model(SPARSE, dense_layers=1)
+    rt.timing = True
+    model(ids(1100))
+    rows = rt.summary(LAYERS)
+    stats = prefill_stats(rows)
+    assert stats.sparse_layers == [1]
+    assert stats.index_ms_per_layer == [rows[1].index_ms] and stats.attention_ms_per_layer == [rows[1].attention_ms]
+    assert stats.index_ms == sum(stats.index_ms_per_layer) and stats.attention_ms == sum(stats.attention_ms_per_layer)
+    assert rows[0].attention_ms > 0 and stats.attention_ms == rows[1].attention_ms   # layer 0 (dense): not in it
+
+    model, rt = fp_model(None)                         # dense everywhere: no index stage, no per-layer lists
+    rt.timing = True
+    model(ids(300))
+    rows = rt.summary(LAYERS)
+    stats = prefill_stats(rows)
+    assert stats.index_ms is None and stats.index_ms_per_layer == [] and stats.attention_ms_per_layer == []
+    assert stats.attention_ms == pytest.approx(rows[0].attention_ms + rows[1].attention_ms) and stats.attention_ms > 0
+
+
+@torch.inference_mode()
+def test_stage_marks_enclose_the_operator_only(monkeypatch):
+    """In a sparse layer the marks enclose ``build_index`` (index) and ``flashprefill_attention``
+    (attention); the copies into pages and the plan (with its host sync) come before the first mark:
+    the index time counted them on the H200 (``fp profile``: "index 77%")."""
+    import flashprefill.integrations.transformers as integ
+
+    order = []
+
+    def spy(name, fn):
+        def wrapped(*a, **k):
+            order.append(name)
+            return fn(*a, **k)
+        return wrapped
+
+    for name in ("_paged", "make_plan", "build_index", "flashprefill_attention"):
+        monkeypatch.setattr(integ, name, spy(name, getattr(integ, name)))
+    real_mark = FlashPrefillRuntime.mark
+    monkeypatch.setattr(FlashPrefillRuntime, "mark", lambda self, dev: (order.append("mark"), real_mark(self, dev))[1])
+    model, rt = fp_model(SPARSE, dense_layers=0)
+    rt.timing = True
+    model(ids(1100))
+    first = order[:order.index("mark", order.index("flashprefill_attention")) + 1]     # layer 0
+    assert first == ["_paged", "_paged", "make_plan", "mark", "build_index", "mark", "flashprefill_attention", "mark"]
+    second = order[len(first):]                                                          # layer 1
+    assert second == ["_paged", "_paged", "mark", "build_index", "mark", "flashprefill_attention", "mark"]  # plan reused
+
+
+def test_engine_times_every_sparse_layer(model_dir):
+    """The engine with ``timing`` (what ``fp profile`` asks for) reports the per-layer lists, one per
+    sparse layer, summing to the totals; without it, none."""
+    prof = dataclasses.replace(profile("bf16", block_size=64, sink_tokens=64, window_tokens=64, dense_tail_tokens=64,
+                                       alpha=1.0, min_sparse_len=0), dense_layers=0)
+    prompt_words = " ".join(WORDS * 5)
+    with TransformersEngine(model_dir, prof, timing=True) as eng:
+        s = eng.generate(eng.encode_chat(None, prompt_words), max_new_tokens=1).stats
+    assert s.sparse_layers == list(range(LAYERS))
+    assert len(s.index_ms_per_layer) == len(s.attention_ms_per_layer) == LAYERS
+    assert all(x > 0 for x in s.index_ms_per_layer + s.attention_ms_per_layer)
+    assert s.index_ms == pytest.approx(sum(s.index_ms_per_layer))
+    assert s.attention_ms == pytest.approx(sum(s.attention_ms_per_layer))
+    with TransformersEngine(model_dir, prof) as eng:
+        s = eng.generate(eng.encode_chat(None, prompt_words), max_new_tokens=1).stats
+    assert s.index_ms_per_layer == [] and s.attention_ms_per_layer == [] and s.index_ms is None
+
+
 def test_engine_reports_the_precision_that_ran(model_dir):
     prof = load_profile("fp8")  # FP8 in the sparse layers; a short prompt runs none of them sparse
     with TransformersEngine(model_dir, prof) as eng:

@@ -70,8 +70,18 @@ class PrefillStats:
         attention_flops_skipped: FLOPs the block-sparse path did not compute, over all layers:
             ``sum_l flops_l * (1 - density_l)`` with dense layers skipping none, so the skipped
             fraction is below ``1 - density`` when some layers run dense.
-        index_ms: time in the index stage summed over layers (ms), when measured.
-        attention_ms: time in the attention stage summed over layers (ms), when measured.
+        index_ms: time in the index stage (``build_index``) summed over the sparse layers (ms), when
+            measured; ``None`` when not measured or no layer ran sparse.
+        attention_ms: time in the sparse attention summed over the sparse layers (ms), when
+            measured; a prefill with no sparse layer: its dense attention summed over all layers
+            (the transformers engine times it; SGLang's backend does not). Dense layers of a
+            sparse prefill are in neither total.
+        index_ms_per_layer, attention_ms_per_layer: the same per sparse layer (ms), one entry per
+            layer of ``sparse_layers`` in that order (a layer prefilled in several chunks: the sum
+            over its chunks); ``[]`` when not measured. Their sums are ``index_ms`` and
+            ``attention_ms``. Times are GPU time between CUDA events (the host's gaps between the
+            stage's launches included; a layer whose kernels were compiled during the prefill
+            carries that one-time cost), wall time on the CPU.
         fp8_rel_l2_per_layer: per decoder layer, the relative L2 error of the FP8 attention output
             against the BF16 operator's on the same prefill inputs; ``None`` for layers that did
             not run FP8 (dense layers); an empty list when the engine was not asked to compare
@@ -87,6 +97,8 @@ class PrefillStats:
     attention_flops_skipped: float = 0.0
     index_ms: float | None = None
     attention_ms: float | None = None
+    index_ms_per_layer: list[float] = field(default_factory=list)
+    attention_ms_per_layer: list[float] = field(default_factory=list)
     fp8_rel_l2_per_layer: list[float | None] = field(default_factory=list)
     fp8_rel_l2_per_layer_head: list[list[float]] = field(default_factory=list)
 

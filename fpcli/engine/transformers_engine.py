@@ -12,8 +12,8 @@ index each sparse layer's attention used):
 - density: selected / causally visible key blocks (1.0 for dense layers);
 - dense-equivalent attention FLOPs (``flashprefill.flops.dense_causal_flops``); skipped =
   dense x (1 - density) per sparse layer;
-- index / attention time per layer (ms) only with ``timing=True`` (CUDA events, read once after
-  the forward; ``fp profile`` asks for it, ``fp ask`` does not).
+- index / attention time per sparse layer (ms) and their sums only with ``timing=True`` (CUDA
+  events, read once after the forward; ``fp profile`` asks for it, ``fp ask`` does not).
 
 CPU dtype (``engine.dtype: auto``): float32. Measured with SmolLM2-135M, 2K-token prompt, dense
 profile, 2-core AMD EPYC with AVX512-BF16 (no AMX): bf16 weights cut prefill CPU time ~1.4x
@@ -81,12 +81,16 @@ def _now(sync_device: torch.device | None) -> float:
 def prefill_stats(rows: list[LayerSummary | None]) -> PrefillStats:
     """``PrefillStats`` of one prefill from ``FlashPrefillRuntime.summary`` (``None`` = a layer
     whose attention was not called: density 1.0, no FLOPs). The overall density is selected /
-    visible blocks summed over the sparse layers."""
+    visible blocks summed over the sparse layers. Stage times (when timed): per sparse layer, and
+    their sums; a prefill with no sparse layer has its dense layers' attention time as
+    ``attention_ms`` (no index stage)."""
     sparse = [r for r in rows if r is not None and r.sparse]
     sel, vis = sum(r.selected_blocks for r in sparse), sum(r.visible_blocks for r in sparse)
     fp8 = [r for r in sparse if r.fp8_rel_l2 is not None]
-    idx = [r.index_ms for r in rows if r is not None and r.index_ms is not None]
-    att = [r.attention_ms for r in rows if r is not None and r.attention_ms is not None]
+    timed = bool(sparse) and all(r.index_ms is not None and r.attention_ms is not None for r in sparse)
+    idx = [r.index_ms for r in sparse] if timed else []
+    att = [r.attention_ms for r in sparse] if timed else []
+    dense_att = [r.attention_ms for r in rows if r is not None and r.attention_ms is not None] if not sparse else []
     return PrefillStats(
         density=(sel / vis) if vis else 1.0,
         density_per_layer=[r.density if r else 1.0 for r in rows],
@@ -95,7 +99,9 @@ def prefill_stats(rows: list[LayerSummary | None]) -> PrefillStats:
         attention_flops_dense=sum(r.flops_dense for r in rows if r),
         attention_flops_skipped=sum(r.flops_dense * (1.0 - r.density) for r in sparse),
         index_ms=sum(idx) if idx else None,
-        attention_ms=sum(att) if att else None,
+        attention_ms=sum(att) if att else (sum(dense_att) if dense_att else None),
+        index_ms_per_layer=idx,
+        attention_ms_per_layer=att,
         fp8_rel_l2_per_layer=[r.fp8_rel_l2 if r else None for r in rows] if fp8 else [],
         fp8_rel_l2_per_layer_head=[list(r.fp8_rel_l2_per_kv_head or ()) if r else [] for r in rows] if fp8 else [],
     )

@@ -22,8 +22,11 @@ Statistics come from the index the attention used: per sparse layer, ``BlockInde
 ``FlashPrefillRuntime.summary`` reads every layer once, after the forward. Timing (index and
 attention milliseconds per layer) is off unless ``FlashPrefillRuntime.timing``: CUDA events on a
 GPU (read in ``summary``, no sync per layer), ``time.perf_counter`` on the CPU. With timing on, the
-index is built by ``build_index`` between two events and handed to ``flashprefill_attention``;
-both are the kernels the fused call runs.
+index is built by ``build_index`` between two events and handed to ``flashprefill_attention``
+(timed between the second and a third); both are the kernels the fused call runs. The copies of
+q and K/V into the operator's layout and the plan are timed in neither stage. The first call of a
+kernel in a process compiles it (or loads it from Triton's cache) while the GPU waits: the first
+sparse layer's times carry that one-time cost (``fp profile`` says so).
 
 Precision: ``FlashPrefillRuntime.precision`` is the operator's ``precision=`` in the sparse layers
 (``"fp8"``: e4m3 operands, ``docs/fp8.md``; the reference simulates them on the CPU, the Triton FP8
@@ -68,8 +71,10 @@ class LayerRecord:
         selected, visible: int64 ``[Hkv]`` on the attention's device, from
             ``BlockIndex.head_counts()`` of the index the attention used; ``None`` for SDPA layers.
         marks: timing marks ``(start, index done, attention done)``: CUDA events on a GPU, seconds
-            (``time.perf_counter``) on the CPU; ``None`` when timing is off. A dense layer has no
-            index stage (its middle mark equals the start).
+            (``time.perf_counter``) on the CPU; ``None`` when timing is off. In a sparse layer the
+            first two enclose ``build_index`` and the last two ``flashprefill_attention`` given
+            that index (the layout copies to pages and the plan come before the start); a dense
+            layer has no index stage (its middle mark equals the start) and its marks enclose SDPA.
         precision: the operator's precision in a sparse layer (``"bf16"`` / ``"fp8"``); ``None``
             for SDPA layers (the model's dtype).
         fp8_sums: float64 ``[2, 1, Hkv]`` FP8-vs-BF16 error sums (``fp8_error.fp8_error_sums``) when
@@ -332,8 +337,8 @@ def flashprefill_attention_forward(
     )
     flops = dense_causal_flops(lq, lk, d, hq, batch=bsz)
     dev = query.device
-    start = rt.mark(dev)
     if not sparse:
+        start = rt.mark(dev)
         out = _sdpa(query, key, value, scaling, groups)
         marks = (start, start, rt.mark(dev)) if rt.timing else None
         rt.layers[layer] = LayerRecord(layer, False, lq, lk, key.shape[1], flops, None, None, marks)
@@ -354,6 +359,9 @@ def flashprefill_attention_forward(
     page_table, seq_lens, cu, plan = geom
     index = None
     kw = dict(config=rt.config, softmax_scale=scaling, plan=plan, backend=rt.backend)
+    # the marks enclose the operator only: the layout copies above and the plan (built, with its
+    # host sync, in the first sparse layer) are this integration's, in neither stage
+    start = rt.mark(dev)
     if rt.timing:  # the index stage alone, between two marks
         index = build_index(q, k_cache, v_cache, page_table, seq_lens, cu, precision=rt.precision, **kw)
     mid = rt.mark(dev)
