@@ -359,6 +359,63 @@ def test_stats_end_to_end_on_cpu(tmp_path):
     assert read_prefill_stats(tmp_path, "missing", timeout_s=0.05) is None
 
 
+class _Mark:
+    """A stand-in for a recorded CUDA event at ``t`` ms (``elapsed_time`` is all ``records`` reads);
+    the real events are checked on the GPU (tests/gpu/test_stats_cuda.py)."""
+
+    def __init__(self, t: float):
+        self.t = t
+
+    def elapsed_time(self, other: "_Mark") -> float:
+        return other.t - self.t
+
+
+def _timed_chunk(q_len, kv_len, times):
+    """One extend batch of request ``r0`` over 3 layers as the backend writes its line: layer 0
+    dense, then per layer ``times[i] = (index_ms, attention_ms)`` or ``None`` (dense in this chunk)."""
+    plan = _plan([q_len], [kv_len], group_size=2)
+    st = BatchStats(num_layers=3, layer_offset=0, num_q_heads=4, num_kv_heads=2, head_dim=8, q_lens=[q_len],
+                    kv_lens=[kv_len], rids=["r0"], device="cpu", plan=plan)
+    st.mark_dense(0, "dense_layers")
+    t = 0.0
+    for layer, got in enumerate(times):
+        if got is None:
+            if layer:
+                st.mark_dense(layer, "short")
+            continue
+        marks = (_Mark(t), _Mark(t + got[0]), _Mark(t + got[0] + got[1]))
+        t += got[0] + got[1]
+        st.add_index(layer, _fake_index([1] * (2 * plan.n_tiles)), marks)
+    st.finish()
+    return st.records()[0]
+
+
+def test_stage_times_per_layer_travel_from_the_lines_to_the_stats():
+    """The writer's line has per-layer stage times (null for dense layers) summing to its totals;
+    the reader sums the chunks of a request per layer (a layer dense in one chunk adds nothing
+    there); ``prefill_stats_of`` gives one entry per sparse layer, summing to its totals."""
+    first = _timed_chunk(300, 300, [None, (40.0, 10.0), (0.5, 1.5)])   # layer 1: a one-time cost
+    assert first["index_ms_per_layer"] == [None, 40.0, 0.5] and first["attention_ms_per_layer"] == [None, 10.0, 1.5]
+    assert first["index_ms"] == 40.5 and first["attention_ms"] == 11.5
+    second = _timed_chunk(200, 500, [None, (0.25, 1.0), None])         # layer 2 dense in this chunk
+    assert second["index_ms_per_layer"] == [None, 0.25, None]
+    req = aggregate([first, second], "r0")
+    assert req.index_ms_per_layer == [None, 40.25, 0.5] and req.attention_ms_per_layer == [None, 11.0, 1.5]
+    assert (req.index_ms, req.attention_ms) == (40.75, 12.5)
+    stats = prefill_stats_of(req)
+    assert stats.sparse_layers == [1, 2]
+    assert stats.index_ms_per_layer == [40.25, 0.5] and stats.attention_ms_per_layer == [11.0, 1.5]
+    assert (stats.index_ms, stats.attention_ms) == (40.75, 12.5)
+    # untimed lines (layer_timing off, or a writer without per-layer times): no lists, totals as read
+    untimed = [{**r, "index_ms_per_layer": None, "attention_ms_per_layer": None} for r in (first, second)]
+    plain = prefill_stats_of(aggregate(untimed, "r0"))
+    assert plain.index_ms_per_layer == [] and plain.attention_ms_per_layer == [] and plain.index_ms == 40.75
+    off = [{**r, "index_ms": None, "attention_ms": None, "index_ms_per_layer": None, "attention_ms_per_layer": None}
+           for r in (first, second)]
+    none = prefill_stats_of(aggregate(off, "r0"))
+    assert none.index_ms is None and none.index_ms_per_layer == []
+
+
 def test_stats_layers_without_counts_report_none_not_garbage():
     """A sparse layer with no index, or with an index whose ``row_ptr`` does not fit the plan
     (another KV-head count), reports unknown counts (``None``): its row of the gather buffer is

@@ -475,6 +475,7 @@ def prefill_stats_of(req: "RequestPrefill") -> PrefillStats:
         else:
             per_layer.append(1.0)
             per_head.append([1.0] * (len(s) if s else 0))
+    index_per_layer, attention_per_layer = _stage_ms_of(req, sparse_layers)
     fp8 = any(e is not None for e in req.fp8_err_sq)
     return PrefillStats(
         fp8_rel_l2_per_layer=[layer_rel_l2(e, r) if e is not None and r is not None else None
@@ -487,9 +488,23 @@ def prefill_stats_of(req: "RequestPrefill") -> PrefillStats:
         sparse_layers=sparse_layers,
         attention_flops_dense=float(sum(req.dense_flops)),
         attention_flops_skipped=flops_skipped,
-        index_ms=req.index_ms,
-        attention_ms=req.attention_ms,
+        index_ms=sum(index_per_layer) if index_per_layer else req.index_ms,
+        attention_ms=sum(attention_per_layer) if attention_per_layer else req.attention_ms,
+        index_ms_per_layer=index_per_layer,
+        attention_ms_per_layer=attention_per_layer,
     )
+
+
+def _stage_ms_of(req: "RequestPrefill", sparse_layers: list[int]) -> tuple[list[float], list[float]]:
+    """Index and attention milliseconds of each of ``sparse_layers`` (summed over the chunks by
+    ``stats_reader.aggregate``), or ``([], [])`` when any of them was not timed (timing off, or
+    lines without per-layer times). ``prefill_stats_of`` sums them for the totals, so a layer
+    timed without counts (not in ``sparse_layers``) counts in neither."""
+    idx, att = req.index_ms_per_layer, req.attention_ms_per_layer
+    got = [(idx[i], att[i]) for i in sparse_layers if i < len(idx) and i < len(att)]
+    if not sparse_layers or len(got) < len(sparse_layers) or any(a is None or b is None for a, b in got):
+        return [], []
+    return [a for a, _ in got], [b for _, b in got]
 
 
 class SGLangEngine:

@@ -103,6 +103,11 @@ def test_backend_sparse_config_runs_and_records_stats(tmp_path, monkeypatch, tim
     assert lines[0]["prefill_ms"] is not None and lines[0]["prefill_ms"] > 0
     assert lines[0]["selected"][0] and 0 < sum(lines[0]["selected"][0]) <= sum(lines[0]["visible"][0])
     assert (lines[0]["index_ms"] is not None) == timing and (lines[0]["attention_ms"] is not None) == timing
+    per_layer = (lines[0]["index_ms_per_layer"], lines[0]["attention_ms_per_layer"])
+    if timing:   # one slot per layer (one layer here), summing to the totals
+        assert per_layer == ([lines[0]["index_ms"]], [lines[0]["attention_ms"]]), per_layer
+    else:
+        assert per_layer == (None, None)
 
 # ------------------------------------------------------------------------------------------------
 # 2. the embedded engine

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 
 from flashprefill import SparseConfig, flashprefill_attention, make_plan
@@ -76,6 +77,10 @@ def test_batch_stats_on_a_side_stream_match_the_index():
     assert sum(recs[4]["selected"][1]) < sum(recs[4]["visible"][1])
     assert recs[1]["visible"][1] == [0, 0]                           # no new tokens, no tiles
     assert recs[0]["prefill_ms"] > 0 and recs[0]["index_ms"] > 0 and recs[0]["attention_ms"] >= 0
+    # per layer slot: null for the dense layer, the events' times for the sparse ones, summing to the totals
+    idx, att = recs[0]["index_ms_per_layer"], recs[0]["attention_ms_per_layer"]
+    assert idx[0] is None and att[0] is None and all(x > 0 for x in idx[1:]) and all(x >= 0 for x in att[1:])
+    assert sum(idx[1:]) == pytest.approx(recs[0]["index_ms"]) and sum(att[1:]) == pytest.approx(recs[0]["attention_ms"])
 
 
 def test_dense_batch_stats_on_cuda_copy_nothing():

@@ -44,6 +44,9 @@ class RequestPrefill:
         prompt_tokens: the largest ``kv_len`` seen (tokens).
         prefill_ms, index_ms, attention_ms: sums over its batches (a batch's time counts fully for
             each request in it); ``None`` when never measured.
+        index_ms_per_layer, attention_ms_per_layer: per layer, the stage's milliseconds summed over
+            the chunks in which the layer was timed (``None``: never timed, e.g. dense); ``[]``
+            when no line had per-layer times. Their sums are ``index_ms`` / ``attention_ms``.
         layers: per layer ``"sparse"`` (in any chunk) or the first chunk's ``"dense:<reason>"``.
         selected, visible: per layer, ``[Hkv]`` selected / causally visible key blocks summed over
             the chunks; ``None`` for a layer without counts.
@@ -61,6 +64,8 @@ class RequestPrefill:
     prefill_ms: float | None = None
     index_ms: float | None = None
     attention_ms: float | None = None
+    index_ms_per_layer: list[float | None] = field(default_factory=list)
+    attention_ms_per_layer: list[float | None] = field(default_factory=list)
     layers: list[str] = field(default_factory=list)
     selected: list[list[int] | None] = field(default_factory=list)
     visible: list[list[int] | None] = field(default_factory=list)
@@ -76,8 +81,23 @@ def _add(a: float | None, b: float | None) -> float | None:
     return (a or 0.0) + b
 
 
+def _add_per_layer(acc: list[float | None], values: list | None, n: int) -> list[float | None]:
+    """``acc`` (per layer, ``[]`` = nothing yet) plus one line's per-layer ``values`` (``None``
+    entries and a missing list add nothing), element by element over ``n`` layers.
+
+    Example: ``[]`` + ``[None, 2.0, 3.0]`` -> ``[None, 2.0, 3.0]``; + ``[None, 1.0, None]`` ->
+    ``[None, 3.0, 3.0]`` (layer 2 dense in the second chunk)."""
+    if not values:
+        return acc
+    out = list(acc) if acc else [None] * n
+    for i in range(min(n, len(values))):
+        out[i] = _add(out[i], values[i])
+    return out
+
+
 def aggregate(records: Iterable[dict], rid: str) -> RequestPrefill | None:
-    """Sum the lines of ``rid`` (one per prefill chunk); ``None`` if there are none."""
+    """Sum the lines of ``rid`` (one per prefill chunk), per layer where the line is per layer;
+    ``None`` if there are none."""
     out = RequestPrefill(rid=rid)
     for rec in records:
         if rec.get("rid") != rid:
@@ -97,6 +117,9 @@ def aggregate(records: Iterable[dict], rid: str) -> RequestPrefill | None:
             out.precision = [None] * n
             out.fp8_err_sq = [None] * n
             out.fp8_ref_sq = [None] * n
+        out.index_ms_per_layer = _add_per_layer(out.index_ms_per_layer, rec.get("index_ms_per_layer"), len(out.layers))
+        out.attention_ms_per_layer = _add_per_layer(out.attention_ms_per_layer, rec.get("attention_ms_per_layer"),
+                                                    len(out.layers))
         flops = dense_causal_flops(rec.get("q_len", 0), rec.get("kv_len", 0), rec.get("head_dim", 0),
                                    rec.get("num_q_heads", 0))
         sel = rec.get("selected") or [None] * n

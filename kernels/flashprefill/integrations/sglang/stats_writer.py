@@ -41,6 +41,8 @@ Line schema (one per request per extend batch)::
      "num_q_heads": int, "num_kv_heads": int, "head_dim": int,
      "prefill_ms": float | null,      # batch: init_forward_metadata -> end of the last layer's attention
      "index_ms": float | null, "attention_ms": float | null,   # sparse layers, when layer_timing
+     "index_ms_per_layer": [float | null, ...] | null,         # per layer (null: dense), when
+     "attention_ms_per_layer": [float | null, ...] | null,     # layer_timing; they sum to the two above
      "layers": [str, ...],            # per layer: "sparse" or "dense:<reason>"
      "selected": [[int] * Hkv] | null per layer,   # null for dense layers
      "visible":  [[int] * Hkv] | null per layer,
@@ -124,7 +126,7 @@ class BatchStats:
         self._fp8_layers: set[int] = set()
         self._token_request: torch.Tensor | None = None
         self.host_fp8: torch.Tensor | None = None
-        self.stage_events: list[tuple[Any, Any, Any]] = []  # (start, index done, attention done)
+        self.stage_events: dict[int, tuple[Any, Any, Any]] = {}  # slot -> (start, index done, attention done)
         self._gather: torch.Tensor | None = None   # int64 [2*B*Hkv] row_ptr positions (device)
         self._gathered: set[int] = set()           # layer slots whose row of ``ends`` was written
         self.ends: torch.Tensor | None = None      # int32 [layers, 2*B*Hkv] gathered row_ptr entries
@@ -196,7 +198,7 @@ class BatchStats:
         self.layer_modes[i] = "sparse"
         self.layer_precision[i] = precision
         if events is not None and all(e is not None for e in events):
-            self.stage_events.append(events)
+            self.stage_events[i] = events
         if index is None or self.plan is None or not self.q_lens:
             return
         if self.ends is None:
@@ -239,15 +241,25 @@ class BatchStats:
 
         return visible_blocks(self.plan) if self.plan is not None else [0] * len(self.q_lens)
 
+    def _stage_ms(self) -> tuple[list[float | None], list[float | None]]:
+        """Per layer slot, the index and the attention stage's milliseconds between the layer's
+        events (``None`` for slots without: dense or not timed). Call after ``wait``."""
+        index = [None] * self.num_layers
+        attention = [None] * self.num_layers
+        for i, (a, b, c) in self.stage_events.items():
+            index[i], attention[i] = float(a.elapsed_time(b)), float(b.elapsed_time(c))
+        return index, attention
+
     def records(self) -> list[dict]:
         """One JSON-ready dict per request. Call after ``wait``."""
         prefill_ms = None
         if self.start is not None and self.end is not None:
             prefill_ms = float(self.start.elapsed_time(self.end))
-        index_ms = attention_ms = None
+        index_ms = attention_ms = index_per_layer = attention_per_layer = None
         if self.stage_events:
-            index_ms = sum(float(a.elapsed_time(b)) for a, b, _ in self.stage_events)
-            attention_ms = sum(float(b.elapsed_time(c)) for _, b, c in self.stage_events)
+            index_per_layer, attention_per_layer = self._stage_ms()
+            index_ms = sum(x for x in index_per_layer if x is not None)
+            attention_ms = sum(x for x in attention_per_layer if x is not None)
         modes = [m or "dense:not-called" for m in self.layer_modes]
         n_req, h = len(self.q_lens), self.num_kv_heads
         sel = vis = None
@@ -273,6 +285,8 @@ class BatchStats:
                 "prefill_ms": prefill_ms,
                 "index_ms": index_ms,
                 "attention_ms": attention_ms,
+                "index_ms_per_layer": index_per_layer,
+                "attention_ms_per_layer": attention_per_layer,
                 "layers": modes,
                 "selected": [sel[i][b] if counted[i] else None for i in range(self.num_layers)] if sel else None,
                 "visible": [[vis[b]] * h if counted[i] else None for i in range(self.num_layers)] if sel else None,
