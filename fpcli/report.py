@@ -49,7 +49,7 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
         #   skipped_fraction = sum_l flops_l * (1 - density_l) / sum_l flops_l
         "density_per_layer_head": [[...], ...],   # rectangular [layer][kv_head]; null = not reported
         "attention_flops_dense", "attention_flops_skipped", "attention_flops_skipped_fraction",
-        "index_ms", "attention_ms"
+        "index_ms", "attention_ms"   # stage times over the sparse layers (ms), when the engine timed them
       },
       "ingestion": {
         "documents": [{"name", "kind", "pages", "chars", "tokens", "skipped_pages", "empty_pages",

@@ -148,6 +148,8 @@ class FakeEngine:
             attention_flops_skipped=sum(flops_per_layer * (1.0 - per_layer[i]) for i in sparse),
             index_ms=1.5,
             attention_ms=6.0,
+            index_ms_per_layer=[0.5] * len(sparse),      # as the real engines: one per sparse layer,
+            attention_ms_per_layer=[2.0] * len(sparse),  # summing to the totals
         )
 
     def close(self) -> None:

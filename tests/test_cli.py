@@ -966,8 +966,9 @@ def test_profile_per_layer_times_and_fp8_error(runner, fake_engine, doc, tmp_pat
 
     def richer(self, n):
         s = real(self, n)
-        s.index_ms_per_layer = [0.1, 0.2, 0.3, 0.4]
-        s.attention_ms_per_layer = [1.0, 1.0, 1.0, 1.0]
+        s.index_ms_per_layer = [0.2, 0.3, 0.4]   # sparse layers 1-3
+        s.attention_ms_per_layer = [1.0, 1.0, 1.0]
+        s.index_ms, s.attention_ms = 0.9, 3.0
         s.fp8_rel_l2_per_layer = [None, 2e-3, 3e-3, 4e-3]  # the shape the real engines report
         s.fp8_rel_l2_per_layer_head = [[], [2e-3, 2.5e-3], [3e-3, 3e-3], [4e-3, 4.5e-3]]
         return s
@@ -975,13 +976,63 @@ def test_profile_per_layer_times_and_fp8_error(runner, fake_engine, doc, tmp_pat
     monkeypatch.setattr(FakeEngine, "stats_for", richer)
     r = invoke(runner, ["profile", str(doc), "--fp8", "--png", str(tmp_path / "h.png")])
     assert r.exit_code == 0, r.output
-    assert "index vs attention time per layer" in r.stdout and "FP8-vs-BF16 attention output error" in r.stdout
+    assert "index vs attention time per sparse layer" in r.stdout and "FP8-vs-BF16 attention output error" in r.stdout
     assert "4.00e-03" in r.stdout and "4.50e-03" in r.stdout and "kv1" in r.stdout
     assert (tmp_path / "h.fp8.png").read_bytes()[:4] == b"\x89PNG"
     r = invoke(runner, ["profile", str(doc), "--fp8", "--json", "--png", str(tmp_path / "h.png")])
     data = json.loads(r.stdout)
     assert data["fp8_rel_l2_per_layer"][0] is None and data["fp8_rel_l2_per_layer_head"][3] == [4e-3, 4.5e-3]
     assert data["png_fp8"] == str(tmp_path / "h.fp8.png")
+
+
+def test_profile_times_per_sparse_layer_table_and_headline(runner, fake_engine, doc, tmp_path):
+    """One row per sparse layer (layer, density, index, attention, index share); the headline is
+    over every sparse layer when none stands out, with no note; --json has the lists and the share."""
+    r = invoke(runner, ["profile", str(doc), "--png", str(tmp_path / "h.png")])
+    assert r.exit_code == 0, r.output
+    rows = [ln.replace("\u2502", " ").split() for ln in r.stdout.splitlines()]   # cells between box lines
+    timed = [row for row in rows if len(row) == 5 and row[0].isdigit() and row[-1] == "20%"]
+    assert [row[0] for row in timed] == ["1", "2", "3"]                 # the sparse layers, not 0
+    assert timed[0][1:4] == ["63.0%", "0.50", "2.00"]                   # layer 1: density, index, attention
+    assert "index 1.50 ms, attention 6.00 ms over layers 1-3: index 20%" in r.stdout
+    assert "one-time" not in r.stdout and "note:" not in r.stdout
+    r = invoke(runner, ["profile", str(doc), "--json", "--png", str(tmp_path / "h.png")])
+    data = json.loads(r.stdout)
+    assert data["index_ms_per_layer"] == [0.5] * 3 and data["attention_ms_per_layer"] == [2.0] * 3
+    assert data["density"]["sparse_layers"] == [1, 2, 3]
+    assert data["index_share"] == pytest.approx(0.2) and data["index_share_over"] == "layers 1-3"
+    assert data["times_notes"] == []
+
+
+def test_profile_first_sparse_layer_one_time_cost_is_noted(runner, fake_engine, doc, tmp_path, monkeypatch):
+    """A first sparse layer far slower than the others (kernel compilation in a cold process) gets a
+    note, and the headline share leaves it out (and says so) instead of reporting index 80%."""
+    from fp_fakes import FakeEngine
+
+    real = FakeEngine.stats_for
+
+    def cold(self, n):
+        s = real(self, n)
+        s.index_ms_per_layer = [400.0, 0.1, 0.12]
+        s.attention_ms_per_layer = [90.0, 0.3, 0.3]
+        s.index_ms, s.attention_ms = sum(s.index_ms_per_layer), sum(s.attention_ms_per_layer)
+        return s
+
+    monkeypatch.setattr(FakeEngine, "stats_for", cold)
+    r = invoke(runner, ["profile", str(doc), "--png", str(tmp_path / "h.png")])
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.stdout.split())
+    assert "index 0.22 ms, attention 0.60 ms over layers 2-3 (warm: layer 1 left out): index 27%" in out, out
+    assert "; with layer 1: index 82%" in out
+    note = ("layer 1: 490.00 ms against a median of 0.41 ms: likely one-time kernel compilation; "
+            "run again, or read the median")
+    assert f"note: {note}" in out
+    r = invoke(runner, ["profile", str(doc), "--json", "--png", str(tmp_path / "h.png")])
+    data = json.loads(r.stdout)
+    assert data["times_notes"] == [note]
+    assert data["index_share"] == pytest.approx(0.22 / 0.82)
+    assert data["index_share_over"] == "layers 2-3 (warm: layer 1 left out)"
+    assert data["index_ms"] == pytest.approx(400.22)                  # the totals keep every layer
 
 
 def test_profile_png_defaults_to_the_current_directory(runner, fake_engine, tmp_path, monkeypatch):

@@ -37,7 +37,7 @@ def profile_cmd(
 ) -> None:
     """Show the attention density per layer and KV head of one prefill of FILE.
 
-    Prints a heatmap in the terminal, writes it as a PNG, shows index vs attention time, and with --fp8 the FP8-vs-BF16 output error (relative L2) per layer and KV head, as a table and a second PNG (<FILE stem>.fp8.png beside the heatmap).
+    Prints a heatmap in the terminal, writes it as a PNG, shows index vs attention time per sparse layer (with a note when the first sparse layer carried a one-time cost such as kernel compilation; the headline share then leaves it out), and with --fp8 the FP8-vs-BF16 output error (relative L2) per layer and KV head, as a table and a second PNG (<FILE stem>.fp8.png beside the heatmap).
     """
     from fpcli.logs import third_party_output
 
@@ -106,8 +106,7 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
     stats = result.stats
     # rectangular even when dense layers report no per-head row (one column without per-head data)
     grid = density_grid(stats.density_per_layer_head, stats.density_per_layer, getattr(stats, "sparse_layers", None))
-    index_per_layer = getattr(stats, "index_ms_per_layer", None)
-    attn_per_layer = getattr(stats, "attention_ms_per_layer", None)
+    times = _stage_times_or_warn(err, stats)
     fp8_error = list(getattr(stats, "fp8_rel_l2_per_layer", None) or []) or None
     fp8_grid = list(getattr(stats, "fp8_rel_l2_per_layer_head", None) or []) or None
     data = {
@@ -130,8 +129,14 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
         "density_per_layer_head": grid,
         "index_ms": stats.index_ms,
         "attention_ms": stats.attention_ms,
-        "index_ms_per_layer": index_per_layer,
-        "attention_ms_per_layer": attn_per_layer,
+        # one per sparse layer (density.sparse_layers, in that order); null when not measured
+        "index_ms_per_layer": list(stats.index_ms_per_layer) if times else None,
+        "attention_ms_per_layer": list(stats.attention_ms_per_layer) if times else None,
+        # index / (index + attention) over index_share_over: the warm layers when the first
+        # sparse layer carried a one-time cost (then times_notes says so)
+        "index_share": _index_share(times, stats),
+        "index_share_over": times.share_over if times else None,
+        "times_notes": list(times.notes) if times else [],
         "fp8_rel_l2_per_layer": fp8_error,
         "fp8_rel_l2_per_layer_head": fp8_grid,
         "png": None,
@@ -175,7 +180,13 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
     if d["overall"] is not None:
         msl = None if prof.attention == "dense" else int(prof.sparse.min_sparse_len)
         out.print(f"density {density_line(d, prof.attention, result.prompt_tokens, msl, result.cached_tokens)}", soft_wrap=True)
-    print_table(_times_table(index_per_layer, attn_per_layer, stats.index_ms, stats.attention_ms))
+    if times:
+        print_table(_times_table(times, stats.density_per_layer))
+        out.print(_times_headline(times), soft_wrap=True, highlight=False)
+        for note in times.notes:
+            out.print(f"note: {note}", soft_wrap=True, highlight=False)
+    else:
+        out.print(_times_totals(stats.index_ms, stats.attention_ms), soft_wrap=True, highlight=False)
     if fp8:
         if fp8_error:
             print_table(_fp8_table(fp8_error, fp8_grid))
@@ -206,27 +217,64 @@ def _no_fp8_reason(prompt_tokens: int, min_sparse_len: int | None) -> str:
     return why
 
 
-def _times_table(index_per_layer, attn_per_layer, index_ms, attention_ms):
+def _stage_times_or_warn(err, stats):
+    """``fpcli.stage_times.StageTimes`` of the prefill, or ``None`` when the engine reported no
+    per-layer times (or lists that do not match its sparse layers: warned, totals shown instead)."""
+    from fpcli.console import warning
+    from fpcli.stage_times import stage_times
+
+    try:
+        return stage_times(stats.sparse_layers, stats.index_ms_per_layer, stats.attention_ms_per_layer)
+    except ValueError as exc:
+        warning(err, f"per-layer times not shown: {exc}")
+        return None
+
+
+def _index_share(times, stats) -> float | None:
+    """The headline share: the warm layers' (``times``), else from the totals; ``None`` without an
+    index stage."""
+    if times is not None:
+        return times.index_share
+    if stats.index_ms is None or stats.attention_ms is None or stats.index_ms + stats.attention_ms <= 0:
+        return None
+    return stats.index_ms / (stats.index_ms + stats.attention_ms)
+
+
+def _times_table(times, density_per_layer):
+    """Layer, density, index ms, attention ms, index share: one row per sparse layer."""
     from rich.table import Table
 
-    if index_per_layer or attn_per_layer:
-        n = max(len(index_per_layer or []), len(attn_per_layer or []))
-        t = Table(title="index vs attention time per layer (ms)", title_justify="left", min_width=40)
-        for c in ("layer", "index", "attention", "index share"):
-            t.add_column(c, justify="right")
-        for i in range(n):
-            a = index_per_layer[i] if index_per_layer and i < len(index_per_layer) else None
-            b = attn_per_layer[i] if attn_per_layer and i < len(attn_per_layer) else None
-            share = f"{a / (a + b):.0%}" if a is not None and b is not None and a + b > 0 else "-"
-            t.add_row(str(i), _ms(a), _ms(b), share)
-        return t
+    t = Table(title="index vs attention time per sparse layer (ms)", title_justify="left", min_width=40)
+    for c in ("layer", "density", "index", "attention", "index share"):
+        t.add_column(c, justify="right")
+    for r in times.layers:
+        density = density_per_layer[r.layer] if r.layer < len(density_per_layer) else None
+        share = r.index_share
+        t.add_row(str(r.layer), "-" if density is None else f"{density:.1%}", _ms(r.index_ms), _ms(r.attention_ms),
+                  "-" if share is None else f"{share:.0%}")
+    return t
+
+
+def _times_headline(times) -> str:
+    """'index 1.50 ms, attention 6.00 ms over layers 1-3: index 20%', over the warm layers when the
+    first sparse layer carried a one-time cost, then with the share that includes it."""
+    share = times.index_share
+    line = (f"index {_ms(times.share_index_ms)} ms, attention {_ms(times.share_attention_ms)} ms over "
+            f"{times.share_over}: index {'-' if share is None else f'{share:.0%}'}")
+    if times.one_time_layer is not None and times.all_layers_share is not None:
+        line += f"; with layer {times.one_time_layer}: index {times.all_layers_share:.0%}"
+    return line
+
+
+def _times_totals(index_ms, attention_ms) -> str:
+    """The totals line of an engine that reported no per-layer times."""
     if index_ms is None and attention_ms is None:
         return "index vs attention time: not measured by this engine"
     if index_ms is None:  # dense attention: there is no index stage
         return f"attention {_ms(attention_ms)} ms over all layers (no index stage); per-layer times not reported"
     total = index_ms + (attention_ms or 0.0)
     share = f" (index {index_ms / total:.0%})" if total > 0 else ""
-    return f"index {_ms(index_ms)} ms, attention {_ms(attention_ms)} ms over all layers{share}; per-layer times not reported"
+    return f"index {_ms(index_ms)} ms, attention {_ms(attention_ms)} ms over the sparse layers{share}; per-layer times not reported"
 
 
 def _fp8_table(per_layer, per_head):

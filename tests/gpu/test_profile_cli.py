@@ -60,6 +60,14 @@ def test_fp_profile_sglang_png_and_json(model, sentences, tmp_path):
     assert grid[0] == [1.0] * config["num_key_value_heads"]  # a dense layer: every head 1.0
     assert all(v is not None and 0.0 < v <= 1.0 for i in sparse for v in grid[i])
     assert min(v for i in sparse for v in grid[i]) < 1.0
+    # stage times: one per sparse layer (fp profile asks the engine for them), summing to the totals
+    assert len(data["index_ms_per_layer"]) == len(data["attention_ms_per_layer"]) == len(sparse)
+    assert sum(data["index_ms_per_layer"]) == pytest.approx(data["index_ms"])
+    assert sum(data["attention_ms_per_layer"]) == pytest.approx(data["attention_ms"])
+    assert 0.0 < data["index_share"] < 1.0 and data["index_share_over"].startswith("layer")
+    assert isinstance(data["times_notes"], list)
+    print(f"{model.name}: index share {data['index_share']:.1%} over {data['index_share_over']}; "
+          f"notes {data['times_notes']}")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from PIL import Image
 

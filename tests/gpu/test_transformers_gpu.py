@@ -84,6 +84,32 @@ def test_smollm2_needle_on_cuda_sparse_bf16(smol_engine):
                 stats.density)
 
 
+def test_stage_times_per_sparse_layer_on_cuda():
+    """With ``timing`` (``fp profile``), CUDA events give one index and one attention time per sparse
+    layer, summing to the totals. Two prefills in one process: the first sparse layer of the first
+    carries the kernels' first calls (compilation or Triton's cache), the second runs warm; both
+    figures are logged (``fpcli.stage_times``), not asserted."""
+    from fpcli.stage_times import stage_times
+
+    eng = load_engine("transformers", str(staged(SMOL)), load_profile("bf16"), timing=True)
+    try:
+        ids, _ = needle_prompt(eng, 6000, seed=5)
+        for run in ("first", "second"):
+            s = eng.generate(ids, max_new_tokens=1).stats
+            assert s.sparse_layers, "no sparse layer at 6K tokens"
+            assert len(s.index_ms_per_layer) == len(s.attention_ms_per_layer) == len(s.sparse_layers)
+            assert all(x > 0 for x in s.index_ms_per_layer + s.attention_ms_per_layer)
+            assert s.index_ms == pytest.approx(sum(s.index_ms_per_layer))
+            assert s.attention_ms == pytest.approx(sum(s.attention_ms_per_layer))
+            t = stage_times(s.sparse_layers, s.index_ms_per_layer, s.attention_ms_per_layer)
+            log.warning("stage times (%s prefill): index %.2f ms, attention %.2f ms over %s: index %.0f%%; "
+                        "layer %d: %.2f ms, median %.2f ms; notes %s", run, t.share_index_ms, t.share_attention_ms,
+                        t.share_over, 100 * (t.index_share or 0), t.layers[0].layer, t.layers[0].total_ms,
+                        t.median_ms or 0.0, list(t.notes))
+    finally:
+        eng.close()
+
+
 def test_fp8_profile_runs_fp8_on_the_transformers_engine():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability >= 8.9")
