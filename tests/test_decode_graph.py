@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fpcli.engine.decode_graph import DecodeGraph, check_graphable, graph_capacity
 from fpcli.engine.transformers_engine import TransformersEngine
 from fpcli.profiles import load_profile
-from flashprefill.integrations.transformers import _sdpa, _sdpa_decode_masked
+from flashprefill.integrations.transformers import _sdpa, flashprefill_attention_forward
 
 TEXT = ("The harbor master logged every vessel that entered the port. The secret berth number is 4417. "
         "Cranes moved containers from the quay to the yard while the tide turned. ") * 12
@@ -112,7 +112,10 @@ def test_mask_hides_the_unwritten_capacity_and_shows_the_current_token(engines):
     assert torch.all(g.values[0][:, :, n + 4:] == -1e4) and not torch.any(g.values[0][:, :, n:n + 4] == -1e4)
 
 
-def test_masked_decode_attention_equals_attention_over_the_filled_keys():
+def test_attention_function_sends_a_masked_decode_step_to_decode_masked():
+    """The attention function with a decode step (``Lq = 1``) and a key mask over a fixed capacity
+    (what the captured step passes) equals its unmasked decode over the filled keys
+    (``decode_masked`` itself: tests/test_decode_masked.py)."""
     gen = torch.Generator().manual_seed(3)
     hkv, groups, d, n, cap = 3, 5, 16, 37, 64
     q = torch.randn(1, hkv * groups, 1, d, generator=gen)
@@ -120,10 +123,14 @@ def test_masked_decode_attention_equals_attention_over_the_filled_keys():
     v = torch.randn(1, hkv, cap, d, generator=gen)
     k[:, :, n:], v[:, :, n:] = 50.0, 1e4  # unwritten slots
     mask = (torch.arange(cap) < n).view(1, 1, 1, cap)
-    got = _sdpa_decode_masked(q, k, v, mask, 0.25, groups)
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    got, _ = flashprefill_attention_forward(module, q, k, v, mask, scaling=0.25)
     want = _sdpa(q, k[:, :, :n], v[:, :, :n], 0.25, groups)
     assert got.shape == want.shape == (1, 1, hkv * groups, d)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="expected a mask"):
+        flashprefill_attention_forward(module, q, k, v, mask[..., :-1], scaling=0.25)
 
 
 HOST_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,  # int(t), t.item()
@@ -175,3 +182,4 @@ def test_check_graphable_refuses_sliding_windows_and_host_side_rope(engines):
                                     rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}))
     with pytest.raises(ValueError, match="capture needs a CUDA device, the model is on cpu"):
         DecodeGraph(engines[0].model, 8, engines[0]._cache_kw).capture()
+

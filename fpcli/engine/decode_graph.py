@@ -27,20 +27,30 @@ What the capture bakes in (read in transformers 5.12.1 and 5.24.0, ``LlamaModel.
   both versions, and any such call would fail it);
 - the mask: ``create_causal_mask`` (called by Llama always, by Qwen2 when ``attention_mask`` is
   not a dict) returns a 4D tensor mask as it is, before it reads any cache size; the attention
-  function (``flashprefill.integrations.transformers``) applies a tensor mask at decode
-  (``Lq == 1``) and reads nothing else from the host;
+  function (``flashprefill.integrations.transformers``) hands a decode step (``Lq == 1``) with a
+  tensor mask to ``flashprefill.integrations.decode_masked`` and reads nothing else from the host;
 - RoPE: cos/sin are computed on the device from ``position_ids``; rope types that update their
   frequencies from the positions in Python (``dynamic``, ``longrope``: a host read of the largest
   position) are refused; default and YaRN (what ``apply_context`` sets) are static;
 - ``logits_to_keep=1`` slices the last position (static);
-- shapes (``[1, 1]`` input, ``capacity`` keys) are fixed, so every kernel's launch shape is too;
-  SDPA's backend choice is made once, at capture, for those shapes;
+- shapes (``[1, 1]`` input, ``capacity`` keys) are fixed, so every kernel's launch shape is too
+  (``decode_masked`` derives its key splits from the capacity alone);
 - sliding-window layers are refused: their window would need a second mask;
 - the attention function records nothing at decode (its per-layer records and ``on_layer``
   belong to the prefill, ``Lq >= 2``).
 
 Greedy only (argmax in the graph); sampling stays on the eager path. Capture needs CUDA; on the
 CPU the same step runs eagerly (``advance``), which is what the CPU tests check.
+
+Speed, Qwen2.5-Coder-0.5B at ~130K tokens on the H200 (docs/benchmarks.md). Measured with the
+earlier masked attentions: 7.46 tokens/s (cuDNN's prefill kernel, tenth session) and 6.49 tokens/s
+(SDPA's math backend, 142.6 ms of a 154 ms step; twelfth session), both below eager decode
+(9.84 tokens/s). Predicted with ``decode_masked`` (not measured in the engine; the default stays
+off until it is): the eager step's kernels other than attention (~2.0 of its 2.6 ms under the
+profiler, ninth session) + ``decode_masked`` over 130,304 slots in 24 layers (2.16 ms, measured
+alone in a graph; its module docstring) + the host's replay launch and one read of ``ids`` per
+token (~0.1 ms) -> ~4.3 ms per step, **150-250 tokens/s** (SGLang: 220 on the same prompt). Wrong
+if the graph decode stays below 100 tokens/s: then read the profile's attention share first.
 """
 from __future__ import annotations
 

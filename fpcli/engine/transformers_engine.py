@@ -42,7 +42,10 @@ request that needs them (capture time counts in that request's TTFT; ``last_capt
 for the next requests; a request that needs more room re-captures at ``decode_graph.GROWTH`` times
 the capacity (the kept KV cache lives on the old buffers and is dropped: that request prefills
 whole). Sampling (``temperature > 0``) decodes eagerly. On the CPU the same static step runs
-eagerly, never captured (what the CPU tests check). The prefill is unchanged.
+eagerly, never captured (what the CPU tests check). The prefill is unchanged. The step's masked
+decode attention is ``flashprefill.integrations.decode_masked`` (split batched GEMMs); the graph
+decode measured on the H200 (6.49 tokens/s at 130K, below eager) ran an earlier one (SDPA's math
+backend), so it stays off until measured again (the prediction: ``decode_graph``'s docstring).
 
 Context: ``profile.engine.context_length`` caps the model's context, or extends it with YaRN when
 it exceeds the native ``max_position_embeddings`` (``fpcli.engine.context``): the YaRN

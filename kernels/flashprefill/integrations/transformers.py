@@ -15,7 +15,8 @@ config.min_sparse_len``) is mapped onto the operator's layout (``docs/layout.md`
 CPU, Triton on CUDA when it takes the dtype and head dim). Dense layers, a runtime without a config
 and decode steps (``Lq == 1``) run ``torch.nn.functional.scaled_dot_product_attention`` with
 bottom-right causal alignment (``_sdpa``: one call, GQA unexpanded, no mask at decode); a decode
-step given a key mask (a captured step reading a fixed KV capacity) applies it (``_sdpa_decode_masked``).
+step given a key mask (a captured step reading a fixed KV capacity) runs ``decode_masked.decode_masked``
+(batched GEMMs split over the keys, float32 scores and softmax; no SDPA kernel fits that case).
 
 Statistics come from the index the attention used: per sparse layer, ``BlockIndex.head_counts()``
 (selected and causally visible key blocks per KV head) stays on the device until
@@ -39,7 +40,6 @@ Imports nothing of ``fp``'s CLI; transformers is imported only by ``register_att
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -50,6 +50,7 @@ from ..api import build_index, flashprefill_attention
 from ..config import SparseConfig
 from ..flops import dense_causal_flops
 from ..plan import make_plan
+from .decode_masked import decode_masked
 from .fp8_error import fp8_error_sums, layer_rel_l2, rel_l2
 
 # Not "flashprefill": transformers 5 treats any implementation name containing "flash" as a
@@ -228,37 +229,6 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: 
     return out.transpose(1, 2).contiguous()
 
 
-def _sdpa_decode_masked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                        scaling: float | None, groups: int) -> torch.Tensor:
-    """A decode step (``Lq == 1``) under a key mask: ``query [B, Hq, 1, d]``, key/value
-    ``[B, Hkv, Lk, d]``, ``mask [B or 1, 1, 1, Lk]`` (bool, True = attend, or additive float)
-    -> ``[B, 1, Hq, d]``.
-
-    The ``groups`` query heads of a KV head become ``groups`` query rows of one SDPA head
-    (``[B, Hkv, groups, d]``): the same keys and the same mask for each, so no ``enable_gqa``
-    (which, with a mask, has no fused kernel and expands K/V to ``Hq`` heads) and no copy of K/V.
-    A captured decode step (``fpcli.engine.decode_graph``) reads the whole KV capacity and masks
-    the slots not yet written, the mask computed on the device from the length.
-
-    On a GPU the call runs SDPA's math backend (two batched GEMMs and a softmax over
-    ``[B, Hkv, groups, Lk]`` scores: 7 MB in float32 at 130K keys, 2 KV heads, 7 rows): with a
-    mask SDPA otherwise picks a fused prefill kernel that parallelises over query tiles and heads
-    only, and for ``groups`` rows of ``Hkv`` heads one or two thread blocks walk all ``Lk`` keys
-    (cuDNN's flash kernel took 5.7 ms per layer at 130K on the H200, docs/benchmarks.md, tenth
-    session); the GEMMs spread the keys over the whole GPU. Its cost: the math backend computes
-    in float32, so each call makes float32 copies of K and V (``2 x B x Hkv x Lk x d x 4`` bytes,
-    ~130 MB per layer at 130K for 2 KV heads of d 64, ~1 GB for 8 of d 128), freed at the end of
-    the call (lab, unmeasured; a split-KV kernel reading the length from the device would not copy).
-    """
-    b, hq, _, d = query.shape
-    q = query.reshape(b, key.shape[1], groups, d)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel(SDPBackend.MATH) if q.is_cuda else contextlib.nullcontext():
-        out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
-    return out.reshape(b, 1, hq, d)
-
-
 MASK_ELEMENTS = 1 << 24  # at most this many [rows, Lk] mask entries per SDPA call of a chunk after a prefix
 
 
@@ -305,7 +275,8 @@ def flashprefill_attention_forward(
             ``install_flashprefill``; without one it attends densely).
         query: ``[B, Hq, Lq, d]``, RoPE applied. key, value: ``[B, Hkv, Lk, d]``, cache included.
         attention_mask: at a decode step (``Lq == 1``), a key mask ``[B or 1, 1, 1, Lk]``
-            applied as given (bool True = attend, or additive; a captured decode step passes one);
+            applied as given by ``decode_masked`` (bool True = attend, or additive; a captured
+            decode step passes one);
             otherwise ignored for batch size 1 (this function applies bottom-right causal masking
             itself; transformers builds no mask for this attention implementation).
         scaling: softmax scale ``τ``.
@@ -314,7 +285,7 @@ def flashprefill_attention_forward(
         ``(out [B, Lq, Hq, d], None)`` in query's dtype.
 
     Raises:
-        ValueError: a mask with batch size > 1 (a padded batch).
+        ValueError: a mask with batch size > 1 (a padded batch); a decode mask of another shape.
     """
     rt: FlashPrefillRuntime = getattr(module, "fp_runtime", None) or _DENSE_RUNTIME
     groups = query.shape[1] // key.shape[1]
@@ -324,7 +295,7 @@ def flashprefill_attention_forward(
     if attention_mask is not None and bsz > 1:  # no .all(): a causal mask is never all True, and it syncs
         raise ValueError(f"flashprefill attention: padded batches are not supported: batch size 1 only, got {bsz}")
     if lq == 1 and attention_mask is not None:  # a decode step reading a fixed capacity (decode graph)
-        return _sdpa_decode_masked(query, key, value, attention_mask, scaling, groups), None
+        return decode_masked(query, key, value, attention_mask, scaling), None
     if lq < rt.min_prefill_len:
         return _sdpa(query, key, value, scaling, groups), None
     sparse = (
