@@ -183,3 +183,44 @@ def test_check_graphable_refuses_sliding_windows_and_host_side_rope(engines):
     with pytest.raises(ValueError, match="capture needs a CUDA device, the model is on cpu"):
         DecodeGraph(engines[0].model, 8, engines[0]._cache_kw).capture()
 
+
+class HostReads(TorchDispatchMode):
+    """Counts the ops that read a tensor value on the host (``HOST_READS``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func in HOST_READS
+        return func(*args, **(kwargs or {}))
+
+
+def host_reads(eng: TransformersEngine, prompt: list[int], tokens: int, monkeypatch) -> int:
+    """Host reads of tensor values during one ``generate`` of ``tokens`` answer tokens: the ops
+    ``HostReads`` sees plus ``Tensor.tolist`` / ``Tensor.numpy`` calls (they read the memory
+    without dispatching an op). On a GPU each is a host sync; the kept cache is dropped after."""
+    unseen: list[str] = []
+    with monkeypatch.context() as mp:
+        for name in ("tolist", "numpy"):
+            orig = getattr(torch.Tensor, name)
+            mp.setattr(torch.Tensor, name, lambda self, *a, _o=orig, _n=name, **kw: unseen.append(_n) or _o(self, *a, **kw))
+        with HostReads() as mode:
+            r = eng.generate(prompt, max_new_tokens=tokens)
+    assert r.output_tokens == tokens
+    eng._cache, eng._cache_ids = None, []
+    return mode.reads + len(unseen)
+
+
+@pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
+def test_one_host_read_per_answer_token(engines, graph, monkeypatch):
+    """The engine's decode loop reads one value per answer token (the picked id: EOS, streamed
+    text), with the static step and with the eager forward: short, long and short answers again,
+    so a read that happens once per request (or only on the first) cannot pass for a per-token one.
+    What the GPU test counts as syncs (tests/gpu/test_decode_graph_gpu.py), here as host reads."""
+    eng = engines[1] if graph else engines[0]
+    assert eng.decode_graph is graph
+    prompt = eng.encode_chat(None, TEXT[:600])
+    eng._cache, eng._cache_ids = None, []
+    short, long, again = (host_reads(eng, prompt, n, monkeypatch) for n in (3, 3 + 9, 3))
+    assert (short, long, again) == (3, 12, 3)  # the prefill's pick, then one per decode step
