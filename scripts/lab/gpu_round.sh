@@ -7,7 +7,7 @@
 # table; BENCH_ARGS="--fp8 --e2e --model M" adds the end-to-end table, bf16 / fp8 / dense engines), benchcli (its GPU test), transformers (the
 # transformers engine's GPU tests), variants (scripts/lab/fp8_variants.py), cold (scripts/lab/cold_start.py), ws / probe
 # (scripts/lab/ws_probe.py: its GPU test / its timing), decode (scripts/lab/decode_profile.py at 130K),
-# graph (the CUDA-graph decode's GPU tests, then decode with --cuda-graph), needle (scripts/lab/needle_recall.py: Qwen at
+# graph (the CUDA-graph decode's GPU tests and its attention's, then decode with --cuda-graph), needle (scripts/lab/needle_recall.py: Qwen at
 # 128K, one niah_multikey sample, one-shot vs 16K chunks, configs dense,base). EVAL_ARGS: more fp eval options
 # (one word each, e.g. --engine=transformers); LIM: a test part's time limit. Logs and JSON land in $OUT; a short table is printed last.
 set -u
@@ -49,7 +49,7 @@ for part in "$@"; do
     decode)   t python scripts/lab/decode_profile.py --len ${DECODE_LEN:-130000} --context 128k --steps ${DECODE_STEPS:-64} \
                 ${DECODE_ARGS:-} --out "$OUT" > "$OUT/decode.log" 2>&1
               tail -${DECODE_TAIL:-30} "$OUT/decode.log" | tee -a "$SUM" ;;
-    graph)    pyt graph ${LIM:-300} tests/gpu/test_decode_graph_gpu.py -s
+    graph)    pyt graph ${LIM:-300} tests/gpu/test_decode_masked_gpu.py tests/gpu/test_decode_graph_gpu.py -s
               DECODE_ARGS=--cuda-graph bash "$0" decode ;;
     variants) t python scripts/lab/fp8_variants.py --lens ${VARIANT_LENS:-128k,32k} --shapes ${VARIANT_SHAPES:-32/8/128} \
         --variants ${VARIANTS:-shipped,poly_fold,pipe_fold,meanvec,fusedidx,pipe_fold_meanvec_fusedidx} --out "$OUT" \
