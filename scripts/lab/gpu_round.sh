@@ -4,7 +4,7 @@
 # PARTs: kernels (operator GPU tests), fp8 (FP8 kernel tests), engines1 / engines2 / fp8engine (engine and CLI GPU
 # tests), user (fp start / fp ask x2 / fp status / fp stop / fp profile on real TeX manuals, as a user
 # runs them), eval (fp eval at 32K and 128K, $EVAL_PROFILES or dense / bf16 / fp8, two seeds), bench (fp bench: the operator
-# table; BENCH_ARGS="--fp8 --e2e --model M" adds the end-to-end table, bf16 / fp8 / dense engines), benchcli (its GPU test), transformers (the
+# table; BENCH_ARGS="--fp8 --e2e --model M" adds the end-to-end table, bf16 / fp8 / dense engines), benchcli (its GPU test), stats (tests/gpu/test_stats_cuda.py alone), transformers (the
 # transformers engine's GPU tests), variants (scripts/lab/fp8_variants.py), cold (scripts/lab/cold_start.py), ws / probe
 # (scripts/lab/ws_probe.py: its GPU test / its timing), decode (scripts/lab/decode_profile.py at 130K),
 # graph (the CUDA-graph decode's GPU tests and its attention's, then decode with --cuda-graph), needle (scripts/lab/needle_recall.py: Qwen at
@@ -43,6 +43,7 @@ for part in "$@"; do
     engines1) pyt engines1 ${LIM:-420} tests/gpu/test_profile_cli.py tests/gpu/test_resident_engine.py ;;
     engines2) pyt engines2 ${LIM:-540} tests/gpu/test_sglang_engine.py tests/gpu/test_sessions_gpu.py ;;
     fp8engine) pyt fp8engine ${LIM:-400} tests/gpu/test_fp8_engine.py ;;
+    stats)    pyt stats ${LIM:-200} tests/gpu/test_stats_cuda.py ;;
     benchcli) pyt benchcli ${LIM:-600} tests/gpu/test_bench_cli.py ;;
     engines3) pyt engines3 ${LIM:-540} tests/gpu/test_cold_start.py tests/gpu/test_eval_gpu.py -s ;;
     transformers) pyt transformers ${LIM:-300} tests/gpu/test_transformers_gpu.py tests/gpu/test_transformers_decode_gpu.py -s ;;
