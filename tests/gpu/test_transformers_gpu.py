@@ -92,6 +92,9 @@ def test_stage_times_per_sparse_layer_on_cuda():
     from fpcli.stage_times import stage_times
 
     eng = load_engine("transformers", str(staged(SMOL)), load_profile("bf16"), timing=True)
+    # the same prompt twice: without this the second request reuses the first one's KV cache and
+    # prefills one token, with no sparse layer (the H200 run of 2026-12-03 failed here)
+    eng.reuse_cache = False
     try:
         ids, _ = needle_prompt(eng, 6000, seed=5)
         for run in ("first", "second"):
