@@ -17,7 +17,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fpcli.engine.decode_graph import DecodeGraph, check_graphable, graph_capacity
+from fpcli.engine.decode_graph import (
+    GRAPH_MIN_NEW_TOKENS, DecodeGraph, check_graphable, decode_graph_choice, graph_capacity,
+)
 from fpcli.engine.transformers_engine import TransformersEngine
 from fpcli.profiles import load_profile
 from flashprefill.integrations.transformers import _sdpa, flashprefill_attention_forward
@@ -182,6 +184,59 @@ def test_check_graphable_refuses_sliding_windows_and_host_side_rope(engines):
                                     rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}))
     with pytest.raises(ValueError, match="capture needs a CUDA device, the model is on cpu"):
         DecodeGraph(engines[0].model, 8, engines[0]._cache_kw).capture()
+
+
+def test_default_choice_follows_the_profile_on_cuda_and_falls_back_where_the_step_cannot_be_captured():
+    from transformers import LlamaConfig, Qwen2Config
+
+    full = LlamaConfig(num_hidden_layers=2)
+    sliding = Qwen2Config(num_hidden_layers=2, layer_types=["full_attention", "sliding_attention"],
+                          use_sliding_window=True, sliding_window=64)
+    assert decode_graph_choice(None, True, "cuda", full) == (True, None)
+    assert decode_graph_choice(None, False, "cuda", full) == (False, "the profile sets engine.cuda_graph_decode: false")
+    assert decode_graph_choice(None, True, "cpu", full) == (False, "no CUDA graphs on the cpu")
+    on, why = decode_graph_choice(None, True, "cuda", sliding)  # the default never raises: eager, and why
+    assert not on and "full-attention layers only" in why
+    assert decode_graph_choice(False, True, "cuda", full)[0] is False
+    assert decode_graph_choice(True, False, "cpu", full) == (True, None)  # asked explicitly: on, even on the CPU
+    with pytest.raises(ValueError, match="full-attention layers only"):
+        decode_graph_choice(True, True, "cuda", sliding)
+
+
+def test_engine_default_is_eager_on_the_cpu_and_a_failed_capture_falls_back_to_eager(smollm2, engines, monkeypatch):
+    eager, graphed = engines
+    assert eager.decode_graph is False and eager.decode_graph_off == "no CUDA graphs on the cpu"
+    assert graphed.decode_graph is True and graphed.decode_graph_required
+    prompt = eager.encode_chat(None, TEXT + "\n\nWhat is the secret berth number?")
+    want = eager.generate(prompt, max_new_tokens=GRAPH_MIN_NEW_TOKENS).text
+    eager._cache, eager._cache_ids = None, []
+
+    def broken(tokens):
+        raise RuntimeError("CUDA error: out of memory (injected)")
+
+    with TransformersEngine(smollm2, load_profile("dense")) as eng:
+        eng.eos_ids = eager.eos_ids
+        eng.decode_graph = True  # as the default choice turns it on with a CUDA device
+        monkeypatch.setattr(eng, "decode_graph_for", broken)
+        r = eng.generate(prompt, max_new_tokens=GRAPH_MIN_NEW_TOKENS)
+        assert r.text == want and r.output_tokens == GRAPH_MIN_NEW_TOKENS
+        assert eng.decode_graph is False and "capture failed (RuntimeError: CUDA error: out of memory" in eng.decode_graph_off
+        graphed_required = graphed.decode_graph_for
+        monkeypatch.setattr(graphed, "decode_graph_for", broken)
+        with pytest.raises(RuntimeError, match="injected"):  # decode_graph=True asked for it: no silent fallback
+            graphed.generate(prompt, max_new_tokens=GRAPH_MIN_NEW_TOKENS)
+        monkeypatch.setattr(graphed, "decode_graph_for", graphed_required)
+
+
+def test_short_answers_skip_the_graph_under_the_default_choice(smollm2, engines):
+    eager, _ = engines
+    prompt = eager.encode_chat(None, TEXT + "\n\nWhat is the secret berth number?")
+    with TransformersEngine(smollm2, load_profile("dense")) as eng:
+        eng.decode_graph = True  # the default choice on a CUDA device; on the CPU its step runs eagerly
+        eng.generate(prompt, max_new_tokens=GRAPH_MIN_NEW_TOKENS - 1)
+        assert eng._graph is None  # a one-token answer (fp profile) never pays a capture
+        eng.generate(prompt, max_new_tokens=GRAPH_MIN_NEW_TOKENS)
+        assert eng._graph is not None
 
 
 class HostReads(TorchDispatchMode):

@@ -187,7 +187,7 @@ def check_engine_args(engine: str, engine_args: Sequence[str]) -> None:
 def load_engine(engine: str = "auto", model: str | None = None, profile=None, progress=None,
                 engine_args: Sequence[str] = (), verbose: bool = False, timing: bool = False,
                 compare_fp8: bool = False, max_requests: int | None = None, warmup: bool = True,
-                one_request: bool = False, decode_graph: bool = False) -> Engine:
+                one_request: bool = False, decode_graph: bool | None = None) -> Engine:
     """Resolve ``model`` and load it with ``engine``.
 
     Args:
@@ -219,10 +219,11 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
             docs/benchmarks.md). The transformers engine has no warm-up.
         one_request: the command sends one prompt (``fp ask``, ``fp profile`` in-process): ``"auto"``
             resolves to the transformers engine (``choose_engine``).
-        decode_graph: the transformers engine replays a CUDA graph of one greedy decode step
-            (``TransformersEngine(decode_graph=True)``, ``fpcli.engine.decode_graph``). Lab, off by
-            default until measured on the H200; SGLang's decode graphs follow the profile's
-            ``engine.cuda_graph_decode``.
+        decode_graph: the transformers engine's greedy decode replays a CUDA graph of one step
+            (``fpcli.engine.decode_graph``): ``None`` = the profile's ``engine.cuda_graph_decode`` on
+            a CUDA device (eager where the step cannot be captured; ``decode_graph_choice``),
+            ``True`` / ``False`` = always / never (``TransformersEngine``). SGLang's decode graphs
+            follow ``engine.cuda_graph_decode`` alone.
 
     Raises:
         EngineUnavailable: ``engine="sglang"`` where SGLang or CUDA is missing (names what to

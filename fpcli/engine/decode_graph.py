@@ -45,12 +45,12 @@ CPU the same step runs eagerly (``advance``), which is what the CPU tests check.
 Speed, Qwen2.5-Coder-0.5B at ~130K tokens on the H200 (docs/benchmarks.md). Measured with the
 earlier masked attentions: 7.46 tokens/s (cuDNN's prefill kernel, tenth session) and 6.49 tokens/s
 (SDPA's math backend, 142.6 ms of a 154 ms step; twelfth session), both below eager decode
-(9.84 tokens/s). Predicted with ``decode_masked`` (not measured in the engine; the default stays
-off until it is): the eager step's kernels other than attention (~2.0 of its 2.6 ms under the
-profiler, ninth session) + ``decode_masked`` over 130,304 slots in 24 layers (2.16 ms, measured
-alone in a graph; its module docstring) + the host's replay launch and one read of ``ids`` per
-token (~0.1 ms) -> ~4.3 ms per step, **150-250 tokens/s** (SGLang: 220 on the same prompt). Wrong
-if the graph decode stays below 100 tokens/s: then read the profile's attention share first.
+(9.84 tokens/s). With ``decode_masked`` (thirteenth session, ``scripts/lab/decode_profile.py --len
+130000 --cuda-graph``, 64 steps): **202 tokens/s**, 4.95 ms a step (median 4.15), capture 0.57 s,
+one host sync per step, within the prediction written before the run (the eager step's other
+kernels ~2.0 ms + ``decode_masked`` 2.16 ms + ~0.1 ms host: ~4.3 ms, 150-250 tokens/s; SGLang: 220
+on the same prompt). So the transformers engine decodes through the graph by default on a CUDA
+device (``decode_graph_choice``), for answer budgets of ``GRAPH_MIN_NEW_TOKENS`` or more.
 """
 from __future__ import annotations
 
@@ -95,6 +95,44 @@ class _StepLayer(DynamicLayer):
     def get_seq_length(self, *args, **kwargs) -> int:
         raise RuntimeError("decode graph: the cache length lives on the device (position); "
                            "a host-side length would be baked into the captured step")
+
+
+GRAPH_MIN_NEW_TOKENS = 8
+"""Answer budgets below this decode eagerly under the default choice (``decode_graph=None``): a
+capture costs about six eager steps (H200, Qwen2.5-Coder-0.5B at 130K: 0.57 s against ~100 ms a
+step; thirteenth session, docs/benchmarks.md), so a one-token answer (``fp profile``) never pays it."""
+
+
+def decode_graph_choice(asked: bool | None, profile_graphs: bool, device_type: str, config) -> tuple[bool, str | None]:
+    """Whether the transformers engine decodes through a CUDA graph, and if not, why.
+
+    Args:
+        asked: ``TransformersEngine(decode_graph=...)``: ``True`` always (a model that cannot be
+            captured raises), ``False`` never, ``None`` the default below.
+        profile_graphs: the profile's ``engine.cuda_graph_decode``.
+        device_type: ``"cuda"`` or ``"cpu"``: by default only a CUDA device captures.
+        config: the model's transformers config (``check_graphable``).
+
+    Returns:
+        ``(on, reason_off)``: ``reason_off`` is ``None`` when on, else one line for the user.
+
+    Raises:
+        ValueError: ``asked=True`` for a model whose step cannot be captured (``check_graphable``).
+    """
+    if asked is True:
+        check_graphable(config)
+        return True, None
+    if asked is False:
+        return False, "decode_graph=False"
+    if not profile_graphs:
+        return False, "the profile sets engine.cuda_graph_decode: false"
+    if device_type != "cuda":
+        return False, f"no CUDA graphs on the {device_type}"
+    try:
+        check_graphable(config)
+    except ValueError as exc:
+        return False, str(exc)
+    return True, None
 
 
 def check_graphable(config) -> None:

@@ -35,8 +35,9 @@ text). The KV cache is reserved for the prompt and the answer budget when the re
 (``fpcli.engine.kv_cache``): a decode step writes its token's keys/values in place, where
 transformers' ``DynamicCache`` copied the whole cache of every layer per token.
 
-CUDA-graph decode (lab, off by default: ``decode_graph=True``): greedy decode steps replay one
-captured step (``fpcli.engine.decode_graph``) instead of running transformers' forward per token;
+CUDA-graph decode (on a GPU by default: the profile's ``engine.cuda_graph_decode``, as for SGLang;
+``decode_graph_choice`` decides): greedy decode steps of answers of ``GRAPH_MIN_NEW_TOKENS`` or more
+tokens replay one captured step (``fpcli.engine.decode_graph``) instead of running transformers' forward per token;
 the graph and its KV buffers (prompt + answer budget, rounded up) are captured at the first
 request that needs them (capture time counts in that request's TTFT; ``last_capture_s``) and kept
 for the next requests; a request that needs more room re-captures at ``decode_graph.GROWTH`` times
@@ -45,7 +46,10 @@ whole). Sampling (``temperature > 0``) decodes eagerly. On the CPU the same stat
 eagerly, never captured (what the CPU tests check). The prefill is unchanged. The step's masked
 decode attention is ``flashprefill.integrations.decode_masked`` (split batched GEMMs); the graph
 decode measured on the H200 (6.49 tokens/s at 130K, below eager) ran an earlier one (SDPA's math
-backend), so it stays off until measured again (the prediction: ``decode_graph``'s docstring).
+backend); with ``decode_masked`` it ran 202 tokens/s at 130K against eager's 9.84 (H200, thirteenth
+session, docs/benchmarks.md), so it is on by default where it can be captured. A model whose step
+cannot be captured (``decode_graph.check_graphable``), or a capture that fails, decodes eagerly,
+and ``decode_graph_off`` says why (only ``decode_graph=True`` asked explicitly raises instead).
 
 Context: ``profile.engine.context_length`` caps the model's context, or extends it with YaRN when
 it exceeds the native ``max_position_embeddings`` (``fpcli.engine.context``): the YaRN
@@ -58,6 +62,7 @@ avoids it.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import time
 from typing import Callable
@@ -70,7 +75,10 @@ from flashprefill.integrations.transformers import (
 
 from .base import GenerationResult, PrefillStats, check_fp8_profile, ran_precision
 from .context import ContextPlan, plan_context
+from .decode_graph import GRAPH_MIN_NEW_TOKENS, decode_graph_choice
 from .tokens import common_prefix_len, token_starts
+
+log = logging.getLogger(__name__)
 
 DTYPE_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -162,9 +170,10 @@ class TransformersEngine:
         compare_fp8: with an FP8 profile, also run the BF16 operator in every sparse layer and
             report the FP8-vs-BF16 output error per layer and KV head
             (``PrefillStats.fp8_rel_l2_per_layer``; ``fp profile --fp8``). Off by default.
-        decode_graph: greedy decode replays a CUDA graph of one step (module docstring). Lab, off
-            by default until measured on the H200; not the profile's ``engine.cuda_graph_decode``
-            (SGLang's).
+        decode_graph: greedy decode replays a CUDA graph of one step (module docstring): ``None``
+            (default) = the profile's ``engine.cuda_graph_decode`` on a CUDA device, falling back to
+            eager decode where the step cannot be captured; ``True`` = always (on the CPU the same
+            static step runs eagerly; a model that cannot be captured raises); ``False`` = never.
 
     KV reuse: the kept cache holds the last prompt and the answer tokens fed back during its
     decode; the next ``generate`` crops it to the common prefix with the new prompt ids (at most
@@ -186,7 +195,7 @@ class TransformersEngine:
 
     def __init__(self, model_path, profile=None, model_name: str | None = None, device: str | None = None,
                  timing: bool = False, reuse_cache: bool = True, compare_fp8: bool = False,
-                 decode_graph: bool = False) -> None:
+                 decode_graph: bool | None = None) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -240,13 +249,11 @@ class TransformersEngine:
         self._cache = None  # KV cache (kv_cache.reserved_cache) of the last request, holding _cache_ids
         self._cache_ids: list[int] = []
         self._cache_kw = cache_argument(self.model)
-        self.decode_graph = decode_graph
-        self._graph = None  # decode_graph.DecodeGraph of the last greedy request (decode_graph=True)
+        self._graph = None  # decode_graph.DecodeGraph of the last greedy request (decode_graph on)
         self.last_capture_s: float | None = None  # seconds the last generate spent capturing; None: none
-        if decode_graph:
-            from .decode_graph import check_graphable
-
-            check_graphable(self.model.config)
+        self.decode_graph_required = decode_graph is True
+        self.decode_graph, self.decode_graph_off = decode_graph_choice(
+            decode_graph, profile.engine.cuda_graph_decode, self.device.type, self.model.config)
 
     # -- contract ------------------------------------------------------------------------------
 
@@ -297,7 +304,9 @@ class TransformersEngine:
         max_new = min(max_new_tokens, budget)
         self.runtime.reset()
         self.last_capture_s = None
-        graph = self.decode_graph_for(n_prompt + max_new) if self.decode_graph and temperature <= 0 else None
+        graph = None
+        if self.decode_graph and temperature <= 0 and (self.decode_graph_required or max_new >= GRAPH_MIN_NEW_TOKENS):
+            graph = self._graph_or_eager(n_prompt + max_new)
         cache, cached = self._take_cache(prompt_ids, n_prompt + max_new, graph)  # ours until this call succeeds
         ids = torch.tensor([prompt_ids[cached:]], dtype=torch.long, device=self.device)
         if on_cached is not None:
@@ -367,6 +376,23 @@ class TransformersEngine:
             cached_tokens=cached,
             device=self.device.type,
         )
+
+    def _graph_or_eager(self, tokens: int):
+        """``decode_graph_for(tokens)``; when the graph was not asked for explicitly
+        (``decode_graph=None``), a failed capture turns the graph decode off for this engine
+        (``decode_graph_off`` says why, a warning is logged) and returns ``None``: eager decode."""
+        try:
+            return self.decode_graph_for(tokens)
+        except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager decode
+            if self.decode_graph_required:
+                raise
+            self._graph, self._cache, self._cache_ids = None, None, []
+            self.decode_graph = False
+            self.decode_graph_off = f"the capture failed ({type(exc).__name__}: {exc})"
+            log.warning("CUDA-graph decode off: %s; decoding eagerly", self.decode_graph_off)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return None
 
     def decode_graph_for(self, tokens: int):
         """The ``decode_graph.DecodeGraph`` with room for ``tokens`` KV tokens: the kept one, or a

@@ -5,7 +5,7 @@ per layer at decode, one host sync per token). Run on the device::
 
 (a) SmolLM2-135M, dense profile, a ~6K needle: the engine's greedy tokens equal those of a stock
 transformers model (``attn_implementation="sdpa"``, ``DynamicCache``) run one forward per token.
-(b) The same engine: exactly one host sync per decode step (``torch.cuda.set_sync_debug_mode``
+(b) The same engine (eager decode: ``decode_graph=False``; the CUDA-graph decode is test_decode_graph_gpu.py): exactly one host sync per decode step (``torch.cuda.set_sync_debug_mode``
 warns on every synchronizing call: the read of the picked token), none that grows with the steps.
 (c) Qwen2.5-Coder-0.5B at 131,072 tokens (YaRN), profile bf16 as ``fp ask`` loads it, a ~100K
 needle: the engine's greedy tokens equal a forward loop of the same model (the same sparse
@@ -60,7 +60,7 @@ def engine_tokens(eng, prompt: list[int], steps: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def smol_dense():
-    eng = load_engine("transformers", str(staged(SMOL)), load_profile("dense"), progress=False)
+    eng = load_engine("transformers", str(staged(SMOL)), load_profile("dense"), progress=False, decode_graph=False)
     eng.eos_ids = set()
     yield eng
     eng.close()
@@ -100,7 +100,7 @@ def test_one_host_sync_per_decode_step(smol_dense):
 def test_qwen_128k_decode_matches_a_dynamic_cache_forward_loop():
     staged(QWEN)
     prof = with_context_length(load_profile("bf16"), 131072)
-    with load_engine("transformers", str(QWEN), prof, progress=False) as eng:
+    with load_engine("transformers", str(QWEN), prof, progress=False, decode_graph=False) as eng:
         eng.eos_ids = set()
         prompt, _ = needle_prompt(eng, 100_000, seed=7)
         got = engine_tokens(eng, prompt, 8)
