@@ -802,6 +802,29 @@ def test_bench_e2e_fp8_runs_the_operator_table_then_bf16_fp8_and_dense(runner, g
     assert data["e2e"]["notes"] == ["at 4096 tokens bf16, fp8 ran dense: prompts below min_sparse_len 8,192"]
 
 
+def test_bench_e2e_context_beyond_the_model_is_a_usage_error_before_anything_runs(runner, gpu_bench, tmp_path):
+    operator, engine, _ = gpu_bench
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
+    # 128K + the answer margin is beyond 8 x 8,192 tokens (YaRN's limit): said before the operator table
+    r = invoke(runner, ["bench", "--e2e", "--len", "8k,128k", "--model", str(small)])
+    assert r.exit_code == 2 and "needs a context of 131,328 tokens" in r.stderr and "at most 65,536" in r.stderr
+    assert not operator and not engine._started
+    r = invoke(runner, ["bench", "--e2e-only", "--len", "1m", "--model", "smollm2-135m-instruct"])  # an embedded name
+    assert r.exit_code == 2 and "needs a context" in r.stderr and not engine._started
+
+
+def test_bench_e2e_default_model_is_the_gpu_default_of_fp_ask(runner, gpu_bench, monkeypatch, tmp_path):
+    from fpcli import models
+
+    asked = []
+    monkeypatch.setattr(models, "resolve_model", lambda spec, progress=None: asked.append(spec) or tmp_path / "model")
+    r = invoke(runner, ["bench", "--e2e-only", "--len", "128k", "--json"])
+    assert r.exit_code == 0, r.output
+    assert asked == [models.default_model("sglang").name] == ["qwen2.5-coder-0.5b-instruct"]
+
+
 def test_bench_e2e_only_and_without_fp8(runner, gpu_bench):
     operator, engine, model = gpu_bench
     r = invoke(runner, ["bench", "--e2e-only", "--len", "16k", "--json", "--model", str(model)])

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from fpcli.commands import FpCommand, check_model_or_exit, fail, load_profile_or_exit, note, stderr_console, warning
-from fpcli.models import DEFAULT_MODEL
+from fpcli.models import QWEN_CODER
 
 app = typer.Typer()
 
@@ -65,7 +65,7 @@ def bench(
     head_dim: Annotated[int, typer.Option("--head-dim", min=16, help="Operator table: head dimension d.")] = 128,
     e2e: Annotated[bool, typer.Option("--e2e", help="After the operator table, the end-to-end TTFT through the engine in the same run: the profile (with --fp8 its BF16 and FP8 twins) and dense side by side. Needs a CUDA GPU.")] = False,
     e2e_only: Annotated[bool, typer.Option("--e2e-only", help="The end-to-end TTFT alone, without the operator table.")] = False,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help=f"Model for --e2e, as for fp ask. Default: {DEFAULT_MODEL} (the embedded CPU default, on any device).")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help=f"Model for --e2e, as for fp ask. Default: {QWEN_CODER} (the GPU default of fp ask, extended with YaRN to the longest --len).")] = None,
     profile: Annotated[Optional[str], typer.Option("--profile", "-p", help="Profile (bf16, fp8, or a path): the operator table runs its sparse settings (without --profile: the default SparseConfig, not the bf16 profile's), --e2e its engine (default: bf16). Not dense: the dense baselines are in every run.", show_default=False)] = None,
     cpu: Annotated[bool, typer.Option("--cpu", help="Tiny CPU reference run of the operator table (short lengths only); NOT representative of GPU speed.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the tables' rows as one JSON object on stdout (schema fp.bench/2).")] = False,
@@ -108,13 +108,18 @@ def bench(
     e2e_profiles = _e2e_profiles(prof, fp8) if with_e2e else []
     model_path = None
     if with_e2e:
-        from fpcli.models import ModelError, resolve_model
+        from fpcli.models import ModelError, default_model, resolve_model
 
         check_model_or_exit(model)
+        if model is None:  # the e2e part runs SGLang: the GPU default model, as fp ask's
+            model = default_model("sglang").name
+        checked = _check_e2e_context_or_exit(model, model, lengths)  # embedded names: before any fetch
         try:
             model_path = str(resolve_model(model, progress=err))
         except ModelError as exc:
             fail(str(exc))
+        if not checked:
+            _check_e2e_context_or_exit(model, model_path, lengths)
 
     operator_part = e2e_part = None
     if run_operator:
@@ -158,6 +163,28 @@ def _operator_device_or_exit(cuda: bool, cpu: bool, lengths: list[int], json_out
         if json_out:  # the table says it otherwise, once, in its header
             warning(err, "CPU reference run: correctness plumbing only, NOT representative of GPU speed")
     return device
+
+
+def _check_e2e_context_or_exit(model: str, spec: str, lengths: list[int]) -> bool:
+    """Exit 2, before anything runs, when ``model`` cannot be run at the context the end-to-end
+    part needs (the longest length plus ``fpcli.ttft.ANSWER_MARGIN``; YaRN up to
+    ``MAX_YARN_FACTOR`` x the native context: ``fpcli.engine.context.plan_context``). ``spec``: an
+    embedded name or a model folder (``fpcli.models.known_context_length``). Returns whether the
+    native context could be read (``False``: left to the engine)."""
+    from fpcli.engine.context import ContextError, plan_context
+    from fpcli.models import known_context_length
+    from fpcli.ttft import ANSWER_MARGIN
+
+    native = known_context_length(spec)
+    if native is None:
+        return False
+    need = max(lengths) + ANSWER_MARGIN
+    try:
+        plan_context({"max_position_embeddings": native}, need, model=model)
+    except ContextError as exc:
+        fail(f"--len {max(lengths):,} needs a context of {need:,} tokens ({ANSWER_MARGIN} for the question "
+             f"and the answer): {exc}; use a shorter --len or another --model", code=2)
+    return True
 
 
 def _e2e_profiles(prof, fp8: bool) -> list:
