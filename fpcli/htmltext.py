@@ -105,6 +105,19 @@ def html_to_text(markup: str) -> str:
     return "\n".join(parser.lines)
 
 
+def looks_like_html(data: bytes) -> bool:
+    """Whether ``data`` (the start of a stream with no name, e.g. standard input) is an HTML page:
+    after an optional BOM, whitespace, an XML declaration or comments, its first 1 KiB opens with
+    ``<!DOCTYPE html`` or ``<html`` (any case).
+
+    >>> looks_like_html(b"  <!doctype html><title>t</title>"), looks_like_html(b"a < b and <html> later")
+    (True, False)
+    """
+    head = data[:1024].lstrip(b"\xef\xbb\xbf").lower()
+    head = re.sub(rb"^(\s|<\?xml[^>]*\?>|<!--.*?-->)*", b"", head, flags=re.S)
+    return head.startswith((b"<!doctype html", b"<html"))
+
+
 def is_html_name(name: str) -> bool:
     """Whether a file name has an HTML suffix (``.html``, ``.htm``, ``.xhtml``; any case)."""
     return name.lower().endswith(HTML_SUFFIXES)

@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Callable
 
-from fpcli.htmltext import html_to_text, is_html_name
+from fpcli.htmltext import html_to_text, is_html_name, looks_like_html
 
 if TYPE_CHECKING:
     from fpcli.doccache import DiskCache
@@ -71,7 +71,8 @@ class Document:
 
     Attributes:
         name: the path as the user gave it (``-`` for standard input).
-        kind: ``pdf``, ``html`` (visible text only), ``text`` or ``stdin-pdf`` / ``stdin-text``.
+        kind: ``pdf``, ``html`` (visible text only), ``text`` or ``stdin-pdf`` / ``stdin-html`` /
+            ``stdin-text`` (standard input: a PDF by its header, HTML by ``htmltext.looks_like_html``).
         text: extracted text; pages joined by blank lines (empty when ``error`` is set).
         pages: page count (PDF only).
         page_starts: character offset in ``text`` where each extracted page begins, as
@@ -224,6 +225,8 @@ def ingest_one(
                 data = data.encode("utf-8")
             if _is_pdf(data):
                 return _name_stdin(read_pdf(io.BytesIO(data), STDIN, password, page_timeout, kind="stdin-pdf"))
+            if looks_like_html(data):  # a page piped in (curl URL | fp ask - ...): its visible text
+                return _name_stdin(read_text_bytes(data, STDIN, kind="stdin-html", convert=html_to_text))
             return _name_stdin(read_text_bytes(data, STDIN, kind="stdin-text"))
         if cache is not None:
             return _read_cached(path, Path(path).read_bytes(), password, page_timeout, cache)

@@ -388,6 +388,22 @@ def test_utf8_bom_dropped_and_binary_rejected(tmp_path):
     assert not b.ok and "binary" in b.error
 
 
+def test_stdin_html_is_read_as_its_visible_text_as_a_file_named_html_is(tmp_path):
+    page = ("\ufeff<?xml version='1.0'?>\n<!-- saved page -->\n<!DOCTYPE html><html><head><title>textwrap</title>"
+            "<style>p {color: red}</style><script>var width = 1200;</script></head><body><p>The default "
+            "<code>width</code> is 70 characters.</p></body></html>").encode("utf-8")
+    (piped,) = ingest_all(["-"], stdin=io.BytesIO(page))
+    f = tmp_path / "textwrap.html"
+    f.write_bytes(page)
+    (named,) = ingest_all([str(f)])
+    assert piped.ok and piped.kind == "stdin-html" and named.kind == "html"
+    assert piped.text == named.text and "default width is 70" in " ".join(piped.text.split())
+    assert "<" not in piped.text and "1200" not in piped.text and "color" not in piped.text
+    # text that merely mentions a tag stays text
+    (t,) = ingest_all(["-"], stdin=io.BytesIO(b"Use <html> tags in a page; a < b."))
+    assert t.kind == "stdin-text" and "<html>" in t.text
+
+
 def test_stdin_text_and_pdf():
     (t,) = ingest_all(["-"], stdin=io.BytesIO("from stdin".encode()))
     assert t.ok and t.kind == "stdin-text" and t.text == "from stdin"
