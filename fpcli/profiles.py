@@ -164,15 +164,15 @@ def sparse_settings(profile: Profile, context_length: int | None) -> dict | None
 
 def sparse_cap_note(profile: Profile, context_length: int | None) -> str | None:
     """One line when ``fit_to_context`` lowered ``profile``'s ``min_sparse_len`` for a model of
-    ``context_length`` tokens ("min_sparse_len 8,192 capped to 4,096: half the model's 8,192-token
-    context"), else ``None``."""
+    ``context_length`` tokens, the context the engine runs at (the model's own, or ``--context``):
+    "min_sparse_len 8,192 capped to 4,096: half the 8,192-token context it runs at"; else ``None``."""
     if profile.is_dense or not context_length:
         return None
     requested = int(profile.sparse.min_sparse_len)
     run = sparse_threshold(requested, context_length)
     if run == requested:
         return None
-    return f"min_sparse_len {requested:,} capped to {run:,}: half the model's {int(context_length):,}-token context"
+    return f"min_sparse_len {requested:,} capped to {run:,}: half the {int(context_length):,}-token context it runs at"
 
 
 def sparse_differences(settings: dict | None, base: Profile) -> list[str]:

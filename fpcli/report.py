@@ -41,7 +41,7 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
                                  # "block_score") after fitting to the context, "dense_layers", and
                                  # "min_sparse_len_requested" (the profile's; larger when capped)
         "sparse_note",           # null, or why min_sparse_len is lower than the profile's: "min_sparse_len
-                                 # 8,192 capped to 4,096: half the model's 8,192-token context"
+                                 # 8,192 capped to 4,096: half the 8,192-token context it runs at"
         "density": {"overall", "min", "median", "max", "per_layer": [...],
                     "over": "sparse layers" | "all layers",   # what "overall" averages
                     "sparse_layers": [...]},                  # layer indices that ran sparse

@@ -942,7 +942,7 @@ def test_the_report_says_which_sparse_settings_ran(runner, fake_engine, doc, tmp
                            "alpha": 0.05, "mean_correction": True, "min_sparse_len": 4096, "threshold_max": "scored",
                            "block_score": "mass", "dense_layers": 2, "min_sparse_len_requested": 8192}
     assert s["min_sparse_len"] == 4096
-    note = "min_sparse_len 8,192 capped to 4,096: half the model's 8,192-token context"
+    note = "min_sparse_len 8,192 capped to 4,096: half the 8,192-token context it runs at"
     assert s["sparse_note"] == note
     r = invoke(runner, ["ask", str(doc), "What is the code?", "--profile", str(yaml_file)])
     assert r.exit_code == 0, r.output
@@ -1303,6 +1303,14 @@ def test_no_document_token_fits_exits_2(runner, fake_engine, tmp_path):
     r = invoke(runner, ["ask", str(big), "What?", "-n", "4050"], env={"FP_FAKE_CONTEXT": "4096"})
     assert r.exit_code == 2, r.output
     assert "--max-new-tokens" in r.stderr and r.stdout == ""
+
+
+def test_answer_budget_beyond_a_small_context_suggests_one_that_fits(runner, fake_engine, tmp_path):
+    doc = tmp_path / "d.txt"
+    doc.write_text("a short document", encoding="utf-8")
+    r = invoke(runner, ["ask", str(doc), "What?", "--context", "256", "-n", "256"])
+    assert r.exit_code == 2 and "context of 256 tokens" in r.stderr
+    assert "e.g. -n 64" in r.stderr and "-n 512" not in r.stderr  # a suggestion that fits the context
 
 
 def test_profile_asks_the_engine_for_timing_and_ask_does_not(runner, monkeypatch, doc, tmp_path):

@@ -291,6 +291,6 @@ def test_profile_row_names_only_the_settings_that_differ_from_bf16():
     assert sparse_differences(sparse_settings(other, 4096), bf16) == [
         "alpha 0.1", "mean_correction false", "threshold_max prunable", "dense_layers 0", "min_sparse_len 16,384"]
     assert sparse_settings(other, 4096)["min_sparse_len"] == 2048
-    assert sparse_cap_note(other, 4096) == "min_sparse_len 16,384 capped to 2,048: half the model's 4,096-token context"
+    assert sparse_cap_note(other, 4096) == "min_sparse_len 16,384 capped to 2,048: half the 4,096-token context it runs at"
     assert sparse_cap_note(other, 65536) is None and sparse_settings(load_profile("dense"), 4096) is None
     assert sparse_differences(None, bf16) == []

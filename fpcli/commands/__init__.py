@@ -346,7 +346,7 @@ def check_max_new_tokens_or_exit(max_new_tokens: int, model: str | None, profile
     if known and max_new_tokens >= known:
         fail(
             f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's context of "
-            f"{known:,} tokens (use at most a few thousand, e.g. -n 512)",
+            f"{known:,} tokens (the prompt needs most of it: e.g. -n {max(1, min(512, known // 4))})",
             code=2,
         )
 
