@@ -114,7 +114,8 @@ def stage_times(sparse_layers: Sequence[int], index_ms_per_layer: Sequence[float
             share_index_ms=sum(r.index_ms for r in rest), share_attention_ms=sum(r.attention_ms for r in rest),
             share_over=f"{layer_ranges([r.layer for r in rest])} (warm: layer {first.layer} left out)",
             notes=(f"layer {first.layer}: {first.total_ms:.2f} ms against a median of {median:.2f} ms: likely "
-                   f"one-time kernel compilation; run again, or read the median",),
+                   f"one-time kernel compilation (or a load from Triton's cache) in this process; the share is taken "
+                   f"over the other layers",),
         )
     return StageTimes(layers=rows, index_ms=index_ms, attention_ms=attention_ms, one_time_layer=None,
                       median_ms=median, share_index_ms=index_ms, share_attention_ms=attention_ms,

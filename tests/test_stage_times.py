@@ -12,8 +12,8 @@ def test_the_module_docstring_example():
     assert t.index_share == pytest.approx(0.22 / 0.80) and t.all_layers_share == pytest.approx(400.22 / 490.8)
     assert t.share_over == "layers 3-4 (warm: layer 2 left out)"
     assert (t.index_ms, t.attention_ms) == (pytest.approx(400.22), pytest.approx(90.58))   # totals keep layer 2
-    assert t.notes == ("layer 2: 490.00 ms against a median of 0.40 ms: likely one-time kernel compilation; "
-                       "run again, or read the median",)
+    assert t.notes == ("layer 2: 490.00 ms against a median of 0.40 ms: likely one-time kernel compilation (or a "
+                       "load from Triton's cache) in this process; the share is taken over the other layers",)
 
 
 def test_no_one_time_cost_at_or_below_the_factor():

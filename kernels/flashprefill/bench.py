@@ -122,8 +122,9 @@ def _dense_baselines(q, k_lin, v_lin, L, batch, hq, hkv, d, scale):
     return res, notes
 
 
-SHORT_WHY = ("the engines prefill a request this short with their stock dense attention; the operator's index "
-             "marks every tile of it dense (density 100%), so the sparse path ran skipping nothing")
+SHORT_WHY = ("the engines prefill a request this short with their stock dense attention (fp lowers min_sparse_len "
+             "to half the context for models of a shorter context); the operator's index marks every tile of it "
+             "dense (density 100%), so the sparse path ran skipping nothing")
 
 
 def short_note(L: int, config: SparseConfig) -> str | None:
