@@ -1027,6 +1027,20 @@ def test_profile_times_per_sparse_layer_table_and_headline(runner, fake_engine, 
     assert data["times_notes"] == []
 
 
+def test_profile_times_of_a_cpu_run_say_they_are_not_the_gpu_kernels(runner, fake_engine, doc, tmp_path, monkeypatch):
+    import dataclasses
+
+    from fp_fakes import FakeEngine
+
+    real = FakeEngine.generate
+    monkeypatch.setattr(FakeEngine, "generate", lambda self, *a, **kw: dataclasses.replace(real(self, *a, **kw), device="cpu"))
+    r = invoke(runner, ["profile", str(doc), "--png", str(tmp_path / "h.png")])
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.stdout.split())
+    assert "index 1.50 ms, attention 6.00 ms over layers 1-3" in out
+    assert "note: CPU reference: its sparse attention saves no time" in out
+
+
 def test_profile_first_sparse_layer_one_time_cost_is_noted(runner, fake_engine, doc, tmp_path, monkeypatch):
     """A first sparse layer far slower than the others (kernel compilation in a cold process) gets a
     note, and the headline share leaves it out (and says so) instead of reporting index 80%."""

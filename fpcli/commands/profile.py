@@ -183,6 +183,8 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
     if times:
         print_table(_times_table(times, stats.density_per_layer))
         out.print(_times_headline(times), soft_wrap=True, highlight=False)
+        if getattr(result, "device", None) == "cpu":
+            out.print(f"note: {CPU_TIMES_NOTE}", soft_wrap=True, highlight=False)
         for note in times.notes:
             out.print(f"note: {note}", soft_wrap=True, highlight=False)
     else:
@@ -238,6 +240,10 @@ def _index_share(times, stats) -> float | None:
     if stats.index_ms is None or stats.attention_ms is None or stats.index_ms + stats.attention_ms <= 0:
         return None
     return stats.index_ms / (stats.index_ms + stats.attention_ms)
+
+
+CPU_TIMES_NOTE = ("CPU reference: its sparse attention saves no time, so these times say nothing of the GPU "
+                  "kernels' speed or of the index's share there")
 
 
 def _times_table(times, density_per_layer):
