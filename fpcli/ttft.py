@@ -28,6 +28,12 @@ ANSWER_MARGIN = 256  # tokens kept free below the context for the template and t
 REPEATS = 3  # timed requests per (length, profile); the median is reported
 
 
+def e2e_context(lengths: Sequence[int]) -> int:
+    """The context in tokens the engines of ``run_ttft_bench`` run at: the longest length plus
+    ``ANSWER_MARGIN``."""
+    return max(lengths) + ANSWER_MARGIN
+
+
 def filler_sentences(seed: int = 0) -> Callable[[], str]:
     """A generator of random filler sentences (deterministic for ``seed``)."""
     rng = random.Random(seed)
@@ -215,7 +221,7 @@ def run_ttft_bench(lengths: Sequence[int], model_path: str, profiles: Sequence[A
     if start_engine is None:
         from fpcli.engine.sglang_engine import SGLangEngine as start_engine
     say = progress or (lambda *a: None)
-    context = max(lengths) + ANSWER_MARGIN
+    context = e2e_context(lengths)
     measured: dict[tuple[str, int], dict] = {}
     prompts: dict[int, tuple[list[int], str]] = {}  # one tokenizer for every engine: built once
     for profile in profiles:

@@ -167,18 +167,18 @@ def _operator_device_or_exit(cuda: bool, cpu: bool, lengths: list[int], json_out
 
 def _check_e2e_context_or_exit(model: str, spec: str, lengths: list[int]) -> bool:
     """Exit 2, before anything runs, when ``model`` cannot be run at the context the end-to-end
-    part needs (the longest length plus ``fpcli.ttft.ANSWER_MARGIN``; YaRN up to
+    part needs (``fpcli.ttft.e2e_context``: the longest length plus ``ANSWER_MARGIN``; YaRN up to
     ``MAX_YARN_FACTOR`` x the native context: ``fpcli.engine.context.plan_context``). ``spec``: an
     embedded name or a model folder (``fpcli.models.known_context_length``). Returns whether the
     native context could be read (``False``: left to the engine)."""
     from fpcli.engine.context import ContextError, plan_context
     from fpcli.models import known_context_length
-    from fpcli.ttft import ANSWER_MARGIN
+    from fpcli.ttft import ANSWER_MARGIN, e2e_context
 
     native = known_context_length(spec)
     if native is None:
         return False
-    need = max(lengths) + ANSWER_MARGIN
+    need = e2e_context(lengths)
     try:
         plan_context({"max_position_embeddings": native}, need, model=model)
     except ContextError as exc:
