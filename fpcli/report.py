@@ -3,7 +3,8 @@
 ``ask_report`` builds the dict; ``render_*`` draw it with rich on a stderr console; the heatmap
 helpers draw per-layer x per-KV-head density in the terminal and as a PNG (matplotlib, Agg).
 
-Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
+Schema ``fp.ask/1`` (all times in seconds unless the key says ms; ``fp profile --json``, schema
+``fp.profile/1``, has the same ``ingestion`` block: ``ingestion_report``)::
 
     {
       "schema": "fp.ask/1", "fp_version": "0.1.0", "created": "2025-01-01T12:00:00+00:00",
@@ -230,17 +231,30 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
         "index_ms": stats.index_ms,
         "attention_ms": stats.attention_ms,
     }
+    return _ask_envelope(question, result.text, None, summary, ingestion_report(docs, prompt))
+
+
+def ingestion_report(docs: Sequence, prompt) -> dict:
+    """The ``ingestion`` block of the reports (``fp.ask/1``; ``fp.profile/1`` has the same): what
+    was read (one row per document, ``Document.to_dict`` plus ``tokens``: its tokens in the prompt)
+    and the prompt it made, with what was cut to fit the context (``Prompt.to_dict``: ``budget``,
+    ``truncated``, ``cuts``, ...).
+
+    Args:
+        docs: ``fpcli.ingest.Document`` list (all inputs, failed ones included).
+        prompt: the ``fpcli.prompt.Prompt`` that was sent, or ``None`` (none was built: ``tokens``
+            and ``prompt`` are then ``None``).
+    """
     documents = []
     for d in docs:
         row = d.to_dict()
         row["tokens"] = prompt.doc_tokens.get(d.name) if prompt is not None else None
         documents.append(row)
-    return _ask_envelope(question, result.text, None, summary, documents,
-                         prompt.to_dict() if prompt is not None else None)
+    return {"documents": documents, "prompt": prompt.to_dict() if prompt is not None else None}
 
 
 def _ask_envelope(question: str, answer: str | None, error: str | None, summary: dict | None,
-                  documents: list[dict], prompt: dict | None) -> dict:
+                  ingestion: dict) -> dict:
     """The ``fp.ask/1`` object around an answered or a failed question."""
     from fpcli import __version__
 
@@ -252,7 +266,7 @@ def _ask_envelope(question: str, answer: str | None, error: str | None, summary:
         "answer": answer,
         "error": error,
         "summary": summary,
-        "ingestion": {"documents": documents, "prompt": prompt},
+        "ingestion": ingestion,
     }
 
 
@@ -268,14 +282,11 @@ def failed_report(question: str, docs: Sequence, error: str) -> dict:
         docs: ``fpcli.ingest.Document`` list (all inputs).
         error: why there is no answer, one line.
     """
-    documents = []
-    for d in docs:
-        row = d.to_dict()
-        row["tokens"] = None
+    ingestion = ingestion_report(docs, None)
+    for d, row in zip(docs, ingestion["documents"]):
         if row.get("error") is None and not d.text.strip():  # read, but nothing in it: say why here too
             row["error"] = d.warnings[-1] if d.warnings else "no text"
-        documents.append(row)
-    return _ask_envelope(question, None, error, None, documents, None)
+    return _ask_envelope(question, None, error, None, ingestion)
 
 
 def stages(wall_s: float | None, ttft_s: float, total_s: float, *, read_s: float | None = None,

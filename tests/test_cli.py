@@ -927,6 +927,27 @@ def test_profile_heatmap_png_and_json(runner, fake_engine, doc, tmp_path):
     assert f"heatmap written to {png}" in r.stderr          # said with --json too (stdout stays JSON)
 
 
+def test_profile_json_has_the_ingestion_block_of_ask(runner, fake_engine, tmp_path):
+    """fp profile --json says what was read and what was cut to fit the context, in fp ask's
+    ``ingestion`` block (the same keys: one builder, ``fpcli.report.ingestion_report``)."""
+    big = tmp_path / "big.txt"
+    big.write_text(" ".join(f"w{i}" for i in range(5000)))
+    env = {"FP_FAKE_CONTEXT": "1000"}
+    r = invoke(runner, ["profile", str(big), "--json", "--png", str(tmp_path / "h.png")], env=env)
+    assert r.exit_code == 0, r.output
+    ingestion = json.loads(r.stdout)["ingestion"]
+    (row,) = ingestion["documents"]
+    assert row["name"] == str(big) and row["kind"] == "text" and row["tokens"] == 5000  # before the cut
+    prompt = ingestion["prompt"]
+    assert prompt["truncated"] and prompt["cuts"][0]["file"] == str(big) and prompt["max_new_tokens"] == 1
+    assert prompt["prompt_tokens"] == json.loads(r.stdout)["prompt_tokens"]
+    r = invoke(runner, ["ask", str(big), "What?", "--json"], env=env)
+    assert r.exit_code == 0, r.output
+    asked = json.loads(r.stdout)["ingestion"]
+    assert set(asked) == set(ingestion) and set(asked["documents"][0]) == set(row)
+    assert set(asked["prompt"]) == set(prompt) and set(asked["prompt"]["cuts"][0]) == set(prompt["cuts"][0])
+
+
 def test_the_report_says_which_sparse_settings_ran(runner, fake_engine, doc, tmp_path, monkeypatch):
     """A profile scoring by mass: fp ask's JSON has every sparse setting as run (min_sparse_len fitted
     to the 8,192-token context) with dense_layers and the profile's own min_sparse_len; the summary's

@@ -49,7 +49,8 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
     from fpcli.console import print_table, stdout_console, warning
     from fpcli.ingest import check_paths, ingest
     from fpcli.prompt import NoRoomError, PromptError, build_prompt
-    from fpcli.report import density_grid, density_line, density_summary, heatmap_legend, heatmap_table, render_ingestion, write_heatmap_png
+    from fpcli.report import (density_grid, density_line, density_summary, heatmap_legend, heatmap_table,
+                              ingestion_report, render_ingestion, write_heatmap_png)
 
     err = stderr_console()
     problems = check_paths([file])
@@ -142,6 +143,7 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
         "png": None,
         "png_fp8": None,
         "server": render_answered_by(err, eng),  # None: profiled in-process
+        "ingestion": ingestion_report(docs, prompt),  # what was read and cut, as in fp.ask/1
     }
     if grid:
         # default: the current directory (never beside the input, which may be read-only or shared)
