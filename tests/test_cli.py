@@ -611,6 +611,7 @@ def fake_operator_bench(monkeypatch):
     mod.run_operator_bench = run_operator_bench
     mod.CPU_MAX_LEN = real_bench.CPU_MAX_LEN  # the one owner of the CPU length limit
     mod.plain_table = real_bench.plain_table  # and of the plain-text tables (the end-to-end one too)
+    mod.table_notes = real_bench.table_notes  # and of the table's notes
     monkeypatch.setitem(sys.modules, "flashprefill.bench", mod)
     return calls
 
@@ -684,7 +685,7 @@ def test_bench_cpu_runs_the_real_operator_bench(runner, monkeypatch):
 
 
 def test_bench_table_density_in_percent_and_a_sum_that_does_not_add_up_is_explained():
-    from flashprefill.bench import CPU_LABEL, format_table
+    from flashprefill.bench import CPU_LABEL, format_table, table_notes
     from flashprefill.config import SparseConfig
 
     base = {"device": "cpu", "cpu": "x86_64", "label": CPU_LABEL, "batch": 1, "heads_q": 32, "heads_kv": 8,
@@ -700,6 +701,8 @@ def test_bench_table_density_in_percent_and_a_sum_that_does_not_add_up_is_explai
     assert len(timing) == 1 and "separate timings" in timing[0]
     assert "L=2048: 67.3 + 1395.8 = 1463.1 vs total 1405.2" in timing[0] and "L=4096" not in timing[0]  # within 1%
     assert "note timing" not in format_table(rows[1:])
+    assert table_notes(rows) == [line.removeprefix("note ") for line in text.splitlines() if line.startswith("note ")]
+    assert table_notes(rows)[0].startswith("timing: ")  # what fp bench --json carries
     assert text.splitlines()[1] == "config: default SparseConfig"
     mass = [dict(r, config=dataclasses.asdict(SparseConfig(block_score="mass", alpha=0.05))) for r in rows]
     assert format_table(mass, config_name="profile m").splitlines()[1] == (
@@ -898,10 +901,14 @@ def test_bench_cpu_table_header_names_the_profile_and_short_lengths(runner, monk
             "(other settings default)") in r.stdout
     notes = [line for line in r.stdout.splitlines() if line.startswith("note min_sparse_len:")]
     assert len(notes) == 1 and notes[0].startswith("note min_sparse_len: L=1024 < min_sparse_len 2,048: the engines")
+    printed = [line.removeprefix("note ") for line in r.stdout.splitlines() if line.startswith("note ")]
     r = invoke(runner, args + ["--json"])
-    rows = json.loads(r.stdout)["operator"]["rows"]
+    operator = json.loads(r.stdout)["operator"]
+    rows = operator["rows"]
     assert rows[0]["density"] == 1.0 and rows[0]["notes"]["min_sparse_len"].startswith("L=1024 < min_sparse_len")
     assert "min_sparse_len" not in rows[1]["notes"] and rows[1]["config"]["alpha"] == 0.2
+    # the table's notes are in the JSON too, as printed (a timing note may follow: it depends on the times)
+    assert operator["notes"][0] == printed[0] == notes[0].removeprefix("note ")
 
 
 # -- fp profile -----------------------------------------------------------------------------------

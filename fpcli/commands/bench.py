@@ -19,7 +19,8 @@ GPU_DEFAULT_LENS = "8k,32k,128k"
 CPU_DEFAULT_LENS = "2k,4k"
 BENCH_SCHEMA = "fp.bench/2"
 """``fp bench --json``: ``{"schema", "kind": "operator" | "operator+e2e" | "e2e", "operator": {meta...,
-"rows"} | null, "e2e": {meta..., "rows"} | null}`` (``_operator_part``, ``_e2e_part``)."""
+"notes", "rows"} | null, "e2e": {meta..., "notes", "rows"} | null}`` (``_operator_part``, ``_e2e_part``);
+``notes``: the lines the tables print as notes (``flashprefill.bench.table_notes``, ``fpcli.ttft.ttft_notes``)."""
 
 
 def parse_lengths(text: str, option: str = "--len") -> list[int]:
@@ -203,7 +204,7 @@ def _operator_part(err, lengths, hq, hkv, head_dim, batch, fp8, device, prof, ve
     settings (``None``: the default ``SparseConfig``); its meta and rows for the JSON."""
     import torch
 
-    from flashprefill.bench import run_operator_bench
+    from flashprefill.bench import run_operator_bench, table_notes
     from flashprefill.config import SparseConfig
     from fpcli.profiles import profile_file
 
@@ -233,6 +234,7 @@ def _operator_part(err, lengths, hq, hkv, head_dim, batch, fp8, device, prof, ve
         "profile_file": profile_file(prof) if prof is not None else None,
         "config": dataclasses.asdict(config),
         "config_differences": config.differences(),  # from the default SparseConfig
+        "notes": table_notes(rows),  # the notes the table prints (short lengths, timings, skipped baselines)
         "rows": rows,
     }
 
@@ -256,9 +258,8 @@ def _print_operator(err, part: dict, default_beside_e2e: bool) -> None:
         title = ("fp bench (operator, CPU reference, not representative of GPU speed)" if part["device"] == "cpu"
                  else "fp bench (operator)")
         print_table(rows_table(rows, title=title))  # the result: stdout, as wide as it needs
-        notes = {k: v for r in rows for k, v in (r.get("notes") or {}).items() if k != "cpu"}
-        for k, v in notes.items():
-            note(err, f"{k}: {v}")
+        for line in part["notes"]:
+            note(err, line)
     sys.stdout.flush()
     if default_beside_e2e:
         note(err, "the operator table ran the default SparseConfig (no --profile); the end-to-end table runs the "
