@@ -747,6 +747,28 @@ def test_bench_on_gpu_passes_options(runner, fake_operator_bench, monkeypatch):
     assert json.loads(r.stdout)["operator"]["gpu"] == "Fake H200"
 
 
+def test_bench_repeated_lengths_run_once_in_the_order_given(runner, fake_operator_bench, monkeypatch):
+    """A length given twice (in one list, or by a repeated --len, in any spelling) runs once, at
+    its first place; a repeated --len adds its lengths (it did replace the earlier ones)."""
+    import torch
+
+    from fpcli.commands.bench import unique_lengths
+
+    assert unique_lengths(["32k,8k", "32768"]) == ([32768, 8192], [32768])
+    assert unique_lengths(["2k,1k"]) == ([2048, 1024], [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake H200")
+    r = invoke(runner, ["bench", "--len", "32k,32k", "--json"])
+    assert r.exit_code == 0, r.output
+    assert fake_operator_bench[-1]["lens"] == [32768] and json.loads(r.stdout)["operator"]["lens"] == [32768]
+    assert "32,768 tokens given more than once: run once" in r.stderr
+    r = invoke(runner, ["bench", "--len", "8k", "--len", "32k", "--len", "8192", "--json"])
+    assert r.exit_code == 0, r.output
+    assert fake_operator_bench[-1]["lens"] == [8192, 32768]
+    r = invoke(runner, ["bench", "--len", "8k", "--len", "32k", "--json"])
+    assert r.exit_code == 0 and fake_operator_bench[-1]["lens"] == [8192, 32768] and "more than once" not in r.stderr
+
+
 def test_bench_bad_arguments(runner):
     assert invoke(runner, ["bench", "--len", "lots"]).exit_code == 2
     r = invoke(runner, ["bench", "--heads", "32/5"])

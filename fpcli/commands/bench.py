@@ -38,6 +38,21 @@ def parse_lengths(text: str, option: str = "--len") -> list[int]:
         raise ValueError(f"{option}: {exc}") from None
 
 
+def unique_lengths(texts: list[str], option: str = "--len") -> tuple[list[int], list[int]]:
+    """The lengths of ``option`` given once or more (each value one length or a comma list, as
+    ``parse_lengths``), in the order given, each token count once: ``["32k,8k", "32768"]`` ->
+    ``([32768, 8192], [32768])``. Returns ``(lengths, repeated)``: ``repeated``, the token counts
+    given more than once (merged into their first place).
+
+    Raises:
+        ValueError: naming ``option`` and the bad item.
+    """
+    given = [n for text in texts for n in parse_lengths(text, option=option)]
+    lengths = list(dict.fromkeys(given))
+    repeated = [n for n in lengths if given.count(n) > 1]
+    return lengths, repeated
+
+
 def parse_heads(text: str) -> tuple[int, int]:
     """``"32/8"`` -> ``(32, 8)`` (query / KV heads); ``"32"`` -> ``(32, 32)``.
 
@@ -59,7 +74,7 @@ DENSE_PROFILE_ERROR = "has no sparse settings to benchmark; the dense baselines 
 
 @app.command("bench", cls=FpCommand)
 def bench(
-    lens: Annotated[Optional[str], typer.Option("--len", "-l", help=f"Lengths in tokens: 4k, 131072, 128k, or a comma list. Default: {GPU_DEFAULT_LENS} on a GPU, {CPU_DEFAULT_LENS} with --cpu.", show_default=False)] = None,
+    lens: Annotated[Optional[list[str]], typer.Option("--len", "-l", help=f"Lengths in tokens: 4k, 131072, 128k, or a comma list; repeatable (a length given twice runs once). Default: {GPU_DEFAULT_LENS} on a GPU, {CPU_DEFAULT_LENS} with --cpu.", show_default=False, metavar="LENGTHS")] = None,
     fp8: Annotated[bool, typer.Option("--fp8", help="FP8 attention operands in the sparse path, beside BF16: FP8 columns in the operator table; with --e2e an FP8 engine beside the BF16 and dense ones (the built-in fp8 profile beside bf16; for another profile, the same at fp8 precision, named PROFILE+fp8). Implied by an fp8 profile.")] = False,
     batch: Annotated[int, typer.Option("--batch", "-b", min=1, help="Operator table: requests per batch, each of the given length.")] = 1,
     heads: Annotated[str, typer.Option("--heads", help="Operator table: query/KV heads, e.g. 32/8.")] = "32/8",
@@ -83,13 +98,15 @@ def bench(
              "engine and needs a CUDA GPU (on a CPU, `fp ask FILE QUESTION` reports the TTFT of one real request)", code=2)
     if model is not None and not with_e2e:
         fail("--model: the operator table runs synthetic inputs, not a model; --model is for --e2e or --e2e-only", code=2)
-    if lens is None:
-        lens = CPU_DEFAULT_LENS if cpu else GPU_DEFAULT_LENS
+    if not lens:
+        lens = [CPU_DEFAULT_LENS if cpu else GPU_DEFAULT_LENS]
     try:
-        lengths = parse_lengths(lens)
+        lengths, repeated = unique_lengths(lens)
         hq, hkv = parse_heads(heads)
     except ValueError as exc:
         fail(str(exc), code=2)
+    if repeated:
+        note(err, f"--len: {', '.join(f'{n:,}' for n in repeated)} tokens given more than once: run once")
     prof = None
     if profile is not None:
         prof = load_profile_or_exit(profile)
