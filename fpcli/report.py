@@ -49,6 +49,8 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms; ``fp profile -
         # skipped FLOPs are over ALL layers (dense layers skip none):
         #   skipped_fraction = sum_l flops_l * (1 - density_l) / sum_l flops_l
         "density_per_layer_head": [[...], ...],   # rectangular [layer][kv_head]; null = not reported
+        "density_note",          # null, or why the sparse layers kept every block: the prompt fits in
+                                 # sink + local window + dense tail (always_kept_note)
         "attention_flops_dense", "attention_flops_skipped", "attention_flops_skipped_fraction",
         "index_ms", "attention_ms"   # stage times over the sparse layers (ms), when the engine timed them
       },
@@ -225,12 +227,14 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
         "density": density_summary(stats.density_per_layer, stats.density, getattr(stats, "sparse_layers", None)),
         "density_per_layer_head": density_grid(stats.density_per_layer_head, stats.density_per_layer,
                                                getattr(stats, "sparse_layers", None)),
+        "density_note": None,  # always_kept_note, below
         "attention_flops_dense": dense,
         "attention_flops_skipped": skipped,
         "attention_flops_skipped_fraction": skipped / dense if dense > 0 else 0.0,
         "index_ms": stats.index_ms,
         "attention_ms": stats.attention_ms,
     }
+    summary["density_note"] = always_kept_note(result.prompt_tokens, sparse, summary["density"])
     return _ask_envelope(question, result.text, None, summary, ingestion_report(docs, prompt))
 
 
@@ -414,6 +418,8 @@ def render_summary(console: Console, report: dict) -> None:
     t.print(console, title="fp ask")
     if s.get("sparse_note"):
         note(console, s["sparse_note"])
+    if s.get("density_note"):
+        note(console, s["density_note"])
 
 
 def profile_differences(s: dict) -> str:
@@ -533,6 +539,37 @@ def density_line(d: dict, attention: str | None = None, prompt_tokens: int | Non
         return head + " (no per-layer data)"
     n = len(d["per_layer"])
     return head + f"; per layer min {d['min']:.1%} / median {d['median']:.1%} / max {d['max']:.1%} (all {n} layers)"
+
+
+def always_kept_note(prompt_tokens: int | None, sparse: dict | None, density: dict) -> str | None:
+    """Why the sparse layers kept every block (density 100%), when that is because the prompt fits
+    in what every query keeps anyway: "every block was kept: the 93-token prompt fits in sink 512 +
+    local window 1,024 + dense tail 256 = 1,792 tokens, which the sparse layers always keep (nothing
+    to prune)"; else ``None``.
+
+    A query row keeps the blocks of the first ``sink_tokens`` positions and of its last
+    ``window_tokens``, and the last ``dense_tail_tokens`` query rows keep all (``docs/method.md``
+    section 3.5). A row before the dense tail is at position ``t < L - tail``, so its window starts
+    at ``t - window + 1 < L - tail - window + 1``: at most ``sink`` when ``L <= sink + window +
+    tail``, leaving no block between the sink and the window. ``L`` is every token the prompt
+    attends to, those from the KV cache included (they shift the window).
+
+    Args:
+        prompt_tokens: the prompt's tokens (``GenerationResult.prompt_tokens``).
+        sparse: the sparse settings as run (``fpcli.profiles.sparse_settings``); ``None``: dense.
+        density: ``density_summary``'s dict; the note needs sparse layers at 100%.
+    """
+    if sparse is None or prompt_tokens is None or not density.get("sparse_layers"):
+        return None
+    if density.get("overall") is None or density["overall"] < 1.0:
+        return None
+    sink, window, tail = (int(sparse[k]) for k in ("sink_tokens", "window_tokens", "dense_tail_tokens"))
+    kept = sink + window + tail
+    if prompt_tokens > kept:
+        return None
+    return (f"every block was kept: the {prompt_tokens:,}-token prompt fits in sink {sink:,} + local window "
+            f"{window:,} + dense tail {tail:,} = {kept:,} tokens, which the sparse layers always keep "
+            "(nothing to prune)")
 
 
 def render_ingestion(console: Console, docs: Sequence) -> None:

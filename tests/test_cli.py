@@ -75,7 +75,7 @@ SUMMARY_KEYS = {
     "prompt_tokens", "output_tokens", "ttft_s", "prefill_s", "total_s", "decode_tokens_per_s", "finish_reason",
     "cached_tokens", "wall_s", "engine_start_s", "stages_s",
     "engine", "model", "profile", "profile_source", "precision", "precision_requested", "attention", "min_sparse_len", "density", "density_per_layer_head",
-    "sparse", "sparse_note",
+    "sparse", "sparse_note", "density_note",
     "attention_flops_dense", "attention_flops_skipped", "attention_flops_skipped_fraction", "index_ms", "attention_ms",
     "native_context", "context", "rope_scaling", "engine_start_phases", "device",
     "cached_tokens", "server",
@@ -975,6 +975,43 @@ def test_profile_json_has_the_ingestion_block_of_ask(runner, fake_engine, tmp_pa
     asked = json.loads(r.stdout)["ingestion"]
     assert set(asked) == set(ingestion) and set(asked["documents"][0]) == set(row)
     assert set(asked["prompt"]) == set(prompt) and set(asked["prompt"]["cuts"][0]) == set(prompt["cuts"][0])
+
+
+def test_full_density_of_a_prompt_within_sink_window_and_tail_is_explained(runner, fake_engine, doc, tmp_path,
+                                                                            monkeypatch):
+    """A prompt that fits in sink + local window + dense tail leaves nothing to prune: the engines
+    report 100% in the sparse layers (tests/test_e2e_cpu.py: the real one), and fp profile and
+    fp ask say why, with the numbers, on screen and in --json."""
+    from fp_fakes import FakeEngine
+
+    stats_for = FakeEngine.stats_for
+
+    def all_kept(self, n):  # as the real engines report a short prompt: sparse layers, every block kept
+        st = stats_for(self, n)
+        return dataclasses.replace(st, density=1.0, density_per_layer=[1.0] * self.num_layers,
+                                   density_per_layer_head=[[1.0] * self.num_kv_heads] * self.num_layers,
+                                   attention_flops_skipped=0.0)
+
+    monkeypatch.setattr(FakeEngine, "stats_for", all_kept)
+    fits = "fits in sink 512 + local window 1,024 + dense tail 256 = 1,792 tokens"
+    r = invoke(runner, ["profile", str(doc), "--png", str(tmp_path / "h.png")])
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("density 100.0% over sparse layers"))
+    assert lines[at + 1].startswith("note: every block was kept: the ") and fits in lines[at + 1], lines[at:at + 2]
+    r = invoke(runner, ["profile", str(doc), "--json", "--png", str(tmp_path / "h.png")])
+    data = json.loads(r.stdout)
+    assert data["density_note"] == f"every block was kept: the {data['prompt_tokens']:,}-token prompt {fits}, " \
+                                   "which the sparse layers always keep (nothing to prune)"
+    r = invoke(runner, ["ask", str(doc), "What?", "--json"])
+    s = json.loads(r.stdout)["summary"]
+    assert s["density_note"] == data["density_note"].replace(f"the {data['prompt_tokens']:,}-token",
+                                                             f"the {s['prompt_tokens']:,}-token")
+    r = invoke(runner, ["ask", str(doc), "What?"])
+    assert "fp: note: every block was kept" in r.stderr and fits in " ".join(r.stderr.split())
+    monkeypatch.setattr(FakeEngine, "stats_for", stats_for)  # below 100%: nothing to explain
+    r = invoke(runner, ["profile", str(doc), "--json", "--png", str(tmp_path / "h.png")])
+    assert json.loads(r.stdout)["density_note"] is None
 
 
 def test_the_report_says_which_sparse_settings_ran(runner, fake_engine, doc, tmp_path, monkeypatch):
