@@ -665,12 +665,19 @@ def _ink(x: float) -> str:
     return "black" if x >= 0.6 else "white"
 
 
-def heatmap_legend() -> Text:
-    """Colour scale; cells also print the density in percent (``**`` = 100%, ``99`` = over 98.5%, under
-    100%) for plain terminals."""
-    legend = Text("cells: density in % (** = 100%, dense; 99 = over 98.5%, under 100%); scale: ")
-    for i, color in enumerate(_RAMP):
-        legend.append("  ", style=f"on {color}")
+def heatmap_legend(color: bool = True) -> Text:
+    """What a cell says: the density in percent (``**`` = 100%, ``99`` = over 98.5%, under 100%),
+    then the colour scale: with ``color``, a swatch per step between ``0%`` and ``100%``; without
+    (a pipe, a log, ``NO_COLOR``: the swatches would print as blanks), the scale in words, e.g.
+    "colour scale on a terminal: 8 steps of 12.5%, 0% dark purple to 100% yellow"."""
+    legend = Text("cells: density in % (** = 100%, dense; 99 = over 98.5%, under 100%); ")
+    if not color:
+        step = 100 / len(_RAMP)
+        return legend.append(f"colour scale on a terminal: {len(_RAMP)} steps of {step:g}%, 0% dark purple "
+                             "to 100% yellow (as the PNG)")
+    legend.append("scale: ")
+    for i, swatch in enumerate(_RAMP):
+        legend.append("  ", style=f"on {swatch}")
         if i in (0, len(_RAMP) - 1):
             legend.append(" 0% " if i == 0 else " 100%")
     return legend

@@ -944,6 +944,10 @@ def test_profile_heatmap_png_and_json(runner, fake_engine, doc, tmp_path):
     assert "density per layer x KV head" in r.stdout and "mean" in r.stdout
     assert "index 1.50 ms" in r.stdout
     assert fake_engine().generated[-1]["max_new_tokens"] == 1
+    # stdout is a pipe: no colour swatches (they printed as blanks), the scale in words
+    (legend,) = [line for line in r.stdout.splitlines() if line.startswith("cells: density in %")]
+    assert "colour scale on a terminal: 8 steps of 12.5%, 0% dark purple to 100% yellow" in legend
+    assert "  " not in legend.strip()
 
     r = invoke(runner, ["profile", str(doc), "--png", str(png), "--json", "--fp8"])
     assert r.exit_code == 0, r.output

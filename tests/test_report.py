@@ -311,3 +311,15 @@ def test_always_kept_note_when_the_prompt_fits_in_sink_window_and_tail():
     assert always_kept_note(93, sparse, density_summary([1.0, 0.9, 0.8], 0.85, sparse_layers=[1, 2])) is None
     assert always_kept_note(93, sparse, density_summary([1.0, 1.0], 1.0, sparse_layers=[])) is None  # none ran sparse
     assert always_kept_note(93, None, full) is None                # a dense profile
+
+
+def test_heatmap_legend_without_colours_gives_the_scale_in_words():
+    """Off a terminal the colour swatches print as blanks: the legend gives the scale's numbers."""
+    from fpcli.report import heatmap_legend
+
+    buf = io.StringIO()
+    Console(file=buf, width=300, force_terminal=False).print(heatmap_legend(color=False))
+    line = buf.getvalue().strip()
+    assert line.endswith("colour scale on a terminal: 8 steps of 12.5%, 0% dark purple to 100% yellow (as the PNG)")
+    assert "  " not in line and "** = 100%" in line
+    assert len([s for s in heatmap_legend().spans if s.style.startswith("on #")]) == 8  # a terminal: the swatches

@@ -177,7 +177,7 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
     if grid:
         out.print(f"[bold]attention density per layer x KV head[/] ({result.prompt_tokens:,} tokens, {result.model}, profile {prof.name})", soft_wrap=True)
         print_table(heatmap_table(grid))
-        out.print(heatmap_legend())
+        out.print(heatmap_legend(color=out.color_system is not None and not out.no_color), soft_wrap=True)
     else:
         out.print(f"no density statistics from the {result.engine} engine (profile {prof.name}, attention {prof.attention})")
     d = data["density"]
