@@ -199,6 +199,13 @@ def test_ask_bad_profile_exit_2(runner, fake_engine, doc, tmp_path):
     bad.write_text("name: bad\nsparse:\n  alpha: 3\n")
     r = invoke(runner, ["ask", str(doc), "q?", "--profile", str(bad)])
     assert r.exit_code == 2 and str(bad) in r.stderr and "sparse.alpha" in r.stderr
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    for given, said in ((tmp_path, f"profile {tmp_path}: is a directory"), (empty, f"{empty}: is empty")):
+        for command in (["ask", str(doc), "q?"], ["profile", str(doc)], ["bench", "--cpu"]):
+            r = invoke(runner, command + ["--profile", str(given)])
+            assert r.exit_code == 2 and r.stderr.startswith(f"fp: error: {said}"), r.stderr
+    assert not LAST_FAKE  # before any loading
 
 
 def test_ask_engine_load_failure_is_one_line(runner, monkeypatch, doc):
