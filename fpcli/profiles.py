@@ -115,6 +115,18 @@ class Profile:
             return self
         return dataclasses.replace(self, sparse=dataclasses.replace(self.sparse, min_sparse_len=msl))
 
+    def fit_to_model(self, native_context: int | None) -> "Profile":
+        """``fit_to_context`` of the context the sparse threshold follows (docs/profiles.md, "The
+        sparse threshold fits the model"): the model's native context (``max_position_embeddings``,
+        tokens) capped by ``engine.context_length``; either alone when the other is unknown
+        (``None``); this profile when both are.
+
+        >>> Profile("p", sparse=SparseConfig(min_sparse_len=8192)).fit_to_model(8192).sparse.min_sparse_len
+        4096
+        """
+        known = [int(c) for c in (native_context, self.engine.context_length) if c]
+        return self.fit_to_context(min(known)) if known else self
+
     def replace(self, **changes: Any) -> "Profile":
         """A copy with top-level fields changed, e.g. ``p.replace(precision="fp8")``."""
         new = dataclasses.replace(self, **changes)

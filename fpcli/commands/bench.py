@@ -285,6 +285,7 @@ def _print_operator(err, part: dict, default_beside_e2e: bool) -> None:
 
 def _e2e_part(err, lengths, model_path: str, profiles: list, verbose: bool) -> dict:
     """Run the end-to-end table (``fpcli.ttft.run_ttft_bench``) of ``profiles``; its meta and rows."""
+    from fpcli.models import known_context_length
     from fpcli.ttft import REPEATS, run_ttft_bench, ttft_notes
 
     rows = _run_with_progress(
@@ -292,8 +293,9 @@ def _e2e_part(err, lengths, model_path: str, profiles: list, verbose: bool) -> d
         lambda progress: run_ttft_bench(lengths, model_path, profiles, progress=progress, repeats=REPEATS),
         verbose=verbose,
     )
+    notes = ttft_notes(rows, profiles, known_context_length(model_path))  # the min_sparse_len each engine ran
     return {"lens": lengths, "model": model_path, "gpu": _gpu_name(), "repeats": REPEATS,
-            "profiles": [p.name for p in profiles], "notes": ttft_notes(rows, profiles), "rows": rows}
+            "profiles": [p.name for p in profiles], "notes": notes, "rows": rows}
 
 
 def rows_table(rows: list[dict], title: str = ""):
