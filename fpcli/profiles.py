@@ -115,6 +115,18 @@ class Profile:
             return self
         return dataclasses.replace(self, sparse=dataclasses.replace(self.sparse, min_sparse_len=msl))
 
+    def fit_to_model(self, native_context: int | None) -> "Profile":
+        """``fit_to_context`` of the context the sparse threshold follows (docs/profiles.md, "The
+        sparse threshold fits the model"): the model's native context (``max_position_embeddings``,
+        tokens) capped by ``engine.context_length``; either alone when the other is unknown
+        (``None``); this profile when both are.
+
+        >>> Profile("p", sparse=SparseConfig(min_sparse_len=8192)).fit_to_model(8192).sparse.min_sparse_len
+        4096
+        """
+        known = [int(c) for c in (native_context, self.engine.context_length) if c]
+        return self.fit_to_context(min(known)) if known else self
+
     def replace(self, **changes: Any) -> "Profile":
         """A copy with top-level fields changed, e.g. ``p.replace(precision="fp8")``."""
         new = dataclasses.replace(self, **changes)
@@ -225,11 +237,18 @@ def profile_file(profile: "Profile") -> str | None:
 
 
 def resolve_profile_path(name_or_path: str | Path) -> Path:
-    """``bf16`` -> ``<fpcli>/builtin_profiles/bf16.yaml``; an existing path is returned as is."""
+    """``bf16`` -> ``<fpcli>/builtin_profiles/bf16.yaml``; an existing path is returned as is.
+
+    Raises:
+        ProfileError: no such built-in profile or file, or the path is a directory.
+    """
     text = str(name_or_path)
     candidate = Path(text).expanduser()
     looks_like_path = text.endswith((".yaml", ".yml")) or "/" in text or "\\" in text
+    not_a_file = f"profile {text}: is a directory; give a profile .yaml file or a built-in name"
     if looks_like_path:
+        if candidate.is_dir():
+            raise ProfileError(not_a_file)
         if not candidate.is_file():
             raise ProfileError(f"profile file not found: {text}")
         return candidate
@@ -237,6 +256,8 @@ def resolve_profile_path(name_or_path: str | Path) -> Path:
     if not path.is_file():
         if candidate.is_file():
             return candidate
+        if candidate.is_dir():
+            raise ProfileError(not_a_file)
         raise ProfileError(
             f"unknown profile {text!r} (built-in: {', '.join(builtin_profiles())}; or a path to a .yaml file)"
         )
@@ -247,8 +268,8 @@ def load_profile(name_or_path: str | Path = "bf16") -> Profile:
     """Load and validate a profile by built-in name or path.
 
     Raises:
-        ProfileError: file missing, not YAML, unknown key, or wrong value; the message names the
-            file, the key and the allowed keys or values.
+        ProfileError: file missing, a directory, empty, not YAML, unknown key, or wrong value; the
+            message names the file, the key and the allowed keys or values.
     """
     path = resolve_profile_path(name_or_path)
     try:
@@ -257,6 +278,10 @@ def load_profile(name_or_path: str | Path = "bf16") -> Profile:
         raise ProfileError(f"{path}: not valid YAML: {_yaml_problem(exc)}") from None
     except OSError as exc:
         raise ProfileError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"{path}: not a text file (not UTF-8: byte {exc.start})") from None
+    if data is None:  # no YAML document: nothing, blank lines or comments only
+        raise ProfileError(f"{path}: is empty (a profile needs at least 'name'; schema: docs/profiles.md)")
     return profile_from_dict(data, source=path)
 
 

@@ -3,7 +3,8 @@
 ``ask_report`` builds the dict; ``render_*`` draw it with rich on a stderr console; the heatmap
 helpers draw per-layer x per-KV-head density in the terminal and as a PNG (matplotlib, Agg).
 
-Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
+Schema ``fp.ask/1`` (all times in seconds unless the key says ms; ``fp profile --json``, schema
+``fp.profile/1``, has the same ``ingestion`` block: ``ingestion_report``)::
 
     {
       "schema": "fp.ask/1", "fp_version": "0.1.0", "created": "2025-01-01T12:00:00+00:00",
@@ -48,6 +49,8 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms)::
         # skipped FLOPs are over ALL layers (dense layers skip none):
         #   skipped_fraction = sum_l flops_l * (1 - density_l) / sum_l flops_l
         "density_per_layer_head": [[...], ...],   # rectangular [layer][kv_head]; null = not reported
+        "density_note",          # null, or why the sparse layers kept every block: the prompt fits in
+                                 # sink + local window + dense tail (always_kept_note)
         "attention_flops_dense", "attention_flops_skipped", "attention_flops_skipped_fraction",
         "index_ms", "attention_ms"   # stage times over the sparse layers (ms), when the engine timed them
       },
@@ -224,23 +227,38 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
         "density": density_summary(stats.density_per_layer, stats.density, getattr(stats, "sparse_layers", None)),
         "density_per_layer_head": density_grid(stats.density_per_layer_head, stats.density_per_layer,
                                                getattr(stats, "sparse_layers", None)),
+        "density_note": None,  # always_kept_note, below
         "attention_flops_dense": dense,
         "attention_flops_skipped": skipped,
         "attention_flops_skipped_fraction": skipped / dense if dense > 0 else 0.0,
         "index_ms": stats.index_ms,
         "attention_ms": stats.attention_ms,
     }
+    summary["density_note"] = always_kept_note(result.prompt_tokens, sparse, summary["density"])
+    return _ask_envelope(question, result.text, None, summary, ingestion_report(docs, prompt))
+
+
+def ingestion_report(docs: Sequence, prompt) -> dict:
+    """The ``ingestion`` block of the reports (``fp.ask/1``; ``fp.profile/1`` has the same): what
+    was read (one row per document, ``Document.to_dict`` plus ``tokens``: its tokens in the prompt)
+    and the prompt it made, with what was cut to fit the context (``Prompt.to_dict``: ``budget``,
+    ``truncated``, ``cuts``, ...).
+
+    Args:
+        docs: ``fpcli.ingest.Document`` list (all inputs, failed ones included).
+        prompt: the ``fpcli.prompt.Prompt`` that was sent, or ``None`` (none was built: ``tokens``
+            and ``prompt`` are then ``None``).
+    """
     documents = []
     for d in docs:
         row = d.to_dict()
         row["tokens"] = prompt.doc_tokens.get(d.name) if prompt is not None else None
         documents.append(row)
-    return _ask_envelope(question, result.text, None, summary, documents,
-                         prompt.to_dict() if prompt is not None else None)
+    return {"documents": documents, "prompt": prompt.to_dict() if prompt is not None else None}
 
 
 def _ask_envelope(question: str, answer: str | None, error: str | None, summary: dict | None,
-                  documents: list[dict], prompt: dict | None) -> dict:
+                  ingestion: dict) -> dict:
     """The ``fp.ask/1`` object around an answered or a failed question."""
     from fpcli import __version__
 
@@ -252,7 +270,7 @@ def _ask_envelope(question: str, answer: str | None, error: str | None, summary:
         "answer": answer,
         "error": error,
         "summary": summary,
-        "ingestion": {"documents": documents, "prompt": prompt},
+        "ingestion": ingestion,
     }
 
 
@@ -268,14 +286,11 @@ def failed_report(question: str, docs: Sequence, error: str) -> dict:
         docs: ``fpcli.ingest.Document`` list (all inputs).
         error: why there is no answer, one line.
     """
-    documents = []
-    for d in docs:
-        row = d.to_dict()
-        row["tokens"] = None
+    ingestion = ingestion_report(docs, None)
+    for d, row in zip(docs, ingestion["documents"]):
         if row.get("error") is None and not d.text.strip():  # read, but nothing in it: say why here too
             row["error"] = d.warnings[-1] if d.warnings else "no text"
-        documents.append(row)
-    return _ask_envelope(question, None, error, None, documents, None)
+    return _ask_envelope(question, None, error, None, ingestion)
 
 
 def stages(wall_s: float | None, ttft_s: float, total_s: float, *, read_s: float | None = None,
@@ -403,6 +418,8 @@ def render_summary(console: Console, report: dict) -> None:
     t.print(console, title="fp ask")
     if s.get("sparse_note"):
         note(console, s["sparse_note"])
+    if s.get("density_note"):
+        note(console, s["density_note"])
 
 
 def profile_differences(s: dict) -> str:
@@ -524,6 +541,37 @@ def density_line(d: dict, attention: str | None = None, prompt_tokens: int | Non
     return head + f"; per layer min {d['min']:.1%} / median {d['median']:.1%} / max {d['max']:.1%} (all {n} layers)"
 
 
+def always_kept_note(prompt_tokens: int | None, sparse: dict | None, density: dict) -> str | None:
+    """Why the sparse layers kept every block (density 100%), when that is because the prompt fits
+    in what every query keeps anyway: "every block was kept: the 93-token prompt fits in sink 512 +
+    local window 1,024 + dense tail 256 = 1,792 tokens, which the sparse layers always keep (nothing
+    to prune)"; else ``None``.
+
+    A query row keeps the blocks of the first ``sink_tokens`` positions and of its last
+    ``window_tokens``, and the last ``dense_tail_tokens`` query rows keep all (``docs/method.md``
+    section 3.5). A row before the dense tail is at position ``t < L - tail``, so its window starts
+    at ``t - window + 1 < L - tail - window + 1``: at most ``sink`` when ``L <= sink + window +
+    tail``, leaving no block between the sink and the window. ``L`` is every token the prompt
+    attends to, those from the KV cache included (they shift the window).
+
+    Args:
+        prompt_tokens: the prompt's tokens (``GenerationResult.prompt_tokens``).
+        sparse: the sparse settings as run (``fpcli.profiles.sparse_settings``); ``None``: dense.
+        density: ``density_summary``'s dict; the note needs sparse layers at 100%.
+    """
+    if sparse is None or prompt_tokens is None or not density.get("sparse_layers"):
+        return None
+    if density.get("overall") is None or density["overall"] < 1.0:
+        return None
+    sink, window, tail = (int(sparse[k]) for k in ("sink_tokens", "window_tokens", "dense_tail_tokens"))
+    kept = sink + window + tail
+    if prompt_tokens > kept:
+        return None
+    return (f"every block was kept: the {prompt_tokens:,}-token prompt fits in sink {sink:,} + local window "
+            f"{window:,} + dense tail {tail:,} = {kept:,} tokens, which the sparse layers always keep "
+            "(nothing to prune)")
+
+
 def render_ingestion(console: Console, docs: Sequence) -> None:
     """Notes, warnings and the reason a file was skipped, of every document: one ``fp: note:`` /
     ``fp: warning:`` line each (``fpcli.console``)."""
@@ -617,12 +665,19 @@ def _ink(x: float) -> str:
     return "black" if x >= 0.6 else "white"
 
 
-def heatmap_legend() -> Text:
-    """Colour scale; cells also print the density in percent (``**`` = 100%, ``99`` = over 98.5%, under
-    100%) for plain terminals."""
-    legend = Text("cells: density in % (** = 100%, dense; 99 = over 98.5%, under 100%); scale: ")
-    for i, color in enumerate(_RAMP):
-        legend.append("  ", style=f"on {color}")
+def heatmap_legend(color: bool = True) -> Text:
+    """What a cell says: the density in percent (``**`` = 100%, ``99`` = over 98.5%, under 100%),
+    then the colour scale: with ``color``, a swatch per step between ``0%`` and ``100%``; without
+    (a pipe, a log, ``NO_COLOR``: the swatches would print as blanks), the scale in words, e.g.
+    "colour scale on a terminal: 8 steps of 12.5%, 0% dark purple to 100% yellow"."""
+    legend = Text("cells: density in % (** = 100%, dense; 99 = over 98.5%, under 100%); ")
+    if not color:
+        step = 100 / len(_RAMP)
+        return legend.append(f"colour scale on a terminal: {len(_RAMP)} steps of {step:g}%, 0% dark purple "
+                             "to 100% yellow (as the PNG)")
+    legend.append("scale: ")
+    for i, swatch in enumerate(_RAMP):
+        legend.append("  ", style=f"on {swatch}")
         if i in (0, len(_RAMP) - 1):
             legend.append(" 0% " if i == 0 else " 100%")
     return legend

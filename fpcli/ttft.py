@@ -34,6 +34,26 @@ def e2e_context(lengths: Sequence[int]) -> int:
     return max(lengths) + ANSWER_MARGIN
 
 
+def engine_profile(profile: Any, lengths: Sequence[int], native_context: int | None = None) -> Any:
+    """The profile the engine of ``profile`` runs in ``run_ttft_bench`` at ``lengths`` (tokens): at
+    a context of ``e2e_context(lengths)`` (its own ``engine.context_length`` when that is larger),
+    with ``min_sparse_len`` fitted to the model (``Profile.fit_to_model`` of ``native_context``,
+    the model's own context in tokens, ``None`` when unknown: at most half of the smaller context),
+    as ``fpcli.engine.load_engine`` fits the engines of the other commands. E.g. ``bf16``
+    (min_sparse_len 8192) at ``--len 1k,8k`` on a 32K model: context 8,448, min_sparse_len 4,224.
+
+    Raises:
+        fpcli.profiles.ProfileError: a context out of range (``with_context_length``).
+    """
+    from fpcli.profiles import with_context_length
+
+    context = e2e_context(lengths)
+    run = profile
+    if run.engine.context_length is None or run.engine.context_length < context:
+        run = with_context_length(run, context)
+    return run.fit_to_model(native_context)
+
+
 def filler_sentences(seed: int = 0) -> Callable[[], str]:
     """A generator of random filler sentences (deterministic for ``seed``)."""
     rng = random.Random(seed)
@@ -163,11 +183,14 @@ def ttft_rows(lengths: Sequence[int], profiles: Sequence[Any], measured: Mapping
     return rows
 
 
-def ttft_notes(rows: list[dict], profiles: Sequence[Any]) -> list[str]:
-    """One line per length where a sparse profile's prompt was below its ``min_sparse_len``, so that
-    its engine prefilled it dense (density 100%, like dense): "at 4096 tokens bf16, fp8 ran dense:
+def ttft_notes(rows: list[dict], profiles: Sequence[Any], native_context: int | None = None) -> list[str]:
+    """One line per length where a sparse profile's prompt was below the ``min_sparse_len`` its
+    engine ran (``engine_profile`` of the rows' lengths and the model's ``native_context``, tokens),
+    so that it prefilled it dense (density 100%, like dense): "at 4096 tokens bf16, fp8 ran dense:
     prompts below min_sparse_len 8,192"."""
-    threshold = {p.name: int(p.sparse.min_sparse_len) for p in profiles if not p.is_dense}
+    lengths = [r["length"] for r in rows]
+    threshold = {p.name: int(engine_profile(p, lengths, native_context).sparse.min_sparse_len)
+                 for p in profiles if not p.is_dense}
     notes = []
     for n in dict.fromkeys(r["length"] for r in rows):
         short = [r for r in rows if r["length"] == n and r["profile"] in threshold
@@ -203,7 +226,8 @@ def run_ttft_bench(lengths: Sequence[int], model_path: str, profiles: Sequence[A
                    progress: Callable[..., None] | None = None, *, repeats: int = REPEATS,
                    max_new_tokens: int = 16, start_engine: Callable[[str, Any], Any] | None = None) -> list[dict]:
     """TTFT of each of ``profiles`` (``fpcli.profiles.Profile``: the sparse ones and ``dense``, one
-    engine each, started in this order) at each length (tokens), on the same prompts.
+    engine each, started in this order, each running ``engine_profile`` with the native context
+    of ``model_path``) at each length (tokens), on the same prompts.
 
     ``start_engine(model_path, profile)`` starts an engine (default ``SGLangEngine``), a context
     manager with ``encode_chat``, ``count_tokens``, ``flush_cache`` and ``generate``; ``progress``
@@ -215,19 +239,17 @@ def run_ttft_bench(lengths: Sequence[int], model_path: str, profiles: Sequence[A
         ValueError: no profile, or two with the same name (``check_profiles``).
         fpcli.engine.context.ContextError: a length beyond what the model can be extended to.
     """
-    from fpcli.profiles import with_context_length
+    from fpcli.models import known_context_length
 
     check_profiles(profiles)
     if start_engine is None:
         from fpcli.engine.sglang_engine import SGLangEngine as start_engine
     say = progress or (lambda *a: None)
-    context = e2e_context(lengths)
+    native = known_context_length(model_path)
     measured: dict[tuple[str, int], dict] = {}
     prompts: dict[int, tuple[list[int], str]] = {}  # one tokenizer for every engine: built once
     for profile in profiles:
-        run = profile
-        if run.engine.context_length is None or run.engine.context_length < context:
-            run = with_context_length(run, context)
+        run = engine_profile(profile, lengths, native)
         say(f"starting the {profile.name} engine")
         with start_engine(model_path, run) as eng:
             for n in lengths:

@@ -75,7 +75,7 @@ SUMMARY_KEYS = {
     "prompt_tokens", "output_tokens", "ttft_s", "prefill_s", "total_s", "decode_tokens_per_s", "finish_reason",
     "cached_tokens", "wall_s", "engine_start_s", "stages_s",
     "engine", "model", "profile", "profile_source", "precision", "precision_requested", "attention", "min_sparse_len", "density", "density_per_layer_head",
-    "sparse", "sparse_note",
+    "sparse", "sparse_note", "density_note",
     "attention_flops_dense", "attention_flops_skipped", "attention_flops_skipped_fraction", "index_ms", "attention_ms",
     "native_context", "context", "rope_scaling", "engine_start_phases", "device",
     "cached_tokens", "server",
@@ -199,6 +199,13 @@ def test_ask_bad_profile_exit_2(runner, fake_engine, doc, tmp_path):
     bad.write_text("name: bad\nsparse:\n  alpha: 3\n")
     r = invoke(runner, ["ask", str(doc), "q?", "--profile", str(bad)])
     assert r.exit_code == 2 and str(bad) in r.stderr and "sparse.alpha" in r.stderr
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    for given, said in ((tmp_path, f"profile {tmp_path}: is a directory"), (empty, f"{empty}: is empty")):
+        for command in (["ask", str(doc), "q?"], ["profile", str(doc)], ["bench", "--cpu"]):
+            r = invoke(runner, command + ["--profile", str(given)])
+            assert r.exit_code == 2 and r.stderr.startswith(f"fp: error: {said}"), r.stderr
+    assert not LAST_FAKE  # before any loading
 
 
 def test_ask_engine_load_failure_is_one_line(runner, monkeypatch, doc):
@@ -611,6 +618,7 @@ def fake_operator_bench(monkeypatch):
     mod.run_operator_bench = run_operator_bench
     mod.CPU_MAX_LEN = real_bench.CPU_MAX_LEN  # the one owner of the CPU length limit
     mod.plain_table = real_bench.plain_table  # and of the plain-text tables (the end-to-end one too)
+    mod.table_notes = real_bench.table_notes  # and of the table's notes
     monkeypatch.setitem(sys.modules, "flashprefill.bench", mod)
     return calls
 
@@ -684,7 +692,7 @@ def test_bench_cpu_runs_the_real_operator_bench(runner, monkeypatch):
 
 
 def test_bench_table_density_in_percent_and_a_sum_that_does_not_add_up_is_explained():
-    from flashprefill.bench import CPU_LABEL, format_table
+    from flashprefill.bench import CPU_LABEL, format_table, table_notes
     from flashprefill.config import SparseConfig
 
     base = {"device": "cpu", "cpu": "x86_64", "label": CPU_LABEL, "batch": 1, "heads_q": 32, "heads_kv": 8,
@@ -700,6 +708,8 @@ def test_bench_table_density_in_percent_and_a_sum_that_does_not_add_up_is_explai
     assert len(timing) == 1 and "separate timings" in timing[0]
     assert "L=2048: 67.3 + 1395.8 = 1463.1 vs total 1405.2" in timing[0] and "L=4096" not in timing[0]  # within 1%
     assert "note timing" not in format_table(rows[1:])
+    assert table_notes(rows) == [line.removeprefix("note ") for line in text.splitlines() if line.startswith("note ")]
+    assert table_notes(rows)[0].startswith("timing: ")  # what fp bench --json carries
     assert text.splitlines()[1] == "config: default SparseConfig"
     mass = [dict(r, config=dataclasses.asdict(SparseConfig(block_score="mass", alpha=0.05))) for r in rows]
     assert format_table(mass, config_name="profile m").splitlines()[1] == (
@@ -742,6 +752,28 @@ def test_bench_on_gpu_passes_options(runner, fake_operator_bench, monkeypatch):
     assert call["lens"] == [131072] and call["fp8"] and call["batch"] == 2 and "device" not in call
     assert "config" not in call  # no --profile: the operator's default SparseConfig
     assert json.loads(r.stdout)["operator"]["gpu"] == "Fake H200"
+
+
+def test_bench_repeated_lengths_run_once_in_the_order_given(runner, fake_operator_bench, monkeypatch):
+    """A length given twice (in one list, or by a repeated --len, in any spelling) runs once, at
+    its first place; a repeated --len adds its lengths (it did replace the earlier ones)."""
+    import torch
+
+    from fpcli.commands.bench import unique_lengths
+
+    assert unique_lengths(["32k,8k", "32768"]) == ([32768, 8192], [32768])
+    assert unique_lengths(["2k,1k"]) == ([2048, 1024], [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake H200")
+    r = invoke(runner, ["bench", "--len", "32k,32k", "--json"])
+    assert r.exit_code == 0, r.output
+    assert fake_operator_bench[-1]["lens"] == [32768] and json.loads(r.stdout)["operator"]["lens"] == [32768]
+    assert "32,768 tokens given more than once: run once" in r.stderr
+    r = invoke(runner, ["bench", "--len", "8k", "--len", "32k", "--len", "8192", "--json"])
+    assert r.exit_code == 0, r.output
+    assert fake_operator_bench[-1]["lens"] == [8192, 32768]
+    r = invoke(runner, ["bench", "--len", "8k", "--len", "32k", "--json"])
+    assert r.exit_code == 0 and fake_operator_bench[-1]["lens"] == [8192, 32768] and "more than once" not in r.stderr
 
 
 def test_bench_bad_arguments(runner):
@@ -898,10 +930,14 @@ def test_bench_cpu_table_header_names_the_profile_and_short_lengths(runner, monk
             "(other settings default)") in r.stdout
     notes = [line for line in r.stdout.splitlines() if line.startswith("note min_sparse_len:")]
     assert len(notes) == 1 and notes[0].startswith("note min_sparse_len: L=1024 < min_sparse_len 2,048: the engines")
+    printed = [line.removeprefix("note ") for line in r.stdout.splitlines() if line.startswith("note ")]
     r = invoke(runner, args + ["--json"])
-    rows = json.loads(r.stdout)["operator"]["rows"]
+    operator = json.loads(r.stdout)["operator"]
+    rows = operator["rows"]
     assert rows[0]["density"] == 1.0 and rows[0]["notes"]["min_sparse_len"].startswith("L=1024 < min_sparse_len")
     assert "min_sparse_len" not in rows[1]["notes"] and rows[1]["config"]["alpha"] == 0.2
+    # the table's notes are in the JSON too, as printed (a timing note may follow: it depends on the times)
+    assert operator["notes"][0] == printed[0] == notes[0].removeprefix("note ")
 
 
 # -- fp profile -----------------------------------------------------------------------------------
@@ -915,6 +951,10 @@ def test_profile_heatmap_png_and_json(runner, fake_engine, doc, tmp_path):
     assert "density per layer x KV head" in r.stdout and "mean" in r.stdout
     assert "index 1.50 ms" in r.stdout
     assert fake_engine().generated[-1]["max_new_tokens"] == 1
+    # stdout is a pipe: no colour swatches (they printed as blanks), the scale in words
+    (legend,) = [line for line in r.stdout.splitlines() if line.startswith("cells: density in %")]
+    assert "colour scale on a terminal: 8 steps of 12.5%, 0% dark purple to 100% yellow" in legend
+    assert "  " not in legend.strip()
 
     r = invoke(runner, ["profile", str(doc), "--png", str(png), "--json", "--fp8"])
     assert r.exit_code == 0, r.output
@@ -925,6 +965,64 @@ def test_profile_heatmap_png_and_json(runner, fake_engine, doc, tmp_path):
     assert data["fp8_rel_l2_per_layer"] is None and data["png"] == str(png)  # the fake does not compare
     assert fake_engine().requested["profile"].precision == "fp8"
     assert f"heatmap written to {png}" in r.stderr          # said with --json too (stdout stays JSON)
+
+
+def test_profile_json_has_the_ingestion_block_of_ask(runner, fake_engine, tmp_path):
+    """fp profile --json says what was read and what was cut to fit the context, in fp ask's
+    ``ingestion`` block (the same keys: one builder, ``fpcli.report.ingestion_report``)."""
+    big = tmp_path / "big.txt"
+    big.write_text(" ".join(f"w{i}" for i in range(5000)))
+    env = {"FP_FAKE_CONTEXT": "1000"}
+    r = invoke(runner, ["profile", str(big), "--json", "--png", str(tmp_path / "h.png")], env=env)
+    assert r.exit_code == 0, r.output
+    ingestion = json.loads(r.stdout)["ingestion"]
+    (row,) = ingestion["documents"]
+    assert row["name"] == str(big) and row["kind"] == "text" and row["tokens"] == 5000  # before the cut
+    prompt = ingestion["prompt"]
+    assert prompt["truncated"] and prompt["cuts"][0]["file"] == str(big) and prompt["max_new_tokens"] == 1
+    assert prompt["prompt_tokens"] == json.loads(r.stdout)["prompt_tokens"]
+    r = invoke(runner, ["ask", str(big), "What?", "--json"], env=env)
+    assert r.exit_code == 0, r.output
+    asked = json.loads(r.stdout)["ingestion"]
+    assert set(asked) == set(ingestion) and set(asked["documents"][0]) == set(row)
+    assert set(asked["prompt"]) == set(prompt) and set(asked["prompt"]["cuts"][0]) == set(prompt["cuts"][0])
+
+
+def test_full_density_of_a_prompt_within_sink_window_and_tail_is_explained(runner, fake_engine, doc, tmp_path,
+                                                                            monkeypatch):
+    """A prompt that fits in sink + local window + dense tail leaves nothing to prune: the engines
+    report 100% in the sparse layers (tests/test_e2e_cpu.py: the real one), and fp profile and
+    fp ask say why, with the numbers, on screen and in --json."""
+    from fp_fakes import FakeEngine
+
+    stats_for = FakeEngine.stats_for
+
+    def all_kept(self, n):  # as the real engines report a short prompt: sparse layers, every block kept
+        st = stats_for(self, n)
+        return dataclasses.replace(st, density=1.0, density_per_layer=[1.0] * self.num_layers,
+                                   density_per_layer_head=[[1.0] * self.num_kv_heads] * self.num_layers,
+                                   attention_flops_skipped=0.0)
+
+    monkeypatch.setattr(FakeEngine, "stats_for", all_kept)
+    fits = "fits in sink 512 + local window 1,024 + dense tail 256 = 1,792 tokens"
+    r = invoke(runner, ["profile", str(doc), "--png", str(tmp_path / "h.png")])
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("density 100.0% over sparse layers"))
+    assert lines[at + 1].startswith("note: every block was kept: the ") and fits in lines[at + 1], lines[at:at + 2]
+    r = invoke(runner, ["profile", str(doc), "--json", "--png", str(tmp_path / "h.png")])
+    data = json.loads(r.stdout)
+    assert data["density_note"] == f"every block was kept: the {data['prompt_tokens']:,}-token prompt {fits}, " \
+                                   "which the sparse layers always keep (nothing to prune)"
+    r = invoke(runner, ["ask", str(doc), "What?", "--json"])
+    s = json.loads(r.stdout)["summary"]
+    assert s["density_note"] == data["density_note"].replace(f"the {data['prompt_tokens']:,}-token",
+                                                             f"the {s['prompt_tokens']:,}-token")
+    r = invoke(runner, ["ask", str(doc), "What?"])
+    assert "fp: note: every block was kept" in r.stderr and fits in " ".join(r.stderr.split())
+    monkeypatch.setattr(FakeEngine, "stats_for", stats_for)  # below 100%: nothing to explain
+    r = invoke(runner, ["profile", str(doc), "--json", "--png", str(tmp_path / "h.png")])
+    assert json.loads(r.stdout)["density_note"] is None
 
 
 def test_the_report_says_which_sparse_settings_ran(runner, fake_engine, doc, tmp_path, monkeypatch):

@@ -175,3 +175,22 @@ def test_fp_profile_fp8_reports_fp8_error_per_layer(smollm2, tmp_path):
             assert err is None and heads == [], (i, err, heads)
     assert data["png"] == str(png) and data["png_fp8"] == str(tmp_path / "h.fp8.png")
     assert (tmp_path / "h.fp8.png").stat().st_size > 1000
+
+
+def test_fp_profile_of_a_prompt_within_sink_window_and_tail_says_why_nothing_was_pruned(smollm2, tmp_path):
+    """The real transformers engine on a ~100-token prompt with min_sparse_len 0: the sparse layers
+    run and keep every block (the prompt fits in sink 512 + window 1,024 + tail 256), and fp
+    profile says so instead of a bare 100%."""
+    doc = tmp_path / "memo.txt"
+    doc.write_text("Quarterly report.\nThe secret code is PLUM7.\nRevenue grew.\n")
+    proc = subprocess.run(
+        [fp_executable(), "profile", str(doc), "--json", "--engine", "transformers", "--no-server",
+         "--profile", str(sparse_profile(tmp_path)), "--png", str(tmp_path / "h.png")],
+        capture_output=True, text=True, env=run_env(), timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    assert data["density"]["sparse_layers"] == list(range(2, 30)) and data["density"]["overall"] == 1.0
+    assert data["prompt_tokens"] < 1792 and data["density_note"] == (
+        f"every block was kept: the {data['prompt_tokens']:,}-token prompt fits in sink 512 + local window 1,024 "
+        "+ dense tail 256 = 1,792 tokens, which the sparse layers always keep (nothing to prune)")

@@ -1,6 +1,8 @@
 """Run profiles: the built-ins load, and every wrong key or value names file, key and what is allowed."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -112,6 +114,32 @@ def test_not_yaml_or_not_mapping(tmp_path):
         load_profile(write(tmp_path, "name: [unclosed\n"))
     with pytest.raises(ProfileError, match="expected a mapping"):
         load_profile(write(tmp_path, "- a\n- b\n"))
+
+
+def test_a_directory_or_an_empty_file_says_so(tmp_path, monkeypatch):
+    """--profile given a folder, an empty (or comments-only) YAML file or a binary file: one line
+    naming the path and what is wrong (it was 'profile file not found' for an existing folder,
+    'expected a mapping ..., got NoneType', or a UnicodeDecodeError traceback)."""
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    for given in (str(folder), f"{folder}/", str(tmp_path / "odd.yaml")):
+        Path(given).mkdir(exist_ok=True)
+        with pytest.raises(ProfileError) as info:
+            load_profile(given)
+        assert str(info.value) == f"profile {given}: is a directory; give a profile .yaml file or a built-in name"
+    monkeypatch.chdir(tmp_path)  # a bare name that is a folder here and no built-in
+    with pytest.raises(ProfileError, match=r"^profile profiles: is a directory"):
+        load_profile("profiles")
+    for text in ("", "\n\n", "# only a comment\n"):
+        empty = tmp_path / "empty.yaml"
+        empty.write_text(text)
+        with pytest.raises(ProfileError) as info:
+            load_profile(empty)
+        assert str(info.value) == f"{empty}: is empty (a profile needs at least 'name'; schema: docs/profiles.md)"
+    binary = tmp_path / "b.yaml"
+    binary.write_bytes(b"name: x\n\xff\xfe\x00")
+    with pytest.raises(ProfileError, match=rf"^{binary}: not a text file"):
+        load_profile(binary)
 
 
 def test_unknown_name_lists_builtins():

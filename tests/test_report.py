@@ -294,3 +294,32 @@ def test_profile_row_names_only_the_settings_that_differ_from_bf16():
     assert sparse_cap_note(other, 4096) == "min_sparse_len 16,384 capped to 2,048: half the 4,096-token context it runs at"
     assert sparse_cap_note(other, 65536) is None and sparse_settings(load_profile("dense"), 4096) is None
     assert sparse_differences(None, bf16) == []
+
+
+def test_always_kept_note_when_the_prompt_fits_in_sink_window_and_tail():
+    """100% in sparse layers is explained when the prompt fits in sink + local window + dense tail
+    (every query keeps all of it), with the numbers; not otherwise."""
+    from fpcli.report import always_kept_note, density_summary
+
+    sparse = {"sink_tokens": 512, "window_tokens": 1024, "dense_tail_tokens": 256, "min_sparse_len": 0}
+    full = density_summary([1.0, 1.0, 1.0], 1.0, sparse_layers=[1, 2])
+    note = always_kept_note(93, sparse, full)
+    assert note == ("every block was kept: the 93-token prompt fits in sink 512 + local window 1,024 + dense tail "
+                    "256 = 1,792 tokens, which the sparse layers always keep (nothing to prune)")
+    assert always_kept_note(1792, sparse, full) is not None       # at the bound: still nothing to prune
+    assert always_kept_note(1793, sparse, full) is None           # longer: the 100% has another cause
+    assert always_kept_note(93, sparse, density_summary([1.0, 0.9, 0.8], 0.85, sparse_layers=[1, 2])) is None
+    assert always_kept_note(93, sparse, density_summary([1.0, 1.0], 1.0, sparse_layers=[])) is None  # none ran sparse
+    assert always_kept_note(93, None, full) is None                # a dense profile
+
+
+def test_heatmap_legend_without_colours_gives_the_scale_in_words():
+    """Off a terminal the colour swatches print as blanks: the legend gives the scale's numbers."""
+    from fpcli.report import heatmap_legend
+
+    buf = io.StringIO()
+    Console(file=buf, width=300, force_terminal=False).print(heatmap_legend(color=False))
+    line = buf.getvalue().strip()
+    assert line.endswith("colour scale on a terminal: 8 steps of 12.5%, 0% dark purple to 100% yellow (as the PNG)")
+    assert "  " not in line and "** = 100%" in line
+    assert len([s for s in heatmap_legend().spans if s.style.startswith("on #")]) == 8  # a terminal: the swatches

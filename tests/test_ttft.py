@@ -124,3 +124,35 @@ def test_the_fake_sglang_engine_has_the_real_ones_interface_and_nothing_more():
     inspect.signature(SGLangEngine.generate).bind(None, [1, 2], max_new_tokens=2)
     result = fake.generate([1, 2, 3], max_new_tokens=2)
     assert result.device == "cuda" and result.engine == "sglang"
+
+
+def test_short_runs_fit_min_sparse_len_to_their_context_and_the_note_says_the_fitted_value():
+    """The engines run at the longest length + ANSWER_MARGIN; min_sparse_len is fitted to that
+    context (at most half of it: Profile.fit_to_context), as fp's other engines are, and the note
+    names the value that ran. At --len 1k,8k (context 8,448): 4,224, not bf16's 8,192, so 8K runs
+    sparse and only 1K is noted; at --len 4k (context 4,352: 2,176) nothing runs dense."""
+    from fpcli.ttft import engine_profile
+
+    assert engine_profile(BF16, [1024, 8192]).sparse.min_sparse_len == 4224
+    assert engine_profile(BF16, [1024, 8192]).engine.context_length == 8448
+    assert engine_profile(BF16, [16384]).sparse.min_sparse_len == 8192      # a context of 16,640: as is
+    assert engine_profile(BF16, [16384], native_context=8192).sparse.min_sparse_len == 4096  # YaRN on an 8K model
+    eng = fake_sglang()
+    rows = run_ttft_bench([1024, 8192], "/models/m", [BF16, FP8, DENSE], repeats=1, start_engine=eng)
+    assert [p.sparse.min_sparse_len for _, p in eng._started][:2] == [4224, 4224]  # bf16, fp8 (dense: none)
+    by = {(r["length"], r["profile"]): r for r in rows}
+    assert by[(8192, "bf16")]["density"] < 1.0 and by[(1024, "bf16")]["density"] == 1.0
+    assert ttft_notes(rows, [BF16, FP8, DENSE]) == ["at 1024 tokens bf16, fp8 ran dense: prompts below min_sparse_len 4,224"]
+    eng = fake_sglang()
+    rows = run_ttft_bench([4096], "/models/m", [BF16, DENSE], repeats=1, start_engine=eng)
+    assert rows[0]["density"] < 1.0 and ttft_notes(rows, [BF16, DENSE]) == []
+
+
+def test_the_native_context_of_the_model_folder_caps_the_threshold(tmp_path):
+    """An 8K model run at 16K with YaRN: min_sparse_len 4,096 (half the model's own context, as
+    fpcli.engine.load_engine fits it), read from the folder's config.json; the note says so."""
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 8192}')
+    eng = fake_sglang()
+    rows = run_ttft_bench([2048, 16384], str(tmp_path), [BF16, DENSE], repeats=1, start_engine=eng)
+    assert eng._started[0][1].sparse.min_sparse_len == 4096 and eng._started[0][1].engine.context_length == 16640
+    assert ttft_notes(rows, [BF16, DENSE], 8192) == ["at 2048 tokens bf16 ran dense: prompts below min_sparse_len 4,096"]

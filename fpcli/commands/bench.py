@@ -19,7 +19,8 @@ GPU_DEFAULT_LENS = "8k,32k,128k"
 CPU_DEFAULT_LENS = "2k,4k"
 BENCH_SCHEMA = "fp.bench/2"
 """``fp bench --json``: ``{"schema", "kind": "operator" | "operator+e2e" | "e2e", "operator": {meta...,
-"rows"} | null, "e2e": {meta..., "rows"} | null}`` (``_operator_part``, ``_e2e_part``)."""
+"notes", "rows"} | null, "e2e": {meta..., "notes", "rows"} | null}`` (``_operator_part``, ``_e2e_part``);
+``notes``: the lines the tables print as notes (``flashprefill.bench.table_notes``, ``fpcli.ttft.ttft_notes``)."""
 
 
 def parse_lengths(text: str, option: str = "--len") -> list[int]:
@@ -35,6 +36,21 @@ def parse_lengths(text: str, option: str = "--len") -> list[int]:
         return parse(text)
     except ValueError as exc:
         raise ValueError(f"{option}: {exc}") from None
+
+
+def unique_lengths(texts: list[str], option: str = "--len") -> tuple[list[int], list[int]]:
+    """The lengths of ``option`` given once or more (each value one length or a comma list, as
+    ``parse_lengths``), in the order given, each token count once: ``["32k,8k", "32768"]`` ->
+    ``([32768, 8192], [32768])``. Returns ``(lengths, repeated)``: ``repeated``, the token counts
+    given more than once (merged into their first place).
+
+    Raises:
+        ValueError: naming ``option`` and the bad item.
+    """
+    given = [n for text in texts for n in parse_lengths(text, option=option)]
+    lengths = list(dict.fromkeys(given))
+    repeated = [n for n in lengths if given.count(n) > 1]
+    return lengths, repeated
 
 
 def parse_heads(text: str) -> tuple[int, int]:
@@ -58,7 +74,7 @@ DENSE_PROFILE_ERROR = "has no sparse settings to benchmark; the dense baselines 
 
 @app.command("bench", cls=FpCommand)
 def bench(
-    lens: Annotated[Optional[str], typer.Option("--len", "-l", help=f"Lengths in tokens: 4k, 131072, 128k, or a comma list. Default: {GPU_DEFAULT_LENS} on a GPU, {CPU_DEFAULT_LENS} with --cpu.", show_default=False)] = None,
+    lens: Annotated[Optional[list[str]], typer.Option("--len", "-l", help=f"Lengths in tokens: 4k, 131072, 128k, or a comma list; repeatable (a length given twice runs once). Default: {GPU_DEFAULT_LENS} on a GPU, {CPU_DEFAULT_LENS} with --cpu.", show_default=False, metavar="LENGTHS")] = None,
     fp8: Annotated[bool, typer.Option("--fp8", help="FP8 attention operands in the sparse path, beside BF16: FP8 columns in the operator table; with --e2e an FP8 engine beside the BF16 and dense ones (the built-in fp8 profile beside bf16; for another profile, the same at fp8 precision, named PROFILE+fp8). Implied by an fp8 profile.")] = False,
     batch: Annotated[int, typer.Option("--batch", "-b", min=1, help="Operator table: requests per batch, each of the given length.")] = 1,
     heads: Annotated[str, typer.Option("--heads", help="Operator table: query/KV heads, e.g. 32/8.")] = "32/8",
@@ -82,13 +98,15 @@ def bench(
              "engine and needs a CUDA GPU (on a CPU, `fp ask FILE QUESTION` reports the TTFT of one real request)", code=2)
     if model is not None and not with_e2e:
         fail("--model: the operator table runs synthetic inputs, not a model; --model is for --e2e or --e2e-only", code=2)
-    if lens is None:
-        lens = CPU_DEFAULT_LENS if cpu else GPU_DEFAULT_LENS
+    if not lens:
+        lens = [CPU_DEFAULT_LENS if cpu else GPU_DEFAULT_LENS]
     try:
-        lengths = parse_lengths(lens)
+        lengths, repeated = unique_lengths(lens)
         hq, hkv = parse_heads(heads)
     except ValueError as exc:
         fail(str(exc), code=2)
+    if repeated:
+        note(err, f"--len: {', '.join(f'{n:,}' for n in repeated)} tokens given more than once: run once")
     prof = None
     if profile is not None:
         prof = load_profile_or_exit(profile)
@@ -203,7 +221,7 @@ def _operator_part(err, lengths, hq, hkv, head_dim, batch, fp8, device, prof, ve
     settings (``None``: the default ``SparseConfig``); its meta and rows for the JSON."""
     import torch
 
-    from flashprefill.bench import run_operator_bench
+    from flashprefill.bench import run_operator_bench, table_notes
     from flashprefill.config import SparseConfig
     from fpcli.profiles import profile_file
 
@@ -233,6 +251,7 @@ def _operator_part(err, lengths, hq, hkv, head_dim, batch, fp8, device, prof, ve
         "profile_file": profile_file(prof) if prof is not None else None,
         "config": dataclasses.asdict(config),
         "config_differences": config.differences(),  # from the default SparseConfig
+        "notes": table_notes(rows),  # the notes the table prints (short lengths, timings, skipped baselines)
         "rows": rows,
     }
 
@@ -256,9 +275,8 @@ def _print_operator(err, part: dict, default_beside_e2e: bool) -> None:
         title = ("fp bench (operator, CPU reference, not representative of GPU speed)" if part["device"] == "cpu"
                  else "fp bench (operator)")
         print_table(rows_table(rows, title=title))  # the result: stdout, as wide as it needs
-        notes = {k: v for r in rows for k, v in (r.get("notes") or {}).items() if k != "cpu"}
-        for k, v in notes.items():
-            note(err, f"{k}: {v}")
+        for line in part["notes"]:
+            note(err, line)
     sys.stdout.flush()
     if default_beside_e2e:
         note(err, "the operator table ran the default SparseConfig (no --profile); the end-to-end table runs the "
@@ -267,6 +285,7 @@ def _print_operator(err, part: dict, default_beside_e2e: bool) -> None:
 
 def _e2e_part(err, lengths, model_path: str, profiles: list, verbose: bool) -> dict:
     """Run the end-to-end table (``fpcli.ttft.run_ttft_bench``) of ``profiles``; its meta and rows."""
+    from fpcli.models import known_context_length
     from fpcli.ttft import REPEATS, run_ttft_bench, ttft_notes
 
     rows = _run_with_progress(
@@ -274,8 +293,9 @@ def _e2e_part(err, lengths, model_path: str, profiles: list, verbose: bool) -> d
         lambda progress: run_ttft_bench(lengths, model_path, profiles, progress=progress, repeats=REPEATS),
         verbose=verbose,
     )
+    notes = ttft_notes(rows, profiles, known_context_length(model_path))  # the min_sparse_len each engine ran
     return {"lens": lengths, "model": model_path, "gpu": _gpu_name(), "repeats": REPEATS,
-            "profiles": [p.name for p in profiles], "notes": ttft_notes(rows, profiles), "rows": rows}
+            "profiles": [p.name for p in profiles], "notes": notes, "rows": rows}
 
 
 def rows_table(rows: list[dict], title: str = ""):

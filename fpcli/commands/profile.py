@@ -49,7 +49,8 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
     from fpcli.console import print_table, stdout_console, warning
     from fpcli.ingest import check_paths, ingest
     from fpcli.prompt import NoRoomError, PromptError, build_prompt
-    from fpcli.report import density_grid, density_line, density_summary, heatmap_legend, heatmap_table, render_ingestion, write_heatmap_png
+    from fpcli.report import (always_kept_note, density_grid, density_line, density_summary, heatmap_legend,
+                              heatmap_table, ingestion_report, render_ingestion, write_heatmap_png)
 
     err = stderr_console()
     problems = check_paths([file])
@@ -127,6 +128,7 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
         "sparse_note": sparse_cap_note(loaded, eng.context_length),
         "density": density_summary(stats.density_per_layer, stats.density, getattr(stats, "sparse_layers", None)),
         "density_per_layer_head": grid,
+        "density_note": None,  # always_kept_note, below (as in fp.ask/1)
         "index_ms": stats.index_ms,
         "attention_ms": stats.attention_ms,
         # one per sparse layer (density.sparse_layers, in that order); null when not measured
@@ -142,7 +144,9 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
         "png": None,
         "png_fp8": None,
         "server": render_answered_by(err, eng),  # None: profiled in-process
+        "ingestion": ingestion_report(docs, prompt),  # what was read and cut, as in fp.ask/1
     }
+    data["density_note"] = always_kept_note(result.prompt_tokens, data["sparse"], data["density"])
     if grid:
         # default: the current directory (never beside the input, which may be read-only or shared)
         png_path = (png or Path.cwd() / f"{Path(file).stem if file != '-' else 'stdin'}.density.png").resolve()
@@ -173,13 +177,15 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
     if grid:
         out.print(f"[bold]attention density per layer x KV head[/] ({result.prompt_tokens:,} tokens, {result.model}, profile {prof.name})", soft_wrap=True)
         print_table(heatmap_table(grid))
-        out.print(heatmap_legend())
+        out.print(heatmap_legend(color=out.color_system is not None and not out.no_color), soft_wrap=True)
     else:
         out.print(f"no density statistics from the {result.engine} engine (profile {prof.name}, attention {prof.attention})")
     d = data["density"]
     if d["overall"] is not None:
         msl = None if prof.attention == "dense" else int(prof.sparse.min_sparse_len)
         out.print(f"density {density_line(d, prof.attention, result.prompt_tokens, msl, result.cached_tokens)}", soft_wrap=True)
+        if data["density_note"]:
+            out.print(f"note: {data['density_note']}", soft_wrap=True, highlight=False)
     if times:
         print_table(_times_table(times, stats.density_per_layer))
         out.print(_times_headline(times), soft_wrap=True, highlight=False)

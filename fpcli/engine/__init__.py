@@ -243,7 +243,7 @@ def load_engine(engine: str = "auto", model: str | None = None, profile=None, pr
     name = model_display_name(model, path)
     ctx = known_context_length(path)
     if ctx is not None:  # the sparse threshold fits the model: min(min_sparse_len, context / 2)
-        profile = profile.fit_to_context(min(ctx, profile.engine.context_length or ctx))
+        profile = profile.fit_to_model(ctx)
     ui = _console(progress)
     key = start_key(engine, path, profile.engine.context_length)
     if engine == "sglang":

@@ -405,18 +405,26 @@ def format_table(rows: list[dict], config_name: str | None = None) -> str:
         lines = [f"{r['gpu']}  batch {r['batch']}  heads {r['heads_q']}/{r['heads_kv']}  d {r['head_dim']}  "
                  f"{r['dtype']}  page {r['page_size']}  inputs: {r['inputs']}", config]
         lines += plain_table(rows, TABLE_COLS)
-    notes = {k: v for row in rows for k, v in row["notes"].items() if k not in ("cpu", "min_sparse_len")}
-    return "\n".join(lines + _short_notes(rows) + _sum_notes(rows) + [f"note {k}: {v}" for k, v in notes.items()])
+    return "\n".join(lines + [f"note {line}" for line in table_notes(rows)])
+
+
+def table_notes(rows: list[dict]) -> list[str]:
+    """The notes under ``format_table`` (each printed after ``note ``), one line each: the lengths
+    below ``min_sparse_len`` (one line for all), index + attention times that do not add up to the
+    total (``SUM_TOLERANCE``), then every other row note once (``"fa4: skipped: ..."``); the CPU
+    label is not one (the table's header says it). ``fp bench --json`` carries the same lines."""
+    notes = {k: v for row in rows for k, v in (row.get("notes") or {}).items() if k not in ("cpu", "min_sparse_len")}
+    return _short_notes(rows) + _sum_notes(rows) + [f"{k}: {v}" for k, v in notes.items()]
 
 
 def _short_notes(rows: list[dict]) -> list[str]:
     """One note for every row below its ``min_sparse_len`` (``short_note``), naming the lengths."""
-    short = [row for row in rows if "min_sparse_len" in row["notes"]]
+    short = [row for row in rows if "min_sparse_len" in (row.get("notes") or {})]
     if not short:
         return []
     lens = ", ".join(str(row["L"]) for row in short)
     msl = short[0]["config"]["min_sparse_len"]
-    return [f"note min_sparse_len: L={lens} < min_sparse_len {msl:,}: {SHORT_WHY}"]
+    return [f"min_sparse_len: L={lens} < min_sparse_len {msl:,}: {SHORT_WHY}"]
 
 
 def _sum_notes(rows: list[dict]) -> list[str]:
@@ -428,7 +436,7 @@ def _sum_notes(rows: list[dict]) -> list[str]:
         return []
     what = "; ".join(f"L={r['L']}: {r['index_ms']:.1f} + {r['attn_ms']:.1f} = {r['index_ms'] + r['attn_ms']:.1f} "
                      f"vs total {r['total_ms']:.1f}" for r in off)
-    return [f"note timing: index ms, attn ms and total ms are three separate timings (total ms: one whole call, "
+    return [f"timing: index ms, attn ms and total ms are three separate timings (total ms: one whole call, "
             f"index then attention), so they need not add up; the difference is timing noise "
             f"(median of a few calls) plus the work a whole call adds or shares ({what})"]
 
