@@ -124,8 +124,8 @@ class Profile:
         >>> Profile("p", sparse=SparseConfig(min_sparse_len=8192)).fit_to_model(8192).sparse.min_sparse_len
         4096
         """
-        known = [int(c) for c in (native_context, self.engine.context_length) if c]
-        return self.fit_to_context(min(known)) if known else self
+        context = threshold_context(native_context, self.engine.context_length)
+        return self.fit_to_context(context) if context else self
 
     def replace(self, **changes: Any) -> "Profile":
         """A copy with top-level fields changed, e.g. ``p.replace(precision="fp8")``."""
@@ -156,35 +156,57 @@ def sparse_threshold(min_sparse_len: int, context_length: int) -> int:
     return min(int(min_sparse_len), int(context_length) // 2)
 
 
-def sparse_settings(profile: Profile, context_length: int | None) -> dict | None:
+def threshold_context(native_context: int | None, context_length: int | None) -> int | None:
+    """The context (tokens) that ``min_sparse_len`` is fitted to (``Profile.fit_to_model``, the
+    engines' rule, docs/profiles.md "The sparse threshold fits the model"): the smaller of the
+    model's native context and the context the engine runs at (``--context``, YaRN); either alone
+    when the other is unknown (``None``); ``None`` when both are.
+
+    >>> threshold_context(8192, 16384), threshold_context(32768, 131072), threshold_context(None, 4096)
+    (8192, 32768, 4096)
+    """
+    known = [int(c) for c in (native_context, context_length) if c]
+    return min(known) if known else None
+
+
+def sparse_settings(profile: Profile, context_length: int | None, native_context: int | None = None) -> dict | None:
     """The sparse settings a run of ``profile`` on a model of ``context_length`` tokens uses: every
     ``SparseConfig`` field after ``fit_to_context`` (``min_sparse_len`` as run, tokens), plus
     ``dense_layers`` and ``min_sparse_len_requested`` (the profile's own, larger when capped to half
-    the context). ``None`` for a dense profile. ``context_length`` ``None``: not fitted.
+    the context). ``None`` for a dense profile. ``context_length`` (the engine's) and
+    ``native_context`` (the model's own): fitted to ``threshold_context`` of the two, as the engines
+    fit it; both ``None``: not fitted.
 
     >>> sparse_settings(Profile("p", sparse=SparseConfig(min_sparse_len=8192)), 8192)["min_sparse_len"]
     4096
     """
     if profile.is_dense:
         return None
-    run = profile.fit_to_context(context_length) if context_length else profile
+    context = threshold_context(native_context, context_length)
+    run = profile.fit_to_context(context) if context else profile
     settings = dataclasses.asdict(run.sparse)
     settings["dense_layers"] = int(profile.dense_layers)
     settings["min_sparse_len_requested"] = int(profile.sparse.min_sparse_len)
     return settings
 
 
-def sparse_cap_note(profile: Profile, context_length: int | None) -> str | None:
-    """One line when ``fit_to_context`` lowered ``profile``'s ``min_sparse_len`` for a model of
-    ``context_length`` tokens, the context the engine runs at (the model's own, or ``--context``):
-    "min_sparse_len 8,192 capped to 4,096: half the 8,192-token context it runs at"; else ``None``."""
-    if profile.is_dense or not context_length:
+def sparse_cap_note(profile: Profile, context_length: int | None, native_context: int | None = None) -> str | None:
+    """One line when the engines' fit (``threshold_context`` of ``native_context``, the model's own
+    context, and ``context_length``, the context the engine runs at, tokens) lowered ``profile``'s
+    ``min_sparse_len``: "min_sparse_len 8,192 capped to 4,096: half the 8,192-token context it runs
+    at", or "... half the model's own 8,192-token context (it runs at 16,384 with YaRN)" when the
+    native context is the smaller; else ``None``."""
+    context = threshold_context(native_context, context_length)
+    if profile.is_dense or not context:
         return None
     requested = int(profile.sparse.min_sparse_len)
-    run = sparse_threshold(requested, context_length)
+    run = sparse_threshold(requested, context)
     if run == requested:
         return None
-    return f"min_sparse_len {requested:,} capped to {run:,}: half the {int(context_length):,}-token context it runs at"
+    head = f"min_sparse_len {requested:,} capped to {run:,}: half the"
+    if context_length and context < int(context_length):
+        return f"{head} model's own {context:,}-token context (it runs at {int(context_length):,} with YaRN)"
+    return f"{head} {context:,}-token context it runs at"
 
 
 def sparse_differences(settings: dict | None, base: Profile) -> list[str]:

@@ -187,13 +187,15 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
         engine_start_s: seconds of ``wall_s`` spent starting the engine (0.0 when it was running).
         read_s, fit_s: seconds of ``wall_s`` spent reading the documents and building the prompt
             (``None``: not measured, counted in ``other``).
-        context_length: the engine's context in tokens (``engine.context_length``), to which
-            ``profile``'s ``min_sparse_len`` is fitted (``Profile.fit_to_context``); ``None``: as is.
+        context_length: the engine's context in tokens (``engine.context_length``); ``profile``'s
+            ``min_sparse_len`` is fitted as the engines fit it, to the smaller of it and
+            ``context["native_context"]`` (``fpcli.profiles.threshold_context``); ``None``: as is.
     """
     from fpcli.profiles import sparse_cap_note, sparse_settings
 
     stats = result.stats
-    sparse = sparse_settings(profile, context_length)
+    native = (context or {}).get("native_context")  # the engines fit min_sparse_len to the smaller
+    sparse = sparse_settings(profile, context_length, native)
     dense = float(stats.attention_flops_dense or 0.0)
     skipped = float(stats.attention_flops_skipped or 0.0)
     summary = {
@@ -223,7 +225,7 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
         "attention": profile.attention,
         "min_sparse_len": None if sparse is None else sparse["min_sparse_len"],
         "sparse": sparse,
-        "sparse_note": sparse_cap_note(profile, context_length),
+        "sparse_note": sparse_cap_note(profile, context_length, native),
         "density": density_summary(stats.density_per_layer, stats.density, getattr(stats, "sparse_layers", None)),
         "density_per_layer_head": density_grid(stats.density_per_layer_head, stats.density_per_layer,
                                                getattr(stats, "sparse_layers", None)),

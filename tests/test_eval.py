@@ -579,3 +579,34 @@ def test_eval_table_marks_an_average_over_fewer_tasks():
     rows = [line for line in console.export_text().splitlines() if "all tasks" in line]
     assert len(rows) == 1
     assert "100.0 (1 of 2 tasks)" in rows[0] and "75.0 (" not in rows[0]
+
+
+def test_eval_reports_min_sparse_len_as_the_engine_fitted_it():
+    """An in-process engine keeps the profile load_engine fitted to the model (Profile.fit_to_model:
+    SmolLM2's own 8K at --context 16k gives 4,096); the report said 8,192 (fitted to 16K)."""
+    from fpcli.engine.base import GenerationResult
+    from fpcli.profiles import load_profile, with_context_length
+    from fpcli.ruler.runner import run_profiles
+    from fpcli.ruler.tasks import Sample
+
+    class Engine:  # what run_profiles reads of a loaded engine; the real ones keep .profile fitted
+        name, model_name, context_length = "transformers", "smollm2-135m-instruct", 16384
+
+        def __init__(self, profile):
+            self.profile = profile
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def generate(self, ids, max_new_tokens, temperature):
+            return GenerationResult(text="7", prompt_tokens=len(ids), output_tokens=1, ttft_s=0.1, prefill_s=0.1,
+                                    total_s=0.1, engine=self.name, model=self.model_name, profile=self.profile.name)
+
+    bf16 = with_context_length(load_profile("bf16"), 16384)
+    sample = Sample(task="niah_single", length=12000, index=0, target_tokens=12000, ids=[1, 2, 3], system="",
+                    user="q", question="q", expected=("7",), max_new_tokens=8)
+    run = run_profiles([bf16], lambda p: Engine(p.fit_to_model(8192)), lambda eng, ctx: [sample])
+    assert run.profiles[0].min_sparse_len == 4096

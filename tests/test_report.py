@@ -323,3 +323,21 @@ def test_heatmap_legend_without_colours_gives_the_scale_in_words():
     assert line.endswith("colour scale on a terminal: 8 steps of 12.5%, 0% dark purple to 100% yellow (as the PNG)")
     assert "  " not in line and "** = 100%" in line
     assert len([s for s in heatmap_legend().spans if s.style.startswith("on #")]) == 8  # a terminal: the swatches
+
+
+def test_reports_fit_min_sparse_len_as_the_engine_does_for_a_model_extended_with_yarn():
+    """The engines fit min_sparse_len to the smaller of the model's own context and the one it runs
+    at (Profile.fit_to_model); the reports did it to the run's context only: SmolLM2 (8K) at
+    --context 16k ran 4,096 while fp ask / fp profile said 8,192."""
+    from fpcli.profiles import sparse_cap_note, sparse_settings, with_context_length
+
+    bf16 = with_context_length(load_profile("bf16"), 16384)
+    ran = bf16.fit_to_model(8192).sparse.min_sparse_len
+    assert ran == 4096
+    assert sparse_settings(bf16, 16384, native_context=8192)["min_sparse_len"] == ran
+    assert sparse_settings(bf16, 16384)["min_sparse_len"] == 8192        # without the native context: as before
+    assert sparse_cap_note(bf16, 16384, native_context=8192) == (
+        "min_sparse_len 8,192 capped to 4,096: half the model's own 8,192-token context (it runs at 16,384 with YaRN)")
+    assert sparse_cap_note(bf16, 8192, native_context=32768) == (
+        "min_sparse_len 8,192 capped to 4,096: half the 8,192-token context it runs at")
+    assert sparse_cap_note(bf16, 131072, native_context=32768) is None

@@ -124,8 +124,8 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
         "profile": prof.name,
         "precision": getattr(result, "precision", None) or prof.precision,
         "precision_requested": prof.precision,
-        "sparse": sparse_settings(loaded, eng.context_length),  # as run; the fields as in fp.ask/1
-        "sparse_note": sparse_cap_note(loaded, eng.context_length),
+        "sparse": sparse_settings(loaded, eng.context_length, context_info.get("native_context")),  # as run
+        "sparse_note": sparse_cap_note(loaded, eng.context_length, context_info.get("native_context")),
         "density": density_summary(stats.density_per_layer, stats.density, getattr(stats, "sparse_layers", None)),
         "density_per_layer_head": grid,
         "density_note": None,  # always_kept_note, below (as in fp.ask/1)

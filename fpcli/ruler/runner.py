@@ -17,6 +17,7 @@ from statistics import fmean
 from typing import Callable, Sequence
 
 from fpcli.engine.base import Engine, GenerationResult
+from fpcli.profiles import Profile
 from fpcli.ruler.scoring import mean_points, string_match
 from fpcli.ruler.tasks import Sample
 
@@ -33,8 +34,10 @@ class ProfileRun:
         ran_precision: the attention precision the results report (``GenerationResult.precision``;
             several joined by ``/`` if they differ between samples).
         results: ``{sample id: GenerationResult}``.
-        min_sparse_len: the prompt length (tokens) from which the profile runs sparse, fitted to
-            the run's context (``Profile.fit_to_context``); ``None`` for a dense profile.
+        min_sparse_len: the prompt length (tokens) from which the profile runs sparse, as the
+            engine fitted it (its ``profile``: ``Profile.fit_to_model``); fitted to the run's context
+            (``Profile.fit_to_context``) for an engine that does not say (a resident engine's
+            client); ``None`` for a dense profile.
     """
 
     name: str
@@ -107,7 +110,11 @@ def run_profiles(
                     samples = build_samples(eng, context)
                 run = ProfileRun(prof.name, prof.attention, prof.precision, eng.name, eng.model_name)
                 if not prof.is_dense:
-                    run.min_sparse_len = prof.fit_to_context(context).sparse.min_sparse_len
+                    # as the engine runs it: an in-process engine keeps its fitted profile
+                    # (Profile.fit_to_model); a resident engine's client does not
+                    ran = getattr(eng, "profile", None)
+                    run.min_sparse_len = (ran.sparse.min_sparse_len if isinstance(ran, Profile) and not ran.is_dense
+                                          else prof.fit_to_context(context).sparse.min_sparse_len)
                 runs.append(run)
                 for s in samples:
                     run.results[s.id] = eng.generate(s.ids, max_new_tokens=s.max_new_tokens, temperature=0.0)
