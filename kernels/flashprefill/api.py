@@ -346,7 +346,13 @@ def _prepare(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, so
             raise TypeError(f"q must be a torch.Tensor [total_q, Hq, d], got {type(q).__name__}")
     if not compiling:
         _check_precision(precision)
+    if config.global_keys and not dense and backend == "triton":           # docs/method.md section 4.1
+        raise NotImplementedError(
+            f"SparseConfig.global_keys={config.global_keys} (docs/method.md section 4.1) has no Triton kernel "
+            "yet: use backend='auto' or 'reference' (the reference runs it, on the GPU too, slower)")
     name = _pick_backend(backend, q, precision)
+    if config.global_keys and not dense:
+        name = "reference"
     if not compiling:
         if precision == "fp8" and name == "triton":
             _validate_fp8_gpu(q)

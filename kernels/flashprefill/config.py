@@ -51,6 +51,13 @@ class SparseConfig:
             M)``, the method as published: the rows with the largest logits dominate) or ``"mass"``
             (``Σ_ρ softmax_ρ(ℓ)_j``: each row's attention distribution over the block means it
             decides, summed over the tile's rows, so every (token, head) row weighs the same).
+        global_keys: per request and KV head, the number of "vertical" keys that every query tile
+            attends exactly where their block is pruned (section 4.1, an option of ours, not in the
+            published method; 0, the default, is the method as published). A pruned block then
+            folds back only its other keys. Reference backend only for now (``backend="auto"``
+            runs it; ``"triton"`` raises).
+        global_queries: how many query tokens, spread evenly over the request's body, rank the
+            keys for ``global_keys`` (their attention mass summed per key, section 4.1). >= 1.
 
     Raises:
         ValueError: naming the field, when a value is out of range.
@@ -66,9 +73,12 @@ class SparseConfig:
     min_sparse_len: int = 0
     threshold_max: str = "scored"
     block_score: str = "energy"
+    global_keys: int = 0
+    global_queries: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "sink_tokens", "window_tokens", "dense_tail_tokens", "min_sparse_len"):
+        for name in ("block_size", "sink_tokens", "window_tokens", "dense_tail_tokens", "min_sparse_len", "global_keys",
+                     "global_queries"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"SparseConfig.{name} must be an int, got {type(value).__name__} {value!r}")
@@ -80,6 +90,8 @@ class SparseConfig:
             )
         if self.window_tokens < 1:
             raise ValueError(f"SparseConfig.window_tokens must be >= 1, got {self.window_tokens}")
+        if self.global_queries < 1:
+            raise ValueError(f"SparseConfig.global_queries must be >= 1, got {self.global_queries}")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)):
             raise TypeError(f"SparseConfig.alpha must be a float, got {type(self.alpha).__name__} {self.alpha!r}")
         if not (0.0 <= float(self.alpha) <= 1.0):

@@ -49,6 +49,12 @@ class BlockIndex:
             (request, KV head), NaN ignored: the FP8 pre-pass's scales (``docs/fp8.md`` section 7),
             reduced by the Triton block-means kernels (``IndexConfig.fused_amax``, 16-bit caches).
             ``None`` otherwise (the pre-pass reduces them itself).
+        global_pos: optional int64 ``[batch, Hkv, K]``; with ``SparseConfig.global_keys = K``, each
+            (request, KV head)'s global keys as KV positions local to the request, ascending,
+            ``-1`` where it has fewer (``docs/method.md`` section 4.1). ``None``: no global keys.
+        fold_count: optional ``[n_blocks, Hkv]`` (the means' dtype); with ``global_pos``, the
+            tokens a pruned block folds back (``n_j`` less its global keys): ``k_mean`` /
+            ``v_mean`` are then the means of those tokens (0 where none is left). ``None``: ``n_j``.
     """
 
     row_ptr: torch.Tensor
@@ -65,6 +71,8 @@ class BlockIndex:
     v_mean_lowp: torch.Tensor | None = None
     sel_bits: torch.Tensor | None = None
     kv_amax: torch.Tensor | None = None
+    global_pos: torch.Tensor | None = None
+    fold_count: torch.Tensor | None = None
 
     @property
     def n_kv_heads(self) -> int:
@@ -101,7 +109,7 @@ class BlockIndex:
         """Bytes held by the index tensors (CSR + block means)."""
         return sum(t.numel() * t.element_size() for t in (
             self.row_ptr, self.col_idx, self.k_mean, self.v_mean, self.block_ptr, self.tile_ptr, self.n_visible,
-            self.k_mean_lowp, self.v_mean_lowp, self.sel_bits) if t is not None)
+            self.k_mean_lowp, self.v_mean_lowp, self.sel_bits, self.global_pos, self.fold_count) if t is not None)
 
 
 @dataclass(frozen=True)

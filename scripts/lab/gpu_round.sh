@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call of a GPU round (lab tooling, never imported by the product).
 #   source .fpdev/bin/env.sh && bash scripts/lab/gpu_round.sh PART [PART...]
-# PARTs: kernels (operator GPU tests), fp8 (FP8 kernel tests), engines1 / engines2 / fp8engine (engine and CLI GPU
+# PARTs: kernels (operator GPU tests), globalkeys (SparseConfig.global_keys on CUDA), fp8 (FP8 kernel tests), engines1 / engines2 / fp8engine (engine and CLI GPU
 # tests), user (fp start / fp ask x2 / fp status / fp stop / fp profile on real TeX manuals, as a user
 # runs them), eval (fp eval at 32K and 128K, $EVAL_PROFILES or dense / bf16 / fp8, two seeds), bench (fp bench: the operator
 # table; BENCH_ARGS="--fp8 --e2e --model M" adds the end-to-end table, bf16 / fp8 / dense engines), benchcli (its GPU test), stats (tests/gpu/test_stats_cuda.py alone), transformers (the
@@ -44,6 +44,7 @@ for part in "$@"; do
     engines2) pyt engines2 ${LIM:-540} tests/gpu/test_sglang_engine.py tests/gpu/test_sessions_gpu.py ;;
     fp8engine) pyt fp8engine ${LIM:-400} tests/gpu/test_fp8_engine.py ;;
     stats)    pyt stats ${LIM:-200} tests/gpu/test_stats_cuda.py ;;
+    globalkeys) pyt globalkeys ${LIM:-240} tests/gpu/test_global_keys_gpu.py ;;
     benchcli) pyt benchcli ${LIM:-600} tests/gpu/test_bench_cli.py ;;
     engines3) pyt engines3 ${LIM:-540} tests/gpu/test_cold_start.py tests/gpu/test_eval_gpu.py -s ;;
     transformers) pyt transformers ${LIM:-300} tests/gpu/test_transformers_gpu.py tests/gpu/test_transformers_decode_gpu.py -s ;;

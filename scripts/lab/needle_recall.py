@@ -38,7 +38,7 @@ model of the device, Qwen2.5-Coder-0.5B at 131,072 tokens on CUDA, SmolLM2-135M 
 Configurations: ``base`` is ``fpcli/builtin_profiles/bf16.yaml``'s sparse section and dense_layers,
 with ``min_sparse_len`` fitted to the run's context as the product fits it (4,096 for SmolLM2's 8K);
 ``knob=value`` changes one knob (``alpha``, ``window_tokens``, ``sink_tokens``, ``dense_tail_tokens``,
-``mean_correction``, ``block_size``, ``dense_layers``, ``min_sparse_len``, ``threshold_max``, ``block_score``); ``+`` joins several
+``mean_correction``, ``block_size``, ``dense_layers``, ``min_sparse_len``, ``threshold_max``, ``block_score``, ``global_keys``); ``+`` joins several
 (``alpha=0.02+dense_layers=4``).
 
 Cost. CPU, SmolLM2-135M float32 at 7K tokens on 2 shared cores: ~5 min for the dense run, ~3 min per

@@ -247,6 +247,74 @@ def _select_request(
     return S, vis_last + 1
 
 
+def _global_keys(qb: torch.Tensor, kb: torch.Tensor, lq: int, lk: int, g: int, scale: float,
+                 config: SparseConfig, dt: torch.dtype) -> torch.Tensor:
+    """Global ("vertical") keys of one request (section 4.1): for each KV head, the
+    ``config.global_keys`` KV positions with the largest attention mass from ``global_queries``
+    query tokens spread evenly over the body (past sink + local window, before the dense tail),
+    every query head of the group, causal, softmax over all visible keys; positions in the sink's
+    blocks (always kept) never count.
+
+    Args:
+        qb: ``[Lq, Hq, d]``; kb: ``[Lk, Hkv, d]`` (compute dtype ``dt``).
+    Returns:
+        int64 ``[Hkv, K]``, ``K = config.global_keys``: ascending positions, ``-1`` after them when
+        fewer than ``K`` keys have positive mass.
+    """
+    B, K = config.block_size, config.global_keys
+    P = lk - lq
+    hkv, d = kb.shape[1], kb.shape[2]
+    dev = kb.device
+    lo = min(max(0, config.sink_tokens + config.window_tokens - P), lq - 1)
+    hi = max(lo, lq - 1 - config.dense_tail_tokens)
+    m = min(config.global_queries, hi - lo + 1)
+    toks = torch.linspace(lo, hi, m, device=dev).round().to(torch.int64)                 # [m]
+    qs = qb[toks].to(dt).view(m, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, m * g, d) * scale
+    s = torch.bmm(qs, kb.to(dt).permute(1, 2, 0))                                          # [Hkv, m*g, Lk]
+    pos = torch.arange(lk, device=dev)
+    s.masked_fill_(pos[None, None, :] > (P + toks.repeat_interleave(g))[None, :, None], -math.inf)
+    mass = torch.softmax(s, -1).sum(1)                                                     # [Hkv, Lk]
+    sink_end = -(-config.sink_tokens // B) * B
+    mass[:, :min(sink_end, lk)] = 0
+    top = mass.topk(min(K, lk), dim=-1)
+    far = lk + 1                                                                           # sorts last
+    ids = torch.where(top.values > 0, top.indices, torch.full_like(top.indices, far)).sort(-1).values
+    out = torch.full((hkv, K), -1, dtype=torch.int64, device=dev)
+    out[:, :ids.shape[1]] = ids.masked_fill(ids == far, -1)
+    return out
+
+
+def _fold_without(x: torch.Tensor, mean: torch.Tensor, n: torch.Tensor, gpos: torch.Tensor, block_size: int,
+                  dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block means and counts of the tokens a pruned block folds back: its tokens less its global
+    keys (section 4.1).
+
+    Args:
+        x: ``[Lk, Hkv, d]`` the keys or values the means were taken of; mean: ``[nb, Hkv, d]``
+        their block means; n: int64 ``[nb]`` valid tokens per block; gpos: int64 ``[Hkv, K]``
+        (``-1`` = none).
+    Returns:
+        ``(mean [nb, Hkv, d] dt, 0 where no token is left; count [nb, Hkv] dt)``.
+    """
+    nb, hkv, _ = mean.shape
+    count = n.to(dt)[:, None].repeat(1, hkv)                                               # [nb, Hkv]
+    sums = mean.to(dt) * n.to(dt)[:, None, None]
+    for h in range(hkv):
+        gp = gpos[h][gpos[h] >= 0]
+        if gp.numel():
+            blk = gp // block_size
+            count[:, h].index_add_(0, blk, -torch.ones(blk.numel(), dtype=dt, device=blk.device))
+            sums[:, h].index_add_(0, blk, -x[gp, h].to(dt))
+    left = count > 0
+    return torch.where(left[..., None], sums / count.clamp_min(1)[..., None], torch.zeros_like(sums)), count
+
+
+def _block_counts(lk: int, block_size: int, device) -> torch.Tensor:
+    """Valid tokens of each block of a request of ``lk`` keys: int64 ``[ceil(lk / B)]``."""
+    starts = torch.arange(-(-lk // block_size), device=device) * block_size
+    return (torch.clamp(starts + block_size, max=lk) - starts).to(torch.int64)
+
+
 def build_index(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -295,19 +363,32 @@ def build_index(
     sel = torch.zeros(hkv, n_tiles, max_nb, dtype=torch.bool, device=dev)
     n_visible = torch.zeros(n_tiles, dtype=torch.int64, device=dev)
     k_means, v_means = [], []
+    glob = config.global_keys > 0
+    global_pos = torch.full((len(plan.kv_lens), hkv, config.global_keys), -1, dtype=torch.int64, device=dev)
+    counts_g = []
     for b, (lq, lk, qs) in enumerate(zip(plan.q_lens, plan.kv_lens, plan.q_starts)):
         if lk == 0:
             continue
         if fp8 or e4m3:
-            kraw, _, ks, kinv = _operands(k_cache, k_descale, page_table, b, lk, dt, fp8)
-            km, _ = _block_means(kraw, B, dt)
-            vm, _ = _block_means(_operands(v_cache, v_descale, page_table, b, lk, dt, False)[0], B, dt)
+            kraw, kop, ks, kinv = _operands(k_cache, k_descale, page_table, b, lk, dt, fp8)
+            vraw = _operands(v_cache, v_descale, page_table, b, lk, dt, False)[0]
+            km, n = _block_means(kraw, B, dt)
+            vm, _ = _block_means(vraw, B, dt)
             km_score = quant.round_trip(km, ks[:, None], kinv[:, None], dt) if fp8 else km
         else:
-            km, _ = _block_means(_gather_kv(k_cache, page_table, b, lk), B, dt)
-            vm, _ = _block_means(_gather_kv(v_cache, page_table, b, lk), B, dt)
+            kraw = kop = _gather_kv(k_cache, page_table, b, lk)
+            vraw = _gather_kv(v_cache, page_table, b, lk)
+            km, n = _block_means(kraw, B, dt)
+            vm, _ = _block_means(vraw, B, dt)
             km_score = km
-        k_means.append(km)
+        if glob:                                                           # section 4.1
+            gp = (_global_keys(q[qs:qs + lq], kop.to(dt), lq, lk, g, scale, config, dt) if lq
+                  else global_pos.new_full((hkv, config.global_keys), -1))
+            global_pos[b] = gp
+            km_fold, cnt = _fold_without(kraw, km, n, gp, B, dt)
+            vm, _ = _fold_without(vraw, vm, n, gp, B, dt)
+            counts_g.append(cnt)
+        k_means.append(km_fold if glob else km)
         v_means.append(vm)
         if lq == 0:
             continue
@@ -332,6 +413,8 @@ def build_index(
         block_size=B,
         group_size=g,
         tile_rows=plan.tile_rows,
+        global_pos=global_pos if glob else None,
+        fold_count=(torch.cat(counts_g) if counts_g else q.new_zeros(0, hkv, dtype=dt)) if glob else None,
     )
 
 
@@ -360,6 +443,8 @@ def _attend_request(
     v_mean: torch.Tensor | None,
     mean_correction: bool,
     fp8: bool = False,
+    gpos: torch.Tensor | None = None,
+    fold_count: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one request (section 4), one KV head at a time, tiles in batched chunks.
 
@@ -370,6 +455,11 @@ def _attend_request(
 
     Each tile gathers the keys of its own selected blocks (padded to the chunk's largest ``|S_i|``),
     so the work scales with the number of selected blocks, as in the kernels.
+
+    Global keys (section 4.1, ``gpos`` int64 ``[Hkv, K]``, ``-1`` = none): a global key ``p`` whose
+    block ``j`` is in ``U_i`` adds the exact logit ``τ q·k_p`` (value ``v_p``) to the rows of tile
+    ``i``; ``k_mean`` / ``v_mean`` are then the means of the blocks' other tokens and ``ln n_j``
+    becomes ``ln fold_count[j]`` (``[n_blocks, Hkv]``; ``-inf`` where none is left).
 
     With ``fp8`` (docs/fp8.md): ``kb``, ``vb``, ``k_mean``, ``v_mean`` are already the e4m3 round
     trips; the query tiles are quantised here (one scale per tile); both products with V take the
@@ -390,14 +480,18 @@ def _attend_request(
     nb = -(-lk // B)
     n_tiles = -(-rows // TR)
     use_means = sel is not None and mean_correction
+    use_global = sel is not None and gpos is not None and gpos.numel() > 0
     t_first, t_last = _tile_geometry(lq, g, TR, dev)
     j = torch.arange(nb, device=dev)
     e = torch.clamp((j + 1) * B, max=lk)
     if sel is None:                                                        # dense: all visible blocks
         sel = (j[None, :] <= ((P + t_last) // B)[:, None]).expand(hkv, n_tiles, nb)
-    if use_means:
+    if use_means or use_global:
         U = (~sel) & (e[None, None, :] <= (P + t_first + 1)[None, :, None])   # [Hkv, T, nb]
-        ln_n = torch.log((e - j * B).to(dt))
+    if use_means:
+        ln_n = torch.log((e - j * B).to(dt))[:, None].expand(nb, hkv)       # [nb, Hkv]
+        if fold_count is not None:                                         # section 4.1: the other tokens
+            ln_n = torch.log(fold_count.to(dt))                            # log 0 = -inf: nothing to fold
     # Packed rows, padded to whole tiles (pad rows are computed and dropped).
     if fp8:
         qp = _fp8_q_tiles(qb, hkv, g, TR, dt) * scale
@@ -421,6 +515,9 @@ def _attend_request(
     full = (sel & (((j + 1) * B)[None, None, :] <= (P + t_first + 1)[None, :, None])).sum(-1)   # [Hkv, T]
     for h in range(hkv):
         kh, vh = kpad[:, :, h].contiguous(), vpad[:, :, h].contiguous()   # [nb, B, d]
+        if use_global:
+            gp = gpos[h][gpos[h] >= 0]
+            kg, vg, gblk = kb[gp, h].to(dt), vb[gp, h].to(dt), gp // B       # [G, d], [G, d], [G]
         widest = max(1, int(counts[h].max()))
         tiles_per_chunk = max(1, chunk // (TR * (widest * B + nb)))
         for c0 in range(0, n_tiles, tiles_per_chunk):
@@ -442,9 +539,14 @@ def _attend_request(
             pos = torch.where(slot_ok[:, k0:].repeat_interleave(B, dim=1), pos, lk + P + n_tiles * TR)
             s[:, :, k0 * B:].masked_fill_(pos[:, None, :] > (P + tok[c0:c1])[:, :, None], -math.inf)
             m = s.amax(-1)
+            if use_global and gp.numel():
+                # Global keys (section 4.1): exact where their block is in U_i; same softmax.
+                sg = q_c @ kg.T                                            # [T, TR, G]
+                sg.masked_fill_(~U[h, c0:c1][:, gblk][:, None, :], -math.inf)
+                m = torch.maximum(m, sg.amax(-1))
             if use_means:
                 # Mean keys (section 4): τ q·k̄_j + ln n_j for j in U_i; same softmax.
-                sm = q_c @ k_mean[:, h].T + ln_n                           # [T, TR, nb]
+                sm = q_c @ k_mean[:, h].T + ln_n[:, h]                     # [T, TR, nb]
                 sm.masked_fill_(~U[h, c0:c1, None, :], -math.inf)
                 m = torch.maximum(m, sm.amax(-1))
             m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))   # row with no logit
@@ -454,6 +556,10 @@ def _attend_request(
                 o = torch.bmm(quant.p_round_trip(p), vals) / quant.P_SCALE
             else:
                 o = torch.bmm(p, vals)
+            if use_global and gp.numel():
+                pg = sg.sub_(m_safe[..., None]).exp_()
+                denom = denom + pg.sum(-1)
+                o = o + ((quant.p_round_trip(pg) @ vg) / quant.P_SCALE if fp8 else pg @ vg)
             if use_means:
                 pm = sm.sub_(m_safe[..., None]).exp_()
                 denom = denom + pm.sum(-1)
@@ -494,8 +600,11 @@ def _attention(q, k_cache, v_cache, page_table, plan, scale, block_size, sel_all
             if fp8:                                                        # means take their K / V scale
                 km = quant.round_trip(km, ks[:, None], kinv[:, None], dt)
                 vm = quant.round_trip(vm, vs[:, None], vinv[:, None], dt)
+        gpos = fold = None
+        if sel is not None and index.global_pos is not None:              # section 4.1
+            gpos, fold = index.global_pos[b], index.fold_count[bp:bp + nb]
         o, l = _attend_request(q[qs:qs + lq], kb, vb, lq, lk, plan.group_size, scale, dt, block_size,
-                               plan.tile_rows, sel, km, vm, mean_correction, fp8)
+                               plan.tile_rows, sel, km, vm, mean_correction, fp8, gpos, fold)
         out[qs:qs + lq] = o.to(q.dtype)
         lse[qs:qs + lq] = l
     return out, lse
