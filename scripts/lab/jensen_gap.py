@@ -22,6 +22,8 @@ the row's tile (``U``) given the logit
     diag<=c   mean + min(c, diag term)                           (``--clamp``)
     full*     mean + ½ τ² qᵀ Σ_j q                               (full key covariance; oracle of the Gaussian form)
     exact*    ln Σ_{i∈j} exp(τ q·k_i)                            (the block's true mass; oracle; value still v̄_j)
+    X+tilt*   logit X (mean, full*, exact*), value v̄_j + Cov(v, k)_j τq instead of v̄_j (the value a
+              jointly Gaussian block takes under the weights exp(τ q·k); a d x d matrix per block)
     drop      no folded key (``mean_correction: false``)
 
 (* oracles a kernel cannot afford: they bound what any logit correction can do). Per row it
@@ -55,24 +57,35 @@ MIN_TRUE_MASS = 0.01  # rows whose pruned mass is below this are left out of the
 TILE_ROWS = 128
 
 
-def block_stats(k: torch.Tensor, B: int):
-    """Per-block statistics of keys ``k [Hkv, L, d]`` (float64): ``mean, var (diag, clamped at 0),
-    cov [Hkv, nb, d, d], n [nb]`` over each block's valid tokens."""
-    hkv, L, d = k.shape
+def _blocks(x: torch.Tensor, B: int) -> torch.Tensor:
+    """``[Hkv, L, d]`` -> float64 ``[Hkv, nb, B, d]``, zero padded."""
+    hkv, L, d = x.shape
     nb = -(-L // B)
-    kp = torch.zeros(hkv, nb * B, d, dtype=torch.float64)
-    kp[:, :L] = k.double()
-    kp = kp.view(hkv, nb, B, d)
+    xp = torch.zeros(hkv, nb * B, d, dtype=torch.float64)
+    xp[:, :L] = x.double()
+    return xp.view(hkv, nb, B, d)
+
+
+def block_stats(k: torch.Tensor, v: torch.Tensor, B: int):
+    """Per-block statistics over each block's valid tokens, float64: ``k_mean, v_mean [Hkv, nb, d]``,
+    ``var [Hkv, nb, d]`` (keys' per-channel variance, clamped at 0), ``cov [Hkv, nb, d, d]`` (keys'
+    covariance), ``cvk [Hkv, nb, d, d]`` (``Cov(v, k)``: rows v channels, columns k channels), ``n [nb]``."""
+    L = k.shape[1]
+    kp, vp = _blocks(k, B), _blocks(v, B)
+    nb = kp.shape[1]
     n = (torch.clamp((torch.arange(nb) + 1) * B, max=L) - torch.arange(nb) * B).double()
     mean = kp.sum(2) / n[None, :, None]
+    vmean = vp.sum(2) / n[None, :, None]
     m2 = (kp * kp).sum(2) / n[None, :, None]
     var = (m2 - mean * mean).clamp_min(0)
     cov = torch.einsum("hjbc,hjbe->hjce", kp, kp) / n[None, :, None, None] - mean[..., :, None] * mean[..., None, :]
-    return mean, var, cov, n
+    cvk = torch.einsum("hjbc,hjbe->hjce", vp, kp) / n[None, :, None, None] - vmean[..., :, None] * mean[..., None, :]
+    return mean, vmean, var, cov, cvk, n
 
 
 def variants(clamps) -> list[str]:
-    return ["mean", "diag", "iso"] + [f"diag<={c:g}" for c in clamps] + ["full*", "exact*", "drop"]
+    return (["mean", "diag", "iso"] + [f"diag<={c:g}" for c in clamps]
+            + ["full*", "exact*", "full+tilt*", "exact+tilt*", "mean+tilt*", "drop"])
 
 
 def analyse_layer(q, k, v, scale, cfg, tokens: torch.Tensor, clamps) -> dict:
@@ -96,8 +109,7 @@ def analyse_layer(q, k, v, scale, cfg, tokens: torch.Tensor, clamps) -> dict:
     mask = _csr_to_mask(index, hkv, n_tiles, nb)                       # [Hkv, T, nb]
     hs, hv = index.head_counts()
 
-    kmean, kvar, kcov, n = block_stats(k, B)
-    vmean = block_stats(v, B)[0]
+    kmean, vmean, kvar, kcov, cvk, n = block_stats(k, v, B)
     R = tokens.numel()
     h_ = torch.arange(hq)
     rho = tokens[None, :] * g + (h_ % g)[:, None]                      # packed row of (head, token)
@@ -132,13 +144,16 @@ def analyse_layer(q, k, v, scale, cfg, tokens: torch.Tensor, clamps) -> dict:
     lp = torch.nn.functional.pad(logits, (0, nb * B - L), value=-math.inf).view(hq, R, nb, B)
     exact_blk = torch.logsumexp(lp, -1)
     folded = {"mean": base, "diag": base + diag, "iso": base + iso, "full*": base + full, "exact*": exact_blk,
-              "drop": None}
+              "full+tilt*": base + full, "exact+tilt*": exact_blk, "mean+tilt*": base, "drop": None}
     for c in clamps:
         folded[f"diag<={c:g}"] = base + diag.clamp(max=c)
 
     res = {"true": true, "dense": dense, "density": int(hs.sum()) / int(hv.sum()),
            "variants": {}}
     vm = vmean[h_ // g]                                                # [Hq, nb, d]
+    # The Gaussian tilt of the value: under weights exp(τ q·k) a jointly Gaussian block's mean value
+    # is v̄_j + Cov(v, k)_j τq (per row and block: [Hq, R, nb, d]).
+    v_tilt = vm[:, None] + torch.einsum("hjce,hre->hrjc", cvk[h_ // g], qs)
     for name in variants(clamps):
         fl = folded[name]
         if fl is None:
@@ -153,7 +168,8 @@ def analyse_layer(q, k, v, scale, cfg, tokens: torch.Tensor, clamps) -> dict:
             pe = torch.exp(exact_logits - m[..., None])
             pf = torch.exp(fl - m[..., None])
             den = pe.sum(-1) + pf.sum(-1)
-            out = (pe @ vh + pf @ vm) / den[..., None]
+            folded_v = (torch.einsum("hrj,hrjc->hrc", pf, v_tilt) if name.endswith("tilt*") else pf @ vm)
+            out = (pe @ vh + folded_v) / den[..., None]
             est = pf.sum(-1) / den
         ratio = torch.where(true > 0, est / true.clamp_min(1e-300), torch.full_like(true, math.nan))
         res["variants"][name] = {"ratio": ratio, "est": est, "out": out}
