@@ -33,8 +33,13 @@ rows of each layer (``||o - o_dense|| / ||o_dense||``, rows and heads pooled). T
 distribution is over the rows whose true pruned mass is >= 1% (the rows where it matters); ``agg``
 is ``Σ est / Σ true`` over all rows.
 
-Cost (2 shared CPU cores): the dense run ~5 min, then ~5 s per sparse layer. Nothing of size ``L``
-outlives its layer except k / v means and the sampled rows' outputs.
+Cost (2 shared CPU cores): ~6 min in all for the 28 sparse layers with the defaults (the dense prefill
+and 24 decode steps, ~5 s per analysed layer). Nothing of size ``L`` outlives its layer but the
+sampled rows' outputs; each layer holds the rows' logits ``[Hq, rows, L]`` in float64 (~0.15 GB).
+
+Result (``docs/eval.md`` "The mean key's Jensen gap"): the folded mean logit keeps ~4% of the pruned
+mass in layers 2-9, but every logit correction, even the exact block mass, raises the output error:
+the folded value ``v̄_j`` is the wrong value for that mass.
 """
 from __future__ import annotations
 
