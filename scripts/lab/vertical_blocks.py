@@ -22,7 +22,7 @@ tokens and of ``--hay-rows`` random haystack tokens with pruned context). In eac
    sink / last window as above, are ORed into every tile's selection where the tile sees the block
    completely (block end <= the tile's first token + 1). Scores: ``lastq-sum`` (the last queries'
    mass summed per block), ``lastq-max`` (the block's largest key, i.e. the blocks of the per-key
-   top-K), ``dense-sum*`` (oracle: the dense column mass summed per block). Applied on top of the
+   top-K), ``strided-sum`` (the strided queries' mass per block), ``dense-sum*`` (oracle: the dense column mass summed per block). Applied on top of the
    selection at each alpha of ``--global-alphas``. Against the alpha frontier (``--alphas``: the same
    selection at lower alphas), compared at equal density by linear interpolation of the frontier's
    error between the two alphas whose densities bracket the candidate's.
@@ -43,6 +43,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import torch
 
@@ -55,7 +56,8 @@ from flashprefill.impl.reference import _csr_to_mask, _tile_geometry, build_inde
 from flashprefill.integrations import transformers as fpt  # noqa: E402
 
 TILE_ROWS = jg.TILE_ROWS
-RANKINGS = ("lastq-sum", "lastq-max", "dense-sum*")
+RANKINGS = ("lastq-sum", "lastq-max", "strided-sum", "dense-sum*")
+SOURCES = ("dense*", "lastq", "strided")
 DEFAULT_ALPHAS = (0.05, 0.03, 0.02, 0.01, 0.005, 0.002, 0.001, 0.0003)
 
 
@@ -210,10 +212,13 @@ def analyse_layer(q, k, v, scale, cfg, tokens, alphas, globals_, global_alphas, 
     masks = {a: selection(q, k, v, scale, cfg.replace(alpha=a)) for a in sorted(set(alphas) | set(global_alphas))}
     base = masks[cfg.alpha] if cfg.alpha in masks else selection(q, k, v, scale, cfg)
 
+    body_end = L - cfg.dense_tail_tokens
+    strided = torch.linspace(cfg.sink_tokens + cfg.window_tokens, body_end - 1, last_q).round().long()
     score = {"lastq": column_mass(q, k, scale, torch.arange(L - last_q, L)),
+             "strided": column_mass(q, k, scale, strided),
              "dense*": column_mass(q, k, scale, torch.arange(L))}
     excl_key = excluded.repeat_interleave(B)[:L]
-    key_sets = {f"{src} top{K}": top_keys(score[src], K, excl_key) for src in ("dense*", "lastq") for K in topk}
+    key_sets = {f"{src} top{K}": top_keys(score[src], K, excl_key) for src in SOURCES for K in topk}
     peak = peakedness(rows, base, key_sets)
 
     configs = {}
@@ -223,11 +228,16 @@ def analyse_layer(q, k, v, scale, cfg, tokens, alphas, globals_, global_alphas, 
     for rk in RANKINGS:
         src, how = rk.rstrip("*").split("-")
         for G in globals_:
-            glob_sets[(rk, G)] = global_blocks(score["dense*" if src == "dense" else "lastq"], B, G, excluded, how)
+            glob_sets[(rk, G)] = global_blocks(score["dense*" if src == "dense" else src], B, G, excluded, how)
     for a in global_alphas:
         for (rk, G), gb in glob_sets.items():
             configs[f"alpha {a:g} + {rk} G{G}"] = add_global(masks[a], gb, seen)
-    res = {"configs": {}, "peak": peak, "dense": rows.dense}
+    gmax = max(globals_) if globals_ else 8
+    res = {"configs": {}, "peak": peak, "dense": rows.dense,
+           "picked": {rk: [torch.nonzero(b).flatten().tolist() for b in glob_sets[(rk, gmax)]] for rk in RANKINGS}
+           if globals_ else {},
+           "top_keys": {src: score[src].masked_fill(excl_key[None], -math.inf).topk(16, -1).indices.tolist()
+                        for src in SOURCES}}
     pm = rows.p * rows.pruned_keys(base)
     for name, m in configs.items():
         sel, vis = density(m, visible)
@@ -309,9 +319,11 @@ def main(argv=None) -> dict:
     def on_layer(layer, q, k, v, scale):
         if layer not in layers:
             return
+        t0 = time.perf_counter()
         r = analyse_layer(q.float(), k.float(), v.float(), scale, cfg, tokens, alphas, globals_, global_alphas,
                           topk, args.last_q, check=not per_layer)
-        row = {"layer": layer, "ref_err": r.get("ref_err"), "configs": {}, "peak": {}}
+        row = {"layer": layer, "ref_err": r.get("ref_err"), "configs": {}, "peak": {}, "picked": r["picked"],
+               "top_keys": r["top_keys"], "seconds": time.perf_counter() - t0}
         for grp, sel in (("needle", is_needle), ("haystack", ~is_needle)):
             pk = r["peak"]
             row["peak"][grp] = {name: float(x[:, sel].sum()) for name, x in pk.items()}
@@ -323,6 +335,10 @@ def main(argv=None) -> dict:
         c = row["configs"]
         pk = row["peak"]["needle"]
         tot = max(pk["pruned"], 1e-300)
+        print(f"layer {layer:2d} ({row['seconds']:.0f} s) picked (head 0): "
+              + " ".join(f"{rk} {v_[0]}" for rk, v_ in row["picked"].items())
+              + "\n   top keys (head 0): " + " ".join(f"{src} {[(t, tok.decode([sample.ids[t]])) for t in v_[0][:8]]}"
+                                                   for src, v_ in row["top_keys"].items()) + "\n  ", flush=True)
         print(f"layer {layer:2d}" + (f" ref-check {row['ref_err']:.1e}" if row["ref_err"] is not None else "")
               + " | needle pruned-mass shares " + " ".join(f"{n} {v_ / tot:.2f}" for n, v_ in pk.items() if n != "pruned")
               + " | dens/err needle/hay " + " ".join(f"[{n}] {v_['selected'] / v_['visible']:.2f} "
