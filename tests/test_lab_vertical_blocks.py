@@ -96,3 +96,20 @@ def test_frontier_interpolates_between_bracketing_alphas():
     pts = [(0.5, 0.2), (0.7, 0.1), (0.9, 0.02)]
     assert abs(vb.frontier_at(pts, 0.6) - 0.15) < 1e-12
     assert vb.frontier_at(pts, 0.95) != vb.frontier_at(pts, 0.95)  # nan outside
+
+
+def test_global_keys_are_exact_and_leave_the_fold_to_the_other_keys():
+    q, k, v, vert = _layer()
+    L = q.shape[1]
+    rows = vb.Rows(q, k, v, 0.3, 64, TOKENS)
+    mask = vb.selection(q, k, v, 0.3, CFG)
+    none = torch.zeros(2, L, dtype=torch.bool)
+    torch.testing.assert_close(rows.out(mask, none), rows.out(mask))
+    every = torch.ones(2, L, dtype=torch.bool)                    # every key exact: dense attention
+    torch.testing.assert_close(rows.out(mask, every), rows.dense)
+    ks = torch.zeros(2, L, dtype=torch.bool)
+    ks[:, vert] = True
+    assert vb.nr.rel(rows.out(mask, ks), rows.dense) < 0.5 * vb.nr.rel(rows.out(mask), rows.dense)
+    r = vb.analyse_layer(q, k, v, 0.3, CFG, TOKENS, [0.3], [], [0.3], [8], 64, global_keys=[8])
+    c = r["configs"]
+    assert c["alpha 0.3"]["selected"] < c["alpha 0.3 + lastq keys K8"]["selected"] < c["alpha 0.3"]["selected"] + 8 * 2 * 47 / 64

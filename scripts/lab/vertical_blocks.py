@@ -23,7 +23,9 @@ tokens and of ``--hay-rows`` random haystack tokens with pruned context). In eac
    completely (block end <= the tile's first token + 1). Scores: ``lastq-sum`` (the last queries'
    mass summed per block), ``lastq-max`` (the block's largest key, i.e. the blocks of the per-key
    top-K), ``strided-sum`` (the strided queries' mass per block), ``dense-sum*`` (oracle: the dense column mass summed per block). Applied on top of the
-   selection at each alpha of ``--global-alphas``. Against the alpha frontier (``--alphas``: the same
+   selection at each alpha of ``--global-alphas``. Also global KEYS instead of blocks
+   (``--global-keys`` K): each source's top-K keys attended exactly by every row that sees them, the
+   folded blocks then standing for their other keys; density counts them as K_t / B blocks. Against the alpha frontier (``--alphas``: the same
    selection at lower alphas), compared at equal density by linear interpolation of the frontier's
    error between the two alphas whose densities bracket the candidate's.
 
@@ -167,6 +169,7 @@ class Rows:
         self.dense = self.p @ self.vh
         self.fold = qs @ km[self.hk].transpose(1, 2) + torch.log(n)                   # τ q·k̄_j + ln n_j
         self.vm = vm[self.hk]
+        self.qs, self.k, self.v, self.n = qs, k, v, n
 
     def kept(self, mask: torch.Tensor) -> torch.Tensor:
         """Per row, the kept blocks ``[Hq, R, nb]`` of its tile."""
@@ -176,14 +179,31 @@ class Rows:
         kept = self.kept(mask).repeat_interleave(self.B, 2)[..., :self.L]
         return ~kept & self.causal
 
-    def out(self, mask: torch.Tensor) -> torch.Tensor:
-        """The section-4 sparse softmax (mean correction on) of the rows: float64 ``[Hq, R, d]``."""
+    def out(self, mask: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """The section-4 sparse softmax (mean correction on) of the rows: float64 ``[Hq, R, d]``.
+        ``extra [Hkv, L]`` bool: keys attended exactly besides the kept blocks (global keys); a
+        folded block then stands for its other keys only (their mean, their count)."""
         kept = self.kept(mask)
-        exact = self.logits.masked_fill(self.pruned_keys(mask), -math.inf)
-        fl = self.fold.masked_fill(kept | ~self.foldable, -math.inf)
+        pruned = self.pruned_keys(mask)
+        fold, vm = self.fold, self.vm
+        if extra is not None:
+            pruned = pruned & ~extra[self.hk][:, None, :]
+            B, nb = self.B, self.nb
+            x = torch.zeros(extra.shape[0], nb * B, dtype=torch.float64)
+            x[:, :self.L] = extra.double()
+            cnt = x.view(-1, nb, B).sum(-1)                                           # [Hkv, nb]
+            ks = jg._blocks(self.k * (~extra)[..., None], B).sum(2)                  # the other keys' sums
+            vs = jg._blocks(self.v * (~extra)[..., None], B).sum(2)
+            n_o = self.n[None] - cnt
+            km_o, vm_o = ks / n_o.clamp_min(1)[..., None], vs / n_o.clamp_min(1)[..., None]
+            fold = (self.qs @ km_o[self.hk].transpose(1, 2) + torch.log(n_o[self.hk].clamp_min(1))[:, None]
+                    ).masked_fill((n_o[self.hk] == 0)[:, None], -math.inf)
+            vm = vm_o[self.hk]
+        exact = self.logits.masked_fill(pruned, -math.inf)
+        fl = fold.masked_fill(kept | ~self.foldable, -math.inf)
         m = torch.maximum(exact.amax(-1), fl.amax(-1))
         pe, pf = torch.exp(exact - m[..., None]), torch.exp(fl - m[..., None])
-        return (pe @ self.vh + pf @ self.vm) / (pe.sum(-1) + pf.sum(-1))[..., None]
+        return (pe @ self.vh + pf @ vm) / (pe.sum(-1) + pf.sum(-1))[..., None]
 
 
 def peakedness(rows: Rows, mask, key_sets: dict) -> dict:
@@ -201,7 +221,7 @@ def peakedness(rows: Rows, mask, key_sets: dict) -> dict:
 
 
 def analyse_layer(q, k, v, scale, cfg, tokens, alphas, globals_, global_alphas, topk, last_q: int,
-                  check: bool = False) -> dict:
+                  check: bool = False, global_keys=()) -> dict:
     """Everything of one layer for the rows of ``tokens``: per configuration its block counts and the
     rows' sparse outputs, the peakedness shares (step 1), and (``check``) the operator's output."""
     hq, L, _ = q.shape
@@ -243,6 +263,20 @@ def analyse_layer(q, k, v, scale, cfg, tokens, alphas, globals_, global_alphas, 
         sel, vis = density(m, visible)
         rec = (pm * rows.kept(m).repeat_interleave(B, 2)[..., :L]).sum(-1)         # base's pruned mass now kept
         res["configs"][name] = {"selected": sel, "visible": vis, "out": rows.out(m), "recovered": rec}
+    # Global keys instead of blocks: the top-K keys of a ranking attended exactly by every row that
+    # sees them; density counts them as K_t / B blocks (K_t: those in the tile's unkept, fully seen blocks).
+    for a in global_alphas:
+        for src in SOURCES:
+            for K in global_keys:
+                ks = top_keys(score[src], K, excl_key)                                # [Hkv, L]
+                x = torch.zeros(ks.shape[0], rows.nb * B)
+                x[:, :L] = ks.float()
+                per_blk = x.view(-1, rows.nb, B).sum(-1)                              # [Hkv, nb]
+                add = float(((~masks[a] & seen[None]) * per_blk[:, None, :]).sum()) / B
+                sel, vis = density(masks[a], visible)
+                rec = (pm * (rows.kept(masks[a]).repeat_interleave(B, 2)[..., :L] | ks[rows.hk][:, None, :])).sum(-1)
+                res["configs"][f"alpha {a:g} + {src} keys K{K}"] = {
+                    "selected": sel + add, "visible": vis, "out": rows.out(masks[a], ks), "recovered": rec}
     if check:
         kc, vc = fpt._paged(k[None]), fpt._paged(v[None])
         pt = torch.arange(kc.shape[0], dtype=torch.int32)[None]
@@ -279,6 +313,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--globals", default="4,8,16,32", help="G: global blocks per KV head")
     ap.add_argument("--global-alphas", default="0.05", help="alphas the global blocks are added to")
     ap.add_argument("--topk", default="16,64,256", help="K of the global top-K keys (step 1)")
+    ap.add_argument("--global-keys", default="64,256", help="K: global keys per KV head attended exactly")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from fpcli.commands.bench import parse_lengths
@@ -288,6 +323,7 @@ def main(argv=None) -> dict:
     alphas, global_alphas = floats(args.alphas), floats(args.global_alphas)
     globals_ = [int(x) for x in args.globals.split(",") if x]
     topk = [int(x) for x in args.topk.split(",") if x]
+    global_keys = [int(x) for x in args.global_keys.split(",") if x]
     length = parse_lengths(args.len)[0]
     torch.manual_seed(0)
     eng, ctx = nr.load(argparse.Namespace(model=None, device="cpu", context=None, dtype="float32"))
@@ -321,7 +357,7 @@ def main(argv=None) -> dict:
             return
         t0 = time.perf_counter()
         r = analyse_layer(q.float(), k.float(), v.float(), scale, cfg, tokens, alphas, globals_, global_alphas,
-                          topk, args.last_q, check=not per_layer)
+                          topk, args.last_q, check=not per_layer, global_keys=global_keys)
         row = {"layer": layer, "ref_err": r.get("ref_err"), "configs": {}, "peak": {}, "picked": r["picked"],
                "top_keys": r["top_keys"], "seconds": time.perf_counter() - t0}
         for grp, sel in (("needle", is_needle), ("haystack", ~is_needle)):
