@@ -9,7 +9,8 @@
 # (scripts/lab/ws_probe.py: its GPU test / its timing), decode (scripts/lab/decode_profile.py at 130K),
 # graph (the CUDA-graph decode's GPU tests and its attention's, then decode with --cuda-graph), needle (scripts/lab/needle_recall.py: Qwen at
 # 128K, one niah_multikey sample, one-shot vs 16K chunks, configs dense,base). EVAL_ARGS: more fp eval options
-# (one word each, e.g. --engine=transformers); LIM: a test part's time limit. Logs and JSON land in $OUT; a short table is printed last.
+# (one word each, e.g. --engine=transformers); EVAL_TIMEOUT: seconds before fp eval gets a Ctrl-C (SIGINT: it keeps and
+# reports the finished cells); LIM: a test part's time limit. Logs and JSON land in $OUT; a short table is printed last.
 set -u
 OUT=${OUT:-$PWD/out-gpu}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/kernels:$PWD:${PYTHONPATH:-}
@@ -88,7 +89,7 @@ except Exception as e:
 PY
       ;;
     eval)
-      t fp eval --len ${EVAL_LENS:-32k,128k} --task ${EVAL_TASKS:-niah_single,niah_multikey,vt} --samples ${EVAL_N:-2} \
+      t timeout -s INT -k 30 ${EVAL_TIMEOUT:-86400} fp eval --len ${EVAL_LENS:-32k,128k} --task ${EVAL_TASKS:-niah_single,niah_multikey,vt} --samples ${EVAL_N:-2} \
         --seed ${EVAL_SEEDS:-0,1} --profiles ${EVAL_PROFILES:-dense,bf16,fp8} ${EVAL_ARGS:-} --no-server --json --report "$OUT/eval.json" \
         > /dev/null 2> "$OUT/eval.err"; tail -25 "$OUT/eval.err" | tee -a "$SUM" ;;
     cold) t python scripts/lab/cold_start.py --configs ${COLD_CONFIGS:-warm,nowarm} --budget ${COLD_BUDGET:-240} > "$OUT/cold.log" 2>&1; tail -30 "$OUT/cold.log" | tee -a "$SUM" ;;
