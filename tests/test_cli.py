@@ -1038,7 +1038,8 @@ def test_the_report_says_which_sparse_settings_ran(runner, fake_engine, doc, tmp
     s = json.loads(r.stdout)["summary"]
     assert s["sparse"] == {"block_size": 128, "sink_tokens": 512, "window_tokens": 1024, "dense_tail_tokens": 256,
                            "alpha": 0.05, "mean_correction": True, "min_sparse_len": 4096, "threshold_max": "scored",
-                           "block_score": "mass", "dense_layers": 2, "min_sparse_len_requested": 8192}
+                           "block_score": "mass", "global_keys": 0, "global_queries": 64, "dense_layers": 2,
+                           "min_sparse_len_requested": 8192}
     assert s["min_sparse_len"] == 4096
     note = "min_sparse_len 8,192 capped to 4,096: half the 8,192-token context it runs at"
     assert s["sparse_note"] == note
