@@ -610,3 +610,15 @@ def test_eval_reports_min_sparse_len_as_the_engine_fitted_it():
                     user="q", question="q", expected=("7",), max_new_tokens=8)
     run = run_profiles([bf16], lambda p: Engine(p.fit_to_model(8192)), lambda eng, ctx: [sample])
     assert run.profiles[0].min_sparse_len == 4096
+
+
+def test_eval_len_is_repeatable_and_a_length_given_twice_runs_once(runner, fake_engine, monkeypatch):
+    """As fp bench: a second --len added to the first (it replaced it, silently), and 1k given as
+    1k and 1024 is one length, with a note."""
+    monkeypatch.setenv("FP_FAKE_CONTEXT", "8192")
+    r = runner.invoke(app, ["eval", "--len", "1k,2k", "--len", "1024", "--task", "niah_single", "--samples", "1",
+                            "--profiles", "dense", "--json"])
+    assert r.exit_code == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["lengths"] == [1024, 2048]
+    assert "--len: 1,024 tokens given more than once: run once" in " ".join(r.stderr.split())

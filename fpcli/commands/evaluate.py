@@ -25,7 +25,7 @@ from fpcli.commands import (
     print_bad_paths,
     save_report_or_exit,
 )
-from fpcli.commands.bench import parse_lengths
+from fpcli.commands.bench import unique_lengths
 from fpcli.ruler.render import FEW_SAMPLES
 
 app = typer.Typer()
@@ -47,7 +47,7 @@ class EvalUsageError(ValueError):
 @app.command("eval", cls=FpCommand)
 def evaluate(
     tasks: Annotated[str, typer.Option("--task", help="Tasks, comma list: niah_single, niah_multikey, niah_multivalue, vt, cwe. Default: all.", show_default=False)] = "",
-    lens: Annotated[Optional[str], typer.Option("--len", "-l", help=f"Prompt lengths in tokens of the model's tokenizer: 4k, 32768, or a comma list. Default: those of {DEFAULT_LENS} that fit the model's context.", show_default=False)] = None,
+    lens: Annotated[Optional[list[str]], typer.Option("--len", "-l", help=f"Prompt lengths in tokens of the model's tokenizer: 4k, 32768, or a comma list; repeatable (a length given twice runs once). Default: those of {DEFAULT_LENS} that fit the model's context.", show_default=False, metavar="LENGTHS")] = None,
     profiles: Annotated[str, typer.Option("--profiles", "-p", help="Profiles side by side, comma list of names (bf16, fp8, dense) or .yaml paths.")] = DEFAULT_PROFILES,
     samples: Annotated[int, typer.Option("--samples", "-n", min=1, help="Samples per (task, length); the same samples for every profile.")] = FEW_SAMPLES,
     seed: Annotated[str, typer.Option("--seed", help="Seed of the generated samples (same seed, same samples), or a comma list (0,1): each seed adds its own samples, and the table gives the spread between seeds.")] = "0",
@@ -75,9 +75,11 @@ def evaluate(
         fail(f"--task: unknown task {unknown[0]!r} (allowed: {', '.join(TASKS)})", code=2)
     task_list = [TASKS[t] for t in dict.fromkeys(task_names)]
     try:
-        lengths = list(dict.fromkeys(parse_lengths(lens if lens is not None else DEFAULT_LENS)))
+        lengths, repeated = unique_lengths(lens or [DEFAULT_LENS])
     except ValueError as exc:
         fail(str(exc), code=2)
+    if repeated:
+        note(err, f"--len: {', '.join(f'{n:,}' for n in repeated)} tokens given more than once: run once")
     try:
         seeds = list(dict.fromkeys(int(x) for x in seed.split(",") if x.strip()))
     except ValueError:
@@ -99,7 +101,7 @@ def evaluate(
     check_model_or_exit(model)
     caps = [c for c in [model_context(model, engine.value)] + [p.engine.context_length for p in profs] if c]
     lens_note = None
-    if lens is None and caps:  # the defaults that fit; an explicit --len is checked strictly below
+    if not lens and caps:  # the defaults that fit; an explicit --len is checked strictly below
         fitting = [n for n in lengths if n <= min(caps)] or [min(caps)]
         if fitting != lengths:
             lens_note = (f"--len not given: {', '.join(map(str, fitting))} (the defaults up to the model's "
