@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "lab"))
@@ -18,6 +19,7 @@ from flashprefill.integrations import transformers as fpt  # noqa: E402
 CFG = SparseConfig(block_size=64, sink_tokens=64, window_tokens=256, dense_tail_tokens=64, alpha=0.3,
                     min_sparse_len=1024)
 TOKENS = torch.tensor([700, 1200, 1999, 2100, 2500])
+F64 = {"rtol": 1e-12, "atol": 1e-15}  # float64 rounding of O(1) values
 
 
 def _layer(seed: int = 0):
@@ -113,3 +115,43 @@ def test_global_keys_are_exact_and_leave_the_fold_to_the_other_keys():
     r = vb.analyse_layer(q, k, v, 0.3, CFG, TOKENS, [0.3], [], [0.3], [8], 64, global_keys=[8])
     c = r["configs"]
     assert c["alpha 0.3"]["selected"] < c["alpha 0.3 + lastq keys K8"]["selected"] < c["alpha 0.3"]["selected"] + 8 * 2 * 47 / 64
+
+
+def test_device_and_model_options_parse_and_bad_ones_exit_2():
+    a = vb.parse_args(["--device", "cuda", "--model", "qwen2.5-coder-0.5b-instruct", "--context", "32k",
+                       "--dtype", "bfloat16", "--len", "32k", "--layers", "2-23", "--json", "out.json"])
+    assert (a.device, a.model, a.context, a.dtype, a.length) == ("cuda", "qwen2.5-coder-0.5b-instruct", 32768,
+                                                                  "bfloat16", 32768)
+    assert a.layers == "2-23" and a.row_chunk == 0 and a.global_keys == [64, 256]
+    d = vb.parse_args([])                                          # the CPU default run: SmolLM2, its own context
+    assert (d.device, d.model, d.context, d.dtype, d.length) == ("cpu", None, None, "auto", 7168)
+    for bad in (["--len", "32q"], ["--context", "lots"], ["--device", "tpu"], ["--row-chunk", "-1"],
+                ["--alphas", "0.05,x"]):
+        with pytest.raises(SystemExit) as exc:
+            vb.parse_args(bad)
+        assert exc.value.code == 2, bad
+
+
+def test_row_chunks_give_the_same_float64_numbers():
+    """The per-row analysis ``row_chunk`` tokens at a time (the bounded-memory path for long prompts)
+    gives the numbers of the one-shot path: same configurations, block counts, outputs, shares (to
+    float64 rounding: the row-count changes the matmuls' blocking)."""
+    q, k, v, _ = _layer()
+    args = (q, k, v, 0.3, CFG, TOKENS, [0.3, 0.1], [4], [0.3], [8], 64)
+    whole = vb.analyse_layer(*args, check=True, global_keys=[8])
+    for chunk in (1, 2, 4):
+        part = vb.analyse_layer(*args, check=True, global_keys=[8], row_chunk=chunk)
+        assert list(part["configs"]) == list(whole["configs"]) and len(whole["configs"]) == 2 + 4 + 3
+        assert part["picked"] == whole["picked"] and part["top_keys"] == whole["top_keys"]
+        assert part["ref_err"] == pytest.approx(whole["ref_err"], rel=1e-9, abs=1e-15)
+        torch.testing.assert_close(part["dense"], whole["dense"], **F64)
+        for name, c in whole["configs"].items():
+            p = part["configs"][name]
+            assert (p["selected"], p["visible"]) == (c["selected"], c["visible"]), name
+            assert p["out"].dtype == torch.float64 and p["out"].shape == (4, TOKENS.numel(), 32)
+            torch.testing.assert_close(p["out"], c["out"], **F64)
+            torch.testing.assert_close(p["recovered"], c["recovered"], **F64)
+        for name, x in whole["peak"].items():
+            torch.testing.assert_close(part["peak"][name], x, **F64)
+    with pytest.raises(ValueError, match="tokens"):
+        vb.analyse_layer(q, k, v, 0.3, CFG, TOKENS[:0], [0.3], [], [0.3], [8], 64)

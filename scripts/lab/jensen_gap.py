@@ -63,10 +63,10 @@ TILE_ROWS = 128
 
 
 def _blocks(x: torch.Tensor, B: int) -> torch.Tensor:
-    """``[Hkv, L, d]`` -> float64 ``[Hkv, nb, B, d]``, zero padded."""
+    """``[Hkv, L, d]`` -> float64 ``[Hkv, nb, B, d]``, zero padded, on ``x``'s device."""
     hkv, L, d = x.shape
     nb = -(-L // B)
-    xp = torch.zeros(hkv, nb * B, d, dtype=torch.float64)
+    xp = torch.zeros(hkv, nb * B, d, dtype=torch.float64, device=x.device)
     xp[:, :L] = x.double()
     return xp.view(hkv, nb, B, d)
 
@@ -74,11 +74,13 @@ def _blocks(x: torch.Tensor, B: int) -> torch.Tensor:
 def block_stats(k: torch.Tensor, v: torch.Tensor, B: int):
     """Per-block statistics over each block's valid tokens, float64: ``k_mean, v_mean [Hkv, nb, d]``,
     ``var [Hkv, nb, d]`` (keys' per-channel variance, clamped at 0), ``cov [Hkv, nb, d, d]`` (keys'
-    covariance), ``cvk [Hkv, nb, d, d]`` (``Cov(v, k)``: rows v channels, columns k channels), ``n [nb]``."""
+    covariance), ``cvk [Hkv, nb, d, d]`` (``Cov(v, k)``: rows v channels, columns k channels), ``n [nb]``;
+    on ``k``'s device."""
     L = k.shape[1]
     kp, vp = _blocks(k, B), _blocks(v, B)
     nb = kp.shape[1]
-    n = (torch.clamp((torch.arange(nb) + 1) * B, max=L) - torch.arange(nb) * B).double()
+    j = torch.arange(nb, device=k.device)
+    n = (torch.clamp((j + 1) * B, max=L) - j * B).double()
     mean = kp.sum(2) / n[None, :, None]
     vmean = vp.sum(2) / n[None, :, None]
     m2 = (kp * kp).sum(2) / n[None, :, None]

@@ -1,13 +1,19 @@
 """Are the pruned keys "vertical" (the same few keys for every row), and do global blocks chosen by the
-last queries beat a lower alpha at equal density? (lab; CPU)
+last queries beat a lower alpha at equal density? (lab; CPU or GPU)
 
     PYTHONPATH=kernels:. python scripts/lab/vertical_blocks.py [--len 7168] [--index 0] [--seed 0]
+        [--model NAME_OR_FOLDER] [--device cpu|cuda] [--context 32k] [--dtype auto|bfloat16|float32]
         [--layers 2-29] [--hay-rows 192] [--last-q 64] [--alphas 0.05,0.03,...] [--globals 4,8,16,32]
-        [--global-alphas 0.05,0.1] [--json FILE]
+        [--global-alphas 0.05,0.1] [--row-chunk N] [--json FILE]
 
 Same prompt, model, dense prefill and rows as ``scripts/lab/jensen_gap.py`` (``niah_multikey`` sample
 ``--index`` of seed ``--seed``, SmolLM2-135M float32; rows: every query head of the needle sentences'
-tokens and of ``--hay-rows`` random haystack tokens with pruned context). In each sparse layer:
+tokens and of ``--hay-rows`` random haystack tokens with pruned context). ``--model / --device /
+--context / --dtype`` load another model as ``scripts/lab/needle_recall.py`` does (its ``load``: the
+transformers engine's loading, YaRN beyond the model's context; on ``--device cuda`` the prompt of
+``fp eval`` on the SGLang engine); the defaults are the CPU run above, whose output they leave as it
+was. ``--len`` takes ``32k``. The analysis runs on the device of the layer's q / k / v, the rows in
+float64 there too (``--row-chunk N``: N row tokens at a time, the same numbers). In each sparse layer:
 
 1. Peakedness and verticality of the pruned mass. With the ``bf16`` selection (alpha 0.05), of the
    rows' dense attention mass on pruned blocks, the share on
@@ -38,6 +44,18 @@ selected / causally visible key blocks over all tiles, pooled over the layers of
 Cost (2 shared CPU cores): the dense prefill, then ~20 s per analysed layer (the oracle's dense
 column mass over all 7K rows is a full attention per layer); ``--layers`` limits it
 (``--layers 2-9,12,16,20,24,28``: ~6 min).
+
+GPU (ESTIMATED, not measured): ``--device cuda --model qwen2.5-coder-0.5b-instruct --context 32k
+--dtype bfloat16 --len 32k --layers 2-23`` (Hq 14, Hkv 2, d 64, B 128; R ~ 90 needle + 192 haystack
+tokens, L ~ 32K). Memory: per layer the rows' float64 logits and probabilities ``[Hq, R, L]``,
+8·Hq·R·L bytes = ~1.0 GB each, ~3 more of that size while the outputs and shares run (the base
+selection's pruned mass, the masked logits, their exponentials), the column masses' float32
+``[Hq, 512, L]`` chunks (~1 GB each, ~3 at once, before the rows), the model (1 GB of weights, a
+0.4 GB KV cache, ~1 GB of prefill activations): peak ~8-10 GB of the H200's 139 GB; ``--row-chunk``
+divides the rows' part (only needed far beyond 128K). Time: loading ~0.5-1 min; per layer 8
+reference selections (``build_index`` on CUDA, chunked, ~0.1-0.5 s each), three column masses (the
+``dense*`` one a full attention, <1 s) and ~30 float64 sparse outputs (~1 GB of traffic each, tens of
+ms), the first layer also the reference operator (~2 s): ~3-8 s per layer, ~2-4 min for the 22 layers.
 
 Result (``docs/eval.md`` "Vertical keys"): 64 keys per KV head hold ~85% of the needle rows' pruned
 mass; global BLOCKS from the last queries gain nothing on the needle rows at equal density (those
@@ -72,22 +90,23 @@ DEFAULT_ALPHAS = (0.05, 0.03, 0.02, 0.01, 0.005, 0.002, 0.001, 0.0003)
 def selection(q, k, v, scale, cfg) -> torch.Tensor:
     """The operator's selection (reference ``build_index``) as ``[Hkv, n_tiles, nb]`` bool.
     q ``[Hq, L, d]``, k / v ``[Hkv, L, d]``."""
-    L = q.shape[1]
+    L, dev = q.shape[1], q.device
     kc, vc = fpt._paged(k[None]), fpt._paged(v[None])
-    pt = torch.arange(kc.shape[0], dtype=torch.int32)[None]
-    index = build_index(q.transpose(0, 1).contiguous(), kc, vc, pt, torch.tensor([L], dtype=torch.int32),
-                        torch.tensor([0, L], dtype=torch.int32), config=cfg, softmax_scale=scale)
+    pt = torch.arange(kc.shape[0], dtype=torch.int32, device=dev)[None]
+    index = build_index(q.transpose(0, 1).contiguous(), kc, vc, pt, torch.tensor([L], dtype=torch.int32, device=dev),
+                        torch.tensor([0, L], dtype=torch.int32, device=dev), config=cfg, softmax_scale=scale)
     return _csr_to_mask(index, k.shape[0], int(index.tile_ptr[-1]), -(-L // cfg.block_size))
 
 
-def geometry(L: int, g: int, cfg):
-    """``(visible [T, nb], seen [T, nb], excluded [nb])``: causally visible blocks of each tile, blocks
-    every row of the tile sees completely (the blocks a global set may add), and the blocks no global
-    set takes (sink, and the local window of the last sparse tile: kept by every tile that sees them)."""
+def geometry(L: int, g: int, cfg, device: torch.device | str = "cpu"):
+    """``(visible [T, nb], seen [T, nb], excluded [nb])`` bool on ``device``: causally visible blocks of
+    each tile, blocks every row of the tile sees completely (the blocks a global set may add), and the
+    blocks no global set takes (sink, and the local window of the last sparse tile: kept by every tile
+    that sees them)."""
     B = cfg.block_size
     nb = -(-L // B)
-    t_first, t_last = _tile_geometry(L, g, TILE_ROWS, torch.device("cpu"))
-    j = torch.arange(nb)
+    t_first, t_last = _tile_geometry(L, g, TILE_ROWS, torch.device(device))
+    j = torch.arange(nb, device=device)
     e = torch.clamp((j + 1) * B, max=L)
     visible = j[None, :] <= (t_last // B)[:, None]
     seen = e[None, :] <= (t_first + 1)[:, None]
@@ -105,13 +124,16 @@ def density(mask: torch.Tensor, visible: torch.Tensor) -> tuple[int, int]:
 
 def column_mass(q, k, scale, rows: torch.Tensor, chunk: int = 512) -> torch.Tensor:
     """Each key's attention mass summed over the query tokens ``rows`` (int64) and the query heads of
-    each KV head, causal: float64 ``[Hkv, L]``. q ``[Hq, L, d]``, k ``[Hkv, L, d]``."""
+    each KV head, causal: float64 ``[Hkv, L]`` on q's device. q ``[Hq, L, d]``, k ``[Hkv, L, d]``; the
+    logits in float32, ``chunk`` rows at a time (``[Hq, chunk, L]``: 0.94 GB at Hq 14, L 32K)."""
     hq, L, _ = q.shape
     hkv = k.shape[0]
     g = hq // hkv
-    kh = k.float()[torch.arange(hq) // g]
-    pos = torch.arange(L)
-    out = torch.zeros(hq, L, dtype=torch.float64)
+    dev = q.device
+    rows = rows.to(dev)
+    kh = k.float()[torch.arange(hq, device=dev) // g]
+    pos = torch.arange(L, device=dev)
+    out = torch.zeros(hq, L, dtype=torch.float64, device=dev)
     for c0 in range(0, rows.numel(), chunk):
         r = rows[c0:c0 + chunk]
         s = (q.float()[:, r] * scale) @ kh.transpose(1, 2)                 # [Hq, c, L]
@@ -125,13 +147,13 @@ def global_blocks(score: torch.Tensor, B: int, G: int, excluded: torch.Tensor, h
     of the per-key ``score [Hkv, L]``), never an ``excluded [nb]`` block: ``[Hkv, nb]`` bool."""
     hkv, L = score.shape
     nb = excluded.numel()
-    sp = torch.zeros(hkv, nb * B, dtype=score.dtype)
+    sp = torch.zeros(hkv, nb * B, dtype=score.dtype, device=score.device)
     sp[:, :L] = score
     per = sp.view(hkv, nb, B)
     s = per.sum(-1) if how == "sum" else per.amax(-1)
     s = s.masked_fill(excluded[None], -math.inf)
     G = min(G, int((~excluded).sum()))
-    out = torch.zeros(hkv, nb, dtype=torch.bool)
+    out = torch.zeros(hkv, nb, dtype=torch.bool, device=score.device)
     if G > 0:
         out.scatter_(1, s.topk(G, -1).indices, True)
     return out
@@ -152,23 +174,27 @@ def top_keys(score: torch.Tensor, K: int, excluded_key: torch.Tensor) -> torch.T
 
 class Rows:
     """The dense attention of a set of rows (every query head of ``tokens``) and the sparse output
-    under any selection mask. q ``[Hq, L, d]``, k / v ``[Hkv, L, d]``."""
+    under any selection mask, in float64 on q's device. q ``[Hq, L, d]``, k / v ``[Hkv, L, d]``,
+    ``tokens [R]`` int64. Memory: the logits and probabilities ``[Hq, R, L]`` (2 x 8 Hq R L bytes)
+    live with the object, ``out`` and ``peakedness`` add ~3 more of that size while they run."""
 
     def __init__(self, q, k, v, scale, B: int, tokens: torch.Tensor):
         hq, L, _ = q.shape
+        dev = q.device
+        tokens = tokens.to(dev)
         self.g = g = hq // k.shape[0]
         self.B, self.L, self.tokens = B, L, tokens
-        self.h = torch.arange(hq)
+        self.h = torch.arange(hq, device=dev)
         self.hk = self.h // g
         km, vm, _, _, _, n = jg.block_stats(k, v, B)
         self.nb = n.numel()
         self.tile = (tokens[None, :] * g + (self.h % g)[:, None]) // TILE_ROWS     # [Hq, R]
         t_first = (self.tile * TILE_ROWS) // g
-        e = torch.clamp((torch.arange(self.nb) + 1) * B, max=L)
+        e = torch.clamp((torch.arange(self.nb, device=dev) + 1) * B, max=L)
         self.foldable = e[None, None, :] <= (t_first + 1)[..., None]                # [Hq, R, nb]
         qs = q[:, tokens].double() * scale
         kh, self.vh = k.double()[self.hk], v.double()[self.hk]
-        pos = torch.arange(L)
+        pos = torch.arange(L, device=dev)
         self.causal = pos[None, None, :] <= tokens[None, :, None]
         self.logits = (qs @ kh.transpose(1, 2)).masked_fill(~self.causal, -math.inf)   # [Hq, R, L]
         self.p = torch.softmax(self.logits, -1)
@@ -195,7 +221,7 @@ class Rows:
         if extra is not None:
             pruned = pruned & ~extra[self.hk][:, None, :]
             B, nb = self.B, self.nb
-            x = torch.zeros(extra.shape[0], nb * B, dtype=torch.float64)
+            x = torch.zeros(extra.shape[0], nb * B, dtype=torch.float64, device=extra.device)
             x[:, :self.L] = extra.double()
             cnt = x.view(-1, nb, B).sum(-1)                                           # [Hkv, nb]
             ks = jg._blocks(self.k * (~extra)[..., None], B).sum(2)                  # the other keys' sums
@@ -217,7 +243,7 @@ def peakedness(rows: Rows, mask, key_sets: dict) -> dict:
     on the top-1 / top-4 keys of each pruned block and on each ``key_sets`` name's keys (``[Hkv, L]``)."""
     pm = rows.p * rows.pruned_keys(mask)
     nb, B = rows.nb, rows.B
-    pp = torch.zeros(*pm.shape[:2], nb * B, dtype=pm.dtype)
+    pp = torch.zeros(*pm.shape[:2], nb * B, dtype=pm.dtype, device=pm.device)
     pp[..., :rows.L] = pm
     top = pp.view(*pm.shape[:2], nb, B).topk(4, -1).values                         # [Hq, R, nb, 4]
     res = {"pruned": pm.sum(-1), "top1/block": top[..., 0].sum(-1), "top4/block": top.sum((-1, -2))}
@@ -227,25 +253,38 @@ def peakedness(rows: Rows, mask, key_sets: dict) -> dict:
 
 
 def analyse_layer(q, k, v, scale, cfg, tokens, alphas, globals_, global_alphas, topk, last_q: int,
-                  check: bool = False, global_keys=()) -> dict:
+                  check: bool = False, global_keys=(), row_chunk: int | None = None) -> dict:
     """Everything of one layer for the rows of ``tokens``: per configuration its block counts and the
-    rows' sparse outputs, the peakedness shares (step 1), and (``check``) the operator's output."""
+    rows' sparse outputs, the peakedness shares (step 1), and (``check``) the operator's output.
+
+    q ``[Hq, L, d]``, k / v ``[Hkv, L, d]`` (float32, any device: the analysis runs on q's device, the
+    rows in float64); ``tokens [R]`` int64, R >= 1. ``row_chunk``: build ``Rows`` for at most that many
+    tokens at a time (its ``[Hq, R, L]`` float64 tensors are the layer's peak memory; None: all at
+    once); the per-row results are the same either way, concatenated along R.
+
+    Returns ``configs`` (name -> ``selected``, ``visible``, ``out [Hq, R, d]``, ``recovered [Hq, R]``),
+    ``peak`` (name -> ``[Hq, R]``), ``dense [Hq, R, d]``, ``picked``, ``top_keys`` and, with ``check``,
+    ``ref_err``."""
     hq, L, _ = q.shape
+    R = tokens.numel()
+    if R < 1:
+        raise ValueError(f"tokens: expected at least one token, got {R}")
+    dev = q.device
+    tokens = tokens.to(dev)
     g = hq // k.shape[0]
     B = cfg.block_size
-    visible, seen, excluded = geometry(L, g, cfg)
-    rows = Rows(q, k, v, scale, B, tokens)
+    visible, seen, excluded = geometry(L, g, cfg, dev)
     masks = {a: selection(q, k, v, scale, cfg.replace(alpha=a)) for a in sorted(set(alphas) | set(global_alphas))}
     base = masks[cfg.alpha] if cfg.alpha in masks else selection(q, k, v, scale, cfg)
 
     body_end = L - cfg.dense_tail_tokens
-    strided = torch.linspace(cfg.sink_tokens + cfg.window_tokens, body_end - 1, last_q).round().long()
-    score = {"lastq": column_mass(q, k, scale, torch.arange(L - last_q, L)),
+    # on the CPU, then moved: the same rows whatever the device
+    strided = torch.linspace(cfg.sink_tokens + cfg.window_tokens, body_end - 1, last_q).round().long().to(dev)
+    score = {"lastq": column_mass(q, k, scale, torch.arange(L - last_q, L, device=dev)),
              "strided": column_mass(q, k, scale, strided),
-             "dense*": column_mass(q, k, scale, torch.arange(L))}
+             "dense*": column_mass(q, k, scale, torch.arange(L, device=dev))}
     excl_key = excluded.repeat_interleave(B)[:L]
     key_sets = {f"{src} top{K}": top_keys(score[src], K, excl_key) for src in SOURCES for K in topk}
-    peak = peakedness(rows, base, key_sets)
 
     configs = {}
     for a in alphas:
@@ -258,38 +297,65 @@ def analyse_layer(q, k, v, scale, cfg, tokens, alphas, globals_, global_alphas, 
     for a in global_alphas:
         for (rk, G), gb in glob_sets.items():
             configs[f"alpha {a:g} + {rk} G{G}"] = add_global(masks[a], gb, seen)
-    gmax = max(globals_) if globals_ else 8
-    res = {"configs": {}, "peak": peak, "dense": rows.dense,
-           "picked": {rk: [torch.nonzero(b).flatten().tolist() for b in glob_sets[(rk, gmax)]] for rk in RANKINGS}
-           if globals_ else {},
-           "top_keys": {src: score[src].masked_fill(excl_key[None], -math.inf).topk(16, -1).indices.tolist()
-                        for src in SOURCES}}
-    pm = rows.p * rows.pruned_keys(base)
-    for name, m in configs.items():
-        sel, vis = density(m, visible)
-        rec = (pm * rows.kept(m).repeat_interleave(B, 2)[..., :L]).sum(-1)         # base's pruned mass now kept
-        res["configs"][name] = {"selected": sel, "visible": vis, "out": rows.out(m), "recovered": rec}
     # Global keys instead of blocks: the top-K keys of a ranking attended exactly by every row that
     # sees them; density counts them as K_t / B blocks (K_t: those in the tile's unkept, fully seen blocks).
+    keyed = {}
     for a in global_alphas:
         for src in SOURCES:
             for K in global_keys:
                 ks = top_keys(score[src], K, excl_key)                                # [Hkv, L]
-                x = torch.zeros(ks.shape[0], rows.nb * B)
+                x = torch.zeros(ks.shape[0], -(-L // B) * B, device=dev)
                 x[:, :L] = ks.float()
-                per_blk = x.view(-1, rows.nb, B).sum(-1)                              # [Hkv, nb]
+                per_blk = x.view(ks.shape[0], -1, B).sum(-1)                          # [Hkv, nb]
                 add = float(((~masks[a] & seen[None]) * per_blk[:, None, :]).sum()) / B
-                sel, vis = density(masks[a], visible)
-                rec = (pm * (rows.kept(masks[a]).repeat_interleave(B, 2)[..., :L] | ks[rows.hk][:, None, :])).sum(-1)
-                res["configs"][f"alpha {a:g} + {src} keys K{K}"] = {
-                    "selected": sel + add, "visible": vis, "out": rows.out(masks[a], ks), "recovered": rec}
+                keyed[f"alpha {a:g} + {src} keys K{K}"] = (masks[a], ks, add)
+    gmax = max(globals_) if globals_ else 8
+    res = {"configs": {},
+           "picked": {rk: [torch.nonzero(b).flatten().tolist() for b in glob_sets[(rk, gmax)]] for rk in RANKINGS}
+           if globals_ else {},
+           "top_keys": {src: score[src].masked_fill(excl_key[None], -math.inf).topk(16, -1).indices.tolist()
+                        for src in SOURCES}}
+    for name, m in configs.items():
+        sel, vis = density(m, visible)
+        res["configs"][name] = {"selected": sel, "visible": vis}
+    for name, (m, _, add) in keyed.items():
+        sel, vis = density(m, visible)
+        res["configs"][name] = {"selected": sel + add, "visible": vis}
+
+    parts = []
+    step = row_chunk or R
+    for c0 in range(0, R, step):
+        rows = Rows(q, k, v, scale, B, tokens[c0:c0 + step])
+        part = {"peak": peakedness(rows, base, key_sets), "dense": rows.dense, "out": {}, "recovered": {}}
+        pm = rows.p * rows.pruned_keys(base)                                          # base's pruned mass
+        for name, m in configs.items():
+            part["out"][name] = rows.out(m)
+            part["recovered"][name] = (pm * rows.kept(m).repeat_interleave(B, 2)[..., :L]).sum(-1)
+        for name, (m, ks, _) in keyed.items():
+            part["out"][name] = rows.out(m, ks)
+            part["recovered"][name] = (pm * (rows.kept(m).repeat_interleave(B, 2)[..., :L]
+                                             | ks[rows.hk][:, None, :])).sum(-1)
+        if check:
+            part["base_out"] = rows.out(base)
+        parts.append(part)
+        del rows, pm
+
+    def cat(get):
+        return torch.cat([get(p) for p in parts], 1)
+
+    res["peak"] = {n: cat(lambda p: p["peak"][n]) for n in parts[0]["peak"]}
+    res["dense"] = cat(lambda p: p["dense"])
+    for name, c in res["configs"].items():
+        c["out"] = cat(lambda p: p["out"][name])
+        c["recovered"] = cat(lambda p: p["recovered"][name])
     if check:
         kc, vc = fpt._paged(k[None]), fpt._paged(v[None])
-        pt = torch.arange(kc.shape[0], dtype=torch.int32)[None]
-        o_ref = flashprefill_attention(q.transpose(0, 1).contiguous(), kc, vc, pt, torch.tensor([L], dtype=torch.int32),
-                                       torch.tensor([0, L], dtype=torch.int32), config=cfg, softmax_scale=scale,
-                                       backend="reference")
-        res["ref_err"] = nr.rel(rows.out(base), o_ref.double()[tokens].transpose(0, 1))
+        pt = torch.arange(kc.shape[0], dtype=torch.int32, device=dev)[None]
+        o_ref = flashprefill_attention(q.transpose(0, 1).contiguous(), kc, vc, pt,
+                                       torch.tensor([L], dtype=torch.int32, device=dev),
+                                       torch.tensor([0, L], dtype=torch.int32, device=dev), config=cfg,
+                                       softmax_scale=scale, backend="reference")
+        res["ref_err"] = nr.rel(cat(lambda p: p["base_out"]), o_ref.double()[tokens].transpose(0, 1))
     return res
 
 
@@ -307,8 +373,21 @@ def floats(spec: str) -> list[float]:
     return [float(x) for x in spec.split(",") if x]
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The options, checked (exit 2 naming the option): ``len`` and ``context`` parsed to tokens, the
+    comma lists to lists (``alphas``, ``global_alphas``: float; ``globals_``, ``topk``,
+    ``global_keys``: int)."""
+    from fpcli.commands.bench import parse_lengths
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="a model name or folder, as fp ask --model (default: the "
+                    "transformers engine's default model of the device)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--context", default=None, help="context in tokens (32k): YaRN beyond the model's own")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                    help="the model's dtype (auto: float32 on the CPU, bfloat16 on CUDA)")
+    ap.add_argument("--row-chunk", type=int, default=0,
+                    help="analyse at most N row tokens at a time (bounds the [Hq, N, L] float64 tensors; 0: all)")
     ap.add_argument("--len", default="7168")
     ap.add_argument("--index", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
@@ -322,19 +401,32 @@ def main(argv=None) -> dict:
     ap.add_argument("--global-keys", default="64,256", help="K: global keys per KV head attended exactly")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    from fpcli.commands.bench import parse_lengths
+    try:
+        args.length = parse_lengths(args.len)[0]
+        args.context = parse_lengths(args.context, "--context")[0] if args.context else None
+        args.alphas, args.global_alphas = floats(args.alphas), floats(args.global_alphas)
+        args.globals_ = [int(x) for x in args.globals.split(",") if x]
+        args.topk = [int(x) for x in args.topk.split(",") if x]
+        args.global_keys = [int(x) for x in args.global_keys.split(",") if x]
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.row_chunk < 0:
+        ap.error(f"--row-chunk: expected a token count >= 0, got {args.row_chunk}")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
     from fpcli.ruler.haystack import GeneratedHaystack
     from fpcli.ruler.tasks import TASKS, make_sample
 
-    alphas, global_alphas = floats(args.alphas), floats(args.global_alphas)
-    globals_ = [int(x) for x in args.globals.split(",") if x]
-    topk = [int(x) for x in args.topk.split(",") if x]
-    global_keys = [int(x) for x in args.global_keys.split(",") if x]
-    length = parse_lengths(args.len)[0]
+    alphas, global_alphas = args.alphas, args.global_alphas
+    globals_, topk, global_keys, length = args.globals_, args.topk, args.global_keys, args.length
     torch.manual_seed(0)
-    eng, ctx = nr.load(argparse.Namespace(model=None, device="cpu", context=None, dtype="float32"))
+    eng, ctx = nr.load(args)
     tok, model = eng.tokenizer, eng.model
-    ct = nr.ChatTokenizer(tok)
+    # on CUDA the prompt fp eval builds on the SGLang engine (needle_recall.py's)
+    ct = nr.ChatTokenizer(tok, reserve="sglang" if args.device == "cuda" else None)
     sample = make_sample(TASKS["niah_multikey"], length, args.index, args.seed, GeneratedHaystack(), ct, ctx)
     text = tok.apply_chat_template(ct.messages(sample.system, sample.user), add_generation_prompt=True, tokenize=False)
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -354,7 +446,8 @@ def main(argv=None) -> dict:
     tokens = torch.cat([torch.tensor(needle_tok), hay_tok])
     is_needle = torch.zeros(tokens.numel(), dtype=torch.bool)
     is_needle[:len(needle_tok)] = True
-    print(f"{eng.model_name} ({eng.dtype}); {L} tokens; {cfg}; dense_layers {dense_layers}; layers {layers}\n"
+    where = "" if args.device == "cpu" else f", {eng.device}, context {ctx:,}"
+    print(f"{eng.model_name} ({eng.dtype}{where}); {L} tokens; {cfg}; dense_layers {dense_layers}; layers {layers}\n"
           f"needle tokens {len(needle_tok)}, haystack tokens {hay_tok.numel()}; last-q {args.last_q}", flush=True)
     per_layer = []
 
@@ -363,10 +456,11 @@ def main(argv=None) -> dict:
             return
         t0 = time.perf_counter()
         r = analyse_layer(q.float(), k.float(), v.float(), scale, cfg, tokens, alphas, globals_, global_alphas,
-                          topk, args.last_q, check=not per_layer, global_keys=global_keys)
+                          topk, args.last_q, check=not per_layer, global_keys=global_keys,
+                          row_chunk=args.row_chunk or None)
         row = {"layer": layer, "ref_err": r.get("ref_err"), "configs": {}, "peak": {}, "picked": r["picked"],
                "top_keys": r["top_keys"], "seconds": time.perf_counter() - t0}
-        for grp, sel in (("needle", is_needle), ("haystack", ~is_needle)):
+        for grp, sel in (("needle", is_needle.to(q.device)), ("haystack", ~is_needle.to(q.device))):
             pk = r["peak"]
             row["peak"][grp] = {name: float(x[:, sel].sum()) for name, x in pk.items()}
             for name, c in r["configs"].items():
@@ -429,6 +523,9 @@ def main(argv=None) -> dict:
                   f"{c['gain_haystack']:+6.2f} | {c['recovered_needle']:12.3f} {c['recovered_haystack']:6.3f}")
     report = {"tokens": L, "config": str(cfg), "needles": nl, "layers": per_layer, "summary": summary,
               "needle_tokens": len(needle_tok), "hay_tokens": int(hay_tok.numel()), "last_q": args.last_q}
+    if (args.device, args.model, args.context, args.dtype) != ("cpu", None, None, "auto"):
+        # (the CPU default run keeps its earlier report, key for key)
+        report["run"] = {"model": eng.model_name, "device": str(eng.device), "dtype": str(eng.dtype), "context": ctx}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
