@@ -284,35 +284,34 @@ def _global_keys(qb: torch.Tensor, kb: torch.Tensor, lq: int, lk: int, g: int, s
     return out
 
 
-def _fold_without(x: torch.Tensor, mean: torch.Tensor, n: torch.Tensor, gpos: torch.Tensor, block_size: int,
-                  dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _fold_without(kx: torch.Tensor, vx: torch.Tensor, k_mean: torch.Tensor, v_mean: torch.Tensor, n: torch.Tensor,
+                  gpos: torch.Tensor, block_size: int, dt: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block means and counts of the tokens a pruned block folds back: its tokens less its global
     keys (section 4.1).
 
     Args:
-        x: ``[Lk, Hkv, d]`` the keys or values the means were taken of; mean: ``[nb, Hkv, d]``
-        their block means; n: int64 ``[nb]`` valid tokens per block; gpos: int64 ``[Hkv, K]``
-        (``-1`` = none).
+        kx, vx: ``[Lk, Hkv, d]`` the keys and values the means were taken of; k_mean, v_mean:
+        ``[nb, Hkv, d]`` their block means; n: int64 ``[nb]`` valid tokens per block; gpos: int64
+        ``[Hkv, K]`` (``-1`` = none).
     Returns:
-        ``(mean [nb, Hkv, d] dt, 0 where no token is left; count [nb, Hkv] dt)``.
+        ``(k_mean, v_mean [nb, Hkv, d] dt, 0 where no token is left; count [nb, Hkv] dt)``.
     """
-    nb, hkv, _ = mean.shape
+    hkv = k_mean.shape[1]
     count = n.to(dt)[:, None].repeat(1, hkv)                                               # [nb, Hkv]
-    sums = mean.to(dt) * n.to(dt)[:, None, None]
+    k_sums = k_mean.to(dt) * n.to(dt)[:, None, None]
+    v_sums = v_mean.to(dt) * n.to(dt)[:, None, None]
     for h in range(hkv):
         gp = gpos[h][gpos[h] >= 0]
         if gp.numel():
             blk = gp // block_size
             count[:, h].index_add_(0, blk, -torch.ones(blk.numel(), dtype=dt, device=blk.device))
-            sums[:, h].index_add_(0, blk, -x[gp, h].to(dt))
-    left = count > 0
-    return torch.where(left[..., None], sums / count.clamp_min(1)[..., None], torch.zeros_like(sums)), count
-
-
-def _block_counts(lk: int, block_size: int, device) -> torch.Tensor:
-    """Valid tokens of each block of a request of ``lk`` keys: int64 ``[ceil(lk / B)]``."""
-    starts = torch.arange(-(-lk // block_size), device=device) * block_size
-    return (torch.clamp(starts + block_size, max=lk) - starts).to(torch.int64)
+            k_sums[:, h].index_add_(0, blk, -kx[gp, h].to(dt))
+            v_sums[:, h].index_add_(0, blk, -vx[gp, h].to(dt))
+    left = (count > 0)[..., None]
+    per = count.clamp_min(1)[..., None]
+    zero = torch.zeros_like(k_sums)
+    return torch.where(left, k_sums / per, zero), torch.where(left, v_sums / per, zero), count
 
 
 def build_index(
@@ -382,11 +381,9 @@ def build_index(
             vm, _ = _block_means(vraw, B, dt)
             km_score = km
         if glob:                                                           # section 4.1
-            gp = (_global_keys(q[qs:qs + lq], kop.to(dt), lq, lk, g, scale, config, dt) if lq
-                  else global_pos.new_full((hkv, config.global_keys), -1))
-            global_pos[b] = gp
-            km_fold, cnt = _fold_without(kraw, km, n, gp, B, dt)
-            vm, _ = _fold_without(vraw, vm, n, gp, B, dt)
+            if lq:                                                         # (none without queries: -1)
+                global_pos[b] = _global_keys(q[qs:qs + lq], kop.to(dt), lq, lk, g, scale, config, dt)
+            km_fold, vm, cnt = _fold_without(kraw, vraw, km, vm, n, global_pos[b], B, dt)
             counts_g.append(cnt)
         k_means.append(km_fold if glob else km)
         v_means.append(vm)
