@@ -203,6 +203,37 @@ def parse_layers(spec: str | None, n_layers: int, first: int) -> list[int]:
     return out
 
 
+def niah_prompt(tok, ct, length: int, index: int, seed: int, context: int):
+    """``fp eval``'s ``niah_multikey`` sample ``index`` of ``seed`` at ``length`` tokens (chat template
+    of ``ct``, ``needle_recall.ChatTokenizer``) and its needles (``needle_recall.needles``):
+    ``(sample, needles)``. Shared by this script and ``vertical_blocks.py`` (the same prompt)."""
+    from fpcli.ruler.haystack import GeneratedHaystack
+    from fpcli.ruler.tasks import TASKS, make_sample
+
+    sample = make_sample(TASKS["niah_multikey"], length, index, seed, GeneratedHaystack(), ct, context)
+    text = tok.apply_chat_template(ct.messages(sample.system, sample.user), add_generation_prompt=True, tokenize=False)
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert list(enc["input_ids"]) == sample.ids
+    return sample, nr.needles(text, enc["offset_mapping"], sample.expected[0])
+
+
+def needle_rows(L: int, cfg, needles: list[dict], hay_rows: int, seed: int):
+    """The query tokens the diagnosis measures: every needle-sentence token before the dense tail,
+    then ``hay_rows`` haystack tokens drawn (``seed``) from ``[lo, body_end)``, ``lo`` = sink +
+    window + one block (rows with pruned context). Returns ``(tokens int64 [R], is_needle bool [R],
+    needle_tok list, hay_tok int64, lo, body_end)``. Shared with ``vertical_blocks.py``."""
+    body_end = L - cfg.dense_tail_tokens
+    needle_tok = sorted({t for nd in needles for t in range(*nd["tokens"]) if t < body_end})
+    lo = cfg.sink_tokens + cfg.window_tokens + cfg.block_size
+    pool = torch.tensor([t for t in range(lo, body_end) if t not in set(needle_tok)])
+    gen = torch.Generator().manual_seed(seed)
+    hay_tok = pool[torch.randperm(pool.numel(), generator=gen)[:hay_rows]].sort().values
+    tokens = torch.cat([torch.tensor(needle_tok), hay_tok])
+    is_needle = torch.zeros(tokens.numel(), dtype=torch.bool)
+    is_needle[:len(needle_tok)] = True
+    return tokens, is_needle, needle_tok, hay_tok, lo, body_end
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--len", default="7168")
@@ -214,8 +245,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from fpcli.commands.bench import parse_lengths
-    from fpcli.ruler.haystack import GeneratedHaystack
-    from fpcli.ruler.tasks import TASKS, make_sample
 
     length = parse_lengths(args.len)[0]
     clamps = [float(c) for c in args.clamp.split(",") if c]
@@ -224,24 +253,12 @@ def main(argv=None) -> dict:
     eng, ctx = nr.load(ns)
     tok, model = eng.tokenizer, eng.model
     ct = nr.ChatTokenizer(tok)
-    sample = make_sample(TASKS["niah_multikey"], length, args.index, args.seed, GeneratedHaystack(), ct, ctx)
-    text = tok.apply_chat_template(ct.messages(sample.system, sample.user), add_generation_prompt=True, tokenize=False)
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    assert list(enc["input_ids"]) == sample.ids
-    nl = nr.needles(text, enc["offset_mapping"], sample.expected[0])
+    sample, nl = niah_prompt(tok, ct, length, args.index, args.seed, ctx)
     L = len(sample.ids)
     cfg, dense_layers = nr.profile_base(ctx)
     n_layers = model.config.num_hidden_layers
     layers = parse_layers(args.layers, n_layers, dense_layers)
-    body_end = L - cfg.dense_tail_tokens
-    needle_tok = sorted({t for nd in nl for t in range(*nd["tokens"]) if t < body_end})
-    lo = cfg.sink_tokens + cfg.window_tokens + cfg.block_size
-    pool = torch.tensor([t for t in range(lo, body_end) if t not in set(needle_tok)])
-    gen = torch.Generator().manual_seed(args.seed)
-    hay_tok = pool[torch.randperm(pool.numel(), generator=gen)[:args.hay_rows]].sort().values
-    tokens = torch.cat([torch.tensor(needle_tok), hay_tok])
-    is_needle = torch.zeros(tokens.numel(), dtype=torch.bool)
-    is_needle[:len(needle_tok)] = True
+    tokens, is_needle, needle_tok, hay_tok, lo, body_end = needle_rows(L, cfg, nl, args.hay_rows, args.seed)
     print(f"{eng.model_name} ({eng.dtype}); {L} tokens; {cfg}; dense_layers {dense_layers}; layers {layers}\n"
           f"needle tokens {len(needle_tok)} ({[nd['tokens'] for nd in nl]}), haystack tokens {hay_tok.numel()}"
           f" from [{lo}, {body_end})", flush=True)

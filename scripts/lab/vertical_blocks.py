@@ -417,9 +417,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from fpcli.ruler.haystack import GeneratedHaystack
-    from fpcli.ruler.tasks import TASKS, make_sample
-
     alphas, global_alphas = args.alphas, args.global_alphas
     globals_, topk, global_keys, length = args.globals_, args.topk, args.global_keys, args.length
     torch.manual_seed(0)
@@ -427,25 +424,13 @@ def main(argv=None) -> dict:
     tok, model = eng.tokenizer, eng.model
     # on CUDA the prompt fp eval builds on the SGLang engine (needle_recall.py's)
     ct = nr.ChatTokenizer(tok, reserve="sglang" if args.device == "cuda" else None)
-    sample = make_sample(TASKS["niah_multikey"], length, args.index, args.seed, GeneratedHaystack(), ct, ctx)
-    text = tok.apply_chat_template(ct.messages(sample.system, sample.user), add_generation_prompt=True, tokenize=False)
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    assert list(enc["input_ids"]) == sample.ids
-    nl = nr.needles(text, enc["offset_mapping"], sample.expected[0])
+    sample, nl = jg.niah_prompt(tok, ct, length, args.index, args.seed, ctx)
     L = len(sample.ids)
     cfg, dense_layers = nr.profile_base(ctx)
     if cfg.alpha not in alphas:
         alphas = [cfg.alpha] + alphas
     layers = jg.parse_layers(args.layers, model.config.num_hidden_layers, dense_layers)
-    body_end = L - cfg.dense_tail_tokens
-    needle_tok = sorted({t for nd in nl for t in range(*nd["tokens"]) if t < body_end})
-    lo = cfg.sink_tokens + cfg.window_tokens + cfg.block_size
-    pool = torch.tensor([t for t in range(lo, body_end) if t not in set(needle_tok)])
-    gen = torch.Generator().manual_seed(args.seed)
-    hay_tok = pool[torch.randperm(pool.numel(), generator=gen)[:args.hay_rows]].sort().values
-    tokens = torch.cat([torch.tensor(needle_tok), hay_tok])
-    is_needle = torch.zeros(tokens.numel(), dtype=torch.bool)
-    is_needle[:len(needle_tok)] = True
+    tokens, is_needle, needle_tok, hay_tok, lo, body_end = jg.needle_rows(L, cfg, nl, args.hay_rows, args.seed)
     where = "" if args.device == "cpu" else f", {eng.device}, context {ctx:,}"
     print(f"{eng.model_name} ({eng.dtype}{where}); {L} tokens; {cfg}; dense_layers {dense_layers}; layers {layers}\n"
           f"needle tokens {len(needle_tok)}, haystack tokens {hay_tok.numel()}; last-q {args.last_q}", flush=True)
