@@ -8,7 +8,8 @@
 # transformers engine's GPU tests), variants (scripts/lab/fp8_variants.py), cold (scripts/lab/cold_start.py), ws / probe
 # (scripts/lab/ws_probe.py: its GPU test / its timing), decode (scripts/lab/decode_profile.py at 130K),
 # graph (the CUDA-graph decode's GPU tests and its attention's, then decode with --cuda-graph), needle (scripts/lab/needle_recall.py: Qwen at
-# 128K, one niah_multikey sample, one-shot vs 16K chunks, configs dense,base). EVAL_ARGS: more fp eval options
+# 128K, one niah_multikey sample, one-shot vs 16K chunks, configs dense,base), vertical (its GPU test, then
+# scripts/lab/vertical_blocks.py: Qwen, one niah_multikey sample of $VERTICAL_LEN, 32k by default). EVAL_ARGS: more fp eval options
 # (one word each, e.g. --engine=transformers); EVAL_TIMEOUT: seconds before fp eval gets a Ctrl-C (SIGINT: it keeps and
 # reports the finished cells); LIM: a test part's time limit. Logs and JSON land in $OUT; a short table is printed last.
 set -u
@@ -99,6 +100,11 @@ PY
         --context 128k --dtype bfloat16 --len ${NEEDLE_LEN:-128k} --index 0 --seed 0 --chunk ${NEEDLE_CHUNK:-16384} \
         --configs ${NEEDLE_CONFIGS:-dense,base} --json "$OUT/needle.json" > "$OUT/needle.log" 2>&1
       tail -${NEEDLE_TAIL:-20} "$OUT/needle.log" | tee -a "$SUM" ;;
+    vertical) pyt vertical_test 120 tests/gpu/test_vertical_blocks_gpu.py
+      t timeout -k 5 ${LIM:-400} python scripts/lab/vertical_blocks.py --device cuda --model qwen2.5-coder-0.5b-instruct \
+        --context 128k --dtype bfloat16 --len ${VERTICAL_LEN:-32k} --layers ${VERTICAL_LAYERS:-2-23} --json "$OUT/vertical.json" \
+        > "$OUT/vertical.log" 2>&1
+      tail -${VERTICAL_TAIL:-40} "$OUT/vertical.log" | tee -a "$SUM" ;;
   esac
 done
 say "done: $*"
