@@ -3,7 +3,7 @@
 #   source .fpdev/bin/env.sh && bash scripts/lab/gpu_round.sh PART [PART...]
 # PARTs: kernels (operator GPU tests), globalkeys (SparseConfig.global_keys on CUDA), fp8 (FP8 kernel tests), engines1 / engines2 / fp8engine (engine and CLI GPU
 # tests), user (fp start / fp ask x2 / fp status / fp stop / fp profile on real TeX manuals, as a user
-# runs them), eval (fp eval at 32K and 128K, $EVAL_PROFILES or dense / bf16 / fp8, two seeds), bench (fp bench: the operator
+# runs them), askcold (one cold fp ask --no-server on the TeX manual with $ASK_ARGS), eval (fp eval at 32K and 128K, $EVAL_PROFILES or dense / bf16 / fp8, two seeds), bench (fp bench: the operator
 # table; BENCH_ARGS="--fp8 --e2e --model M" adds the end-to-end table, bf16 / fp8 / dense engines), benchcli (its GPU test), stats (tests/gpu/test_stats_cuda.py alone), transformers (the
 # transformers engine's GPU tests), variants (scripts/lab/fp8_variants.py), cold (scripts/lab/cold_start.py), ws / probe
 # (scripts/lab/ws_probe.py: its GPU test / its timing), decode (scripts/lab/decode_profile.py at 130K),
@@ -87,6 +87,19 @@ try:
     print("profile keys", sorted(p)[:12], "density", p.get("density"))
 except Exception as e:
     print("profile: no JSON:", e, (out / "profile.err").read_text()[-600:])
+PY
+      ;;
+    askcold)  # one cold fp ask (no resident engine) on the TeX manual, with $ASK_ARGS (e.g. --profile accurate)
+      t fp ask .fpdocs/beameruserguide.pdf "Which command creates a frame title?" --no-server --json ${ASK_ARGS:-} \
+        > "$OUT/askcold.json" 2> "$OUT/askcold.err"
+      python - "$OUT/askcold.json" <<'PY' | tee -a "$SUM"
+import json, sys
+try:
+    d = json.load(open(sys.argv[1])); s = d["summary"]
+    print("askcold", {k: s.get(k) for k in ("profile", "prompt_tokens", "ttft_s", "wall_s", "engine_start_s", "density", "precision", "engine")})
+    print("  answer:", d["answer"][:160].replace("\n", " "))
+except Exception as e:
+    print("askcold: no JSON:", e)
 PY
       ;;
     eval)
