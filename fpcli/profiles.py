@@ -1,6 +1,6 @@
 """Run profiles: named YAML files that carry the method configuration and the engine settings.
 
-A profile is a built-in ``fpcli/builtin_profiles/<name>.yaml`` (``bf16``, ``fp8``, ``dense``;
+A profile is a built-in ``fpcli/builtin_profiles/<name>.yaml`` (``bf16``, ``accurate``, ``fp8``, ``dense``;
 package data, read with ``importlib.resources``) or any YAML path. The schema is documented in ``docs/profiles.md``; every key but ``name`` is optional
 and defaults to the values of ``DEFAULTS`` below. A wrong key or value raises ``ProfileError``
 naming the file, the key and what is allowed.

@@ -336,7 +336,7 @@ def test_eval_says_when_sparse_profiles_ran_dense_below_min_sparse_len(runner, f
     # the advice is a length that runs sparse AND fits the context (8k is the whole context)
     assert ("at 2k every profile ran dense: prompts below min_sparse_len 4,096; "
             "use --len 5k to 8k (up to the context of 8,192 tokens)") in err
-    assert "at 8k" not in err and err.count("ran dense") == 1
+    assert "at 8k every" not in err and "at 8k profile" not in err and err.count("ran dense") == 1
     assert "2 samples built" in err  # one per length
 
 
@@ -622,3 +622,71 @@ def test_eval_len_is_repeatable_and_a_length_given_twice_runs_once(runner, fake_
     data = json.loads(r.stdout)
     assert data["lengths"] == [1024, 2048]
     assert "--len: 1,024 tokens given more than once: run once" in " ".join(r.stderr.split())
+
+
+def _sample(i: int, length: int, expected: str):
+    from fpcli.ruler.tasks import Sample
+
+    return Sample(task="niah_multikey", length=length, index=i, target_tokens=length, ids=[1, 2, 3], system="",
+                  user="u", question=f"q{i}", expected=(expected,), max_new_tokens=16)
+
+
+def _answer(text: str):
+    from fpcli.engine.base import GenerationResult
+
+    return GenerationResult(text=text, prompt_tokens=3, output_tokens=4, ttft_s=0.1, prefill_s=0.1, total_s=0.2,
+                            engine="transformers", model="m", profile="p")
+
+
+def test_against_dense_pairs_the_same_samples():
+    """Lost / won count samples, not cell differences: a profile that loses one sample and wins
+    another scores the same cell as dense, and the pairing says it changed two answers; partial
+    credit and samples the baseline did not answer are handled; no dense profile, no pairing."""
+    from fpcli.ruler.runner import EvalRun, ProfileRun, against_dense
+
+    samples = [_sample(i, 4096, f"{1000 + i}") for i in range(4)] + [_sample(4, 8192, "77 88")]
+    dense = ProfileRun("dense", "dense", "bf16", results={
+        s.id: _answer(f"it is {s.expected[0]}") for s in samples[:3]})  # dense wrong on sample 3, absent at 8K
+    dense.results[samples[3].id] = _answer("no idea")
+    sparse = ProfileRun("bf16", "flashprefill", "bf16", results={
+        samples[0].id: _answer("it is 1000"), samples[1].id: _answer("it is 9999"),  # same, lost
+        samples[2].id: _answer("it is 1002"), samples[3].id: _answer("it is 1003"),  # same, won
+        samples[4].id: _answer("77 88")})
+    other = ProfileRun("fp8", "flashprefill", "fp8", results={s.id: _answer("nothing") for s in samples[:4]})
+    run = EvalRun(samples, [dense, sparse, other], context_length=8192)
+    rows = against_dense(run)
+    assert [(r["length"], r["profile"]) for r in rows] == [(4096, "bf16"), (4096, "fp8")]  # 8K: dense has none
+    bf16, fp8 = rows
+    assert (bf16["baseline"], bf16["samples"], bf16["lost"], bf16["won"], bf16["points"]) == ("dense", 4, 1, 1, 0.0)
+    assert (fp8["lost"], fp8["won"], fp8["points"]) == (3, 0, -75.0)
+    assert against_dense(EvalRun(samples, [sparse, other], context_length=8192)) == []
+
+
+def test_gap_notes_say_what_changed_and_suggest_the_accurate_profile():
+    from fpcli.ruler.render import gap_notes
+
+    def report(*names, points=-35.0):
+        return {"profiles": [{"name": n} for n in names],
+                "against_dense": [{"length": 32768, "profile": "bf16", "baseline": "dense", "samples": 40,
+                                   "lost": 16, "won": 2, "points": points}]}
+
+    (line,) = gap_notes(report("dense", "bf16"))
+    assert line.startswith("at 32k bf16 against dense on the same 40 samples: 16 lost, 2 won (-35.0 points)")
+    assert "accurate profile" in line and "--profiles" in line
+    assert "accurate" not in gap_notes(report("dense", "bf16", "accurate"))[0]  # already measured
+    assert "accurate" not in gap_notes(report("dense", "bf16", points=-2.0))[0]  # within the 2-point bar
+    assert gap_notes({"profiles": [{"name": "bf16"}], "against_dense": []}) == []
+
+
+def test_eval_prints_the_paired_comparison_with_dense(runner, fake_engine, monkeypatch):
+    """Through the CLI: the report carries ``against_dense`` and the table is followed by its line;
+    the fake answers every profile alike, so nothing is lost or won."""
+    monkeypatch.setenv("FP_FAKE_CONTEXT", "8192")
+    r = runner.invoke(app, ["eval", "--len", "1k", "--task", "niah_single", "--samples", "3",
+                            "--profiles", "dense,bf16,fp8", "--json"])
+    assert r.exit_code == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert [(g["profile"], g["samples"], g["lost"], g["won"], g["points"]) for g in data["against_dense"]] == \
+        [("bf16", 3, 0, 0, 0.0), ("fp8", 3, 0, 0, 0.0)]
+    err = " ".join(r.stderr.split())
+    assert "at 1k bf16 against dense on the same 3 samples: 0 lost, 0 won (+0.0 points)" in err

@@ -80,7 +80,7 @@ def test_a_wheel_carries_the_builtin_profiles(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     (wheel,) = tmp_path.glob("fp-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {f"fpcli/builtin_profiles/{n}.yaml" for n in ("bf16", "fp8", "dense")} <= names
+    assert {f"fpcli/builtin_profiles/{n}.yaml" for n in ("bf16", "accurate", "fp8", "dense")} <= names
     assert "flashprefill/integrations/sglang/plugin.py" in names and "flashprefill/integrations/transformers.py" in names
     entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry).decode()

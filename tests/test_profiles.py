@@ -162,8 +162,22 @@ def test_builtin_profiles_are_package_data():
     import importlib.resources
 
     here = importlib.resources.files("fpcli") / "builtin_profiles"
-    assert sorted(p.name for p in here.iterdir() if p.name.endswith(".yaml")) == ["bf16.yaml", "dense.yaml", "fp8.yaml"]
+    assert sorted(p.name for p in here.iterdir() if p.name.endswith(".yaml")) == \
+        ["accurate.yaml", "bf16.yaml", "dense.yaml", "fp8.yaml"]
     assert load_profile("bf16").source == profiles_dir() / "bf16.yaml"
+
+
+def test_accurate_is_bf16_with_its_early_layers_dense():
+    """The ``accurate`` built-in differs from ``bf16`` only where docs/eval.md measured it ("Where
+    the multi-key loss lives"): more dense layers and a larger alpha in the others; the engine
+    settings and the rest of the method are bf16's, so a comparison of the two measures that alone."""
+    import dataclasses
+
+    acc, bf16 = load_profile("accurate"), load_profile("bf16")
+    assert (acc.name, acc.attention, acc.precision) == ("accurate", "flashprefill", "bf16")
+    assert acc.dense_layers == 12 > bf16.dense_layers and acc.sparse.alpha == 0.1 > bf16.sparse.alpha
+    assert dataclasses.replace(acc.sparse, alpha=bf16.sparse.alpha) == bf16.sparse
+    assert acc.engine == bf16.engine
 
 
 def test_the_old_method_key_is_refused_with_its_new_name(tmp_path):

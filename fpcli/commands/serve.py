@@ -25,7 +25,7 @@ def serve(
     ctx: typer.Context,
     model: Annotated[Optional[str], typer.Option("--model", "-m", "--model-path", help=MODEL_HELP)] = None,
     context: Annotated[Optional[str], typer.Option("--context", "-c", help=CONTEXT_HELP, show_default=False)] = None,
-    profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, fp8, dense, or a path; sets the backend and engine defaults.")] = "bf16",
+    profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, accurate, fp8, dense, or a path; sets the backend and engine defaults.")] = "bf16",
     engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: SGLang when CUDA and sglang are present, else transformers.")] = EngineChoice.auto,
     port: Annotated[Optional[int], typer.Option("--port", min=0, max=65535, help="Listen on this TCP port of 127.0.0.1 (0: any free port) with a bearer token, instead of the private Unix socket.")] = None,
     host: Annotated[str, typer.Option("--host", help="With --port: a loopback address only (127.0.0.1, ::1, localhost).")] = LOOPBACK,

@@ -1,6 +1,6 @@
 """The ``fp eval`` table (stderr): one row per (task, length), then the per-length averages; for
 each profile three columns: score (points 0-100), mean TTFT (s) and mean density (%); and the
-lines said under it (``dense_notes``, ``empty_notes``)."""
+lines said under it (``dense_notes``, ``gap_notes``, ``empty_notes``)."""
 from __future__ import annotations
 
 from rich.table import Table
@@ -148,6 +148,33 @@ def ttft_notes(report: dict) -> list[str]:
                 f"compare TTFT with --samples {FEW_SAMPLES} or more"]
     return [f"TTFT: {per}; one profile's samples at one length differ by up to {max(ranges):.3f} s: "
             "smaller TTFT differences between profiles are noise"]
+
+
+GAP_POINTS = 2.0
+"""A sparse profile more than this many points below dense at a length gets ``gap_notes``' advice
+(the accuracy bar of ``docs/eval.md``: sparsity or FP8 within 2 points)."""
+
+ACCURATE_PROFILE = "accurate"
+"""The built-in that keeps the first half of the layers dense (``fpcli/builtin_profiles``), which
+``gap_notes`` suggests where a sparse profile loses answers and it was not run."""
+
+
+def gap_notes(report: dict) -> list[str]:
+    """One line per (length, sparse profile) of the report's ``against_dense`` (the same samples,
+    paired), e.g. "at 32k bf16 against dense on the same 40 samples: 16 lost, 2 won (-35.0
+    points)"; where a profile is more than ``GAP_POINTS`` below dense and ``accurate`` was not
+    among the profiles, the line adds how to measure it. Empty without a dense profile."""
+    names = {p["name"] for p in report.get("profiles", [])}
+    notes = []
+    for g in report.get("against_dense", []):
+        line = (f"at {_len(g['length'])} {g['profile']} against {g['baseline']} on the same "
+                f"{g['samples']} sample{'s' if g['samples'] != 1 else ''}: {g['lost']} lost, {g['won']} won "
+                f"({g['points']:+.1f} points)")
+        if g["points"] < -GAP_POINTS and ACCURATE_PROFILE not in names:
+            line += (f"; the {ACCURATE_PROFILE} profile (its early layers dense) may keep them: "
+                     f"add it to --profiles (docs/profiles.md)")
+        notes.append(line)
+    return notes
 
 
 def missing_notes(report: dict) -> list[str]:

@@ -189,6 +189,31 @@ def averages(cell_list: Sequence[dict]) -> list[dict]:
     return out
 
 
+def against_dense(run: EvalRun) -> list[dict]:
+    """Every sparse profile's answers against the dense profile's on the same samples (paired:
+    the same prompts, so a sample both get right or both get wrong cancels out): per (length,
+    profile), in sample then profile order, ``baseline`` (the first profile whose attention is
+    dense), ``samples`` (those both answered), ``lost`` / ``won`` (samples it scored below / above
+    the baseline; partial credit counts as a score like any other), ``points`` (its mean score
+    minus the baseline's over those samples, points 0-100; the difference of their cells when no
+    sample is missing). Empty when no dense profile ran. ``docs/eval.md``, "Reading the table"."""
+    base = next((p for p in run.profiles if p.attention == "dense"), None)
+    if base is None:
+        return []
+    out = []
+    for length in dict.fromkeys(s.length for s in run.samples):
+        for p in run.profiles:
+            if p.attention == "dense":
+                continue
+            pairs = [(string_match(s.expected, p.results[s.id].text), string_match(s.expected, base.results[s.id].text))
+                     for s in run.samples if s.length == length and s.id in p.results and s.id in base.results]
+            if pairs:
+                out.append({"length": length, "profile": p.name, "baseline": base.name, "samples": len(pairs),
+                            "lost": sum(1 for a, b in pairs if a < b), "won": sum(1 for a, b in pairs if a > b),
+                            "points": 100.0 * fmean(a - b for a, b in pairs)})
+    return out
+
+
 def eval_report(run: EvalRun, *, seeds: Sequence[int], samples_per_cell: int, tasks: Sequence[str], lengths: Sequence[int],
                 haystack: str, profile_sources: dict[str, str | None] | None = None,
                 profile_names: Sequence[str] | None = None) -> dict:
@@ -198,7 +223,7 @@ def eval_report(run: EvalRun, *, seeds: Sequence[int], samples_per_cell: int, ta
     ``samples_per_cell`` (per seed), ``samples_total``,
     ``tasks``, ``lengths`` (requested, tokens), ``context_length``, ``haystack``, ``profiles``
     (name, label, attention, requested and ran precision, engine, source), ``cells`` (see
-    ``cells``), ``averages`` (see ``averages``) and ``samples``: per sample its id, task, length,
+    ``cells``), ``averages`` (see ``averages``), ``against_dense`` (see ``against_dense``) and ``samples``: per sample its id, task, length,
     index, target and prompt tokens, question, expected strings, and per profile name the answer,
     score (0-1), TTFT (s), density, precision that ran, output tokens and finish reason;
     ``interrupted`` (stopped by Ctrl-C: the cells and results hold what finished) and ``missing``
@@ -226,6 +251,7 @@ def eval_report(run: EvalRun, *, seeds: Sequence[int], samples_per_cell: int, ta
         ],
         "cells": cell_list,
         "averages": averages(cell_list),
+        "against_dense": against_dense(run),
         "samples": [
             {
                 "id": s.id, "task": s.task, "length": s.length, "index": s.index, "seed": s.seed,
