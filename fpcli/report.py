@@ -15,6 +15,8 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms; ``fp profile -
                                    # document's error: why it gave no text, an empty file included)
       "summary": {
         "prompt_tokens", "output_tokens", "ttft_s", "prefill_s", "decode_tokens_per_s",
+        "decode_mode",           # how the decode steps ran: "cuda graph" or "eager"; null when no decode
+                                 # step ran (a one-token answer) or the engine did not say
         "total_s",               # the engine's part: from when it took the request to the last answer
                                  # token (ttft_s + decode); not wall_s, the whole command
         "cached_tokens",         # prompt tokens served from the KV cache of an earlier request
@@ -205,6 +207,7 @@ def ask_report(result, question: str, docs: Sequence, prompt, profile, context: 
         "prefill_s": result.prefill_s,
         "total_s": result.total_s,
         "decode_tokens_per_s": result.decode_tokens_per_s,
+        "decode_mode": getattr(result, "decode_mode", None),
         "cached_tokens": int(result.cached_tokens),
         "wall_s": wall_s,
         "engine_start_s": engine_start_s,
@@ -390,7 +393,10 @@ def render_summary(console: Console, report: dict) -> None:
     t.add_row("answer tokens", f"{s['output_tokens']:,} ({FINISH_WORDS.get(s['finish_reason'], s['finish_reason'])})")
     t.add_row("TTFT", f"{s['ttft_s']:.3f} s (prefill {s['prefill_s']:.3f} s)")
     t.add_row(*time_row(s))
-    t.add_row("decode", f"{s['decode_tokens_per_s']:.1f} tokens/s")
+    from fpcli.engine.base import DECODE_EAGER, DECODE_GRAPH
+
+    mode = {DECODE_GRAPH: " (CUDA graph)", DECODE_EAGER: " (eager)"}.get(s.get("decode_mode") or "", "")
+    t.add_row("decode", f"{s['decode_tokens_per_s']:.1f} tokens/s{mode}")
     t.add_row("attention density", density_line(d, s.get("attention"), s.get("prompt_tokens"),
                                                 s.get("min_sparse_len"), s.get("cached_tokens") or 0))
     dense_layers = len(d["per_layer"]) - len(d.get("sparse_layers") or [])

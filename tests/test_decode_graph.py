@@ -232,11 +232,16 @@ def test_short_answers_skip_the_graph_under_the_default_choice(smollm2, engines)
     eager, _ = engines
     prompt = eager.encode_chat(None, TEXT + "\n\nWhat is the secret berth number?")
     with TransformersEngine(smollm2, load_profile("dense")) as eng:
+        eng.eos_ids = set()  # every answer its full length: decode steps to report
         eng.decode_graph = True  # the default choice on a CUDA device; on the CPU its step runs eagerly
-        eng.generate(prompt, max_new_tokens=GRAPH_MIN_NEW_TOKENS - 1)
+        short = eng.generate(prompt, max_new_tokens=GRAPH_MIN_NEW_TOKENS - 1)
         assert eng._graph is None  # a one-token answer (fp profile) never pays a capture
-        eng.generate(prompt, max_new_tokens=GRAPH_MIN_NEW_TOKENS)
+        assert short.decode_mode == "eager"  # what the report says: this one's steps ran eagerly
+        long = eng.generate(prompt, max_new_tokens=GRAPH_MIN_NEW_TOKENS)
         assert eng._graph is not None
+        assert long.decode_mode == "eager"  # the static step, but no CUDA graph on the CPU: said as it ran
+        one = eng.generate(prompt, max_new_tokens=1)
+        assert one.output_tokens == 1 and one.decode_mode is None  # no decode step
 
 
 class HostReads(TorchDispatchMode):

@@ -79,6 +79,7 @@ def test_fp_ask_finds_planted_fact(smollm2, tmp_path):
     assert summary["engine"] == "transformers"
     assert summary["model"] == "smollm2-135m-instruct"
     assert summary["ttft_s"] > 0
+    assert summary["output_tokens"] > 1 and summary["decode_mode"] == "eager"  # no CUDA graph on the CPU
 
 
 ENGINE_SCRIPT = r"""

@@ -209,6 +209,21 @@ def test_flops_skipped_on_the_cpu_say_no_time_was_saved(device, skipped, says):
     assert len(row) == 1 and ("(CPU reference: no time saved)" in row[0]) == says, row
 
 
+@pytest.mark.parametrize("mode, says", [("cuda graph", "(CUDA graph)"), ("eager", "(eager)"), (None, None)])
+def test_decode_row_says_how_the_decode_ran(mode, says):
+    """The engine's ``GenerationResult.decode_mode`` reaches the JSON summary and the decode row;
+    an answer without decode steps (or an engine that does not say) gets no word."""
+    eng = FakeEngine()
+    result = eng.generate(eng.encode_chat(None, "word " * 50), max_new_tokens=4)
+    result.decode_mode = mode
+    report = ask_report(result, "q?", [], None, load_profile("bf16"))
+    assert report["summary"]["decode_mode"] == mode
+    buf = io.StringIO()
+    render_summary(Console(file=buf, force_terminal=False, width=200, soft_wrap=True), report)
+    (row,) = [line for line in buf.getvalue().splitlines() if line.startswith("decode")]
+    assert row.endswith("tokens/s" if says is None else f"tokens/s {says}"), row
+
+
 # -- save_report: atomic for a regular file, in place for what a rename would replace ------------
 
 def _report_doc(n: int = 3) -> dict:

@@ -761,6 +761,31 @@ def test_server_kwargs_capture_few_decode_graphs(tmp_path):
     assert kw["disable_decode_cuda_graph"] is True and "cuda_graph_bs_decode" not in kw
 
 
+def test_decode_mode_follows_the_captured_batch_sizes(tmp_path):
+    """What the SGLang engine reports as ``decode_mode``: a CUDA graph up to the largest captured
+    batch, eager beyond it or when graphs are off (the profile's or the user's SGLang options);
+    SGLang's resolved ``server_args`` win over the arguments it was given."""
+    import dataclasses
+    import types
+
+    from fpcli.engine.base import decode_mode
+    from fpcli.engine.sglang_engine import build_server_kwargs, decode_graph_max_bs
+    from fpcli.profiles import load_profile
+
+    prof = load_profile("bf16")
+    kw = build_server_kwargs(_model_dir(tmp_path), prof)
+    assert decode_graph_max_bs(None, kw) == 8
+    assert decode_graph_max_bs(None, build_server_kwargs(tmp_path / "model", prof, max_requests=1)) == 1
+    off = build_server_kwargs(tmp_path / "model", prof.replace(engine=dataclasses.replace(prof.engine, cuda_graph_decode=False)))
+    assert decode_graph_max_bs(None, off) == 0
+    user_off = build_server_kwargs(tmp_path / "model", prof, overrides={"disable_cuda_graph": True})
+    assert decode_graph_max_bs(None, user_off) == 0
+    resolved = types.SimpleNamespace(disable_cuda_graph=False, disable_decode_cuda_graph=False, cuda_graph_max_bs_decode=4)
+    assert decode_graph_max_bs(resolved, kw) == 4
+    assert decode_mode(20, decode_graph_max_bs(None, kw) >= 1) == "cuda graph"
+    assert decode_mode(20, decode_graph_max_bs(None, off) >= 1) == "eager"
+
+
 def test_kv_pool_is_sized_from_the_context_and_the_requests():
     from fpcli.engine.sglang_engine import kv_pool_tokens
 

@@ -103,6 +103,23 @@ class PrefillStats:
     fp8_rel_l2_per_layer_head: list[list[float]] = field(default_factory=list)
 
 
+DECODE_GRAPH = "cuda graph"
+DECODE_EAGER = "eager"
+
+
+def decode_mode(output_tokens: int, graph: bool) -> str | None:
+    """``GenerationResult.decode_mode`` of an answer of ``output_tokens`` tokens whose decode steps
+    ran through a CUDA graph (``graph``) or eagerly; ``None`` when there was no decode step (the
+    first token comes from the prefill).
+
+    >>> decode_mode(12, True), decode_mode(12, False), decode_mode(1, True)
+    ('cuda graph', 'eager', None)
+    """
+    if output_tokens < 2:
+        return None
+    return DECODE_GRAPH if graph else DECODE_EAGER
+
+
 @dataclass
 class GenerationResult:
     """One answer and its timings. Times in seconds unless the name says ms.
@@ -122,6 +139,10 @@ class GenerationResult:
 
     ``device``: where the attention ran, ``"cpu"`` or ``"cuda"`` (``None``: the engine does not
     say); on the CPU the sparse path is the PyTorch reference, which computes every block.
+
+    ``decode_mode``: how the decode steps after the first token ran: ``DECODE_GRAPH`` (a captured
+    CUDA graph replayed per step) or ``DECODE_EAGER`` (one forward launched per step); ``None`` when
+    no decode step ran (an answer of one token) or the engine does not say.
     """
 
     text: str
@@ -139,6 +160,7 @@ class GenerationResult:
     cached_tokens: int = 0
     queued_s: float = 0.0
     device: str | None = None
+    decode_mode: str | None = None
 
     @property
     def decode_tokens_per_s(self) -> float:

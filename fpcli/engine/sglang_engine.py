@@ -49,7 +49,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from fpcli.engine import context as _context
-from fpcli.engine.base import GenerationResult, PrefillStats, check_fp8_profile, dense_prefill_stats, ran_precision
+from fpcli.engine.base import (GenerationResult, PrefillStats, check_fp8_profile, decode_mode, dense_prefill_stats,
+                               ran_precision)
 from fpcli.engine.tokens import token_starts
 from fpcli.profiles import MIN_CHUNKED_PREFILL
 
@@ -208,6 +209,27 @@ def server_defaults(profile: Any) -> dict[str, Any]:
         disable_decode_cuda_graph=not bool(eng.cuda_graph_decode),
         triton_attention_num_kv_splits=DECODE_KV_SPLITS,
     )
+
+
+def decode_graph_max_bs(server_args: Any, kwargs: dict) -> int:
+    """The largest decode batch SGLang replays as a CUDA graph (larger batches decode eagerly): 0
+    when decode graphs are off (``disable_cuda_graph`` or ``disable_decode_cuda_graph``, ours from
+    the profile's ``engine.cuda_graph_decode`` or the user's SGLang options), else
+    ``cuda_graph_max_bs_decode`` (or ``cuda_graph_max_bs``). Read from the engine's ``server_args``
+    when it has them (what SGLang resolved), else from the keyword arguments it was given.
+
+    >>> decode_graph_max_bs(None, {"disable_decode_cuda_graph": False, "cuda_graph_max_bs_decode": 8})
+    8
+    >>> decode_graph_max_bs(None, {"disable_cuda_graph": True, "cuda_graph_max_bs_decode": 8})
+    0
+    """
+    def get(name: str):
+        value = getattr(server_args, name, None) if server_args is not None else None
+        return kwargs.get(name) if value is None else value
+
+    if get("disable_cuda_graph") or get("disable_decode_cuda_graph"):
+        return 0
+    return int(get("cuda_graph_max_bs_decode") or get("cuda_graph_max_bs") or 1)  # unsaid: batch 1 at least
 
 
 # The most KV splits SGLang's Triton decode kernel may use per request (its ``ServerArgs``
@@ -612,6 +634,7 @@ class SGLangEngine:
         self.context_length = int(getattr(sa, "context_length", None) or self.server_kwargs.get("context_length")
                                   or native_context_length(model_path) or 0)
         self._incremental = bool(getattr(sa, "incremental_streaming_output", False))
+        self.decode_graph_max_bs = decode_graph_max_bs(sa, self.server_kwargs)
         logger.info("SGLang started in %.1f s (children %s)", self.startup_s, self._child_pids)
         self.warmup_s = 0.0
         if warmup:
@@ -757,6 +780,7 @@ class SGLangEngine:
             precision=precision,
             device="cuda",
             cached_tokens=int(meta.get("cached_tokens", 0) or 0),
+            decode_mode=decode_mode(len(out_ids), self.decode_graph_max_bs >= 1),
         )
         result.rid = rid
         return result
@@ -821,6 +845,7 @@ class SGLangEngine:
                 output_tokens=len(ids), ttft_s=total, prefill_s=prefill_s, total_s=total, engine=self.name,
                 model=self.model_name, profile=self.profile_name, stats=stats, finish_reason=_finish_reason(meta),
                 precision=precision, device="cuda",
+                decode_mode=decode_mode(len(ids), self.decode_graph_max_bs >= len(prompts)),
             )
             res.rid = rid
             results.append(res)

@@ -73,7 +73,7 @@ from flashprefill.integrations.transformers import (
     ATTN_NAME, FlashPrefillRuntime, LayerSummary, install_flashprefill, register_attention,
 )
 
-from .base import GenerationResult, PrefillStats, check_fp8_profile, ran_precision
+from .base import GenerationResult, PrefillStats, check_fp8_profile, decode_mode, ran_precision
 from .context import ContextPlan, plan_context
 from .decode_graph import GRAPH_MIN_NEW_TOKENS, decode_graph_choice
 from .tokens import common_prefix_len, token_starts
@@ -375,6 +375,7 @@ class TransformersEngine:
             precision=precision,
             cached_tokens=cached,
             device=self.device.type,
+            decode_mode=decode_mode(len(generated), graph is not None and graph.graph is not None),  # captured
         )
 
     def _graph_or_eager(self, tokens: int):

@@ -43,6 +43,7 @@ def answer_ids(eng, prompt: list[int], steps: int, graph: bool, keep: bool = Fal
     eng.decode_graph = graph
     r = eng.generate(prompt, max_new_tokens=steps)
     assert r.output_tokens == steps
+    assert r.decode_mode == ("cuda graph" if graph else "eager")  # what fp ask's report says
     ids = eng._cache_ids[len(prompt):]
     if not keep:
         eng._cache, eng._cache_ids = None, []
