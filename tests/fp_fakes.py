@@ -406,6 +406,7 @@ def make_tex_pdf(
             t.setFont(font, size)
             for i, line in enumerate(lines):
                 x, y = 72.0, 760.0 - i * leading
+                prev_w = 0.0  # the width of the word before (set after each word; read from the second on)
                 t.setTextOrigin(x, y)
                 for j, word in enumerate(line.split()):
                     if j and style == "tm":

@@ -170,8 +170,10 @@ def test_generation_result_round_trips():
 
     r = FakeEngine().generate([5, 6, 7, 8], max_new_tokens=3)
     r.cached_tokens = 2
+    r.decode_mode = "cuda graph"  # what a resident engine's answer says of its decode reaches the client
     back = GenerationResult.from_dict(json.loads(json.dumps(r.to_dict())))
     assert back == r and back.stats.density_per_layer_head == r.stats.density_per_layer_head
+    assert back.decode_mode == "cuda graph"
     with pytest.raises(KeyError, match="text"):
         GenerationResult.from_dict({k: v for k, v in r.to_dict().items() if k != "text"})
 
