@@ -281,18 +281,27 @@ def resolve_profile_path(name_or_path: str | Path) -> Path:
         if candidate.is_dir():
             raise ProfileError(not_a_file)
         raise ProfileError(
-            f"unknown profile {text!r} (built-in: {', '.join(builtin_profiles())}; or a path to a .yaml file)"
+            f"unknown profile {text!r} (built-in: {', '.join(builtin_profiles())}; or a path to a .yaml file; "
+            f"NAME+fp8 or NAME+bf16: a profile at that precision)"
         )
     return path
 
 
 def load_profile(name_or_path: str | Path = "bf16") -> Profile:
-    """Load and validate a profile by built-in name or path.
+    """Load and validate a profile by built-in name or path. ``NAME+fp8`` / ``NAME+bf16`` (a
+    built-in name or a path, when no file has that whole name) is that profile's twin at the
+    precision (``with_precision``), e.g. ``accurate+fp8``, as ``fp bench --fp8`` names it.
+
+    >>> p = load_profile("accurate+fp8"); p.name, p.precision, p.dense_layers
+    ('accurate+fp8', 'fp8', 12)
 
     Raises:
         ProfileError: file missing, a directory, empty, not YAML, unknown key, or wrong value; the
             message names the file, the key and the allowed keys or values.
     """
+    base, plus, precision = str(name_or_path).rpartition("+")
+    if plus and base and precision in PRECISIONS and not Path(str(name_or_path)).expanduser().is_file():
+        return with_precision(load_profile(base), precision)
     path = resolve_profile_path(name_or_path)
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))

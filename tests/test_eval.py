@@ -690,3 +690,16 @@ def test_eval_prints_the_paired_comparison_with_dense(runner, fake_engine, monke
         [("bf16", 3, 0, 0, 0.0), ("fp8", 3, 0, 0, 0.0)]
     err = " ".join(r.stderr.split())
     assert "at 1k bf16 against dense on the same 3 samples: 0 lost, 0 won (+0.0 points)" in err
+
+
+def test_eval_takes_a_twin_at_fp8_by_name(runner, fake_engine, monkeypatch):
+    """``--profiles accurate,accurate+fp8``: the accurate profile and its FP8 twin side by side (what
+    measuring FP8's cost on top of a profile needs), each with its own column and pairing."""
+    monkeypatch.setenv("FP_FAKE_CONTEXT", "8192")
+    r = runner.invoke(app, ["eval", "--len", "1k", "--task", "niah_single", "--samples", "1",
+                            "--profiles", "dense,accurate,accurate+fp8", "--json"])
+    assert r.exit_code == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert [(p["name"], p["requested_precision"]) for p in data["profiles"]] == \
+        [("dense", "bf16"), ("accurate", "bf16"), ("accurate+fp8", "fp8")]
+    assert [g["profile"] for g in data["against_dense"]] == ["accurate", "accurate+fp8"]

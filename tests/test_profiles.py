@@ -180,6 +180,26 @@ def test_accurate_is_bf16_with_its_early_layers_dense():
     assert acc.engine == bf16.engine
 
 
+def test_a_twin_at_another_precision_by_name(tmp_path):
+    """``NAME+fp8`` / ``NAME+bf16`` load the profile at that precision (what ``fp bench --fp8`` runs
+    beside it), for built-ins and paths; a file whose whole name ends so is that file; a precision
+    that does not exist is an unknown profile whose message says what is allowed."""
+    acc = load_profile("accurate+fp8")
+    assert (acc.name, acc.precision) == ("accurate+fp8", "fp8")
+    assert acc.replace(precision="bf16", name="accurate") == load_profile("accurate")  # nothing else changed
+    assert load_profile("bf16+fp8") == load_profile("fp8")  # the built-in twins, by their own names
+    assert load_profile("fp8+bf16") == load_profile("bf16")
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("name: mine\ndense_layers: 3\n")
+    twin = load_profile(f"{mine}+fp8")
+    assert (twin.name, twin.precision, twin.dense_layers) == ("mine+fp8", "fp8", 3)
+    odd = tmp_path / "odd+fp8"  # a file of that very name wins over the twin syntax
+    odd.write_text("name: odd\n")
+    assert load_profile(odd).name == "odd" and load_profile(str(odd)).precision == "bf16"
+    with pytest.raises(ProfileError, match=r"unknown profile 'accurate\+fp16' .*NAME\+fp8 or NAME\+bf16"):
+        load_profile("accurate+fp16")
+
+
 def test_the_old_method_key_is_refused_with_its_new_name(tmp_path):
     path = tmp_path / "old.yaml"
     path.write_text("name: old\noperator:\n  alpha: 0.2\n")
