@@ -675,6 +675,9 @@ def test_gap_notes_say_what_changed_and_suggest_the_accurate_profile():
     assert "accurate profile" in line and "--profiles" in line
     assert "accurate" not in gap_notes(report("dense", "bf16", "accurate"))[0]  # already measured
     assert "accurate" not in gap_notes(report("dense", "bf16", points=-2.0))[0]  # within the 2-point bar
+    twin = report("dense", "accurate+fp8")
+    twin["against_dense"][0]["profile"] = "accurate+fp8"
+    assert "profile (its early" not in gap_notes(twin)[0]  # accurate's own FP8 twin: no advice to run accurate
     assert gap_notes({"profiles": [{"name": "bf16"}], "against_dense": []}) == []
 
 

@@ -163,14 +163,15 @@ def gap_notes(report: dict) -> list[str]:
     """One line per (length, sparse profile) of the report's ``against_dense`` (the same samples,
     paired), e.g. "at 32k bf16 against dense on the same 40 samples: 16 lost, 2 won (-35.0
     points)"; where a profile is more than ``GAP_POINTS`` below dense and ``accurate`` was not
-    among the profiles, the line adds how to measure it. Empty without a dense profile."""
+    among the profiles (nor is the profile ``accurate``'s own twin, ``accurate+fp8``), the line adds
+    how to measure it. Empty without a dense profile."""
     names = {p["name"] for p in report.get("profiles", [])}
     notes = []
     for g in report.get("against_dense", []):
         line = (f"at {_len(g['length'])} {g['profile']} against {g['baseline']} on the same "
                 f"{g['samples']} sample{'s' if g['samples'] != 1 else ''}: {g['lost']} lost, {g['won']} won "
                 f"({g['points']:+.1f} points)")
-        if g["points"] < -GAP_POINTS and ACCURATE_PROFILE not in names:
+        if g["points"] < -GAP_POINTS and ACCURATE_PROFILE not in names and not g["profile"].startswith(ACCURATE_PROFILE):
             line += (f"; the {ACCURATE_PROFILE} profile (its early layers dense) may keep them: "
                      f"add it to --profiles (docs/profiles.md)")
         notes.append(line)
