@@ -72,7 +72,7 @@ def test_ask_options_reach_the_engine(runner, fake_engine, doc, tmp_path):
 
 
 SUMMARY_KEYS = {
-    "prompt_tokens", "output_tokens", "ttft_s", "prefill_s", "total_s", "decode_tokens_per_s", "finish_reason",
+    "prompt_tokens", "output_tokens", "ttft_s", "prefill_s", "total_s", "decode_tokens_per_s", "decode_mode", "finish_reason",
     "cached_tokens", "wall_s", "engine_start_s", "stages_s",
     "engine", "model", "profile", "profile_source", "precision", "precision_requested", "attention", "min_sparse_len", "density", "density_per_layer_head",
     "sparse", "sparse_note", "density_note",
