@@ -398,7 +398,8 @@ def render_summary(console: Console, report: dict) -> None:
     mode = {DECODE_GRAPH: " (CUDA graph)", DECODE_EAGER: " (eager)"}.get(s.get("decode_mode") or "", "")
     t.add_row("decode", f"{s['decode_tokens_per_s']:.1f} tokens/s{mode}")
     t.add_row("attention density", density_line(d, s.get("attention"), s.get("prompt_tokens"),
-                                                s.get("min_sparse_len"), s.get("cached_tokens") or 0))
+                                                s.get("min_sparse_len"), s.get("cached_tokens") or 0,
+                                                (s.get("sparse") or {}).get("dense_layers")))
     dense_layers = len(d["per_layer"]) - len(d.get("sparse_layers") or [])
     scope = "all layers" + (
         (f"; the {dense_layers} dense layers skip none" if dense_layers > 1 else "; the dense layer skips none")
@@ -518,13 +519,16 @@ class _SummaryRows:
 
 
 def density_line(d: dict, attention: str | None = None, prompt_tokens: int | None = None,
-                 min_sparse_len: int | None = None, cached_tokens: int = 0) -> str:
+                 min_sparse_len: int | None = None, cached_tokens: int = 0,
+                 dense_layers: int | None = None) -> str:
     """'89.5% over sparse layers (layers 2-29); per layer min ... / median ... / max ... (all 30 layers)'.
 
     When no layer ran sparse because the tokens prefilled are fewer than the profile's
     ``min_sparse_len`` (tokens), the line says so: that is the usual reason, and a user expecting
     sparsity needs it. The tokens prefilled are ``prompt_tokens`` less ``cached_tokens`` (served
-    from the KV cache of an earlier request: a follow-up prefills only the new ones).
+    from the KV cache of an earlier request: a follow-up prefills only the new ones). A profile
+    whose ``dense_layers`` is at least the model's layer count (``len(d["per_layer"])``) never runs
+    sparse, at any length: the line says that first ("dense_layers 40 >= the model's 30 layers").
     """
     if d.get("overall") is None:
         return "n/a (not reported by this engine)"
@@ -535,7 +539,9 @@ def density_line(d: dict, attention: str | None = None, prompt_tokens: int | Non
     elif d["per_layer"] and all(v >= 1.0 for v in d["per_layer"]):
         why = ""
         cached = max(0, int(cached_tokens or 0))
-        if prompt_tokens is not None and min_sparse_len and prompt_tokens - cached < min_sparse_len:
+        if dense_layers is not None and int(dense_layers) >= len(d["per_layer"]):
+            why = f": dense_layers {int(dense_layers):,} >= the model's {len(d['per_layer']):,} layers"
+        elif prompt_tokens is not None and min_sparse_len and prompt_tokens - cached < min_sparse_len:
             if cached:
                 why = f": {prompt_tokens - cached:,} new tokens after {cached:,} cached < min_sparse_len {min_sparse_len:,}"
             else:

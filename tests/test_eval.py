@@ -235,7 +235,7 @@ def test_eval_report_file_and_a_wrong_answer(runner, fake_engine, monkeypatch, t
         (["--len", "800", "--task", "cwe"], "--len 800 is too short for task cwe: it needs at least 1,024 tokens"),
         (["--len", "abc"], "--len: 'abc' is not a length"),
         (["--profiles", "dense,turbo"], "turbo"),
-        (["--profiles", "bf16,bf16"], "--profiles: bf16 and bf16 are both named 'bf16'"),
+        (["--profiles", "dense,accurate,accurate"], "--profiles: accurate is given twice; give each profile once"),
         (["--haystack", "/nonexistent/doc.pdf"], "/nonexistent/doc.pdf"),
     ],
 )
@@ -247,6 +247,21 @@ def test_eval_bad_input_exits_2_before_loading(runner, fake_engine, args, messag
     assert message in r.stderr
     assert len([ln for ln in r.stderr.strip().splitlines() if ln.strip()]) == 1
     assert LAST_FAKE == []  # nothing loaded
+
+
+def test_eval_copy_of_a_builtin_keeping_its_name_is_named_in_the_error(runner, fake_engine, tmp_path):
+    """A copy of accurate.yaml (as docs/profiles.md suggests, with other dense_layers) still says
+    `name: accurate`: run beside accurate, the error names both and says to rename the copy."""
+    from fp_fakes import LAST_FAKE
+    from fpcli.profiles import profiles_dir
+
+    copy = tmp_path / "my-accurate.yaml"
+    copy.write_text((profiles_dir() / "accurate.yaml").read_text().replace("dense_layers: 12", "dense_layers: 15"))
+    r = runner.invoke(app, ["eval", "--profiles", f"accurate,{copy}"])
+    assert r.exit_code == 2, r.stderr
+    assert f"--profiles: {copy} and accurate are both named 'accurate' (a profile's `name:`)" in r.stderr
+    assert "rename the copy" in r.stderr
+    assert LAST_FAKE == []
 
 
 def test_eval_length_checked_against_the_loaded_context(runner, fake_engine, monkeypatch, tmp_path):
@@ -706,3 +721,12 @@ def test_eval_takes_a_twin_at_fp8_by_name(runner, fake_engine, monkeypatch):
     assert [(p["name"], p["requested_precision"]) for p in data["profiles"]] == \
         [("dense", "bf16"), ("accurate", "bf16"), ("accurate+fp8", "fp8")]
     assert [g["profile"] for g in data["against_dense"]] == ["accurate", "accurate+fp8"]
+
+
+def test_missing_notes_says_one_sample_in_the_singular():
+    """An interrupted --samples 1 run: 'none of its 1 sample', not '1 samples'."""
+    from fpcli.ruler.render import missing_notes
+
+    notes = missing_notes({"interrupted": True, "missing": [{"profile": "accurate", "answered": 0, "samples": 1}]})
+    assert notes == ["interrupted (Ctrl-C), the table is partial: profile accurate answered none of its 1 sample "
+                     "(no cells)"]

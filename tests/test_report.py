@@ -59,6 +59,29 @@ def test_density_line_says_why_nothing_ran_sparse():
     assert "dense attention" in density_line(d, "dense", prompt_tokens=813, min_sparse_len=None)
 
 
+def test_density_line_says_when_dense_layers_cover_the_model():
+    """A profile whose dense_layers is at least the model's layer count (accurate's 12 copied to a
+    model of 8 layers, say) runs dense at every length: the line names that, not min_sparse_len,
+    and keeps saying min_sparse_len when the model has more layers than that."""
+    from fpcli.report import density_line
+
+    d = {"overall": 1.0, "per_layer": [1.0] * 4, "sparse_layers": [], "min": 1.0, "median": 1.0, "max": 1.0}
+    line = density_line(d, "flashprefill", prompt_tokens=9_000, min_sparse_len=4096, dense_layers=12)
+    assert "(no layer ran sparse: dense_layers 12 >= the model's 4 layers)" in line
+    short = density_line(d, "flashprefill", prompt_tokens=813, min_sparse_len=4096, dense_layers=4)
+    assert "dense_layers 4 >= the model's 4 layers" in short and "min_sparse_len" not in short
+    assert "813 prompt tokens < min_sparse_len 4,096" in density_line(
+        d, "flashprefill", prompt_tokens=813, min_sparse_len=4096, dense_layers=2)
+    report = _report()
+    s = report["summary"]
+    s.update(prompt_tokens=9_000, cached_tokens=0, min_sparse_len=4096, density={**d, "over": "all layers"},
+             sparse={**(s.get("sparse") or {}), "dense_layers": 40})
+    buf = io.StringIO()
+    render_summary(Console(file=buf, force_terminal=False, width=80, soft_wrap=True), report)
+    row = next(ln for ln in buf.getvalue().splitlines() if ln.startswith("attention density"))
+    assert "dense_layers 40 >= the model's 4 layers" in row, row
+
+
 def test_density_line_of_a_follow_up_counts_only_the_new_tokens():
     """A follow-up whose prompt the KV cache mostly served prefilled only its new tokens: when they
     are below min_sparse_len, that is the reason nothing ran sparse (the prompt's total is not)."""

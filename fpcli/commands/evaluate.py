@@ -96,7 +96,10 @@ def evaluate(
     seen: dict[str, str] = {}
     for n, p in zip(names, profs):
         if p.name in seen:
-            fail(f"--profiles: {n} and {seen[p.name]} are both named {p.name!r}; give each profile once", code=2)
+            if n == seen[p.name]:
+                fail(f"--profiles: {n} is given twice; give each profile once", code=2)
+            fail(f"--profiles: {n} and {seen[p.name]} are both named {p.name!r} (a profile's `name:`); "
+                 f"give each profile once, or rename the copy", code=2)
         seen[p.name] = n
     check_model_or_exit(model)
     caps = [c for c in [model_context(model, engine.value)] + [p.engine.context_length for p in profs] if c]

@@ -183,7 +183,7 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
     d = data["density"]
     if d["overall"] is not None:
         msl = None if prof.attention == "dense" else int(prof.sparse.min_sparse_len)
-        out.print(f"density {density_line(d, prof.attention, result.prompt_tokens, msl, result.cached_tokens)}", soft_wrap=True)
+        out.print(f"density {density_line(d, prof.attention, result.prompt_tokens, msl, result.cached_tokens, prof.dense_layers)}", soft_wrap=True)
         if data["density_note"]:
             out.print(f"note: {data['density_note']}", soft_wrap=True, highlight=False)
     if times:

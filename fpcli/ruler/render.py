@@ -188,7 +188,8 @@ def missing_notes(report: dict) -> list[str]:
     parts = []
     for m in report.get("missing", []):
         if m["answered"] == 0:
-            parts.append(f"profile {m['profile']} answered none of its {m['samples']} samples (no cells)")
+            parts.append(f"profile {m['profile']} answered none of its {m['samples']} "
+                         f"sample{'s' if m['samples'] != 1 else ''} (no cells)")
         else:
             parts.append(f"profile {m['profile']} answered {m['answered']} of {m['samples']} samples "
                          "(its cells average those)")
