@@ -730,3 +730,21 @@ def test_missing_notes_says_one_sample_in_the_singular():
     notes = missing_notes({"interrupted": True, "missing": [{"profile": "accurate", "answered": 0, "samples": 1}]})
     assert notes == ["interrupted (Ctrl-C), the table is partial: profile accurate answered none of its 1 sample "
                      "(no cells)"]
+
+
+def test_eval_says_density_is_per_profile_when_dense_layers_differ(runner, fake_engine, monkeypatch):
+    """``bf16`` (2 dense layers) beside ``accurate`` (12): the report carries each profile's
+    ``dense_layers`` and a line says the density columns are not over the same layers; the same
+    ``dense_layers`` everywhere (bf16 and fp8) gets no such line."""
+    monkeypatch.setenv("FP_FAKE_CONTEXT", "8192")
+    r = runner.invoke(app, ["eval", "--len", "1k", "--task", "niah_single", "--samples", "1",
+                            "--profiles", "dense,bf16,accurate", "--json"])
+    assert r.exit_code == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert [p["dense_layers"] for p in data["profiles"]] == [None, 2, 12]
+    err = " ".join(r.stderr.split())
+    assert "density is over each profile's own sparse layers (dense_layers: bf16 2, accurate 12)" in err
+    r = runner.invoke(app, ["eval", "--len", "1k", "--task", "niah_single", "--samples", "1",
+                            "--profiles", "dense,bf16,fp8"])
+    assert r.exit_code == 0, r.stderr
+    assert "own sparse layers" not in r.stderr

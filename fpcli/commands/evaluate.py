@@ -191,13 +191,15 @@ def evaluate(
 
         if not quiet:
             from fpcli.console import print_table
-            from fpcli.ruler.render import dense_notes, empty_notes, eval_table, gap_notes, ttft_notes
+            from fpcli.ruler.render import dense_notes, density_scope_notes, empty_notes, eval_table, gap_notes, ttft_notes
 
             if data["cells"]:
                 print_table(eval_table(data), stderr=True)
             for line in ttft_notes(data):
                 note(err, line)
             for line in dense_notes(data):
+                note(err, line)
+            for line in density_scope_notes(data):
                 note(err, line)
             for line in gap_notes(data):
                 note(err, line)

@@ -1,6 +1,6 @@
 """The ``fp eval`` table (stderr): one row per (task, length), then the per-length averages; for
 each profile three columns: score (points 0-100), mean TTFT (s) and mean density (%); and the
-lines said under it (``dense_notes``, ``gap_notes``, ``empty_notes``)."""
+lines said under it (``dense_notes``, ``density_scope_notes``, ``gap_notes``, ``empty_notes``)."""
 from __future__ import annotations
 
 from rich.table import Table
@@ -176,6 +176,20 @@ def gap_notes(report: dict) -> list[str]:
                      f"add it to --profiles (docs/profiles.md)")
         notes.append(line)
     return notes
+
+
+def density_scope_notes(report: dict) -> list[str]:
+    """One line when the sparse profiles differ in ``dense_layers``: each density column is over
+    that profile's own sparse layers, so a profile with more dense layers may show a lower density
+    and still compute more, e.g. "density is over each profile's own sparse layers (dense_layers:
+    bf16 2, accurate 12): compare the work they do by TTFT". Empty otherwise."""
+    layers = {p["name"]: p.get("dense_layers") for p in report.get("profiles", [])
+              if p.get("attention") != "dense" and p.get("dense_layers") is not None}
+    if len(set(layers.values())) < 2:
+        return []
+    listed = ", ".join(f"{name} {n}" for name, n in layers.items())
+    return [f"density is over each profile's own sparse layers (dense_layers: {listed}): "
+            "compare the work they do by TTFT"]
 
 
 def missing_notes(report: dict) -> list[str]:

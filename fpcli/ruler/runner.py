@@ -38,6 +38,8 @@ class ProfileRun:
             engine fitted it (its ``profile``: ``Profile.fit_to_model``); fitted to the run's context
             (``Profile.fit_to_context``) for an engine that does not say (a resident engine's
             client); ``None`` for a dense profile.
+        dense_layers: the profile's leading dense layers (``None`` for a dense profile): a cell's
+            density is over the other layers only.
     """
 
     name: str
@@ -48,6 +50,7 @@ class ProfileRun:
     ran_precision: str = ""
     results: dict[str, GenerationResult] = field(default_factory=dict)
     min_sparse_len: int | None = None
+    dense_layers: int | None = None
 
     @property
     def label(self) -> str:
@@ -115,6 +118,7 @@ def run_profiles(
                     ran = getattr(eng, "profile", None)
                     run.min_sparse_len = (ran.sparse.min_sparse_len if isinstance(ran, Profile) and not ran.is_dense
                                           else prof.fit_to_context(context).sparse.min_sparse_len)
+                    run.dense_layers = int(prof.dense_layers)
                 runs.append(run)
                 for s in samples:
                     run.results[s.id] = eng.generate(s.ids, max_new_tokens=s.max_new_tokens, temperature=0.0)
@@ -222,7 +226,7 @@ def eval_report(run: EvalRun, *, seeds: Sequence[int], samples_per_cell: int, ta
     Keys: ``schema``, ``model``, ``engine``, ``seed`` (the first seed), ``seeds`` (all of them),
     ``samples_per_cell`` (per seed), ``samples_total``,
     ``tasks``, ``lengths`` (requested, tokens), ``context_length``, ``haystack``, ``profiles``
-    (name, label, attention, requested and ran precision, engine, source), ``cells`` (see
+    (name, label, attention, requested and ran precision, engine, source, dense_layers), ``cells`` (see
     ``cells``), ``averages`` (see ``averages``), ``against_dense`` (see ``against_dense``) and ``samples``: per sample its id, task, length,
     index, target and prompt tokens, question, expected strings, and per profile name the answer,
     score (0-1), TTFT (s), density, precision that ran, output tokens and finish reason;
@@ -246,7 +250,8 @@ def eval_report(run: EvalRun, *, seeds: Sequence[int], samples_per_cell: int, ta
         "haystack": haystack,
         "profiles": [
             {"name": p.name, "label": p.label, "attention": p.attention, "requested_precision": p.requested_precision,
-             "ran_precision": p.ran_precision, "engine": p.engine, "source": sources.get(p.name)}
+             "ran_precision": p.ran_precision, "engine": p.engine, "source": sources.get(p.name),
+             "dense_layers": p.dense_layers}
             for p in run.profiles
         ],
         "cells": cell_list,
