@@ -35,6 +35,20 @@ pyt() { local name=$1 lim=$2; shift 2
   timeout -k 5 "$lim" python -m pytest -q -p no:cacheprovider -rfE "$@" > "$OUT/$name.log" 2>&1
   say "$name: rc=$? $(grep -E '(passed|failed|error)' "$OUT/$name.log" | tail -1)"
   grep -E '^(FAILED|ERROR)' "$OUT/$name.log" | head -12 | tee -a "$SUM"; }
+ask_summaries() {  # ask_summaries NAME...: $OUT/NAME.json's summary and answer per fp ask (its .err when no JSON)
+  python - "$OUT" "$@" <<'PY' | tee -a "$SUM"
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+for n in sys.argv[2:]:
+    try:
+        d = json.loads((out / f"{n}.json").read_text()); s = d["summary"]
+        print(n, {k: s.get(k) for k in ("profile", "prompt_tokens", "cached_tokens", "ttft_s", "prefill_s", "wall_s",
+              "engine_start_s", "stages_s", "density", "precision", "decode_mode", "engine", "model", "context")})
+        print("  answer:", d["answer"][:160].replace("\n", " "))
+    except Exception as e:
+        print(n, "no JSON:", e, (out / f"{n}.err").read_text()[-600:] if (out / f"{n}.err").exists() else "")
+PY
+}
 for part in "$@"; do
   case $part in
     kernels)  pyt kernels ${LIM:-330} tests/gpu/test_kernels.py tests/gpu/test_stats_cuda.py tests/gpu/test_fp8_quant.py ;;
@@ -71,17 +85,10 @@ for part in "$@"; do
       # a cold fp ask (no resident engine; Triton's cache and the document cache already warm, as on a
       # user's machine after the first run)
       t fp ask $DOC "Which command creates a frame title?" --no-server --json ${ASK_ARGS:-} > "$OUT/ask3.json" 2> "$OUT/ask3.err"
+      ask_summaries ask1 ask2 ask3
       python - "$OUT" <<'PY' | tee -a "$SUM"
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
-for n in ("ask1", "ask2", "ask3"):
-    try:
-        s = json.loads((out / f"{n}.json").read_text())["summary"]
-        print(n, {k: s.get(k) for k in ("prompt_tokens", "cached_tokens", "ttft_s", "prefill_s", "wall_s",
-              "engine_start_s", "stages_s", "density", "precision", "engine", "model", "context")})
-        print("  answer:", json.loads((out / f"{n}.json").read_text())["answer"][:160].replace("\n", " "))
-    except Exception as e:
-        print(n, "no JSON:", e, (out / f"{n}.err").read_text()[-600:] if (out / f"{n}.err").exists() else "")
 try:
     p = json.loads((out / "profile.json").read_text())
     print("profile keys", sorted(p)[:12], "density", p.get("density"))
@@ -92,16 +99,7 @@ PY
     askcold)  # one cold fp ask (no resident engine) on the TeX manual, with $ASK_ARGS (e.g. --profile accurate)
       t fp ask .fpdocs/beameruserguide.pdf "Which command creates a frame title?" --no-server --json ${ASK_ARGS:-} \
         > "$OUT/askcold.json" 2> "$OUT/askcold.err"
-      python - "$OUT/askcold.json" <<'PY' | tee -a "$SUM"
-import json, sys
-try:
-    d = json.load(open(sys.argv[1])); s = d["summary"]
-    print("askcold", {k: s.get(k) for k in ("profile", "prompt_tokens", "ttft_s", "wall_s", "engine_start_s", "density", "precision", "engine")})
-    print("  answer:", d["answer"][:160].replace("\n", " "))
-except Exception as e:
-    print("askcold: no JSON:", e)
-PY
-      ;;
+      ask_summaries askcold ;;
     eval)
       t timeout -s INT -k 30 ${EVAL_TIMEOUT:-86400} fp eval --len ${EVAL_LENS:-32k,128k} --task ${EVAL_TASKS:-niah_single,niah_multikey,vt} --samples ${EVAL_N:-2} \
         --seed ${EVAL_SEEDS:-0,1} --profiles ${EVAL_PROFILES:-dense,bf16,fp8} ${EVAL_ARGS:-} --no-server --json --report "$OUT/eval.json" \
