@@ -53,6 +53,12 @@ def unique_lengths(texts: list[str], option: str = "--len") -> tuple[list[int], 
     return lengths, repeated
 
 
+def repeated_note(repeated: list[int], option: str = "--len") -> str:
+    """The note for the lengths ``unique_lengths`` merged (tokens), e.g. "--len: 32,768 tokens given
+    more than once: run once"."""
+    return f"{option}: {', '.join(f'{n:,}' for n in repeated)} tokens given more than once: run once"
+
+
 def parse_heads(text: str) -> tuple[int, int]:
     """``"32/8"`` -> ``(32, 8)`` (query / KV heads); ``"32"`` -> ``(32, 32)``.
 
@@ -106,7 +112,7 @@ def bench(
     except ValueError as exc:
         fail(str(exc), code=2)
     if repeated:
-        note(err, f"--len: {', '.join(f'{n:,}' for n in repeated)} tokens given more than once: run once")
+        note(err, repeated_note(repeated))
     prof = None
     if profile is not None:
         prof = load_profile_or_exit(profile)

@@ -25,7 +25,7 @@ from fpcli.commands import (
     print_bad_paths,
     save_report_or_exit,
 )
-from fpcli.commands.bench import unique_lengths
+from fpcli.commands.bench import repeated_note, unique_lengths
 from fpcli.ruler.render import FEW_SAMPLES
 
 app = typer.Typer()
@@ -79,7 +79,7 @@ def evaluate(
     except ValueError as exc:
         fail(str(exc), code=2)
     if repeated:
-        note(err, f"--len: {', '.join(f'{n:,}' for n in repeated)} tokens given more than once: run once")
+        note(err, repeated_note(repeated))
     try:
         seeds = list(dict.fromkeys(int(x) for x in seed.split(",") if x.strip()))
     except ValueError:
