@@ -450,6 +450,26 @@ def with_precision(profile: Profile, precision: str) -> Profile:
     return profile.replace(precision=precision, name=f"{profile.name}+{precision}")
 
 
+def precision_twins(a: Profile, b: Profile) -> bool:
+    """Whether ``a`` and ``b`` are one profile at two precisions: they ask for different
+    ``precision`` and are equal in everything else but ``name``, ``description`` and ``source``
+    (what ``with_precision`` makes; the built-ins ``bf16`` and ``fp8`` are such a pair). Dense
+    profiles are never twins (they have no sparse prefill to run at a precision).
+
+    >>> precision_twins(load_profile("bf16"), load_profile("fp8"))
+    True
+    >>> precision_twins(load_profile("accurate"), load_profile("fp8"))
+    False
+    """
+    if a.precision == b.precision or a.is_dense or b.is_dense:
+        return False
+
+    def rest(p: Profile) -> Profile:
+        return dataclasses.replace(p, name="", description="", source=None, precision=PRECISIONS[0])
+
+    return rest(a) == rest(b)
+
+
 def _check_keys(where: str, prefix: str, data: dict, allowed: tuple[str, ...]) -> None:
     for key in data:
         if key not in allowed:

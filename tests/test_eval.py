@@ -723,6 +723,67 @@ def test_eval_takes_a_twin_at_fp8_by_name(runner, fake_engine, monkeypatch):
     assert [g["profile"] for g in data["against_dense"]] == ["accurate", "accurate+fp8"]
 
 
+def test_precision_twins_are_the_same_profile_at_two_precisions():
+    """The built-ins bf16 / fp8 and a profile / its ``+fp8`` twin are twins; a profile differing in
+    any setting besides precision, or a dense one, is not."""
+    from fpcli.profiles import load_profile, precision_twins
+
+    bf16, fp8, accurate = load_profile("bf16"), load_profile("fp8"), load_profile("accurate")
+    assert precision_twins(bf16, fp8) and precision_twins(fp8, bf16)
+    assert precision_twins(accurate, load_profile("accurate+fp8"))
+    assert not precision_twins(accurate, fp8)  # dense_layers and alpha differ
+    assert not precision_twins(bf16, bf16)  # the same precision
+    assert not precision_twins(bf16, fp8.replace(dense_layers=3))
+    assert not precision_twins(load_profile("dense"), load_profile("dense").replace(precision="fp8"))
+
+
+def test_against_bf16_pairs_each_fp8_profile_with_its_twin():
+    """FP8 against its BF16 twin, sample by sample; an FP8 profile without a twin in the run (or
+    whose twin answered nothing) gets no row."""
+    from fpcli.ruler.runner import EvalRun, ProfileRun, against_bf16
+
+    samples = [_sample(i, 4096, f"{1000 + i}") for i in range(4)]
+    bf16 = ProfileRun("accurate", "flashprefill", "bf16", results={s.id: _answer(f"it is {s.expected[0]}") for s in samples})
+    fp8 = ProfileRun("accurate+fp8", "flashprefill", "fp8", bf16_twin="accurate", results={
+        s.id: _answer(f"it is {s.expected[0]}" if s.index != 2 else "it is 5") for s in samples})
+    lone = ProfileRun("fp8", "flashprefill", "fp8", results={s.id: _answer("x") for s in samples})
+    (row,) = against_bf16(EvalRun(samples, [bf16, fp8, lone], context_length=8192))
+    assert (row["profile"], row["baseline"], row["samples"], row["lost"], row["won"], row["points"]) == \
+        ("accurate+fp8", "accurate", 4, 1, 0, -25.0)
+    assert against_bf16(EvalRun(samples, [fp8, lone], context_length=8192)) == []  # the twin did not run
+
+
+def test_fp8_notes_say_what_fp8_alone_costs():
+    from fpcli.ruler.render import fp8_notes
+
+    def report(points):
+        return {"against_bf16": [{"length": 131072, "profile": "accurate+fp8", "baseline": "accurate",
+                                  "samples": 16, "lost": 1, "won": 0, "points": points}]}
+
+    (line,) = fp8_notes(report(-6.25))
+    assert line.startswith("at 128k accurate+fp8 against accurate (the same profile at BF16) on the same 16 samples: "
+                           "1 lost, 0 won (-6.2 points)")
+    assert "FP8 is what costs these answers" in line
+    assert "costs" not in fp8_notes(report(-2.0))[0]
+    assert fp8_notes({"against_bf16": []}) == []
+
+
+def test_eval_pairs_fp8_with_its_bf16_twin(runner, fake_engine, monkeypatch):
+    """Through the CLI: ``--profiles dense,accurate,accurate+fp8,fp8`` pairs accurate+fp8 with
+    accurate (fp8's twin, bf16, was not asked for: no row for it), in the JSON and in a line."""
+    monkeypatch.setenv("FP_FAKE_CONTEXT", "8192")
+    r = runner.invoke(app, ["eval", "--len", "1k", "--task", "niah_single", "--samples", "2",
+                            "--profiles", "dense,accurate,accurate+fp8,fp8", "--json"])
+    assert r.exit_code == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert {p["name"]: p["bf16_twin"] for p in data["profiles"]} == \
+        {"dense": None, "accurate": None, "accurate+fp8": "accurate", "fp8": None}
+    assert [(g["profile"], g["baseline"], g["samples"], g["lost"]) for g in data["against_bf16"]] == \
+        [("accurate+fp8", "accurate", 2, 0)]
+    err = " ".join(r.stderr.split())
+    assert "at 1k accurate+fp8 against accurate (the same profile at BF16) on the same 2 samples: 0 lost" in err
+
+
 def test_missing_notes_says_one_sample_in_the_singular():
     """An interrupted --samples 1 run: 'none of its 1 sample', not '1 samples'."""
     from fpcli.ruler.render import missing_notes

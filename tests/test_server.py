@@ -1130,3 +1130,15 @@ def test_plain_start_refuses_a_starting_engine_of_another_model(servers, sleeper
     err = " ".join(r.stderr.split())
     assert r.returncode == 1 and "a resident engine is starting with another model" in err and "--replace" in err, err
     assert sleeper.poll() is None and s.paths.starting.exists()
+
+
+def test_profile_says_why_the_resident_engine_has_no_stage_times():
+    """On the GPU the resident SGLang engine runs without per-layer timing (seen on the H200, 2026-12-03:
+    ``fp profile`` printed "not measured by this engine"): the line names the resident engine and
+    ``--no-server``, which measures them; an in-process engine keeps the plain line."""
+    from fpcli.commands.profile import _times_totals
+
+    line = _times_totals(None, None, resident=True)
+    assert "resident engine" in line and "--no-server" in line
+    assert _times_totals(None, None) == "index vs attention time: not measured by this engine"
+    assert _times_totals(2.0, 6.0, resident=True).startswith("index 2")  # measured totals are shown as they are

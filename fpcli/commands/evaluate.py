@@ -191,7 +191,8 @@ def evaluate(
 
         if not quiet:
             from fpcli.console import print_table
-            from fpcli.ruler.render import dense_notes, density_scope_notes, empty_notes, eval_table, gap_notes, ttft_notes
+            from fpcli.ruler.render import (dense_notes, density_scope_notes, empty_notes, eval_table, fp8_notes, gap_notes,
+                                            ttft_notes)
 
             if data["cells"]:
                 print_table(eval_table(data), stderr=True)
@@ -202,6 +203,8 @@ def evaluate(
             for line in density_scope_notes(data):
                 note(err, line)
             for line in gap_notes(data):
+                note(err, line)
+            for line in fp8_notes(data):
                 note(err, line)
             for line in empty_notes(data):
                 warning(err, line)

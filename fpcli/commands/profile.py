@@ -194,7 +194,8 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
         for note in times.notes:
             out.print(f"note: {note}", soft_wrap=True, highlight=False)
     else:
-        out.print(_times_totals(stats.index_ms, stats.attention_ms), soft_wrap=True, highlight=False)
+        out.print(_times_totals(stats.index_ms, stats.attention_ms, resident=bool(data["server"])),
+                  soft_wrap=True, highlight=False)
     if fp8:
         if fp8_error:
             print_table(_fp8_table(fp8_error, fp8_grid))
@@ -278,9 +279,13 @@ def _times_headline(times) -> str:
     return line
 
 
-def _times_totals(index_ms, attention_ms) -> str:
-    """The totals line of an engine that reported no per-layer times."""
+def _times_totals(index_ms, attention_ms, resident: bool = False) -> str:
+    """The totals line of an engine that reported no per-layer times; ``resident``: the resident
+    engine answered (it runs without per-layer timing, which ``--no-server`` gives)."""
     if index_ms is None and attention_ms is None:
+        if resident:
+            return ("index vs attention time: not measured by the resident engine (it runs without per-layer "
+                    "timing; --no-server measures them in this process)")
         return "index vs attention time: not measured by this engine"
     if index_ms is None:  # dense attention: there is no index stage
         return f"attention {_ms(attention_ms)} ms over all layers (no index stage); per-layer times not reported"

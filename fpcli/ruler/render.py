@@ -178,6 +178,22 @@ def gap_notes(report: dict) -> list[str]:
     return notes
 
 
+def fp8_notes(report: dict) -> list[str]:
+    """One line per (length, FP8 profile) of the report's ``against_bf16``: its answers against its
+    BF16 twin's on the same samples, e.g. "at 128k accurate+fp8 against accurate (the same profile
+    at BF16) on the same 16 samples: 1 lost, 0 won (-6.2 points)"; more than ``GAP_POINTS`` below,
+    the line adds that FP8 is what costs the answers. Empty without a twin in the run."""
+    notes = []
+    for g in report.get("against_bf16", []):
+        line = (f"at {_len(g['length'])} {g['profile']} against {g['baseline']} (the same profile at BF16) on the "
+                f"same {g['samples']} sample{'s' if g['samples'] != 1 else ''}: {g['lost']} lost, {g['won']} won "
+                f"({g['points']:+.1f} points)")
+        if g["points"] < -GAP_POINTS:
+            line += f"; FP8 is what costs these answers: {g['baseline']} keeps them"
+        notes.append(line)
+    return notes
+
+
 def density_scope_notes(report: dict) -> list[str]:
     """One line when the sparse profiles differ in ``dense_layers``: each density column is over
     that profile's own sparse layers, so a profile with more dense layers may show a lower density

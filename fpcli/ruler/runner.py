@@ -17,7 +17,7 @@ from statistics import fmean
 from typing import Callable, Sequence
 
 from fpcli.engine.base import Engine, GenerationResult
-from fpcli.profiles import Profile
+from fpcli.profiles import Profile, precision_twins
 from fpcli.ruler.scoring import mean_points, string_match
 from fpcli.ruler.tasks import Sample
 
@@ -40,6 +40,9 @@ class ProfileRun:
             client); ``None`` for a dense profile.
         dense_layers: the profile's leading dense layers (``None`` for a dense profile): a cell's
             density is over the other layers only.
+        bf16_twin: for a profile that asks for FP8, the name of the run's profile that is the same
+            at BF16 (``fpcli.profiles.precision_twins``; ``None`` when none was asked for): ``against_bf16``
+            pairs their answers.
     """
 
     name: str
@@ -51,6 +54,7 @@ class ProfileRun:
     results: dict[str, GenerationResult] = field(default_factory=dict)
     min_sparse_len: int | None = None
     dense_layers: int | None = None
+    bf16_twin: str | None = None
 
     @property
     def label(self) -> str:
@@ -119,6 +123,9 @@ def run_profiles(
                     run.min_sparse_len = (ran.sparse.min_sparse_len if isinstance(ran, Profile) and not ran.is_dense
                                           else prof.fit_to_context(context).sparse.min_sparse_len)
                     run.dense_layers = int(prof.dense_layers)
+                if prof.precision == "fp8":
+                    run.bf16_twin = next((q.name for q in profiles if q.precision == "bf16" and precision_twins(prof, q)),
+                                         None)
                 runs.append(run)
                 for s in samples:
                     run.results[s.id] = eng.generate(s.ids, max_new_tokens=s.max_new_tokens, temperature=0.0)
@@ -204,18 +211,32 @@ def against_dense(run: EvalRun) -> list[dict]:
     base = next((p for p in run.profiles if p.attention == "dense"), None)
     if base is None:
         return []
-    out = []
-    for length in dict.fromkeys(s.length for s in run.samples):
-        for p in run.profiles:
-            if p.attention == "dense":
-                continue
-            pairs = [(string_match(s.expected, p.results[s.id].text), string_match(s.expected, base.results[s.id].text))
-                     for s in run.samples if s.length == length and s.id in p.results and s.id in base.results]
-            if pairs:
-                out.append({"length": length, "profile": p.name, "baseline": base.name, "samples": len(pairs),
-                            "lost": sum(1 for a, b in pairs if a < b), "won": sum(1 for a, b in pairs if a > b),
-                            "points": 100.0 * fmean(a - b for a, b in pairs)})
-    return out
+    return [row for length in dict.fromkeys(s.length for s in run.samples)
+            for p in run.profiles if p.attention != "dense"
+            if (row := _paired(run, p, base, length)) is not None]
+
+
+def against_bf16(run: EvalRun) -> list[dict]:
+    """Every FP8 profile's answers against its BF16 twin's (``ProfileRun.bf16_twin``: the same
+    profile at BF16, in the same run) on the same samples: what FP8 alone costs, sparsity held
+    fixed. Per (length, FP8 profile), the keys of ``against_dense`` (``baseline`` = the twin's name).
+    Empty when no FP8 profile ran beside its twin. ``docs/eval.md``, "Reading the table"."""
+    by_name = {p.name: p for p in run.profiles}
+    return [row for length in dict.fromkeys(s.length for s in run.samples)
+            for p in run.profiles if p.bf16_twin in by_name
+            if (row := _paired(run, p, by_name[p.bf16_twin], length)) is not None]
+
+
+def _paired(run: EvalRun, p: ProfileRun, base: ProfileRun, length: int) -> dict | None:
+    """``p`` against ``base`` on the samples of ``length`` both answered (see ``against_dense``);
+    ``None`` when there are none."""
+    pairs = [(string_match(s.expected, p.results[s.id].text), string_match(s.expected, base.results[s.id].text))
+             for s in run.samples if s.length == length and s.id in p.results and s.id in base.results]
+    if not pairs:
+        return None
+    return {"length": length, "profile": p.name, "baseline": base.name, "samples": len(pairs),
+            "lost": sum(1 for a, b in pairs if a < b), "won": sum(1 for a, b in pairs if a > b),
+            "points": 100.0 * fmean(a - b for a, b in pairs)}
 
 
 def eval_report(run: EvalRun, *, seeds: Sequence[int], samples_per_cell: int, tasks: Sequence[str], lengths: Sequence[int],
@@ -226,8 +247,9 @@ def eval_report(run: EvalRun, *, seeds: Sequence[int], samples_per_cell: int, ta
     Keys: ``schema``, ``model``, ``engine``, ``seed`` (the first seed), ``seeds`` (all of them),
     ``samples_per_cell`` (per seed), ``samples_total``,
     ``tasks``, ``lengths`` (requested, tokens), ``context_length``, ``haystack``, ``profiles``
-    (name, label, attention, requested and ran precision, engine, source, dense_layers), ``cells`` (see
-    ``cells``), ``averages`` (see ``averages``), ``against_dense`` (see ``against_dense``) and ``samples``: per sample its id, task, length,
+    (name, label, attention, requested and ran precision, engine, source, dense_layers, bf16_twin), ``cells`` (see
+    ``cells``), ``averages`` (see ``averages``), ``against_dense`` (see ``against_dense``), ``against_bf16``
+    (see ``against_bf16``) and ``samples``: per sample its id, task, length,
     index, target and prompt tokens, question, expected strings, and per profile name the answer,
     score (0-1), TTFT (s), density, precision that ran, output tokens and finish reason;
     ``interrupted`` (stopped by Ctrl-C: the cells and results hold what finished) and ``missing``
@@ -251,12 +273,13 @@ def eval_report(run: EvalRun, *, seeds: Sequence[int], samples_per_cell: int, ta
         "profiles": [
             {"name": p.name, "label": p.label, "attention": p.attention, "requested_precision": p.requested_precision,
              "ran_precision": p.ran_precision, "engine": p.engine, "source": sources.get(p.name),
-             "dense_layers": p.dense_layers}
+             "dense_layers": p.dense_layers, "bf16_twin": p.bf16_twin}
             for p in run.profiles
         ],
         "cells": cell_list,
         "averages": averages(cell_list),
         "against_dense": against_dense(run),
+        "against_bf16": against_bf16(run),
         "samples": [
             {
                 "id": s.id, "task": s.task, "length": s.length, "index": s.index, "seed": s.seed,
