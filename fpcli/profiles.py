@@ -17,7 +17,7 @@ import dataclasses
 import importlib.resources
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
@@ -468,6 +468,22 @@ def precision_twins(a: Profile, b: Profile) -> bool:
         return dataclasses.replace(p, name="", description="", source=None, precision=PRECISIONS[0])
 
     return rest(a) == rest(b)
+
+
+def bf16_twin(profile: Profile, candidates: Sequence[Profile]) -> Profile | None:
+    """The BF16 twin of the FP8 ``profile`` among ``candidates`` (``precision_twins``): the one whose
+    FP8 twin ``with_precision`` names as ``profile`` (``bf16`` for ``fp8``, ``accurate`` for
+    ``accurate+fp8``) when it is there, else the first twin (a copy of ``bf16`` under another name
+    is one too); ``None`` when ``profile`` is not FP8 or has no twin among them.
+
+    >>> mine = load_profile("bf16").replace(name="mine")
+    >>> bf16_twin(load_profile("fp8"), [mine, load_profile("bf16")]).name
+    'bf16'
+    """
+    if profile.precision != "fp8":
+        return None
+    twins = [q for q in candidates if q.precision == "bf16" and precision_twins(profile, q)]
+    return next((q for q in twins if with_precision(q, "fp8").name == profile.name), twins[0] if twins else None)
 
 
 def _check_keys(where: str, prefix: str, data: dict, allowed: tuple[str, ...]) -> None:

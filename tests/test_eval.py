@@ -740,17 +740,76 @@ def test_precision_twins_are_the_same_profile_at_two_precisions():
 def test_against_bf16_pairs_each_fp8_profile_with_its_twin():
     """FP8 against its BF16 twin, sample by sample; an FP8 profile without a twin in the run (or
     whose twin answered nothing) gets no row."""
+    from dataclasses import replace
+
+    from fpcli.engine.base import FP8_SPARSE
     from fpcli.ruler.runner import EvalRun, ProfileRun, against_bf16
 
     samples = [_sample(i, 4096, f"{1000 + i}") for i in range(4)]
     bf16 = ProfileRun("accurate", "flashprefill", "bf16", results={s.id: _answer(f"it is {s.expected[0]}") for s in samples})
     fp8 = ProfileRun("accurate+fp8", "flashprefill", "fp8", bf16_twin="accurate", results={
-        s.id: _answer(f"it is {s.expected[0]}" if s.index != 2 else "it is 5") for s in samples})
+        s.id: replace(_answer(f"it is {s.expected[0]}" if s.index != 2 else "it is 5"), precision=FP8_SPARSE)
+        for s in samples})
     lone = ProfileRun("fp8", "flashprefill", "fp8", results={s.id: _answer("x") for s in samples})
     (row,) = against_bf16(EvalRun(samples, [bf16, fp8, lone], context_length=8192))
     assert (row["profile"], row["baseline"], row["samples"], row["lost"], row["won"], row["points"]) == \
         ("accurate+fp8", "accurate", 4, 1, 0, -25.0)
     assert against_bf16(EvalRun(samples, [fp8, lone], context_length=8192)) == []  # the twin did not run
+
+
+def test_against_bf16_leaves_out_samples_where_fp8_did_not_run():
+    """An FP8 profile whose prompts all ran dense (below ``min_sparse_len``: the real engines then
+    report the model's precision, not ``fp8 (sparse layers)``) computed its twin's answers: no row,
+    where a "0 lost, 0 won" line would say FP8 costs nothing; on mixed samples only those that ran FP8
+    are paired."""
+    from dataclasses import replace
+
+    from fpcli.engine.base import FP8_SPARSE
+    from fpcli.ruler.runner import EvalRun, ProfileRun, against_bf16
+
+    samples = [_sample(i, 4096, f"{1000 + i}") for i in range(3)]
+    bf16 = ProfileRun("bf16", "flashprefill", "bf16", results={s.id: _answer(f"it is {s.expected[0]}") for s in samples})
+
+    def fp8_run(precisions):
+        return ProfileRun("fp8", "flashprefill", "fp8", bf16_twin="bf16", results={
+            s.id: replace(_answer(f"it is {s.expected[0]}" if s.index else "no"), precision=prec)
+            for s, prec in zip(samples, precisions)})
+
+    assert against_bf16(EvalRun(samples, [bf16, fp8_run(["fp32"] * 3)], context_length=8192)) == []
+    (row,) = against_bf16(EvalRun(samples, [bf16, fp8_run(["fp32", FP8_SPARSE, FP8_SPARSE])], context_length=8192))
+    assert (row["samples"], row["lost"], row["points"]) == (2, 0, 0.0)
+
+
+def test_bf16_twin_prefers_the_twin_by_name():
+    """A copy of bf16 under another name is fp8's twin too; with both in the run, fp8 pairs with
+    bf16 (as ``with_precision`` names them), accurate+fp8 with accurate; a renamed FP8 copy with
+    no twin by name takes the first twin; a BF16 or twinless profile gets none."""
+    from fpcli.profiles import bf16_twin, load_profile
+
+    bf16, fp8, accurate = load_profile("bf16"), load_profile("fp8"), load_profile("accurate")
+    mine, mine_acc = bf16.replace(name="mine"), accurate.replace(name="mine-acc")
+    assert bf16_twin(fp8, [mine, bf16, accurate]).name == "bf16"
+    assert bf16_twin(load_profile("accurate+fp8"), [mine_acc, bf16, accurate]).name == "accurate"
+    assert bf16_twin(fp8.replace(name="mine8"), [accurate, mine, bf16]).name == "mine"
+    assert bf16_twin(bf16, [bf16, fp8]) is None
+    assert bf16_twin(fp8, [accurate, mine_acc]) is None
+
+
+def test_eval_pairs_fp8_with_bf16_not_an_earlier_copy(runner, fake_engine, monkeypatch, tmp_path):
+    """Through the CLI: a renamed copy of bf16.yaml before bf16 in --profiles does not take fp8's
+    pairing from bf16."""
+    from importlib.resources import files
+
+    monkeypatch.setenv("FP_FAKE_CONTEXT", "8192")
+    text = (files("fpcli") / "builtin_profiles" / "bf16.yaml").read_text()
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(text.replace("name: bf16", "name: mine", 1))
+    r = runner.invoke(app, ["eval", "--len", "1k", "--task", "niah_single", "--samples", "1",
+                            "--profiles", f"{mine},bf16,fp8", "--json"])
+    assert r.exit_code == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert {p["name"]: p["bf16_twin"] for p in data["profiles"]} == {"mine": None, "bf16": None, "fp8": "bf16"}
+    assert [(g["profile"], g["baseline"]) for g in data["against_bf16"]] == [("fp8", "bf16")]
 
 
 def test_fp8_notes_say_what_fp8_alone_costs():

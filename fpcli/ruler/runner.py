@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from statistics import fmean
 from typing import Callable, Sequence
 
-from fpcli.engine.base import Engine, GenerationResult
-from fpcli.profiles import Profile, precision_twins
+from fpcli.engine.base import Engine, GenerationResult, precision_family
+from fpcli.profiles import Profile, bf16_twin
 from fpcli.ruler.scoring import mean_points, string_match
 from fpcli.ruler.tasks import Sample
 
@@ -41,8 +41,8 @@ class ProfileRun:
         dense_layers: the profile's leading dense layers (``None`` for a dense profile): a cell's
             density is over the other layers only.
         bf16_twin: for a profile that asks for FP8, the name of the run's profile that is the same
-            at BF16 (``fpcli.profiles.precision_twins``; ``None`` when none was asked for): ``against_bf16``
-            pairs their answers.
+            at BF16 (``fpcli.profiles.bf16_twin``; ``None`` when none was asked for; set also when
+            an interrupted run stopped before the twin answered): ``against_bf16`` pairs their answers.
     """
 
     name: str
@@ -59,8 +59,6 @@ class ProfileRun:
     @property
     def label(self) -> str:
         """The column title: the name, plus what ran when it is not what the profile asked for."""
-        from fpcli.engine.base import precision_family
-
         if self.ran_precision and any(precision_family(p) != self.requested_precision
                                       for p in self.ran_precision.split("/")):
             return f"{self.name} (ran {self.ran_precision})"
@@ -123,9 +121,8 @@ def run_profiles(
                     run.min_sparse_len = (ran.sparse.min_sparse_len if isinstance(ran, Profile) and not ran.is_dense
                                           else prof.fit_to_context(context).sparse.min_sparse_len)
                     run.dense_layers = int(prof.dense_layers)
-                if prof.precision == "fp8":
-                    run.bf16_twin = next((q.name for q in profiles if q.precision == "bf16" and precision_twins(prof, q)),
-                                         None)
+                twin = bf16_twin(prof, profiles)
+                run.bf16_twin = twin.name if twin is not None else None
                 runs.append(run)
                 for s in samples:
                     run.results[s.id] = eng.generate(s.ids, max_new_tokens=s.max_new_tokens, temperature=0.0)
@@ -219,19 +216,25 @@ def against_dense(run: EvalRun) -> list[dict]:
 def against_bf16(run: EvalRun) -> list[dict]:
     """Every FP8 profile's answers against its BF16 twin's (``ProfileRun.bf16_twin``: the same
     profile at BF16, in the same run) on the same samples: what FP8 alone costs, sparsity held
-    fixed. Per (length, FP8 profile), the keys of ``against_dense`` (``baseline`` = the twin's name).
-    Empty when no FP8 profile ran beside its twin. ``docs/eval.md``, "Reading the table"."""
+    fixed. Per (length, FP8 profile), the keys of ``against_dense`` (``baseline`` = the twin's name),
+    over the samples on which the FP8 profile ran FP8 (``GenerationResult.precision``): where it ran
+    no FP8 (every prompt below ``min_sparse_len``, or FP8 not available) its answers are its twin's by
+    construction and say nothing about FP8. Empty when no FP8 profile ran FP8 beside its twin.
+    ``docs/eval.md``, "Reading the table"."""
     by_name = {p.name: p for p in run.profiles}
     return [row for length in dict.fromkeys(s.length for s in run.samples)
             for p in run.profiles if p.bf16_twin in by_name
-            if (row := _paired(run, p, by_name[p.bf16_twin], length)) is not None]
+            if (row := _paired(run, p, by_name[p.bf16_twin], length,
+                               ran=lambda r: precision_family(r.precision) == "fp8")) is not None]
 
 
-def _paired(run: EvalRun, p: ProfileRun, base: ProfileRun, length: int) -> dict | None:
-    """``p`` against ``base`` on the samples of ``length`` both answered (see ``against_dense``);
-    ``None`` when there are none."""
+def _paired(run: EvalRun, p: ProfileRun, base: ProfileRun, length: int,
+            ran: Callable[[GenerationResult], bool] = lambda r: True) -> dict | None:
+    """``p`` against ``base`` on the samples of ``length`` both answered (see ``against_dense``)
+    and where ``p``'s result passes ``ran``; ``None`` when there are none."""
     pairs = [(string_match(s.expected, p.results[s.id].text), string_match(s.expected, base.results[s.id].text))
-             for s in run.samples if s.length == length and s.id in p.results and s.id in base.results]
+             for s in run.samples if s.length == length and s.id in p.results and s.id in base.results
+             and ran(p.results[s.id])]
     if not pairs:
         return None
     return {"length": length, "profile": p.name, "baseline": base.name, "samples": len(pairs),
