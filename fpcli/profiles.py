@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -22,6 +23,7 @@ from typing import Any, Sequence
 import yaml
 
 from flashprefill.config import PRECISIONS, SparseConfig, setting_text
+from flashprefill.dense_layers import DenseLayers, dense_layer, dense_layers_text, from_data, to_data
 
 ATTENTIONS = ("flashprefill", "dense")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -82,7 +84,10 @@ class Profile:
         description: one line for humans.
         attention: ``flashprefill`` (block-sparse prefill) or ``dense``.
         precision: ``bf16`` or ``fp8`` attention operands in the sparse prefill.
-        dense_layers: the first N decoder layers always attend densely.
+        dense_layers: the decoder layers that always attend densely (``flashprefill.dense_layers``;
+            parsed by ``parse_dense_layers``): an int N = the first N layers; a sorted tuple of
+            layer ids = exactly those (a set that is ``0 .. N-1`` is kept as the int N).
+            ``dense_layer(i)`` tells whether layer ``i`` is one; ``dense_layers_text`` writes it.
         sparse: the method configuration (``flashprefill.SparseConfig``; YAML key ``sparse``).
         engine: serving settings.
         source: the YAML file it came from (``None`` when built in code).
@@ -92,7 +97,7 @@ class Profile:
     description: str = ""
     attention: str = "flashprefill"
     precision: str = "bf16"
-    dense_layers: int = 0
+    dense_layers: DenseLayers = 0
     sparse: SparseConfig = field(default_factory=SparseConfig)
     engine: EngineSettings = field(default_factory=EngineSettings)
     source: Path | None = None
@@ -105,6 +110,16 @@ class Profile:
     @property
     def is_dense(self) -> bool:
         return self.attention == "dense"
+
+    def dense_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (0-based) is one of ``dense_layers`` (it runs dense
+        whatever the prompt length; ``flashprefill.dense_layers.dense_layer``)."""
+        return dense_layer(self.dense_layers, layer)
+
+    @property
+    def dense_layers_text(self) -> str:
+        """``dense_layers`` for messages: ``"12"`` or ``"[0-1, 8-11]"``."""
+        return dense_layers_text(self.dense_layers)
 
     def fit_to_context(self, context_length: int) -> "Profile":
         """This profile with ``sparse.min_sparse_len`` lowered to ``sparse_threshold(...,
@@ -172,7 +187,8 @@ def threshold_context(native_context: int | None, context_length: int | None) ->
 def sparse_settings(profile: Profile, context_length: int | None, native_context: int | None = None) -> dict | None:
     """The sparse settings a run of ``profile`` on a model of ``context_length`` tokens uses: every
     ``SparseConfig`` field after ``fit_to_context`` (``min_sparse_len`` as run, tokens), plus
-    ``dense_layers`` and ``min_sparse_len_requested`` (the profile's own, larger when capped to half
+    ``dense_layers`` (an int, or a list of layer ids: ``flashprefill.dense_layers.to_data``) and
+    ``min_sparse_len_requested`` (the profile's own, larger when capped to half
     the context). ``None`` for a dense profile. ``context_length`` (the engine's) and
     ``native_context`` (the model's own): fitted to ``threshold_context`` of the two, as the engines
     fit it; both ``None``: not fitted.
@@ -185,7 +201,7 @@ def sparse_settings(profile: Profile, context_length: int | None, native_context
     context = threshold_context(native_context, context_length)
     run = profile.fit_to_context(context) if context else profile
     settings = dataclasses.asdict(run.sparse)
-    settings["dense_layers"] = int(profile.dense_layers)
+    settings["dense_layers"] = to_data(profile.dense_layers)  # an int, or a list of layer ids
     settings["min_sparse_len_requested"] = int(profile.sparse.min_sparse_len)
     return settings
 
@@ -222,7 +238,11 @@ def sparse_differences(settings: dict | None, base: Profile) -> list[str]:
         if key == "min_sparse_len":
             continue
         name = "min_sparse_len" if key == "min_sparse_len_requested" else key
-        if name in ref and value != ref[name]:
+        if name == "dense_layers":  # a set: a tuple in process, a list read from JSON
+            value = from_data(value)
+            if name in ref and value != ref[name]:
+                out.append(setting_text({name: value if isinstance(value, int) else dense_layers_text(value)}))
+        elif name in ref and value != ref[name]:
             out.append(setting_text({name: value}))
     return out
 
@@ -343,9 +363,7 @@ def profile_from_dict(data: Any, source: Path | None = None) -> Profile:
     description = _typed(where, "description", data.get("description", ""), str)
     attention = _check_choice(source, "attention", data.get("attention", "flashprefill"), ATTENTIONS)
     precision = _check_choice(source, "precision", data.get("precision", "bf16"), PRECISIONS)
-    dense_layers = _typed(where, "dense_layers", data.get("dense_layers", 0), int)
-    if dense_layers < 0:
-        raise ProfileError(f"{where}: dense_layers: must be >= 0, got {dense_layers}")
+    dense_layers = parse_dense_layers(data.get("dense_layers", 0), where)
 
     op = data.get("sparse") or {}
     if not isinstance(op, dict):
@@ -376,6 +394,59 @@ def profile_from_dict(data: Any, source: Path | None = None) -> Profile:
         engine=engine,
         source=source,
     )
+
+
+_LAYER_ITEM = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")  # "8" or "8-11" (inclusive)
+
+
+def parse_dense_layers(value: Any, where: str = "<profile>") -> DenseLayers:
+    """A profile's ``dense_layers`` (YAML) as ``Profile.dense_layers``: an int N >= 0 stays N
+    (the first N layers); a list of layer ids and inclusive ranges (``[0, 1, 8-11]``: YAML reads
+    ``8-11`` as the string "8-11") or one string of them joined by commas (``"0-1, 8-11"``) becomes
+    the sorted tuple of those ids, or the int N when they are exactly ``0 .. N-1`` (``[0-11]`` is
+    ``12``; ``[]`` is ``0``).
+
+    >>> parse_dense_layers([0, 1, "8-11"]), parse_dense_layers("0-1,8-11"), parse_dense_layers(["0-11"])
+    ((0, 1, 8, 9, 10, 11), (0, 1, 8, 9, 10, 11), 12)
+
+    Raises:
+        ProfileError: naming ``where`` and the key: a negative int; another type (a float, a bool, a
+            mapping); an item that is neither a layer id nor a range ``A-B``; a range whose start
+            exceeds its end (``11-8``); a layer listed twice (a repeat or overlapping ranges: both
+            items are named).
+    """
+    key = f"{where}: dense_layers"
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ProfileError(f"{key}: must be >= 0, got {value}")
+        return value
+    if isinstance(value, str):
+        items: list[Any] = [x for x in value.split(",")] if value.strip() else []
+    elif isinstance(value, list):
+        items = value
+    else:
+        raise ProfileError(f"{key}: must be int (the first N layers) or a list of layer ids and ranges "
+                           f"such as [0, 1, 8-11], got {type(value).__name__} {value!r}")
+    owner: dict[int, str] = {}  # layer id -> the item that listed it
+    for item in items:
+        if isinstance(item, int) and not isinstance(item, bool):
+            if item < 0:
+                raise ProfileError(f"{key}: layer ids must be >= 0, got {item}")
+            lo = hi = item
+        else:
+            m = _LAYER_ITEM.match(item) if isinstance(item, str) else None
+            if m is None:
+                raise ProfileError(f"{key}: {item!r} is not a layer id (an int >= 0) or a range A-B such as 8-11")
+            lo, hi = int(m.group(1)), int(m.group(2) if m.group(2) is not None else m.group(1))
+            if lo > hi:
+                raise ProfileError(f"{key}: range {item.strip()!r} runs backwards: write {hi}-{lo}")
+        text = str(item).strip()
+        for layer in range(lo, hi + 1):
+            if layer in owner:
+                raise ProfileError(f"{key}: layer {layer} is listed twice ({owner[layer]} and {text})")
+            owner[layer] = text
+    layers = tuple(sorted(owner))
+    return len(layers) if layers == tuple(range(len(layers))) else layers
 
 
 def _validate_engine(where: str, e: EngineSettings) -> None:

@@ -85,6 +85,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from flashprefill.dense_layers import DenseLayers, dense_layer_ids, dense_layers_text, from_data
 from fpcli.console import note, warning
 
 SCHEMA = "fp.ask/1"
@@ -520,7 +521,7 @@ class _SummaryRows:
 
 def density_line(d: dict, attention: str | None = None, prompt_tokens: int | None = None,
                  min_sparse_len: int | None = None, cached_tokens: int = 0,
-                 dense_layers: int | None = None) -> str:
+                 dense_layers: DenseLayers | list[int] | None = None) -> str:
     """'89.5% over sparse layers (layers 2-29); per layer min ... / median ... / max ... (all 30 layers)'.
 
     When no layer ran sparse because the tokens prefilled are fewer than the profile's
@@ -528,7 +529,9 @@ def density_line(d: dict, attention: str | None = None, prompt_tokens: int | Non
     sparsity needs it. The tokens prefilled are ``prompt_tokens`` less ``cached_tokens`` (served
     from the KV cache of an earlier request: a follow-up prefills only the new ones). A profile
     whose ``dense_layers`` is at least the model's layer count (``len(d["per_layer"])``) never runs
-    sparse, at any length: the line says that first ("dense_layers 40 >= the model's 30 layers").
+    sparse, at any length: the line says that first ("dense_layers 40 >= the model's 30 layers"; for
+    a set of layers, a list from JSON or a tuple: "dense_layers [0-29] cover all the model's 30
+    layers").
     """
     if d.get("overall") is None:
         return "n/a (not reported by this engine)"
@@ -539,8 +542,12 @@ def density_line(d: dict, attention: str | None = None, prompt_tokens: int | Non
     elif d["per_layer"] and all(v >= 1.0 for v in d["per_layer"]):
         why = ""
         cached = max(0, int(cached_tokens or 0))
-        if dense_layers is not None and int(dense_layers) >= len(d["per_layer"]):
-            why = f": dense_layers {int(dense_layers):,} >= the model's {len(d['per_layer']):,} layers"
+        n_layers = len(d["per_layer"])
+        layers = None if dense_layers is None else from_data(dense_layers)
+        if isinstance(layers, int) and layers >= n_layers:
+            why = f": dense_layers {layers:,} >= the model's {n_layers:,} layers"
+        elif layers is not None and len(dense_layer_ids(layers, n_layers)) == n_layers:
+            why = f": dense_layers {dense_layers_text(layers)} cover all the model's {n_layers:,} layers"
         elif prompt_tokens is not None and min_sparse_len and prompt_tokens - cached < min_sparse_len:
             if cached:
                 why = f": {prompt_tokens - cached:,} new tokens after {cached:,} cached < min_sparse_len {min_sparse_len:,}"

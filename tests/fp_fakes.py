@@ -266,7 +266,7 @@ class FakeSGLangEngine:
         if not self.sparse:
             stats = dense_prefill_stats(n, self._LAYERS, self._Q_HEADS, self._KV_HEADS, self._HEAD_DIM)
         elif sparse_ran:
-            layers = list(range(int(self.profile.dense_layers), self._LAYERS))
+            layers = [i for i in range(self._LAYERS) if not self.profile.dense_layer(i)]
             per_layer = [1.0 if i not in layers else 0.4 for i in range(self._LAYERS)]
             stats = PrefillStats(density=0.4, density_per_layer=per_layer, sparse_layers=layers)
         else:

@@ -130,6 +130,28 @@ def test_engine_direct_sparse_prefill(smollm2, tmp_path):
     assert sum(s["attention_ms_per_layer"]) == pytest.approx(s["attention_ms"])
 
 
+def test_a_set_of_dense_layers_on_the_real_model(smollm2, tmp_path):
+    """``dense_layers: [0, 3-4]`` on SmolLM2's 30 layers, through ``fp ask``: exactly layers 0, 3
+    and 4 run dense (density 1.0, not in the summary's ``sparse_layers``), the others sparse; the
+    summary's settings carry the set as a list."""
+    text = sparse_profile(tmp_path).read_text()
+    text = re.sub(r"dense_layers: *2", "dense_layers: [0, 3-4]", text).replace("name: bf16-sparse-2k", "name: dl034")
+    assert "dense_layers: [0, 3-4]" in text
+    prof = tmp_path / "dl034.yaml"
+    prof.write_text(text)
+    doc = tmp_path / "notes.txt"
+    doc.write_text(make_document(60, "The gate code is 5150.", 0.5, seed=3))
+    proc = subprocess.run([fp_executable(), "ask", str(doc), "What is the gate code?", "--json",
+                           "--max-new-tokens", "2", "--profile", str(prof)],
+                          capture_output=True, text=True, env=run_env(), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)["summary"]
+    density = summary["density"]
+    assert density["sparse_layers"] == [1, 2] + list(range(5, 30)), density["sparse_layers"]
+    assert [density["per_layer"][i] for i in (0, 3, 4)] == [1.0, 1.0, 1.0]
+    assert summary["sparse"]["dense_layers"] == [0, 3, 4]
+
+
 def test_readme_sample_is_what_the_command_prints(smollm2):
     """The README's sample: the same command, the same prompt tokens, density and answer."""
     import re

@@ -11,6 +11,7 @@ import random
 import re
 import subprocess
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -868,3 +869,21 @@ def test_eval_says_density_is_per_profile_when_dense_layers_differ(runner, fake_
                             "--profiles", "dense,bf16,fp8"])
     assert r.exit_code == 0, r.stderr
     assert "own sparse layers" not in r.stderr
+
+
+def test_eval_names_a_set_of_dense_layers_by_its_ranges(runner, fake_engine, monkeypatch):
+    """A lab profile whose dense layers are a set (``[0, 1, 8-11]``) beside ``accurate``: the
+    report writes the set as a list, and the density line names it by its ranges."""
+    from fpcli.ruler.render import density_scope_notes
+
+    monkeypatch.setenv("FP_FAKE_CONTEXT", "8192")
+    lab = Path(__file__).resolve().parent.parent / "scripts" / "lab" / "profiles" / "bf16-dl0189.yaml"
+    r = runner.invoke(app, ["eval", "--len", "1k", "--task", "niah_single", "--samples", "1",
+                            "--profiles", f"accurate,{lab}", "--json"])
+    assert r.exit_code == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert [p["dense_layers"] for p in data["profiles"]] == [12, [0, 1, 8, 9, 10, 11]]
+    err = " ".join(r.stderr.split())
+    assert "(dense_layers: accurate 12, bf16-dl0189 [0-1, 8-11])" in err, err
+    same = {"profiles": [{"name": "a", "dense_layers": [0, 1, 8]}, {"name": "b", "dense_layers": [0, 1, 8]}]}
+    assert density_scope_notes(same) == []  # equal sets, read back from JSON as lists

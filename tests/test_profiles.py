@@ -92,6 +92,14 @@ def write(tmp_path, data) -> str:
         ({"name": "x", "engine": {"cuda_graph_decode": 1}}, "engine.cuda_graph_decode", "must be bool"),
         ({"name": "x", "dense_layers": -1}, "dense_layers", ">= 0"),
         ({"name": "x", "dense_layers": True}, "dense_layers", "must be int"),
+        ({"name": "x", "dense_layers": 2.0}, "dense_layers", "must be int (the first N layers) or a list"),
+        ({"name": "x", "dense_layers": [0, -3]}, "dense_layers", "layer ids must be >= 0, got -3"),
+        ({"name": "x", "dense_layers": ["11-8"]}, "dense_layers", "range '11-8' runs backwards: write 8-11"),
+        ({"name": "x", "dense_layers": [0, "x"]}, "dense_layers", "'x' is not a layer id"),
+        ({"name": "x", "dense_layers": [0, 1.5]}, "dense_layers", "1.5 is not a layer id"),
+        ({"name": "x", "dense_layers": [1, 1]}, "dense_layers", "layer 1 is listed twice (1 and 1)"),
+        ({"name": "x", "dense_layers": ["0-3", "2-5"]}, "dense_layers", "layer 2 is listed twice (0-3 and 2-5)"),
+        ({"name": "x", "dense_layers": "0-1,1"}, "dense_layers", "layer 1 is listed twice (0-1 and 1)"),
         ({"name": "x", "engine": {"max_requests": 0}}, "engine.max_requests", ">= 1, got 0"),
         ({"name": "x", "engine": {"max_requests": 2.5}}, "engine.max_requests", "must be int"),
         ({"name": "x", "engine": {"kv_cache_tokens": 100}}, "engine.kv_cache_tokens", ">= 256 or absent, got 100"),
@@ -107,6 +115,42 @@ def test_wrong_key_or_value_names_file_key_allowed(tmp_path, data, key, allowed)
     assert msg.startswith(path), msg
     assert key in msg and allowed in msg, msg
     assert "\n" not in msg
+
+
+@pytest.mark.parametrize("text, layers, shown", [
+    ("dense_layers: 12", 12, "12"),                                          # the first N, as always
+    ("dense_layers: [0, 1, 8-11]", (0, 1, 8, 9, 10, 11), "[0-1, 8-11]"),    # YAML reads 8-11 as a string
+    ("dense_layers: [8-11, 0-1]", (0, 1, 8, 9, 10, 11), "[0-1, 8-11]"),     # any order
+    ("dense_layers: 0-1, 8-11", (0, 1, 8, 9, 10, 11), "[0-1, 8-11]"),       # one string
+    ("dense_layers: [5]", (5,), "[5]"),
+    ("dense_layers: [0-11]", 12, "12"),                                      # a prefix is its N
+    ("dense_layers: [1, 0]", 2, "2"),
+    ("dense_layers: []", 0, "0"),
+])
+def test_dense_layers_as_a_set_of_layers(tmp_path, text, layers, shown):
+    """``dense_layers`` takes the first N (an int) or a list of layer ids and inclusive ranges;
+    one form in the profile: an int for the first N, else the sorted tuple of ids."""
+    path = tmp_path / "p.yaml"
+    path.write_text(f"name: p\n{text}\n")
+    prof = load_profile(path)
+    assert prof.dense_layers == layers and prof.dense_layers_text == shown
+    wanted = set(range(layers)) if isinstance(layers, int) else set(layers)
+    assert {i for i in range(30) if prof.dense_layer(i)} == wanted
+
+
+def test_a_set_of_dense_layers_keeps_its_precision_twin():
+    """``precision_twins`` still pairs two profiles with the same set, and tells different sets
+    apart; the settings row names a set by its ranges."""
+    from fpcli.profiles import precision_twins, sparse_differences, sparse_settings
+
+    bf16 = load_profile("bf16")
+    mine = bf16.replace(name="mine", dense_layers=(0, 1, 8, 9, 10, 11))
+    assert precision_twins(mine, with_precision(mine, "fp8"))
+    assert not precision_twins(mine, with_precision(mine.replace(dense_layers=(0, 1, 8, 9, 10)), "fp8"))
+    settings = sparse_settings(mine, 32768)
+    assert settings["dense_layers"] == [0, 1, 8, 9, 10, 11]  # plain data: JSON has no tuples
+    assert sparse_differences(settings, bf16) == ["dense_layers [0-1, 8-11]"]
+    assert sparse_differences(sparse_settings(mine, 32768), mine) == []  # a list from JSON equals the tuple
 
 
 def test_not_yaml_or_not_mapping(tmp_path):

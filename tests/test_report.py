@@ -82,6 +82,30 @@ def test_density_line_says_when_dense_layers_cover_the_model():
     assert "dense_layers 40 >= the model's 4 layers" in row, row
 
 
+def test_density_line_and_summary_with_a_set_of_dense_layers():
+    """A set of dense layers (a list in the report's JSON): the density row says when the set
+    covers every layer of the model (and says min_sparse_len when it does not); the FLOPs row
+    counts the dense layers from the layers that did not run sparse."""
+    from fpcli.report import density_line
+
+    d = {"overall": 1.0, "per_layer": [1.0] * 4, "sparse_layers": [], "min": 1.0, "median": 1.0, "max": 1.0}
+    line = density_line(d, "flashprefill", prompt_tokens=9_000, min_sparse_len=4096, dense_layers=[0, 1, 2, 3, 8])
+    assert "(no layer ran sparse: dense_layers [0-3, 8] cover all the model's 4 layers)" in line, line
+    short = density_line(d, "flashprefill", prompt_tokens=813, min_sparse_len=4096, dense_layers=(0, 2, 3))
+    assert "813 prompt tokens < min_sparse_len 4,096" in short and "dense_layers" not in short
+    report = _report()
+    s = report["summary"]
+    ran = {"overall": 0.5, "per_layer": [1.0, 0.4, 1.0, 0.6], "sparse_layers": [1, 3], "min": 0.4, "median": 0.8,
+           "max": 1.0, "over": "sparse layers"}
+    s.update(prompt_tokens=9_000, cached_tokens=0, min_sparse_len=4096, density=ran,
+             sparse={**(s.get("sparse") or {}), "dense_layers": [0, 2]})
+    buf = io.StringIO()
+    render_summary(Console(file=buf, force_terminal=False, width=200, soft_wrap=True), report)
+    text = buf.getvalue()
+    assert "over sparse layers (layers 1, 3)" in text and "the 2 dense layers skip none" in text, text
+    assert "dense_layers [0, 2]" in text, text  # the settings row: what differs from bf16
+
+
 def test_density_line_of_a_follow_up_counts_only_the_new_tokens():
     """A follow-up whose prompt the KV cache mostly served prefilled only its new tokens: when they
     are below min_sparse_len, that is the reason nothing ran sparse (the prompt's total is not)."""

@@ -149,6 +149,36 @@ def test_settings_env_round_trip(tmp_path):
     assert BackendSettings.from_env({}) == BackendSettings()
 
 
+def test_a_set_of_dense_layers_travels_to_the_scheduler(tmp_path):
+    """A profile's set of dense layers (``[0, 1, 8-11]``) reaches the scheduler's settings through
+    the JSON in the environment as the same tuple, and the per-layer rule the backend's
+    ``_layer_dense_reason`` asks (``BackendSettings.dense_layer``) is membership, not "< N"."""
+    from fpcli.profiles import profile_from_dict
+
+    prof = profile_from_dict({"name": "dl", "dense_layers": [0, 1, "8-11"]})
+    s = backend_settings(prof, str(tmp_path))
+    assert s.dense_layers == (0, 1, 8, 9, 10, 11)
+    assert json.loads(s.to_json())["dense_layers"] == [0, 1, 8, 9, 10, 11]
+    back = BackendSettings.from_env(s.to_env())
+    assert back == s and back.dense_layers == (0, 1, 8, 9, 10, 11)
+    assert [i for i in range(24) if back.dense_layer(i)] == [0, 1, 8, 9, 10, 11]
+    first = BackendSettings.from_json(BackendSettings(dense_layers=2).to_json())  # the first N, as before
+    assert first.dense_layers == 2 and [i for i in range(24) if first.dense_layer(i)] == [0, 1]
+
+
+@pytest.mark.parametrize("value, problem", [
+    (-1, "an int must be >= 0"), (True, "must be an int >= 0 or a tuple"), ([0, 1], "must be an int >= 0 or a tuple"),
+    ((1, 0), "strictly increasing"), ((0, 0), "strictly increasing"), ((0, -2), "ints >= 0"), ((0, 1.0), "ints >= 0"),
+])
+def test_settings_refuse_a_bad_set_of_dense_layers(value, problem):
+    with pytest.raises(ValueError, match=f"BackendSettings.dense_layers: .*{problem}"):
+        BackendSettings(dense_layers=value)
+    from flashprefill.integrations.transformers import FlashPrefillRuntime
+
+    with pytest.raises(ValueError, match=f"FlashPrefillRuntime.dense_layers: .*{problem}"):
+        FlashPrefillRuntime(dense_layers=value)
+
+
 def test_settings_carry_fp8_compare_and_the_log_level_to_the_scheduler(tmp_path):
     from fpcli.engine.sglang_engine import quiet_children_env
     from fpcli.profiles import load_profile

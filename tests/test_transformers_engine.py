@@ -100,6 +100,16 @@ def test_dense_layers_and_chunk_after_prefix(ref_model):
 
 
 @torch.inference_mode()
+def test_a_set_of_dense_layers_need_not_start_at_layer_0(ref_model):
+    """``dense_layers=(1,)``: layer 1 dense and layer 0 sparse (not "the first N"); the logits
+    still match SDPA with a config that keeps every block."""
+    model, rt = fp_model(KEEP_ALL, dense_layers=(1,))
+    x = ids(300)
+    torch.testing.assert_close(model(x).logits, ref_model(x).logits, atol=2e-4, rtol=1e-4)
+    assert [s.sparse for s in rt.summary(LAYERS)] == [True, False]
+
+
+@torch.inference_mode()
 def test_sparse_config_is_sparse_and_finite(ref_model):
     model, rt = fp_model(SPARSE, dense_layers=1)
     x = ids(1100)

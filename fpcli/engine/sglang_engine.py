@@ -432,7 +432,7 @@ def backend_settings(profile: Any, stats_dir: str | None, timing: bool = False, 
     not to the terminal."""
     from flashprefill.integrations.sglang.settings import BackendSettings
 
-    return BackendSettings(sparse=profile.sparse_config(), dense_layers=int(profile.dense_layers),
+    return BackendSettings(sparse=profile.sparse_config(), dense_layers=profile.dense_layers,
                            precision=str(profile.precision), stats_dir=stats_dir, layer_timing=timing,
                            compare_fp8=compare_fp8, log_level="info" if verbose else "warning",
                            scheduler_output=None if verbose or stats_dir is None else scheduler_log_path(stats_dir))

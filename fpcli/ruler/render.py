@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from flashprefill.dense_layers import dense_layers_text, from_data
+
 
 def eval_table(report: dict) -> Table:
     """A rich table of an ``fp.eval/1`` report's ``cells`` and ``averages``. A profile's column
@@ -198,12 +200,13 @@ def density_scope_notes(report: dict) -> list[str]:
     """One line when the sparse profiles differ in ``dense_layers``: each density column is over
     that profile's own sparse layers, so a profile with more dense layers may show a lower density
     and still compute more, e.g. "density is over each profile's own sparse layers (dense_layers:
-    bf16 2, accurate 12): compare the work they do by TTFT". Empty otherwise."""
-    layers = {p["name"]: p.get("dense_layers") for p in report.get("profiles", [])
+    bf16 2, accurate 12): compare the work they do by TTFT". A set of layers is written as its ranges
+    ("dl [0-1, 8-11]"). Empty otherwise."""
+    layers = {p["name"]: dense_layers_text(from_data(p["dense_layers"])) for p in report.get("profiles", [])
               if p.get("attention") != "dense" and p.get("dense_layers") is not None}
     if len(set(layers.values())) < 2:
         return []
-    listed = ", ".join(f"{name} {n}" for name, n in layers.items())
+    listed = ", ".join(f"{name} {text}" for name, text in layers.items())
     return [f"density is over each profile's own sparse layers (dense_layers: {listed}): "
             "compare the work they do by TTFT"]
 

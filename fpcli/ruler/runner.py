@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from statistics import fmean
 from typing import Callable, Sequence
 
+from flashprefill.dense_layers import DenseLayers, to_data
 from fpcli.engine.base import Engine, GenerationResult, precision_family
 from fpcli.profiles import Profile, bf16_twin
 from fpcli.ruler.scoring import mean_points, string_match
@@ -38,8 +39,9 @@ class ProfileRun:
             engine fitted it (its ``profile``: ``Profile.fit_to_model``); fitted to the run's context
             (``Profile.fit_to_context``) for an engine that does not say (a resident engine's
             client); ``None`` for a dense profile.
-        dense_layers: the profile's leading dense layers (``None`` for a dense profile): a cell's
-            density is over the other layers only.
+        dense_layers: the profile's dense layers (``Profile.dense_layers``: the first N, or a tuple
+            of layer ids; ``None`` for a dense profile): a cell's density is over the other layers
+            only. The report writes a tuple as a list.
         bf16_twin: for a profile that asks for FP8, the name of the run's profile that is the same
             at BF16 (``fpcli.profiles.bf16_twin``; ``None`` when none was asked for; set also when
             an interrupted run stopped before the twin answered): ``against_bf16`` pairs their answers.
@@ -53,7 +55,7 @@ class ProfileRun:
     ran_precision: str = ""
     results: dict[str, GenerationResult] = field(default_factory=dict)
     min_sparse_len: int | None = None
-    dense_layers: int | None = None
+    dense_layers: DenseLayers | None = None
     bf16_twin: str | None = None
 
     @property
@@ -120,7 +122,7 @@ def run_profiles(
                     ran = getattr(eng, "profile", None)
                     run.min_sparse_len = (ran.sparse.min_sparse_len if isinstance(ran, Profile) and not ran.is_dense
                                           else prof.fit_to_context(context).sparse.min_sparse_len)
-                    run.dense_layers = int(prof.dense_layers)
+                    run.dense_layers = prof.dense_layers
                 twin = bf16_twin(prof, profiles)
                 run.bf16_twin = twin.name if twin is not None else None
                 runs.append(run)
@@ -276,7 +278,7 @@ def eval_report(run: EvalRun, *, seeds: Sequence[int], samples_per_cell: int, ta
         "profiles": [
             {"name": p.name, "label": p.label, "attention": p.attention, "requested_precision": p.requested_precision,
              "ran_precision": p.ran_precision, "engine": p.engine, "source": sources.get(p.name),
-             "dense_layers": p.dense_layers, "bf16_twin": p.bf16_twin}
+             "dense_layers": None if p.dense_layers is None else to_data(p.dense_layers), "bf16_twin": p.bf16_twin}
             for p in run.profiles
         ],
         "cells": cell_list,

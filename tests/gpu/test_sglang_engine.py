@@ -4,7 +4,8 @@ Skips unless CUDA, SGLang and the staged models (``$FPDEV_MODELS``) are present.
 
 1. Backend alone, on SGLang's own mock model runner (``sglang.test.kits.attention_unittest``):
    extend and extend with a prefix, page_size 1 and 16, shuffled pages, vs the torch-native backend
-   and the float32 reference; the operator path with ``alpha = 0`` must equal dense attention.
+   and the float32 reference; the operator path with ``alpha = 0`` must equal dense attention;
+   ``dense_layers`` as the first N or a set decides whether its one layer runs dense.
 2. The embedded engine: one SmolLM2 engine in this process (needle ~6K with per-layer stats,
    concurrent requests, radix-cache prefix hit, streaming and sampling) and worker processes
    started together (``sglang_worker.py``): the dense backend (greedy equality below
@@ -108,6 +109,26 @@ def test_backend_sparse_config_runs_and_records_stats(tmp_path, monkeypatch, tim
         assert per_layer == ([lines[0]["index_ms"]], [lines[0]["attention_ms"]]), per_layer
     else:
         assert per_layer == (None, None)
+
+
+@pytest.mark.parametrize("dense_layers, mode", [(1, "dense:dense_layers"), ((0,), "dense:dense_layers"),
+                                                ((1, 5), "sparse"), (0, "sparse")])
+def test_backend_dense_layers_as_a_set_on_mock_runner(tmp_path, monkeypatch, dense_layers, mode):
+    """``dense_layers`` through the JSON in the environment to the backend's per-layer rule: the
+    mock runner's one layer (id 0) runs dense when it is in the set (or under the first N) and
+    sparse when the set leaves it out; a dense layer's output is dense attention's."""
+    plugin.register(source="direct")
+    monkeypatch.setenv(ENV_VAR, BackendSettings(sparse=SparseConfig(block_size=64, sink_tokens=64, window_tokens=128,
+                                                                    dense_tail_tokens=64, alpha=0.3),
+                                                dense_layers=dense_layers, stats_dir=str(tmp_path),
+                                                debug_checks=True).to_json())
+    fx, out, ref = _run_case("flashprefill", 16, (256,), (700,), "fp_dense_layers_set")
+    assert fx.backend.settings.dense_layers == dense_layers
+    fx.backend.writer.close()
+    lines = [json.loads(x) for p in tmp_path.glob("stats-*.jsonl") for x in p.read_text().splitlines()]
+    assert lines and lines[0]["layers"] == [mode], lines[0]["layers"]
+    if mode != "sparse":
+        torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
 
 # ------------------------------------------------------------------------------------------------
 # 2. the embedded engine

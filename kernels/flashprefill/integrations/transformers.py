@@ -7,7 +7,7 @@ records) on every attention module. The decoder layers then call it with transfo
 
     query [1, Hq, Lq, d]   key, value [1, Hkv, Lk, d]   (Lk = cached + new tokens, RoPE applied)
 
-Prefill (``Lq > 1``) in a sparse layer (``layer_idx >= runtime.dense_layers``, ``Lq >=
+Prefill (``Lq > 1``) in a sparse layer (``layer_idx`` not one of ``runtime.dense_layers``, ``Lq >=
 config.min_sparse_len``) is mapped onto the operator's layout (``docs/layout.md``):
 ``q -> [Lq, Hq, d]``; K/V -> a paged cache of ``PAGE_SIZE``-token pages ``[ceil(Lk/64), 64, Hkv, d]``
 (zero padded), page table ``arange``, ``seq_lens = [Lk]``, ``cu_seqlens_q = [0, Lq]``; then
@@ -48,6 +48,7 @@ import torch
 
 from ..api import build_index, flashprefill_attention
 from ..config import SparseConfig
+from ..dense_layers import DenseLayers, dense_layer, dense_layers_problem
 from ..flops import dense_causal_flops
 from ..plan import make_plan
 from .decode_masked import decode_masked
@@ -133,7 +134,8 @@ class FlashPrefillRuntime:
 
     Attributes:
         config: ``flashprefill.SparseConfig`` of the sparse layers; ``None`` = dense everywhere.
-        dense_layers: layers ``< dense_layers`` attend densely.
+        dense_layers: the layers that attend densely (``flashprefill.dense_layers``): an int N =
+            layers ``< N``; a tuple of layer ids (strictly increasing) = exactly those.
         backend: the operator's ``backend=`` (``"auto"``: Triton on CUDA, reference otherwise).
         min_prefill_len: query lengths below this use SDPA (decode and tiny chunks).
         timing: record index / attention marks per layer (CUDA events; no sync per layer).
@@ -144,10 +146,14 @@ class FlashPrefillRuntime:
         layers: ``layer_idx -> LayerRecord`` of the current prefill (cleared by ``reset``).
         on_layer: called with ``layer_idx`` after each layer's prefill attention (progress of a
             long prefill; set by an engine for one prefill, ``None`` otherwise).
+
+    Raises:
+        ValueError: ``dense_layers`` is neither an int >= 0 nor a strictly increasing tuple of
+            layer ids >= 0.
     """
 
     config: SparseConfig | None = None
-    dense_layers: int = 0
+    dense_layers: DenseLayers = 0
     backend: str = "auto"
     min_prefill_len: int = 2
     timing: bool = False
@@ -156,6 +162,11 @@ class FlashPrefillRuntime:
     layers: dict[int, LayerRecord] = field(default_factory=dict)
     on_layer: Callable[[int], None] | None = None
     _plans: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        problem = dense_layers_problem(self.dense_layers)
+        if problem:
+            raise ValueError(f"FlashPrefillRuntime.dense_layers: {problem}")
 
     def reset(self) -> None:
         self.layers.clear()
@@ -300,7 +311,7 @@ def flashprefill_attention_forward(
         return _sdpa(query, key, value, scaling, groups), None
     sparse = (
         rt.config is not None
-        and layer >= rt.dense_layers
+        and not dense_layer(rt.dense_layers, layer)
         and lq >= rt.config.min_sparse_len  # short prefills dense, as in the SGLang backend
         and bsz == 1
         and kwargs.get("sliding_window") is None

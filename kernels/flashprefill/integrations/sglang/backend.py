@@ -11,7 +11,7 @@ A thin ``AttentionBackend`` (style guide habit 11). It owns only the extend (pre
   are read from the index it returned. With ``layer_timing`` (off unless asked for) the index is
   built by ``build_index`` between two CUDA events and handed to the attention.
 - Everything the operator does not cover runs on a stock SGLang backend (``dense_backend``,
-  ``triton`` by default) built from SGLang's own registry: the first ``dense_layers`` layers,
+  ``triton`` by default) built from SGLang's own registry: the ``dense_layers`` layers (the first N or a set),
   batches whose requests are all shorter than ``min_sparse_len``, sliding-window, cross and
   encoder layers, logit soft-capping, sinks, an e4m3 KV cache with ``precision="bf16"``, KV pools
   that are not plain token-major MHA pools (SWA / unified / HND), speculative modes, and models the
@@ -44,6 +44,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 
 from ...api import build_index, flashprefill_attention
+from ...dense_layers import dense_layers_text
 from ..fp8_error import fp8_error_sums
 from .metadata import (
     FlashPrefillMetadata, build_metadata, check_page_table, last_attention_layer_id, operator_dense_reason,
@@ -107,9 +108,10 @@ class FlashPrefillAttnBackend(AttentionBackend):
         self._logged_reasons: set[str] = set()
         self._sparse_seen = False  # logs the first sparse prefill once (fp serve has no stats)
         logger.info(
-            "flashprefill backend: layers %d (first %d dense), heads q=%d kv=%d d=%d, page_size %d, "
+            "flashprefill backend: layers %d (%s dense), heads q=%d kv=%d d=%d, page_size %d, "
             "last layer id %d (%s), registered by the %s path, config %s, precision %s, dense backend %s, stats %s%s",
-            self.num_layers, settings.dense_layers, self.num_q_heads, self.num_kv_heads, self.head_dim,
+            self.num_layers, (f"first {settings.dense_layers}" if isinstance(settings.dense_layers, int)
+                              else f"layers {dense_layers_text(settings.dense_layers)}"), self.num_q_heads, self.num_kv_heads, self.head_dim,
             self.page_size, self.last_layer_id, last_src, _registered_by(), settings.sparse, settings.precision, settings.dense_backend,
             settings.stats_dir if self.writer else "off",
             f"; SPARSE DISABLED: {self.unsupported_reason}" if self.unsupported_reason else "",
@@ -249,7 +251,7 @@ class FlashPrefillAttnBackend(AttentionBackend):
             return "no metadata"
         if meta.dense_reason is not None:
             return meta.dense_reason.split(" (")[0]
-        if layer.layer_id < self.settings.dense_layers:
+        if self.settings.dense_layer(layer.layer_id):
             return "dense_layers"
         if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
             return "sliding_window"

@@ -14,6 +14,9 @@ Example::
     >>> s = BackendSettings(dense_layers=2)
     >>> BackendSettings.from_json(s.to_json()) == s
     True
+    >>> s = BackendSettings(dense_layers=(0, 1, 8, 9))
+    >>> BackendSettings.from_json(s.to_json()) == s, s.dense_layer(8), s.dense_layer(2)
+    (True, True, False)
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from typing import Any, Mapping
 
 from ...api import BACKENDS as OPERATOR_BACKENDS
 from ...config import PRECISIONS, SparseConfig
+from ...dense_layers import DenseLayers, dense_layer, dense_layers_problem, from_data
 
 ENV_VAR = "FP_SGLANG_BACKEND"  # inline JSON, or "@/path/to/settings.json"
 DENSE_BACKENDS = ("triton", "torch_native", "fa3", "flashinfer")
@@ -38,7 +42,10 @@ class BackendSettings:
     Attributes:
         sparse: the operator's method knobs (block size, sink/window/tail tokens, alpha, mean
             correction, min_sparse_len); ``flashprefill.SparseConfig``.
-        dense_layers: the first ``dense_layers`` decoder layers run dense attention.
+        dense_layers: the decoder layers that run dense attention (``flashprefill.dense_layers``):
+            an int N = the first N layers (ids ``0 .. N-1``), or a tuple of layer ids (strictly
+            increasing) = exactly those; ``dense_layer(layer_id)`` tells. JSON carries a tuple
+            as a list; ``from_dict`` turns it back.
         precision: ``bf16`` or ``fp8`` attention operands in the sparse prefill
             (``flashprefill_attention(precision=...)``).
         dense_backend: the stock SGLang backend that runs every dense case (dense layers,
@@ -70,7 +77,7 @@ class BackendSettings:
     """
 
     sparse: SparseConfig = field(default_factory=SparseConfig)
-    dense_layers: int = 0
+    dense_layers: DenseLayers = 0
     precision: str = "bf16"
     dense_backend: str = "triton"
     operator_backend: str = "auto"
@@ -85,8 +92,9 @@ class BackendSettings:
     def __post_init__(self) -> None:
         if not isinstance(self.sparse, SparseConfig):
             raise TypeError(f"BackendSettings.sparse must be a SparseConfig, got {type(self.sparse).__name__}")
-        if isinstance(self.dense_layers, bool) or not isinstance(self.dense_layers, int) or self.dense_layers < 0:
-            raise ValueError(f"BackendSettings.dense_layers must be an int >= 0, got {self.dense_layers!r}")
+        problem = dense_layers_problem(self.dense_layers)
+        if problem:
+            raise ValueError(f"BackendSettings.dense_layers: {problem}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"BackendSettings.precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.dense_backend not in DENSE_BACKENDS:
@@ -99,6 +107,10 @@ class BackendSettings:
             raise ValueError(
                 f"BackendSettings.operator_backend must be one of {OPERATOR_BACKENDS}, got {self.operator_backend!r}"
             )
+
+    def dense_layer(self, layer_id: int) -> bool:
+        """Whether decoder layer ``layer_id`` (0-based) runs dense because of ``dense_layers``."""
+        return dense_layer(self.dense_layers, layer_id)
 
     # -- serialisation -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -113,6 +125,8 @@ class BackendSettings:
         if unknown:
             raise ValueError(f"BackendSettings: unknown keys {unknown} (allowed: {sorted(known)})")
         kwargs = dict(data)
+        if "dense_layers" in kwargs:
+            kwargs["dense_layers"] = from_data(kwargs["dense_layers"])
         if "sparse" in kwargs and not isinstance(kwargs["sparse"], SparseConfig):
             sparse = dict(kwargs["sparse"] or {})
             bad = sorted(set(sparse) - set(SparseConfig.field_names()))
