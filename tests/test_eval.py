@@ -826,6 +826,14 @@ def test_fp8_notes_say_what_fp8_alone_costs():
     assert "FP8 is what costs these answers" in line
     assert "costs" not in fp8_notes(report(-2.0))[0]
     assert fp8_notes({"against_bf16": []}) == []
+    lone = {"profiles": [{"name": "accurate+fp8", "attention": "flashprefill", "requested_precision": "fp8",
+                          "ran_precision": "fp8 (sparse layers)", "bf16_twin": None}], "against_bf16": []}
+    (hint,) = fp8_notes(lone)
+    assert hint.startswith("accurate+fp8 ran without its BF16 twin") and "P+fp8" in hint
+    lone["profiles"][0]["ran_precision"] = "bf16"  # FP8 did not run (short prompts, no FP8 GPU): nothing to separate
+    assert fp8_notes(lone) == []
+    lone["profiles"][0].update(ran_precision="fp8 (sparse layers)", bf16_twin="accurate")  # the twin was asked for
+    assert fp8_notes(lone) == []
 
 
 def test_eval_pairs_fp8_with_its_bf16_twin(runner, fake_engine, monkeypatch):

@@ -184,8 +184,16 @@ def fp8_notes(report: dict) -> list[str]:
     """One line per (length, FP8 profile) of the report's ``against_bf16``: its answers against its
     BF16 twin's on the same samples, e.g. "at 128k accurate+fp8 against accurate (the same profile
     at BF16) on the same 16 samples: 1 lost, 0 won (-6.2 points)"; more than ``GAP_POINTS`` below,
-    the line adds that FP8 is what costs the answers. Empty without a twin in the run."""
+    the line adds that FP8 is what costs the answers. An FP8 profile that ran FP8 with no BF16 twin
+    in the run gets one line saying how to measure FP8's own cost (its twin beside it), since against
+    dense its losses mix sparsity's and FP8's. Empty otherwise."""
     notes = []
+    for p in report.get("profiles", []):
+        if (p.get("requested_precision") == "fp8" and p.get("attention") != "dense" and p.get("bf16_twin") is None
+                and "fp8" in str(p.get("ran_precision") or "")):
+            notes.append(f"{p['name']} ran without its BF16 twin, so what FP8 alone costs is not separated from what "
+                         f"sparsity costs: run the same profile at BF16 beside it (--profiles bf16,fp8 or "
+                         f"accurate,accurate+fp8; any profile P with P+fp8)")
     for g in report.get("against_bf16", []):
         line = (f"at {_len(g['length'])} {g['profile']} against {g['baseline']} (the same profile at BF16) on the "
                 f"same {g['samples']} sample{'s' if g['samples'] != 1 else ''}: {g['lost']} lost, {g['won']} won "
