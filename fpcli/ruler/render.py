@@ -6,6 +6,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from flashprefill.dense_layers import dense_layers_text, from_data
+from fpcli.engine.base import precision_family
 
 
 def eval_table(report: dict) -> Table:
@@ -170,9 +171,7 @@ def gap_notes(report: dict) -> list[str]:
     names = {p["name"] for p in report.get("profiles", [])}
     notes = []
     for g in report.get("against_dense", []):
-        line = (f"at {_len(g['length'])} {g['profile']} against {g['baseline']} on the same "
-                f"{g['samples']} sample{'s' if g['samples'] != 1 else ''}: {g['lost']} lost, {g['won']} won "
-                f"({g['points']:+.1f} points)")
+        line = _paired_line(g, g["baseline"])
         if g["points"] < -GAP_POINTS and ACCURATE_PROFILE not in names and not g["profile"].startswith(ACCURATE_PROFILE):
             line += (f"; the {ACCURATE_PROFILE} profile (its early layers dense) may keep them: "
                      f"add it to --profiles (docs/profiles.md)")
@@ -190,18 +189,23 @@ def fp8_notes(report: dict) -> list[str]:
     notes = []
     for p in report.get("profiles", []):
         if (p.get("requested_precision") == "fp8" and p.get("attention") != "dense" and p.get("bf16_twin") is None
-                and "fp8" in str(p.get("ran_precision") or "")):
+                and any(precision_family(r) == "fp8" for r in str(p.get("ran_precision") or "").split("/"))):
             notes.append(f"{p['name']} ran without its BF16 twin, so what FP8 alone costs is not separated from what "
                          f"sparsity costs: run the same profile at BF16 beside it (--profiles bf16,fp8 or "
                          f"accurate,accurate+fp8; any profile P with P+fp8)")
     for g in report.get("against_bf16", []):
-        line = (f"at {_len(g['length'])} {g['profile']} against {g['baseline']} (the same profile at BF16) on the "
-                f"same {g['samples']} sample{'s' if g['samples'] != 1 else ''}: {g['lost']} lost, {g['won']} won "
-                f"({g['points']:+.1f} points)")
+        line = _paired_line(g, f"{g['baseline']} (the same profile at BF16)")
         if g["points"] < -GAP_POINTS:
             line += f"; FP8 is what costs these answers: {g['baseline']} keeps them"
         notes.append(line)
     return notes
+
+
+def _paired_line(g: dict, baseline: str) -> str:
+    """One pairing row of ``against_dense`` / ``against_bf16`` as a line: "at 32k bf16 against
+    ``baseline`` on the same 40 samples: 16 lost, 2 won (-35.0 points)"."""
+    return (f"at {_len(g['length'])} {g['profile']} against {baseline} on the same {g['samples']} "
+            f"sample{'s' if g['samples'] != 1 else ''}: {g['lost']} lost, {g['won']} won ({g['points']:+.1f} points)")
 
 
 def density_scope_notes(report: dict) -> list[str]:
