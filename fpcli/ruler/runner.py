@@ -217,8 +217,8 @@ def against_dense(run: EvalRun) -> list[dict]:
 
 def against_bf16(run: EvalRun) -> list[dict]:
     """Every FP8 profile's answers against its BF16 twin's (``ProfileRun.bf16_twin``: the same
-    profile at BF16, in the same run) on the same samples: what FP8 alone costs, sparsity held
-    fixed. Per (length, FP8 profile), the keys of ``against_dense`` (``baseline`` = the twin's name),
+    profile at BF16, in the same run) on the same samples: what FP8 alone costs, the sparse
+    settings held fixed (FP8 may select slightly different blocks). Per (length, FP8 profile), the keys of ``against_dense`` (``baseline`` = the twin's name),
     over the samples on which the FP8 profile ran FP8 (``GenerationResult.precision``): where it ran
     no FP8 (every prompt below ``min_sparse_len``, or FP8 not available) its answers are its twin's by
     construction and say nothing about FP8. Empty when no FP8 profile ran FP8 beside its twin.
