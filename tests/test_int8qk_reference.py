@@ -194,3 +194,14 @@ def test_triton_int8qk_refusals_name_it(monkeypatch):
         api._check_fp8_gpu("cuda:0", "int8qk")
     with pytest.raises(ValueError, match=r"precision='int8qk'"):
         api.check_fp8_support("cuda:0", 128, "int8qk")
+
+
+def test_cpu_bench_times_int8qk_next_to_fp8():
+    from flashprefill.bench import format_table, run_operator_bench
+
+    rows = run_operator_bench([512], 4, 2, 64, "bf16", fp8=True, int8qk=True, device="cpu", repeats=1,
+                              baselines=False, progress=lambda s: None)
+    row = rows[0]
+    assert row["int8qk_total_ms"] > 0 and 0 < row["int8qk_density"] <= 1
+    assert 0 < row["int8qk_rel_l2"] < 0.2 and row["int8qk_rel_l2"] != row["fp8_rel_l2"]
+    assert "int8qk relL2" in format_table(rows)
