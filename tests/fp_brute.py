@@ -81,6 +81,23 @@ def fp8_value(x, scale, inv):
     return e4m3_round(y) * scale
 
 
+def int8_scales(x):
+    """``(scale, inv_scale)`` of an int8 group (precision "int8qk", docs/fp8.md section 10): ``amax / 127``
+    and ``127 / amax``, each a Python float64 quotient rounded once to float32; 1, 1 below 2**-100."""
+    amax = float(x.float().abs().max()) if x.numel() else 0.0
+    if amax < 2.0 ** -100:
+        return 1.0, 1.0
+    return float(torch.tensor(amax / 127.0, dtype=torch.float32)), float(torch.tensor(127.0 / amax, dtype=torch.float32))
+
+
+def int8_value(x, scale, inv):
+    """What an int8 operand of ``x`` stands for: ``clamp(round_half_even(float32(x) * inv), -127, 127) *
+    scale`` in float64 (NaN -> 0)."""
+    y = (x.float() * torch.tensor(inv, dtype=torch.float32)).double()
+    y = torch.nan_to_num(y, nan=0.0)
+    return torch.clamp(torch.round(y), -127.0, 127.0) * scale
+
+
 def _gather(cache, page_table, b, lk):
     ps = cache.shape[1]
     return torch.stack([cache[int(page_table[b, p // ps]), p % ps] for p in range(lk)]) if lk else \
@@ -98,8 +115,10 @@ def brute_force(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config,
     own scale -- and each exact / mean probability ``p`` by ``e4m3(p * p_scale) / p_scale`` in the
     numerator, the denominator summing ``p``. ``float8_e4m3fn`` caches: ``code * descale``
     (``k_descale`` / ``v_descale`` 0-dim or ``[batch, Hkv]``), and the descale is the scale.
+    ``precision="int8qk"``: the same with int8 values (``int8_value``) for Q tiles, K and the key means.
     """
-    fp8 = precision == "fp8"
+    fp8 = precision in ("fp8", "int8qk")
+    qk_value, qk_scales = (int8_value, int8_scales) if precision == "int8qk" else (fp8_value, fp8_scales)
     e4m3 = k_cache.dtype == torch.float8_e4m3fn
 
     def descale(t, b, h):
@@ -142,10 +161,10 @@ def brute_force(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config,
                     ks = (sk, float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(sk, dtype=torch.float32)))
                     vs = (sv, float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(sv, dtype=torch.float32)))
                 else:
-                    ks, vs = fp8_scales(K[:, h]), fp8_scales(V[:, h])
-                    K8[:, h], V8[:, h] = fp8_value(K[:, h], *ks), fp8_value(V[:, h], *vs)
+                    ks, vs = qk_scales(K[:, h]), fp8_scales(V[:, h])
+                    K8[:, h], V8[:, h] = qk_value(K[:, h], *ks), fp8_value(V[:, h], *vs)
                 for j in range(nb):
-                    kbar8[j][h] = fp8_value(kbar[j][h], *ks)
+                    kbar8[j][h] = qk_value(kbar[j][h], *ks)
                     vbar8[j][h] = fp8_value(vbar[j][h], *vs)
             K, V, kbar, vbar = K8, V8, kbar8, vbar8
         rows = lq * g
@@ -156,7 +175,7 @@ def brute_force(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config,
                 t_first, t_last = rho_list[0] // g, rho_list[-1] // g
                 q_rows = torch.stack([q[qs + rho // g, h * g + rho % g] for rho in rho_list])
                 if fp8:                                         # one scale per query tile
-                    q_rows = fp8_value(q_rows, *fp8_scales(q_rows))
+                    q_rows = qk_value(q_rows, *qk_scales(q_rows))
                 vis_last = (P + t_last) // B
                 if dense:
                     S = list(range(vis_last + 1))

@@ -19,6 +19,8 @@ Precision (``docs/fp8.md``): ``precision="fp8"`` runs e4m3 operands (block scori
 ``P V``, the mean correction); ``k_cache`` / ``v_cache`` may then, or with ``"bf16"``, be
 ``float8_e4m3fn`` caches with their ``k_descale`` / ``v_descale`` (float32 0-dim or ``[batch, Hkv]``).
 The reference runs both; the Triton FP8 kernels (SM89+) run both input kinds with ``precision="fp8"``.
+``precision="int8qk"`` (``docs/fp8.md`` section 10): int8 operands in the block scoring, ``Q K^T`` and
+the mean logits, e4m3 in the products with V; bf16 / fp16 caches only (an e4m3 cache raises).
 
 Host syncs: ``make_plan`` reads the lengths (``.tolist()``). Build the plan once per batch and pass
 ``plan=`` to every layer's call: then the Triton backend syncs exactly once per index build (the
@@ -40,7 +42,8 @@ import os
 
 import torch
 
-from .config import FP8_HEAD_DIMS, FP8_MIN_CAPABILITY, PRECISIONS, TRITON_DTYPES, TRITON_HEAD_DIMS, SparseConfig
+from .config import (EIGHT_BIT_PRECISIONS, FP8_HEAD_DIMS, FP8_MIN_CAPABILITY, PRECISIONS, TRITON_DTYPES,
+                     TRITON_HEAD_DIMS, SparseConfig)
 from .index import BlockIndex, SparseStats
 from .plan import BatchPlan, make_plan
 from .quant import E4M3
@@ -67,11 +70,11 @@ def _choose_backend(backend: str, device_type: str, dtype: torch.dtype, head_dim
     backend is returned as is; ``"triton"`` off CUDA raises unless ``TRITON_INTERPRET`` is set (an
     unsupported dtype / head dim raises in ``_validate``). ``precision="fp8"`` with ``"auto"``: every
     CUDA tensor goes to ``"triton"`` (FP8 on a GPU is the kernels' job; what they refuse raises
-    there), CPU tensors to the reference.
+    there), CPU tensors to the reference; ``"int8qk"`` likewise.
     """
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto" and precision == "fp8":
+    if backend == "auto" and precision in EIGHT_BIT_PRECISIONS:
         return "triton" if device_type == "cuda" else "reference"
     if backend == "auto":
         takes = device_type == "cuda" and dtype in TRITON_DTYPES and head_dim in TRITON_HEAD_DIMS
@@ -202,14 +205,23 @@ def _check_precision(precision) -> None:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
 
 
-def _check_fp8_gpu(device) -> None:
-    """FP8 needs e4m3 tensor cores: compute capability >= ``FP8_MIN_CAPABILITY`` (8.9)."""
+def _check_int8qk_cache(precision: str, k_cache) -> None:
+    """``precision="int8qk"`` quantises 16-bit K itself: an e4m3 cache raises (docs/fp8.md section 10)."""
+    if precision == "int8qk" and getattr(k_cache, "dtype", None) == E4M3:
+        raise ValueError(
+            "precision='int8qk' cannot read a float8_e4m3fn KV cache (k_cache is float8_e4m3fn; int8qk quantises "
+            "bf16 / fp16 K to int8 itself): precision='fp8' reads e4m3 caches as they are"
+        )
+
+
+def _check_fp8_gpu(device, precision: str = "fp8") -> None:
+    """FP8 / int8qk need e4m3 tensor cores: compute capability >= ``FP8_MIN_CAPABILITY`` (8.9)."""
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < FP8_MIN_CAPABILITY:
         name = torch.cuda.get_device_name(device)
         need = ".".join(str(x) for x in FP8_MIN_CAPABILITY)
         raise ValueError(
-            f"precision='fp8' needs e4m3 tensor cores (compute capability >= {need}: Ada, Hopper, Blackwell), "
+            f"precision={precision!r} needs e4m3 tensor cores (compute capability >= {need}: Ada, Hopper, Blackwell), "
             f"got {name!r} ({device}) with compute capability {major}.{minor}; precision='bf16' runs on this GPU"
         )
 
@@ -241,9 +253,10 @@ def _validate_precision(q, k_cache, seq_lens, k_descale, v_descale) -> None:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
 
 
-def check_fp8_support(device: torch.device | str, head_dim: int) -> None:
-    """Whether ``precision="fp8"`` can run on ``device`` with this head dim, before any work: the
-    check the Triton FP8 path makes, for callers (engines) that want it at start-up.
+def check_fp8_support(device: torch.device | str, head_dim: int, precision: str = "fp8") -> None:
+    """Whether ``precision="fp8"`` (or ``"int8qk"``: the same kernels and limits) can run on
+    ``device`` with this head dim, before any work: the check the Triton 8-bit path makes, for
+    callers (engines) that want it at start-up.
 
     The CPU (the reference) takes any head dim; a CUDA device needs compute capability >=
     ``FP8_MIN_CAPABILITY`` and ``head_dim`` in ``FP8_HEAD_DIMS``.
@@ -255,30 +268,30 @@ def check_fp8_support(device: torch.device | str, head_dim: int) -> None:
     device = torch.device(device)
     if device.type != "cuda":
         return
-    _check_fp8_gpu(device)
+    _check_fp8_gpu(device, precision)
     if head_dim not in FP8_HEAD_DIMS:
         raise ValueError(
-            f"precision='fp8' on the GPU needs head_dim d in {FP8_HEAD_DIMS}, got d = {head_dim}; "
+            f"precision={precision!r} on the GPU needs head_dim d in {FP8_HEAD_DIMS}, got d = {head_dim}; "
             "precision='bf16' runs with this shape"
         )
 
 
-def _validate_fp8_gpu(q) -> None:
-    """FP8 on the Triton path: the GPU and the head dim, checked before anything else."""
+def _validate_fp8_gpu(q, precision: str = "fp8") -> None:
+    """FP8 / int8qk on the Triton path: the GPU and the head dim, checked before anything else."""
     _check_tensor("q", q, 3, "[total_q, Hq, d]")
     if q.device.type == "cuda":
-        _check_fp8_gpu(q.device)
+        _check_fp8_gpu(q.device, precision)
     d = q.shape[2]
     if d not in FP8_HEAD_DIMS:
         raise ValueError(
-            f"precision='fp8' on the GPU needs head_dim d in {FP8_HEAD_DIMS}, got q {_shape(q)} (d = {d}); "
+            f"precision={precision!r} on the GPU needs head_dim d in {FP8_HEAD_DIMS}, got q {_shape(q)} (d = {d}); "
             "precision='bf16' runs with this shape"
         )
 
 
 def _check_triton_precision(precision: str, k_cache) -> None:
     """What the Triton kernels do not run: e4m3 caches on the 16-bit path."""
-    if k_cache.dtype == E4M3 and precision != "fp8":
+    if k_cache.dtype == E4M3 and precision not in EIGHT_BIT_PRECISIONS:
         raise ValueError(
             "float8_e4m3fn caches with backend='triton' and precision='bf16': the 16-bit kernels do not read "
             "e4m3 caches; use precision='fp8' (reads them as they are) or backend='reference'"
@@ -346,6 +359,7 @@ def _prepare(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, so
             raise TypeError(f"q must be a torch.Tensor [total_q, Hq, d], got {type(q).__name__}")
     if not compiling:
         _check_precision(precision)
+        _check_int8qk_cache(precision, k_cache)
     if config.global_keys and not dense and backend == "triton":           # docs/method.md section 4.1
         raise NotImplementedError(
             f"SparseConfig.global_keys={config.global_keys} (docs/method.md section 4.1) has no Triton kernel "
@@ -354,8 +368,8 @@ def _prepare(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, so
     if config.global_keys and not dense:
         name = "reference"
     if not compiling:
-        if precision == "fp8" and name == "triton":
-            _validate_fp8_gpu(q)
+        if precision in EIGHT_BIT_PRECISIONS and name == "triton":
+            _validate_fp8_gpu(q, precision)
         _validate(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, softmax_scale, name, plan)
         _validate_precision(q, k_cache, seq_lens, k_descale, v_descale)
     if name == "triton":
@@ -429,8 +443,9 @@ def build_index(
         plan: from ``make_plan`` with ``group_size = Hq // Hkv`` and ``config.block_size``; built
             (one host sync) when None.
         backend: ``"auto"`` | ``"reference"`` | ``"triton"``.
-        precision: ``"bf16"`` | ``"fp8"`` (``PRECISIONS``): with ``"fp8"`` the block scoring
-            ``q·k̄`` takes e4m3 operands (``docs/fp8.md``); the means stay float32.
+        precision: ``"bf16"`` | ``"fp8"`` | ``"int8qk"`` (``PRECISIONS``): with ``"fp8"`` the block
+            scoring ``q·k̄`` takes e4m3 operands (``docs/fp8.md``), with ``"int8qk"`` int8 operands
+            (section 10); the means stay float32.
         k_descale, v_descale: float32 0-dim or ``[batch, Hkv]``; required when ``k_cache`` /
             ``v_cache`` are ``float8_e4m3fn`` (a code's value is ``code * descale``), else None.
 
@@ -441,7 +456,8 @@ def build_index(
     Raises:
         ValueError / TypeError: naming the argument, the expected shape/dtype/device and what was found;
             ``precision="fp8"`` on a GPU below compute capability 8.9 or with a head dim outside
-            ``FP8_HEAD_DIMS`` (naming the GPU / the shape); e4m3 caches without their descale.
+            ``FP8_HEAD_DIMS`` (naming the GPU / the shape); e4m3 caches without their descale;
+            ``precision="int8qk"`` with e4m3 caches (``precision="fp8"`` reads them).
     """
     config, scale, plan, mod = _prepare(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q,
                                         config, softmax_scale, plan, backend, precision=precision,
@@ -482,7 +498,8 @@ def flashprefill_attention(
             backend, k_descale, v_descale: as ``build_index``.
         precision: ``"bf16"`` | ``"fp8"``: with ``"fp8"``, e4m3 operands in the block scoring, in
             ``Q K^T`` and ``P V``, and in both mean-correction products; fp32 accumulation, output in
-            q's dtype (``docs/fp8.md``).
+            q's dtype (``docs/fp8.md``); ``"int8qk"``: int8 operands in the block scoring, ``Q K^T``
+            and the mean logits (int32 sums), e4m3 in the products with V (section 10).
         return_lse: also return ``lse``.
         return_stats: also return ``SparseStats`` (density overall and per KV head, the index).
             It reads the index on the host: one more sync.
@@ -541,7 +558,7 @@ def dense_attention(
     """Dense causal attention over the paged KV (bottom-right aligned), the comparison baseline.
 
     Args: as ``flashprefill_attention`` (no config; ``plan`` may use any block size;
-        ``precision="fp8"``: e4m3 ``Q K^T`` and ``P V``).
+        ``precision="fp8"``: e4m3 ``Q K^T`` and ``P V``; ``"int8qk"``: int8 ``Q K^T``, e4m3 ``P V``).
 
     Returns:
         ``out`` ``[total_q, Hq, d]`` in q's dtype, or ``(out, lse)`` with ``return_lse``.

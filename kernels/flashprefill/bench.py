@@ -156,20 +156,24 @@ CPU_COLS = [("L", "L", "{:d}"), ("density", "density", "{:.1%}"), ("index_ms", "
             ("speedup_vs_dense_ref", "x dense ref", "{:.2f}"), ("speedup_vs_sdpa", "x SDPA", "{:.2f}"),
             ("fp8_density", "fp8 density", "{:.1%}"), ("fp8_total_ms", "fp8 total ms", "{:.1f}"),
             ("fp8_speedup", "x bf16", "{:.2f}"), ("fp8_rel_l2", "fp8 relL2", "{:.4f}"),
-            ("fp8_dense_ref_ms", "fp8 dense ref ms", "{:.1f}")]
+            ("fp8_dense_ref_ms", "fp8 dense ref ms", "{:.1f}"),
+            ("int8qk_density", "int8qk density", "{:.1%}"), ("int8qk_total_ms", "int8qk total ms", "{:.1f}"),
+            ("int8qk_speedup", "x bf16", "{:.2f}"), ("int8qk_rel_l2", "int8qk relL2", "{:.4f}")]
 
 
-def _fp8_columns(row: dict, index_fn, total_fn, timer) -> None:
+def _fp8_columns(row: dict, index_fn, total_fn, timer, precision: str = "fp8") -> None:
     """The FP8 sparse path next to the BF16 one of the same row: ``fp8_index_ms``, ``fp8_total_ms``,
     ``fp8_density``, ``fp8_rel_l2`` (relative L2 of the FP8 output against the BF16 sparse output
-    on the same inputs) and ``fp8_speedup`` (BF16 sparse total / FP8 sparse total)."""
-    index8 = index_fn(precision="fp8")
-    row["fp8_density"] = index8.nnz / max(1, int(index8.n_visible.sum()))
-    row["fp8_index_ms"] = timer(lambda: index_fn(precision="fp8"))
-    row["fp8_total_ms"] = timer(lambda: total_fn(precision="fp8"))
-    out16, out8 = total_fn().double(), total_fn(precision="fp8").double()
-    row["fp8_rel_l2"] = float((out8 - out16).norm() / out16.norm())
-    row["fp8_speedup"] = row["total_ms"] / row["fp8_total_ms"]
+    on the same inputs) and ``fp8_speedup`` (BF16 sparse total / FP8 sparse total).
+    ``precision="int8qk"``: the same columns for that precision, named ``int8qk_*``."""
+    p = precision
+    index8 = index_fn(precision=p)
+    row[f"{p}_density"] = index8.nnz / max(1, int(index8.n_visible.sum()))
+    row[f"{p}_index_ms"] = timer(lambda: index_fn(precision=p))
+    row[f"{p}_total_ms"] = timer(lambda: total_fn(precision=p))
+    out16, out8 = total_fn().double(), total_fn(precision=p).double()
+    row[f"{p}_rel_l2"] = float((out8 - out16).norm() / out16.norm())
+    row[f"{p}_speedup"] = row["total_ms"] / row[f"{p}_total_ms"]
 
 
 def _fp8_dense_baseline(row, q, k_lin, v_lin, L, batch, hq, hkv, d, scale) -> dict:
@@ -217,7 +221,7 @@ def cpu_time_ms(fn: Callable[[], object], repeats: int = CPU_REPEATS) -> float:
 
 
 def _run_cpu_bench(lens, heads_q, heads_kv, head_dim, dtype, fp8, batch, say, page_size, config, baselines,
-                   repeats) -> list[dict]:
+                   repeats, int8qk: bool = False) -> list[dict]:
     """The CPU rows: the reference backend (index, attention, total) against two dense baselines
     measured in the same run, ``flashprefill.dense_attention`` (reference) and torch SDPA."""
     from . import api
@@ -254,6 +258,10 @@ def _run_cpu_bench(lens, heads_q, heads_kv, head_dim, dtype, fp8, batch, say, pa
             row["fp8_dense_ref_ms"] = cpu_time_ms(lambda: api.dense_attention(
                 q, kc, vc, pt, sl, cu, scale, plan=plan, backend="reference", precision="fp8"), repeats)
             row["notes"]["fp8_dense"] = _cpu_fp8_dense_note()
+        if int8qk:
+            _fp8_columns(row, lambda **p: api.build_index(q, kc, vc, pt, sl, cu, **kw, **p),
+                         lambda **p: api.flashprefill_attention(q, kc, vc, pt, sl, cu, **kw, **p),
+                         lambda fn: cpu_time_ms(fn, repeats), precision="int8qk")
         row["speedup_vs_dense_ref"] = row["dense_ref_ms"] / row["total_ms"]
         row["dense_flops"] = dense_causal_flops(L, L, head_dim, heads_q, batch)
         if baselines:
@@ -270,11 +278,13 @@ def _run_cpu_bench(lens, heads_q, heads_kv, head_dim, dtype, fp8, batch, say, pa
 
 def run_operator_bench(lens, heads_q: int, heads_kv: int, head_dim: int, dtype, fp8: bool = False, batch: int = 1,
                        progress=None, page_size: int = 64, config: SparseConfig | None = None,
-                       baselines: bool = True, device: str = "cuda", repeats: int = CPU_REPEATS) -> list[dict]:
+                       baselines: bool = True, device: str = "cuda", repeats: int = CPU_REPEATS,
+                       int8qk: bool = False) -> list[dict]:
     """Benchmark each length; one dict per length (the JSON rows). ``lens``: ints or strings such
     as ``"128k"``. ``dtype``: torch dtype or 'bf16'/'fp16'. ``progress``: optional callable(str).
     ``config``: the sparse settings (default ``SparseConfig()``), in every row as ``config``; a
     length below its ``min_sparse_len`` gets the note ``notes["min_sparse_len"]`` (``short_note``).
+    ``fp8`` / ``int8qk``: also the sparse path in that precision (``fp8_*`` / ``int8qk_*`` columns).
 
     ``device="cuda"`` (default): the Triton operator vs the GPU dense baselines, CUDA-event medians.
     ``device="cpu"``: the reference backend at small lengths (<= ``CPU_MAX_LEN``), ``time.perf_counter``
@@ -294,7 +304,7 @@ def run_operator_bench(lens, heads_q: int, heads_kv: int, head_dim: int, dtype, 
     say = progress or (lambda s: print(s, file=sys.stderr, flush=True))
     if device == "cpu":
         return _run_cpu_bench(lens, heads_q, heads_kv, head_dim, dtype, fp8, batch, say, page_size, config,
-                              baselines, repeats)
+                              baselines, repeats, int8qk)
     if not torch.cuda.is_available():
         raise RuntimeError("flashprefill.bench needs a CUDA GPU (device='cpu' runs a tiny reference instead)")
     from .impl.triton import host
@@ -329,6 +339,12 @@ def run_operator_bench(lens, heads_q: int, heads_kv: int, head_dim: int, dtype, 
                                                                             precision="fp8"))
             row["notes"].update(_fp8_dense_baseline(row, q, k_lin, v_lin, L, batch, heads_q, heads_kv, head_dim,
                                                     scale))
+        if int8qk:
+            _fp8_columns(row, lambda **p: host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan, **p),
+                         lambda **p: host.attention(q, kc, vc, pt, sl, cu, config, scale, plan, **p)[0], time_ms,
+                         precision="int8qk")
+            row["int8qk_dense_mode_ms"] = time_ms(lambda: host.dense_attention(q, kc, vc, pt, sl, cu, scale, plan,
+                                                                               precision="int8qk"))
         flops = dense_causal_flops(L, L, head_dim, heads_q, batch)
         row["dense_flops"] = flops
         row["total_tflops"] = flops / row["total_ms"] / 1e9          # effective: dense-equivalent FLOPs
@@ -358,7 +374,10 @@ TABLE_COLS = [("L", "L", "{:d}"), ("density", "density", "{:.1%}"), ("index_ms",
               ("fp8_density", "fp8 density", "{:.1%}"), ("fp8_index_ms", "fp8 index ms", "{:.3f}"),
               ("fp8_total_ms", "fp8 total ms", "{:.3f}"), ("fp8_speedup", "x bf16", "{:.2f}"),
               ("fp8_rel_l2", "fp8 relL2", "{:.4f}"), ("fp8_dense_mode_ms", "fp8 our dense ms", "{:.3f}"),
-              ("fp8_flashinfer_ms", "FI fp8 ms", "{:.3f}")]
+              ("fp8_flashinfer_ms", "FI fp8 ms", "{:.3f}"),
+              ("int8qk_density", "int8qk density", "{:.1%}"), ("int8qk_index_ms", "int8qk index ms", "{:.3f}"),
+              ("int8qk_total_ms", "int8qk total ms", "{:.3f}"), ("int8qk_speedup", "x bf16", "{:.2f}"),
+              ("int8qk_rel_l2", "int8qk relL2", "{:.4f}"), ("int8qk_dense_mode_ms", "int8qk our dense ms", "{:.3f}")]
 
 
 def plain_table(rows: list[dict], cols, always: tuple[str, ...] = ("L",)) -> list[str]:
@@ -451,6 +470,8 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--fp8", action="store_true",
                     help="also run the FP8 e4m3 sparse path (and FP8 dense baselines) next to BF16")
+    ap.add_argument("--int8qk", action="store_true",
+                    help="also run the int8qk sparse path (int8 Q K^T, e4m3 P V; docs/fp8.md section 10) next to BF16")
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
@@ -462,7 +483,7 @@ def main(argv=None) -> int:
         ap.error(f"--lens: {exc}")
     hq, hkv = (int(x) for x in a.heads.split("/"))
     rows = run_operator_bench(lens, hq, hkv, a.head_dim, a.dtype, fp8=a.fp8, batch=a.batch,
-                              page_size=a.page_size, baselines=not a.no_baselines, device=a.device)
+                              page_size=a.page_size, baselines=not a.no_baselines, device=a.device, int8qk=a.int8qk)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -14,6 +14,11 @@ Rules (``docs/fp8.md`` sections 2-4):
 - K and V: one scale per (request, KV head) over the request's ``Lk`` tokens; the block means use
   the scale of their K / V. Q: one scale per query tile (128 GQA-packed rows, one KV head).
 - Probabilities ``p = exp(logit - m)`` in ``(0, 1]`` are cast as ``e4m3(p * P_SCALE)``.
+
+``precision="int8qk"`` (``docs/fp8.md`` section 10): Q and K (and the key means) take int8 codes
+instead, ``scale = amax / INT8_MAX``, ``inv_scale = INT8_MAX / amax`` (same float64 rounding, same
+floor), ``code = int8(clamp(rne(float32(x) * inv_scale), -127, 127))`` with NaN -> 0
+(``int8_scales``, ``quantize_int8``); V and P stay e4m3 as above.
 """
 from __future__ import annotations
 
@@ -34,13 +39,18 @@ P_SCALE_LOG2 = 8
 P_SCALE = float(2 ** P_SCALE_LOG2)
 
 
-def amax_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+# Largest int8 code of the "int8qk" Q / K operands (symmetric: -128 is never produced).
+INT8_MAX = 127.0
+
+
+def amax_scales(amax: torch.Tensor, qmax: float = E4M3_MAX) -> tuple[torch.Tensor, torch.Tensor]:
     """Scales of tensors with the given ``amax``.
 
     Args:
         amax: any shape, ``max |x|`` of each quantised group (float; read as float32).
+        qmax: the largest code, ``E4M3_MAX`` (448, e4m3) or ``INT8_MAX`` (127, ``int8_scales``).
     Returns:
-        ``(scale, inv_scale)``, float32, ``amax``'s shape: ``amax / 448`` and ``448 / amax``
+        ``(scale, inv_scale)``, float32, ``amax``'s shape: ``amax / qmax`` and ``qmax / amax``
         (round to nearest), or ``1, 1`` where ``amax < AMAX_FLOOR``. A non-finite ``amax`` (an inf
         input) gives ``scale = inf``, ``inv_scale = 0``: the group dequantises to NaN, never to a
         silently finite number.
@@ -53,8 +63,8 @@ def amax_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # error), on every device. A float32 ``x / 448.0`` is not: PyTorch computes a division by a
     # Python scalar as a multiply by its rounded reciprocal (CUDA, and the CPU's vectorised path),
     # and ``448.0 / x`` as ``reciprocal(x) * 448`` -- off by one ulp for some amax.
-    scale = torch.where(tiny, torch.ones_like(a), (safe / E4M3_MAX).to(torch.float32))
-    inv = torch.where(tiny, torch.ones_like(a), (E4M3_MAX / safe).to(torch.float32))
+    scale = torch.where(tiny, torch.ones_like(a), (safe / qmax).to(torch.float32))
+    inv = torch.where(tiny, torch.ones_like(a), (qmax / safe).to(torch.float32))
     return scale, inv
 
 
@@ -119,3 +129,36 @@ def p_round_trip(p: torch.Tensor) -> torch.Tensor:
         same shape and dtype; divide the product with V by ``P_SCALE`` (exact) to undo the factor.
     """
     return (p * P_SCALE).to(E4M3).to(p.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# int8 Q / K operands of precision "int8qk" (docs/fp8.md section 10)
+
+
+def int8_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``amax_scales(amax, INT8_MAX)``: ``(amax / 127, 127 / amax)`` float32, ``1, 1`` below
+    ``AMAX_FLOOR``."""
+    return amax_scales(amax, INT8_MAX)
+
+
+def quantize_int8(x: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+    """int8 codes of ``x``: ``clamp(rne(float32(x) * inv_scale), -127, 127)``.
+
+    One float32 multiply, then round half to even (``torch.round``) and the clamp; a NaN product
+    (a NaN input, or ``inf * 0`` from an inf group) gives code 0, as the kernels do (int8 has no
+    NaN code).
+
+    Args:
+        x: any float tensor.
+        inv_scale: float32, broadcastable to ``x``.
+    Returns:
+        ``torch.int8`` tensor of the broadcast shape, values in ``[-127, 127]``.
+    """
+    y = x.to(torch.float32) * inv_scale.to(torch.float32)
+    y = torch.where(torch.isnan(y), torch.zeros_like(y), y)
+    return torch.round(y.clamp(-INT8_MAX, INT8_MAX)).to(torch.int8)
+
+
+def round_trip_int8(x: torch.Tensor, scale: torch.Tensor, inv_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``dequantize(quantize_int8(x, inv_scale), scale, dtype)``: the value an int8 operand stands for."""
+    return dequantize(quantize_int8(x, inv_scale), scale, dtype)

@@ -2,11 +2,14 @@
 each shipped configuration's registers, shared memory, spills and SASS hash (Triton's bundled
 ptxas and cuobjdump). No device needed.
 
-    PYTHONPATH=kernels python scripts/lab/compile_sm90.py [attn|index] [--sass DIR] [--shard K/N]
+    PYTHONPATH=kernels python scripts/lab/compile_sm90.py [attn|index|fp8|int8qk] [--sass DIR] [--shard K/N]
 
 ``fp8`` compiles the FP8 attention kernel only (its SASS line counts ``QGMMA``: e4m3 wgmma);
 with ``--ptxas`` each line also names ptxas' performance notes (``C7515``: every wgmma of the
 kernel serialized), ``-`` when there are none.
+``int8qk`` compiles precision "int8qk" (docs/fp8.md section 10): the FP8 attention kernel with
+``QK_INT8`` (int8 ``k8`` / ``k_mean8``; the line's ``s8`` counts the int8 wgmma of the PTX), the
+selection with ``QK_INT8`` and the pre-pass with ``K_INT8``; ``--ptxas`` applies to it too.
 ``index`` also compiles the FP8 index's block means (with / without the fused amax), the FP8
 selection with ``HW_CVT`` and the pre-pass kernels (``quant_kernels``).
 ``--sass DIR`` also writes each configuration's SASS to ``DIR/<label>.sass``: compare two trees
@@ -94,7 +97,7 @@ def compile_one(label, fn, ptrs, consts, floats=(), num_warps=4, num_stages=2, s
     ptx = k.asm.get("ptx", "")
     print(f"{label:60s} smem {k.metadata.shared / 1024:6.1f} KiB  regs {regs.group(1) if regs else '?':>3s}  "
           f"local {local.group(1) if local else '?':>4s} B  wgmma {ptx.count('wgmma.mma_async'):3d}  "
-          f"e4m3 {ptx.count('e4m3.e4m3'):3d}  "
+          f"e4m3 {ptx.count('e4m3.e4m3'):3d}  " + (f"s8 {ptx.count('s8.s8'):3d}  " if "s8.s8" in ptx else "") +
           f"sass {hashlib.sha256(sass.encode()).hexdigest()[:16]}"
           + (f"  ptxas {','.join(ptxas_codes(ptx)) or '-'}" if ptxas else ""), flush=True)
     return k
@@ -140,28 +143,30 @@ def compile_attention(sass_dir=None, shard=(0, 1)):
                     consts, floats=("scale_log2",), num_warps=t.num_warps, num_stages=t.num_stages, sass_dir=sass_dir)
 
 
-def compile_attention_fp8(sass_dir=None, shard=(0, 1), attn=None, ptxas=False):
+def compile_attention_fp8(sass_dir=None, shard=(0, 1), attn=None, ptxas=False, int8=False):
     """``_attn_fwd_fp8`` as ``host_fp8.launch_attention_fp8`` launches it (e4m3 pre-pass buffers).
     ``attn``: a function ``AttnConfig -> AttnConfig`` applied to each shipped config (a lab variant).
-    ``ptxas``: also print ptxas' performance notes (``ptxas_codes``)."""
+    ``ptxas``: also print ptxas' performance notes (``ptxas_codes``). ``int8``: precision "int8qk"
+    (``QK_INT8``, int8 ``k8`` / ``k_mean8``, int8qk's tiles)."""
     cases = [(d, B, g, mode) for d in (64, 128, 256) for mode in ("bits", "nomc", "dense") for B, g in ((128, 4),)]
     cases += [(128, 64, 7, "bits")]
     for i, (d, B, g, mode) in enumerate(cases):
         if i % shard[1] != shard[0]:
             continue
-        t = get_config(d, torch.bfloat16, B, precision="fp8").attn
+        t = get_config(d, torch.bfloat16, B, precision="int8qk" if int8 else "fp8").attn
         if attn is not None:
             t = attn(t)
         ptrs = {n: "*i32" for n in ("cu_seqlens_k", "mean_cols", "seq_lens", "cu_seqlens_q", "tile_request", "tile_local",
                                     "block_ptr", "row_ptr", "col_idx", "sel_bits")}
-        ptrs.update(q_ptr="*bf16", k8="*fp8e4nv", v8t="*fp8e4nv", k_mean8="*fp8e4nv", v_mean8t="*fp8e4nv",
+        kptr = "*i8" if int8 else "*fp8e4nv"
+        ptrs.update(q_ptr="*bf16", k8=kptr, v8t="*fp8e4nv", k_mean8=kptr, v_mean8t="*fp8e4nv",
                     k_scale="*fp32", v_scale="*fp32", out_ptr="*bf16", lse_ptr="*fp32")
         consts = dict(GROUP=g, HEAD_DIM=d, TILE_ROWS=128, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_SIZE=B,
                       BLOCK_U=t.block_u, SPARSE=mode != "dense", MEAN_CORR=mode == "bits",
                       MAIN_STAGES=t.num_stages, MC_STAGES=t.mc_stages or t.num_stages, EXP=fk.EXP_IMPLS.index(t.exp_impl), FOLD_SCALE=t.fold_scale,
-                      PIPELINE=t.pipeline, MEAN_VEC=t.mean_vec, LOOP_GUARD=t.loop_guard,
+                      PIPELINE=t.pipeline, MEAN_VEC=t.mean_vec, LOOP_GUARD=t.loop_guard, QK_INT8=int8,
                       INLINE_ASM=True)
-        compile_one(f"attn fp8 d{d} B{B} g{g} {mode}", fk._attn_fwd_fp8, ptrs, consts, floats=("scale_log2",),
+        compile_one(f"attn {'int8qk' if int8 else 'fp8'} d{d} B{B} g{g} {mode}", fk._attn_fwd_fp8, ptrs, consts, floats=("scale_log2",),
                     num_warps=t.num_warps, num_stages=t.num_stages, sass_dir=sass_dir, ptxas=ptxas)
 
 
@@ -178,7 +183,8 @@ def compile_index(sass_dir=None, shard=(0, 1)):
                                         "counts", "row_ptr", "n_visible", "bits")}
             ptrs.update(q_ptr=p16, k_mean="*fp32", k_lowp=p16, scratch="*fp32", k_scale="*fp32")
             consts = dict(GROUP=4, HEAD_DIM=d, TILE_ROWS=128, BLOCK_SIZE=B, BLOCK_J=t.select_block_j,
-                          KEEP_ALL_SCORED=keep, FP8=False, HW_CVT=False, MAX_PRUNABLE=False, ROW_MASS=False)
+                          KEEP_ALL_SCORED=keep, FP8=False, HW_CVT=False, MAX_PRUNABLE=False, ROW_MASS=False,
+                          QK_INT8=False)
             compile_one(f"select d{d} {str(dtype)[6:]} B{B} keepall{int(keep)}", ik._select_kernel, ptrs, consts,
                         floats=("scale_log2", "log2_alpha"), num_warps=t.select_num_warps,
                         num_stages=t.select_num_stages, sass_dir=sass_dir)
@@ -190,7 +196,8 @@ def compile_index(sass_dir=None, shard=(0, 1)):
         ptrs.update(q_ptr="*bf16", k_mean="*fp32", k_lowp="*fp8e4nv" if fp8 else "*bf16", scratch="*fp32",
                     k_scale="*fp32")
         consts = dict(GROUP=4, HEAD_DIM=d, TILE_ROWS=128, BLOCK_SIZE=128, BLOCK_J=t.select_block_j,
-                      KEEP_ALL_SCORED=False, FP8=fp8, HW_CVT=False, MAX_PRUNABLE=prunable, ROW_MASS=mass)
+                      KEEP_ALL_SCORED=False, FP8=fp8, HW_CVT=False, MAX_PRUNABLE=prunable, ROW_MASS=mass,
+                      QK_INT8=False)
         compile_one(f"select{' fp8' if fp8 else ''} d{d} bfloat16 B128 prunable{int(prunable)} mass{int(mass)}",
                     ik._select_kernel, ptrs, consts, floats=("scale_log2", "log2_alpha"),
                     num_warps=t.select_num_warps, num_stages=t.select_num_stages, sass_dir=sass_dir)
@@ -201,7 +208,7 @@ def compile_index(sass_dir=None, shard=(0, 1)):
                                     "counts", "row_ptr", "n_visible", "bits")}
         ptrs.update(q_ptr="*bf16", k_mean="*fp32", k_lowp="*fp8e4nv", scratch="*fp32", k_scale="*fp32")
         consts = dict(GROUP=4, HEAD_DIM=d, TILE_ROWS=128, BLOCK_SIZE=128, BLOCK_J=t.select_block_j,
-                      KEEP_ALL_SCORED=False, FP8=True, HW_CVT=hw, MAX_PRUNABLE=False, ROW_MASS=False)
+                      KEEP_ALL_SCORED=False, FP8=True, HW_CVT=hw, MAX_PRUNABLE=False, ROW_MASS=False, QK_INT8=False)
         compile_one(f"select fp8 d{d} bfloat16 B128" + (" hwcvt" if hw else ""), ik._select_kernel, ptrs, consts,
                     floats=("scale_log2", "log2_alpha"), num_warps=t.select_num_warps,
                     num_stages=t.select_num_stages, sass_dir=sass_dir)
@@ -230,21 +237,46 @@ def compile_index(sass_dir=None, shard=(0, 1)):
                 div16=strides)
     for hw in (False, True):
         compile_one("prepass quant d128 bfloat16 ps64" + (" hwcvt" if hw else ""), qk._kv_quant_kernel, qptrs,
-                    dict(qconsts, HW_CVT=hw), sass_dir=sass_dir, div16=strides + ("total_k",))
+                    dict(qconsts, HW_CVT=hw, K_INT8=False), sass_dir=sass_dir, div16=strides + ("total_k",))
     compile_one("expand", ik._expand_kernel, dict(bits="*i32", row_ptr="*i32", n_visible="*i32", col_idx="*i32"),
                 dict(WORDS=t.expand_words), sass_dir=sass_dir)
 
 
+def compile_index_int8(sass_dir=None, shard=(0, 1)):
+    """Precision "int8qk"'s index and pre-pass (``docs/fp8.md`` section 10): the selection with
+    ``QK_INT8`` (int8 Q tile and ``k_mean8``) and the quantise pass with ``K_INT8`` (int8 ``k8``)."""
+    t = IndexConfig()
+    if shard[0] != 0:
+        return
+    for d, prunable, mass in ((64, False, False), (128, False, False), (256, False, False), (128, True, True)):
+        ptrs = {n: "*i32" for n in ("tile_request", "tile_local", "cu_seqlens_q", "seq_lens", "block_ptr",
+                                    "counts", "row_ptr", "n_visible", "bits")}
+        ptrs.update(q_ptr="*bf16", k_mean="*fp32", k_lowp="*i8", scratch="*fp32", k_scale="*fp32")
+        consts = dict(GROUP=4, HEAD_DIM=d, TILE_ROWS=128, BLOCK_SIZE=128, BLOCK_J=t.select_block_j,
+                      KEEP_ALL_SCORED=False, FP8=True, HW_CVT=False, MAX_PRUNABLE=prunable, ROW_MASS=mass,
+                      QK_INT8=True)
+        compile_one(f"select int8qk d{d} bfloat16 B128 prunable{int(prunable)} mass{int(mass)}", ik._select_kernel,
+                    ptrs, consts, floats=("scale_log2", "log2_alpha"), num_warps=t.select_num_warps,
+                    num_stages=t.select_num_stages, sass_dir=sass_dir)
+    qptrs = dict(k_ptr="*bf16", v_ptr="*bf16", page_table_ptr="*i32", seq_lens_ptr="*i32", amax_ptr="*i32",
+                 cu_k_ptr="*i32", inv_ptr="*fp32", k8_ptr="*i8", v8t_ptr="*fp8e4nv")
+    strides = ("k_stride_page", "k_stride_slot", "k_stride_head", "v_stride_page", "v_stride_slot", "v_stride_head")
+    for hw in (False, True):
+        compile_one("prepass quant int8qk d128 bfloat16 ps64" + (" hwcvt" if hw else ""), qk._kv_quant_kernel, qptrs,
+                    dict(HKV=8, PAGE_SIZE=64, D=128, BLOCK_T=qk.BLOCK_T, HW_CVT=hw, K_INT8=True), sass_dir=sass_dir,
+                    div16=strides + ("total_k",))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("only", nargs="?", default="", choices=["", "attn", "index", "fp8"])
+    ap.add_argument("only", nargs="?", default="", choices=["", "attn", "index", "fp8", "int8qk"])
     ap.add_argument("--sass", default=None, help="write each configuration's SASS into this directory")
     ap.add_argument("--shard", default="0/1", help="K/N: this process compiles configurations K, K+N, ...")
     ap.add_argument("--fp8-set", default="", metavar="FIELD=INT,...",
-                    help="fp8 only: AttnConfig fields replaced in every configuration (a lab variant), "
+                    help="fp8 / int8qk only: AttnConfig fields replaced in every configuration (a lab variant), "
                          "e.g. exp_impl=poly_half,num_stages=3")
     ap.add_argument("--ptxas", action="store_true",
-                    help="fp8 only: also print ptxas' performance notes (C7515: every wgmma serialized)")
+                    help="fp8 / int8qk only: also print ptxas' performance notes (C7515: every wgmma serialized)")
     a = ap.parse_args(argv)
     fields = dict(kv.split("=") for kv in a.fp8_set.split(",") if kv)
     bad = set(fields) - {f.name for f in dataclasses.fields(AttnConfig)}
@@ -255,9 +287,13 @@ def main(argv=None) -> None:
         compile_attention(a.sass, (k, n))
     if a.only in ("", "index"):
         compile_index(a.sass, (k, n))
+    variant = lambda t: dataclasses.replace(    # noqa: E731
+        t, **{f: v if isinstance(getattr(t, f), str) else type(getattr(t, f))(int(v)) for f, v in fields.items()})
     if a.only in ("", "fp8"):
-        compile_attention_fp8(a.sass, (k, n), ptxas=a.ptxas, attn=lambda t: dataclasses.replace(
-            t, **{f: v if isinstance(getattr(t, f), str) else type(getattr(t, f))(int(v)) for f, v in fields.items()}))
+        compile_attention_fp8(a.sass, (k, n), ptxas=a.ptxas, attn=variant)
+    if a.only in ("", "int8qk"):
+        compile_attention_fp8(a.sass, (k, n), ptxas=a.ptxas, attn=variant, int8=True)
+        compile_index_int8(a.sass, (k, n))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ Measured on this 2-core CPU, one thread: SmolLM2-135M shapes (9 q / 3 kv heads, 
 ``precision="fp8"`` simulates the e4m3 operands of ``docs/fp8.md`` exactly (``flashprefill.quant``:
 quantise -> dequantise round trips through ``torch.float8_e4m3fn``, the math around them as above);
 ``float8_e4m3fn`` caches are read with their ``k_descale`` / ``v_descale``, one request at a time.
+``precision="int8qk"`` (docs/fp8.md section 10) is the same with int8 codes for Q, K and the key means
+(``quant.round_trip_int8``: ``amax / 127`` scales, round half to even); V, P and the V means as "fp8".
 The default ``precision="bf16"`` path runs the same operations as before FP8 existed.
 
 ``python -m flashprefill.impl.reference`` prints the block map of a tiny case.
@@ -37,7 +39,7 @@ import math
 import torch
 
 from .. import quant
-from ..config import PRECISIONS, SparseConfig
+from ..config import EIGHT_BIT_PRECISIONS, PRECISIONS, SparseConfig
 from ..index import BlockIndex
 from ..plan import BatchPlan, host_tile_ptr, make_plan
 
@@ -78,13 +80,28 @@ def _gather_kv(cache: torch.Tensor, page_table: torch.Tensor, b: int, lk: int) -
 
 
 def _is_fp8(precision: str) -> bool:
+    """Whether ``precision`` runs 8-bit operands ("fp8" or "int8qk"); raises on an unknown one."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    return precision == "fp8"
+    return precision in EIGHT_BIT_PRECISIONS
 
 
-def _operands(cache, descale, page_table, b: int, lk: int, dt: torch.dtype, fp8: bool):
-    """K (or V) of request ``b`` for the means and for the GEMMs (docs/fp8.md section 2).
+def _check_int8qk_cache(precision: str, k_cache: torch.Tensor) -> bool:
+    """Whether ``precision`` is "int8qk" (Q, K on int8); raises ``ValueError`` for an e4m3 cache with it."""
+    if precision == "int8qk" and k_cache.dtype == quant.E4M3:
+        raise ValueError("precision='int8qk' quantises bf16 / fp16 K to int8 and cannot read a float8_e4m3fn "
+                         "KV cache; precision='fp8' reads e4m3 caches as they are")
+    return precision == "int8qk"
+
+
+def _round_trip_k(x: torch.Tensor, s: torch.Tensor, inv: torch.Tensor, dt: torch.dtype, int8: bool) -> torch.Tensor:
+    """K-side operand (K, its block means) as it stands for: int8 (``int8``) or e4m3 round trip."""
+    return quant.round_trip_int8(x, s, inv, dt) if int8 else quant.round_trip(x, s, inv, dt)
+
+
+def _operands(cache, descale, page_table, b: int, lk: int, dt: torch.dtype, fp8: bool, int8: bool = False):
+    """K (or V) of request ``b`` for the means and for the GEMMs (docs/fp8.md section 2; ``int8``:
+    K of "int8qk", int8 codes with ``amax / 127`` scales, section 10; 16-bit caches only).
 
     Args:
         cache: ``[num_pages, page_size, Hkv, d]``, a float dtype or ``float8_e4m3fn``.
@@ -105,18 +122,21 @@ def _operands(cache, descale, page_table, b: int, lk: int, dt: torch.dtype, fp8:
         return raw, raw, s, 1.0 / s
     if not fp8:
         return x.to(dt), x.to(dt), None, None
-    s, inv = quant.kv_scales(x)
-    return x.to(dt), quant.round_trip(x, s[:, None], inv[:, None], dt), s, inv
+    if int8:
+        s, inv = quant.int8_scales(quant.abs_max(x, (0, 2)))
+    else:
+        s, inv = quant.kv_scales(x)
+    return x.to(dt), _round_trip_k(x, s[:, None], inv[:, None], dt, int8), s, inv
 
 
-def _fp8_q_tiles(qb: torch.Tensor, hkv: int, g: int, tile_rows: int, dt: torch.dtype) -> torch.Tensor:
+def _fp8_q_tiles(qb: torch.Tensor, hkv: int, g: int, tile_rows: int, dt: torch.dtype, int8: bool = False) -> torch.Tensor:
     """GQA-packed query tiles as their FP8 operand stands for them (docs/fp8.md section 2).
 
     Args:
         qb: ``[Lq, Hq, d]`` queries of one request (unscaled by ``τ``).
     Returns:
         ``[Hkv, n_tiles, tile_rows, d]`` in ``dt``: each tile (rows past ``Lq * g`` zero) quantised
-        with its own ``amax / 448`` scale and dequantised.
+        with its own ``amax / 448`` scale and dequantised (``int8``: int8 codes, ``amax / 127``).
     """
     lq, _, d = qb.shape
     rows = lq * g
@@ -124,8 +144,11 @@ def _fp8_q_tiles(qb: torch.Tensor, hkv: int, g: int, tile_rows: int, dt: torch.d
     qp = qb.new_zeros(hkv, n_tiles * tile_rows, d)
     qp[:, :rows] = qb.view(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, rows, d)
     qp = qp.view(hkv, n_tiles, tile_rows, d)
-    s, inv = quant.tile_scales(qp)
-    return quant.round_trip(qp, s[..., None, None], inv[..., None, None], dt)
+    if int8:
+        s, inv = quant.int8_scales(quant.abs_max(qp, (-2, -1)))
+    else:
+        s, inv = quant.tile_scales(qp)
+    return _round_trip_k(qp, s[..., None, None], inv[..., None, None], dt, int8)
 
 
 def _block_means(x: torch.Tensor, block_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,6 +195,7 @@ def _select_request(
     config: SparseConfig,
     scale: float,
     fp8: bool = False,
+    int8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Selected blocks of every tile of one request (docs/layout.md "Selection").
 
@@ -179,7 +203,7 @@ def _select_request(
         qb: ``[Lq, Hq, d]`` queries of the request (any float dtype).
         k_mean: ``[n_blocks, Hkv, d]`` block means (compute dtype; with ``fp8`` already the
             e4m3 round trip with K's scales).
-        fp8: score with e4m3 query tiles (docs/fp8.md).
+        fp8: score with e4m3 query tiles (docs/fp8.md); ``int8`` too: int8 query tiles ("int8qk").
     Returns:
         ``(S [Hkv, n_tiles, n_blocks] bool, n_visible [n_tiles] int64)``.
     """
@@ -210,7 +234,7 @@ def _select_request(
     # Energies (3.3) in chunks of tiles: ℓ is [Hkv, rows_chunk, nb]; with block_score "mass" each
     # valid row's softmax over the blocks it sees (those the threshold decides), summed over rows.
     if fp8:
-        qp = _fp8_q_tiles(qb, hkv, g, tile_rows, dt).view(hkv, -1, d)[:, :rows] * scale
+        qp = _fp8_q_tiles(qb, hkv, g, tile_rows, dt, int8).view(hkv, -1, d)[:, :rows] * scale
     else:
         qp = qb.to(dt).view(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, rows, d) * scale
     kT = k_mean.permute(1, 2, 0)                                           # [Hkv, d, nb]
@@ -339,8 +363,9 @@ def build_index(
         config: method knobs (``SparseConfig()`` when None).
         softmax_scale: ``τ`` (``1/sqrt(d)`` when None).
         plan: the batch plan (built when None; must use ``config.block_size``).
-        precision: ``"bf16"`` or ``"fp8"`` (the block scoring ``q·k̄`` with e4m3 operands,
-            docs/fp8.md); the means themselves are never quantised in the index.
+        precision: ``"bf16"``, ``"fp8"`` (the block scoring ``q·k̄`` with e4m3 operands,
+            docs/fp8.md) or ``"int8qk"`` (int8 operands, section 10); the means themselves are never
+            quantised in the index.
         k_descale, v_descale: float32 0-dim or ``[batch, Hkv]``, required with ``float8_e4m3fn``
             caches (the value of a code is ``code * descale``), else None.
 
@@ -349,6 +374,7 @@ def build_index(
     """
     config = config or SparseConfig()
     fp8 = _is_fp8(precision)
+    int8 = _check_int8qk_cache(precision, k_cache)
     e4m3 = k_cache.dtype == quant.E4M3
     plan, scale, hkv, g = _resolve(q, seq_lens, cu_seqlens_q, k_cache, config.block_size, softmax_scale, plan)
     B = config.block_size
@@ -369,11 +395,11 @@ def build_index(
         if lk == 0:
             continue
         if fp8 or e4m3:
-            kraw, kop, ks, kinv = _operands(k_cache, k_descale, page_table, b, lk, dt, fp8)
+            kraw, kop, ks, kinv = _operands(k_cache, k_descale, page_table, b, lk, dt, fp8, int8)
             vraw = _operands(v_cache, v_descale, page_table, b, lk, dt, False)[0]
             km, n = _block_means(kraw, B, dt)
             vm, _ = _block_means(vraw, B, dt)
-            km_score = quant.round_trip(km, ks[:, None], kinv[:, None], dt) if fp8 else km
+            km_score = _round_trip_k(km, ks[:, None], kinv[:, None], dt, int8) if fp8 else km
         else:
             kraw = kop = _gather_kv(k_cache, page_table, b, lk)
             vraw = _gather_kv(v_cache, page_table, b, lk)
@@ -389,7 +415,7 @@ def build_index(
         v_means.append(vm)
         if lq == 0:
             continue
-        S, nv = _select_request(q[qs:qs + lq], km_score, lq, lk, g, plan.tile_rows, config, scale, fp8)
+        S, nv = _select_request(q[qs:qs + lq], km_score, lq, lk, g, plan.tile_rows, config, scale, fp8, int8)
         sel[:, tile_ptr[b]:tile_ptr[b + 1], :S.shape[2]] = S
         n_visible[tile_ptr[b]:tile_ptr[b + 1]] = nv
 
@@ -442,6 +468,7 @@ def _attend_request(
     fp8: bool = False,
     gpos: torch.Tensor | None = None,
     fold_count: torch.Tensor | None = None,
+    int8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one request (section 4), one KV head at a time, tiles in batched chunks.
 
@@ -461,7 +488,8 @@ def _attend_request(
     With ``fp8`` (docs/fp8.md): ``kb``, ``vb``, ``k_mean``, ``v_mean`` are already the e4m3 round
     trips; the query tiles are quantised here (one scale per tile); both products with V take the
     probabilities as ``e4m3(p * P_SCALE)`` and divide the factor out of the fp32 sum, while the
-    denominator sums the unquantised ``p``.
+    denominator sums the unquantised ``p``. ``int8`` ("int8qk", with ``fp8``): ``kb`` and ``k_mean``
+    are int8 round trips and the query tiles are quantised to int8 (docs/fp8.md section 10).
 
     Args:
         qb: ``[Lq, Hq, d]``; kb, vb: ``[Lk, Hkv, d]``; sel: ``[Hkv, n_tiles, n_blocks]`` bool;
@@ -491,7 +519,7 @@ def _attend_request(
             ln_n = torch.log(fold_count.to(dt))                            # log 0 = -inf: nothing to fold
     # Packed rows, padded to whole tiles (pad rows are computed and dropped).
     if fp8:
-        qp = _fp8_q_tiles(qb, hkv, g, TR, dt) * scale
+        qp = _fp8_q_tiles(qb, hkv, g, TR, dt, int8) * scale
     else:
         qp = torch.zeros(hkv, n_tiles * TR, d, dtype=dt, device=dev)
         qp[:, :rows] = qb.to(dt).view(lq, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, rows, d) * scale
@@ -574,7 +602,7 @@ def _attend_request(
 
 
 def _attention(q, k_cache, v_cache, page_table, plan, scale, block_size, sel_all, tile_ptr, index, mean_correction,
-               fp8=False, k_descale=None, v_descale=None):
+               fp8=False, k_descale=None, v_descale=None, int8=False):
     dt = _compute_dtype(q)
     e4m3 = k_cache.dtype == quant.E4M3
     out = torch.zeros_like(q)
@@ -583,7 +611,7 @@ def _attention(q, k_cache, v_cache, page_table, plan, scale, block_size, sel_all
         if lq == 0:
             continue
         if fp8 or e4m3:
-            _, kb, ks, kinv = _operands(k_cache, k_descale, page_table, b, lk, dt, fp8)
+            _, kb, ks, kinv = _operands(k_cache, k_descale, page_table, b, lk, dt, fp8, int8)
             _, vb, vs, vinv = _operands(v_cache, v_descale, page_table, b, lk, dt, fp8)
         else:
             kb = _gather_kv(k_cache, page_table, b, lk)
@@ -595,13 +623,13 @@ def _attention(q, k_cache, v_cache, page_table, plan, scale, block_size, sel_all
             bp = sum(-(-x // block_size) for x in plan.kv_lens[:b])
             km, vm = index.k_mean[bp:bp + nb].to(dt), index.v_mean[bp:bp + nb].to(dt)
             if fp8:                                                        # means take their K / V scale
-                km = quant.round_trip(km, ks[:, None], kinv[:, None], dt)
+                km = _round_trip_k(km, ks[:, None], kinv[:, None], dt, int8)
                 vm = quant.round_trip(vm, vs[:, None], vinv[:, None], dt)
         gpos = fold = None
         if sel is not None and index.global_pos is not None:              # section 4.1
             gpos, fold = index.global_pos[b], index.fold_count[bp:bp + nb]
         o, l = _attend_request(q[qs:qs + lq], kb, vb, lq, lk, plan.group_size, scale, dt, block_size,
-                               plan.tile_rows, sel, km, vm, mean_correction, fp8, gpos, fold)
+                               plan.tile_rows, sel, km, vm, mean_correction, fp8, gpos, fold, int8)
         out[qs:qs + lq] = o.to(q.dtype)
         lse[qs:qs + lq] = l
     return out, lse
@@ -626,7 +654,8 @@ def sparse_attention(
 
     Args: as ``build_index``, plus ``index`` (built when None, with the same ``precision``).
         ``precision="fp8"``: e4m3 operands in ``Q K^T``, ``P V`` and both mean-correction
-        products (docs/fp8.md).
+        products (docs/fp8.md); ``"int8qk"``: int8 operands in ``Q K^T`` and the scoring / mean logits,
+        e4m3 in the products with V (section 10; raises ``ValueError`` with an e4m3 cache).
 
     Returns:
         ``(out [total_q, Hq, d] in q's dtype, lse [total_q, Hq] float32 (float64 for float64 q))``;
@@ -634,6 +663,7 @@ def sparse_attention(
     """
     config = config or SparseConfig()
     fp8 = _is_fp8(precision)
+    int8 = _check_int8qk_cache(precision, k_cache)
     plan, scale, hkv, g = _resolve(q, seq_lens, cu_seqlens_q, k_cache, config.block_size, softmax_scale, plan)
     if index is None:
         index = build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale, plan,
@@ -643,7 +673,7 @@ def sparse_attention(
     max_nb = plan.max_blocks(B)
     sel_all = _csr_to_mask(index, hkv, tile_ptr[-1], max_nb)
     return _attention(q, k_cache, v_cache, page_table, plan, scale, B, sel_all, tile_ptr, index,
-                      config.mean_correction, fp8, k_descale, v_descale)
+                      config.mean_correction, fp8, k_descale, v_descale, int8)
 
 
 def dense_attention(
@@ -668,10 +698,11 @@ def dense_attention(
         ``(out [total_q, Hq, d] in q's dtype, lse [total_q, Hq] float32 (float64 for float64 q))``.
     """
     fp8 = _is_fp8(precision)
+    int8 = _check_int8qk_cache(precision, k_cache)
     block_size = plan.block_size if plan is not None else 128
     plan, scale, _, _ = _resolve(q, seq_lens, cu_seqlens_q, k_cache, block_size, softmax_scale, plan)
     return _attention(q, k_cache, v_cache, page_table, plan, scale, plan.block_size, None, None, None, False,
-                      fp8, k_descale, v_descale)
+                      fp8, k_descale, v_descale, int8)
 
 
 # --------------------------------------------------------------------------------------------

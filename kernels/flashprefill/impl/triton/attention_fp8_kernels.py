@@ -16,6 +16,10 @@ compiled code is untouched by it); same grid, program order, tile geometry, loop
   8-bit ``wgmma`` requires. Each request starts at a multiple of ``TMA_ALIGN`` tokens
   (``tl.multiple_of``): the tile's rows are then 16-byte cp.async copies in the software pipeline,
   where an unaligned start compiles to one-byte synchronous loads (64 per thread per step at d 128);
+- precision "int8qk" (``QK_INT8``, ``docs/fp8.md`` section 10): the Q tile, ``k8`` and ``k_mean8``
+  are int8 codes (``quant_kernels._quantize_tile_int8``, scales ``amax / 127``); each ``Q K^T`` /
+  ``q·k̄`` dot is an exact int32 sum converted to fp32 before the same logit factor. V, P and the
+  rest as above (the e4m3 dots' ``.to(tl.float32)`` is the identity: the FP8 code is unchanged);
 - mean correction from the selection bitmask only: ``k_mean8 [n_blocks, Hkv, d]`` and
   ``v_mean8t [Hkv, d, n_cols]`` (both with their request's K / V scale), logit
   ``τ q·k̄ + ln n_j``; request ``b``'s first ``v_mean8t`` column is ``mean_cols[b]`` (``MEAN_VEC``:
@@ -32,7 +36,7 @@ from ... import quant
 from .attention_kernels import LN2, _count_logs
 from .index_kernels import _n_fully_seen, _tile_geometry
 from .quant_kernels import TMA_ALIGN as _TMA_ALIGN
-from .quant_kernels import _quantize_tile
+from .quant_kernels import _quantize_tile, _quantize_tile_int8
 
 TMA_ALIGN = tl.constexpr(_TMA_ALIGN)
 
@@ -171,7 +175,7 @@ def _fp8_inner(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, lo, hi, P, lk, kv0, tok,
                     # V8^T masked in groups of TMA_ALIGN tokens (16-byte copies): the slots in
                     # [lk, lk_al) are the pre-pass's zero gap, their logits are -inf below
                     vt = tl.load(v_ptrs, mask=(pos < lk_al)[None, :], other=0.0)
-                s = tl.dot(q8, tl.trans(k))
+                s = tl.dot(q8, tl.trans(k)).to(tl.float32)      # int8 (int8qk): exact int32 sum
                 if not FOLD:
                     s = s * scale2
                 if MASK == 1:
@@ -241,14 +245,14 @@ def _fp8_inner_pipe(acc, m_i, l_i, q8, k8_h, v8t_h, col_idx, lo, hi, P, lk, kv0,
     last = tl.maximum(n_steps - 1, 0)
     if n_steps > 0:
         k = _fp8_k_tile(k8_h, kv0, _fp8_step_pos(0, lo, col_idx, BLOCK_N, BLOCK_SIZE, SPARSE), lk, HEAD_DIM, MASK)
-        s_next = tl.dot(q8, tl.trans(k))
+        s_next = tl.dot(q8, tl.trans(k)).to(tl.float32)
         for t in tl.range(0, n_steps, num_stages=STAGES):
             s = s_next
             pos = _fp8_step_pos(t, lo, col_idx, BLOCK_N, BLOCK_SIZE, SPARSE)
             vt = _fp8_v_tile(v8t_h, kv0, pos, lk_al, total_k, HEAD_DIM, MASK)
             pos_next = _fp8_step_pos(tl.minimum(t + 1, last), lo, col_idx, BLOCK_N, BLOCK_SIZE, SPARSE)
             k = _fp8_k_tile(k8_h, kv0, pos_next, lk, HEAD_DIM, MASK)
-            s_next = tl.dot(q8, tl.trans(k))
+            s_next = tl.dot(q8, tl.trans(k)).to(tl.float32)
             if not FOLD:
                 s = s * scale2
             if MASK == 1:
@@ -291,7 +295,7 @@ def _fp8_means(acc, m_i, l_i, q8, k_mean8, v_mean8t_h, bits_row, n_words, n_u, b
         word = tl.where(rel_j < 32, w0, w1)
         use = cand & (((word >> (rel_j % 32)) & 1) == 0)
         bias = tl.where(use, log2_n, float("-inf"))
-        s = tl.fma(tl.dot(q8, tl.trans(km)), scale2, bias[None, :])
+        s = tl.fma(tl.dot(q8, tl.trans(km)).to(tl.float32), scale2, bias[None, :])
         acc, m_i, l_i = _fp8_step(acc, m_i, l_i, s, vmt, scale2, EXP, INLINE_ASM, False)
     return acc, m_i, l_i
 
@@ -321,6 +325,7 @@ def _attn_fwd_fp8(
     PIPELINE: tl.constexpr,
     MEAN_VEC: tl.constexpr,
     LOOP_GUARD: tl.constexpr,
+    QK_INT8: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_M == TILE_ROWS)       # the Q scale is the whole tile's
     tl.static_assert(BLOCK_SIZE % BLOCK_N == 0)
@@ -340,7 +345,10 @@ def _attn_fwd_fp8(
     dims = tl.arange(0, HEAD_DIM)
     q_off = (q_start + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
     q = tl.load(q_ptr + q_off[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
-    q8, s_q = _quantize_tile(q.to(tl.float32))
+    if QK_INT8:
+        q8, s_q = _quantize_tile_int8(q.to(tl.float32))
+    else:
+        q8, s_q = _quantize_tile(q.to(tl.float32))
     s_k = tl.load(k_scale + b * n_kv_heads + h)
     s_v = tl.load(v_scale + b * n_kv_heads + h)
     scale2 = scale_log2 * s_q * s_k                  # log2-unit logit per unit of Σ q8 k8

@@ -20,7 +20,7 @@ import torch
 import triton
 
 from ... import quant
-from ...config import PRECISIONS, TRITON_DTYPES, TRITON_HEAD_DIMS, SparseConfig
+from ...config import EIGHT_BIT_PRECISIONS, PRECISIONS, TRITON_DTYPES, TRITON_HEAD_DIMS, SparseConfig
 from ...index import BlockIndex
 from ...plan import BatchPlan
 from . import attention_kernels as ak
@@ -63,9 +63,10 @@ def _kernels(q: torch.Tensor, block_size: int, kernels: KernelConfig | None, pre
 
 
 def _is_fp8(precision: str) -> bool:
+    """Whether ``precision`` runs the 8-bit kernels ("fp8", "int8qk"); raises on an unknown one."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    return precision == "fp8"
+    return precision in EIGHT_BIT_PRECISIONS
 
 
 def _descale_means(mean: torch.Tensor, descale, plan: BatchPlan) -> torch.Tensor:
@@ -192,12 +193,15 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
     ``BlockIndex.kv_amax``: K's scale without a separate launch, and the attention's pre-pass
     (``sparse_attention``) skips its own amax launch. ``tiles.hw_cvt``: the selection's Q-tile
     codes (and, in ``sparse_attention``, the pre-pass's K / V codes) by the hardware cast.
+    ``precision="int8qk"`` (``docs/fp8.md`` section 10, 16-bit caches): the same with int8 Q tiles
+    and int8 key means (``amax / 127`` scales), the selection's ``QK_INT8`` mode.
 
     Raises:
         ValueError: ``plan.block_size != config.block_size``, or a head dim / dtype the kernels
             do not take.
     """
     fp8 = _is_fp8(precision)
+    int8 = precision == "int8qk"
     e4m3 = k_cache.dtype == quant.E4M3
     tiles = _kernels(q, config.block_size, kernels, precision).index
     B = config.block_size
@@ -227,7 +231,7 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
         bits = torch.empty(n_seg, n_words, dtype=torch.int32, device=dev)
         alpha = float(config.alpha)
         prunable, mass = config.threshold_max == "prunable", config.block_score == "mass"
-        occ_key = (dev, d, q.dtype, g, B, plan.tile_rows, tiles, alpha == 0.0, fp8, prunable, mass)
+        occ_key = (dev, d, q.dtype, g, B, plan.tile_rows, tiles, alpha == 0.0, fp8, prunable, mass, int8)
         n_prog = _n_programs(dev, n_seg, _SELECT_OCC.get(occ_key, tiles.select_programs_per_sm))
         scratch_cols = max(block_j, triton.cdiv(max_nb, block_j) * block_j)
         scratch = torch.empty(n_prog, scratch_cols, dtype=torch.float32, device=dev)
@@ -246,11 +250,12 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
             k_scale = qk.descale_grid(k_descale, plan.batch, hkv)
             k_inv = 1.0 / k_scale
         elif amax is not None:
-            k_scale, k_inv = quant.amax_scales(amax[0].view(torch.float32))
+            k_scale, k_inv = (quant.int8_scales if int8 else quant.amax_scales)(amax[0].view(torch.float32))
         else:
-            scale2, inv2 = qk.kv_amax_scales(k_cache, v_cache, page_table, seq_lens, plan)
+            scale2, inv2 = qk.kv_scales_for(qk.kv_amax(k_cache, v_cache, page_table, seq_lens, plan), int8)
             k_scale, k_inv = scale2[0].contiguous(), inv2[0]
-        k_lowp = quant.quantize(k_mean, k_inv[qk.block_requests(plan, dev)][:, :, None])   # k_mean8
+        quantize = quant.quantize_int8 if int8 else quant.quantize
+        k_lowp = quantize(k_mean, k_inv[qk.block_requests(plan, dev)][:, :, None])   # k_mean8
     if n_seg:
         compiled = ik._select_kernel[(n_prog,)](
             q, k_mean, k_lowp, plan.tile_request, plan.tile_local,
@@ -261,7 +266,7 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
             config.sink_tokens, config.window_tokens, config.dense_tail_tokens, config.min_sparse_len, k_scale,
             GROUP=g, HEAD_DIM=d, TILE_ROWS=plan.tile_rows, BLOCK_SIZE=B, BLOCK_J=block_j,
             KEEP_ALL_SCORED=alpha == 0.0, FP8=fp8, HW_CVT=fp8 and tiles.hw_cvt and q.is_cuda, MAX_PRUNABLE=prunable,
-            ROW_MASS=mass,
+            ROW_MASS=mass, QK_INT8=int8,
             num_warps=tiles.select_num_warps, num_stages=tiles.select_num_stages,
         )
         if dev.type == "cuda" and occ_key not in _SELECT_OCC:
@@ -417,7 +422,7 @@ def sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, co
     mc = bool(config.mean_correction)
     if _is_fp8(precision):
         kv = host_fp8.kv_operands(k_cache, v_cache, page_table, seq_lens, plan, k_descale, v_descale,
-                                  amax=index.kv_amax, hw_cvt=chosen.index.hw_cvt)
+                                  amax=index.kv_amax, hw_cvt=chosen.index.hw_cvt, k_int8=precision == "int8qk")
         return host_fp8.launch_attention_fp8(q, kv, seq_lens, cu_seqlens_q, scale, plan, tiles, sparse=True,
                                              mean_correction=mc, block_size=index.block_size, index=index)
     km, vm = _correction_means(q, plan, index) if mc else (None, None)
@@ -453,7 +458,8 @@ def dense_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, sof
     tiles = _kernels(q, plan.block_size, kernels, precision).attn
     scale = _scale(softmax_scale, q.shape[2])
     if _is_fp8(precision):
-        kv = host_fp8.kv_operands(k_cache, v_cache, page_table, seq_lens, plan, k_descale, v_descale)
+        kv = host_fp8.kv_operands(k_cache, v_cache, page_table, seq_lens, plan, k_descale, v_descale,
+                                  k_int8=precision == "int8qk")
         return host_fp8.launch_attention_fp8(q, kv, seq_lens, cu_seqlens_q, scale, plan, tiles, sparse=False,
                                              mean_correction=False, block_size=plan.block_size)
     return launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, scale, plan, tiles,

@@ -16,13 +16,14 @@ from .tiles import AttnConfig
 
 
 def kv_operands(k_cache, v_cache, page_table, seq_lens, plan: BatchPlan, k_descale=None, v_descale=None,
-                amax: torch.Tensor | None = None, hw_cvt: bool = False) -> qk.Fp8KV:
+                amax: torch.Tensor | None = None, hw_cvt: bool = False, k_int8: bool = False) -> qk.Fp8KV:
     """The e4m3 K / V of a batch: quantised by the pre-pass (bf16 / fp16 caches) or the e4m3 caches'
     codes as they are, with their descales (``docs/fp8.md`` sections 5 and 7). ``amax``: float32
-    ``[2, batch, Hkv]`` (``BlockIndex.kv_amax``) or None, ``hw_cvt``: see ``quant_kernels.quantize_kv``."""
+    ``[2, batch, Hkv]`` (``BlockIndex.kv_amax``) or None, ``hw_cvt``: see ``quant_kernels.quantize_kv``.
+    ``k_int8`` (precision "int8qk", 16-bit caches only: ``api`` refuses e4m3 ones): K as int8 codes."""
     if k_cache.dtype == quant.E4M3:
         return qk.gather_e4m3_kv(k_cache, v_cache, page_table, plan, k_descale, v_descale)
-    return qk.quantize_kv(k_cache, v_cache, page_table, seq_lens, plan, amax=amax, hw_cvt=hw_cvt)
+    return qk.quantize_kv(k_cache, v_cache, page_table, seq_lens, plan, amax=amax, hw_cvt=hw_cvt, k_int8=k_int8)
 
 
 def mean_bits(index: BlockIndex, plan: BatchPlan) -> torch.Tensor:
@@ -49,7 +50,8 @@ def launch_attention_fp8(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale:
 
     ``index``: the batch's ``BlockIndex`` (``sparse``); its float32 means are quantised with
     their request's K / V scale (``qk.quantize_means``; ``tiles.mean_vec``: ``v_mean8t``'s request
-    columns aligned, ``qk.mean_columns``) for the correction.
+    columns aligned, ``qk.mean_columns``) for the correction. An int8 ``kv.k8`` (precision "int8qk")
+    launches the kernel's ``QK_INT8`` mode (int8 Q tile and key means, ``docs/fp8.md`` section 10).
     """
     total_q, hq, d = q.shape
     hkv = kv.k8.shape[0]
@@ -60,6 +62,7 @@ def launch_attention_fp8(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale:
     if tiles.block_m != plan.tile_rows:
         raise ValueError(f"the FP8 attention needs block_m = tile_rows = {plan.tile_rows}, got {tiles.block_m}")
     mc = sparse and mean_correction
+    int8 = kv.k8.dtype == torch.int8
     if sparse:
         row_ptr, col_idx = index.row_ptr, index.col_idx
         bits = mean_bits(index, plan) if mc else row_ptr
@@ -68,7 +71,7 @@ def launch_attention_fp8(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale:
     if mc:
         k_mean8, v_mean8t, mean_cols = qk.quantize_means(index.k_mean, index.v_mean, kv, plan, aligned=tiles.mean_vec)
     else:
-        k_mean8 = torch.zeros(1, hkv, d, dtype=quant.E4M3, device=q.device)
+        k_mean8 = torch.zeros(1, hkv, d, dtype=kv.k8.dtype, device=q.device)
         v_mean8t = torch.zeros(hkv, d, qk.TMA_ALIGN, dtype=quant.E4M3, device=q.device)
         mean_cols = plan.block_ptr                          # unused placeholder
     n_prog = plan.n_tiles
@@ -85,7 +88,7 @@ def launch_attention_fp8(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale:
         BLOCK_N=tiles.block_n, BLOCK_SIZE=block_size, BLOCK_U=tiles.block_u,
         SPARSE=sparse, MEAN_CORR=mc, MAIN_STAGES=tiles.num_stages, MC_STAGES=tiles.mc_stages or tiles.num_stages,
         EXP=fk.EXP_IMPLS.index(tiles.exp_impl), FOLD_SCALE=tiles.fold_scale, PIPELINE=tiles.pipeline,
-        MEAN_VEC=tiles.mean_vec, LOOP_GUARD=tiles.loop_guard,
+        MEAN_VEC=tiles.mean_vec, LOOP_GUARD=tiles.loop_guard, QK_INT8=int8,
         INLINE_ASM=q.is_cuda,     # CPU tensors: the Triton interpreter (no PTX)
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )

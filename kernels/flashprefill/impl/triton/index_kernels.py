@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .quant_kernels import _quantize_tile
+from .quant_kernels import _quantize_tile, _quantize_tile_int8
 
 LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) = exp2(x * LOG2E)
 # Relative slack of the threshold test in the log2 domain: keeps a block whose energy equals the
@@ -175,7 +175,8 @@ def _chunk_logits(kc, qT, j0, n_scored, rows_tok, row_ok, P, lk, scale_log2, sin
     ok = (js < n_scored)[:, None] & row_ok[None, :] & (e_j[:, None] <= P + rows_tok[None, :] + 1)
     if MAX_PRUNABLE:
         ok = ok & ((js * BLOCK_SIZE >= sink_tokens) & (js < win_lo))[:, None]
-    return tl.where(ok, tl.dot(kc, qT) * scale_log2, float("-inf"))
+    # (int8 operands of int8qk: the exact int32 sum as fp32; the 16-bit / e4m3 dot is fp32 already)
+    return tl.where(ok, tl.dot(kc, qT).to(tl.float32) * scale_log2, float("-inf"))
 
 
 @triton.jit
@@ -215,7 +216,7 @@ def _score_chunk(kc, qT, j0, n_scored, rows_tok, row_ok, P, lk, scale_log2, need
     """
     js = j0 + tl.arange(0, BLOCK_J)
     j_ok = js < n_scored
-    dotT = tl.dot(kc, qT)                                          # q·k̄ [BLOCK_J, TILE_ROWS], unscaled
+    dotT = tl.dot(kc, qT).to(tl.float32)                           # q·k̄ [BLOCK_J, TILE_ROWS], unscaled
     if need_mask:
         e_j = tl.minimum((js + 1) * BLOCK_SIZE, lk)
         valid = row_ok[None, :] & j_ok[:, None] & (e_j[:, None] <= P + rows_tok[None, :] + 1)
@@ -251,6 +252,7 @@ def _select_kernel(
     HW_CVT: tl.constexpr = False,    # FP8: the Q tile's codes by the hardware cast (quant_kernels._to_e4m3)
     MAX_PRUNABLE: tl.constexpr = False,  # threshold_max "prunable": max E over blocks not sink / window
     ROW_MASS: tl.constexpr = False,      # block_score "mass": each row's softmax over its blocks, summed
+    QK_INT8: tl.constexpr = False,       # with FP8, precision "int8qk": int8 Q tile and k_mean8 (docs/fp8.md 10)
 ):
     """Selection of every segment (pass A: block energies, pass B: rules + threshold), see the
     module docstring. ``k_mean`` (float32 means) is not read: the scores use ``k_lowp``; it stays
@@ -259,7 +261,8 @@ def _select_kernel(
     ``FP8``: the Q tile is quantised where it is loaded (``quant_kernels._quantize_tile``, scale
     ``s_q``), ``k_lowp`` holds the e4m3 means ``k_mean8`` (K's scale, float32 ``k_scale
     [batch, Hkv]``), and the segment's logit factor is ``scale_log2 * s_q * s_k``. Without it
-    ``k_scale`` is not read."""
+    ``k_scale`` is not read. ``QK_INT8`` (with ``FP8``): the Q tile's codes and ``k_lowp`` are int8
+    (``quant_kernels._quantize_tile_int8``, ``amax / 127``), the dot an exact int32 sum."""
     tl.static_assert(BLOCK_J % 32 == 0)
     tl.static_assert(TILE_ROWS >= 16)
     WORDS: tl.constexpr = BLOCK_J // 32
@@ -282,7 +285,10 @@ def _select_kernel(
         q_off = (q_start + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
         q = tl.load(q_ptr + q_off[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
         if FP8:
-            q, s_q = _quantize_tile(q.to(tl.float32), HW_CVT)
+            if QK_INT8:
+                q, s_q = _quantize_tile_int8(q.to(tl.float32))
+            else:
+                q, s_q = _quantize_tile(q.to(tl.float32), HW_CVT)
             seg_scale = scale_log2 * s_q * tl.load(k_scale + b * (n_segments // n_tiles) + h)
         else:
             seg_scale = scale_log2

@@ -15,6 +15,10 @@ The e4m3 rounding is done in fp32 arithmetic (``_e4m3_rne``) before the cast, so
 converts exactly representable values: bit-exact on the GPU and under ``TRITON_INTERPRET=1``,
 whose own float8 cast neither rounds to nearest nor saturates (Triton 3.6). Inputs: bf16 / fp16
 caches (e4m3 caches need no pre-pass for K: ``docs/fp8.md`` section 5).
+
+``precision="int8qk"`` (``docs/fp8.md`` section 10): the K codes are int8 (``K_INT8``, scale
+``amax / 127``, ``_to_int8``: round half to even by the fp32 ``+ 1.5 * 2**23`` trick, exact for
+``|y| <= 127`` and bit-exact under the interpreter), the Q tiles too (``_quantize_tile_int8``); V stays e4m3.
 """
 from __future__ import annotations
 
@@ -41,11 +45,12 @@ BLOCK_T = 64
 class Fp8KV:
     """Quantised K / V of one batch and one layer (``docs/fp8.md`` section 7)."""
 
-    k8: torch.Tensor           # e4m3 [Hkv, total_k, d]; request b's tokens at cu_seqlens_k[b], zero gaps
+    k8: torch.Tensor           # e4m3 (int8 for int8qk) [Hkv, total_k, d]; request b's tokens at
+                               # cu_seqlens_k[b], zero gaps
     v8t: torch.Tensor          # e4m3 [Hkv, d, total_k]; V transposed (tokens contiguous), zero gaps
-    k_scale: torch.Tensor      # float32 [batch, Hkv]; amax / 448 of the request's K (dequant factor)
+    k_scale: torch.Tensor      # float32 [batch, Hkv]; amax / 448 (int8: / 127) of the request's K (dequant factor)
     v_scale: torch.Tensor      # float32 [batch, Hkv]; same for V
-    k_inv_scale: torch.Tensor  # float32 [batch, Hkv]; 448 / amax (the quantisation factor)
+    k_inv_scale: torch.Tensor  # float32 [batch, Hkv]; 448 (int8: 127) / amax (the quantisation factor)
     v_inv_scale: torch.Tensor  # float32 [batch, Hkv]
     cu_seqlens_k: torch.Tensor  # int32 [batch + 1]; request b's first slot, cumulative Lk each rounded
                                 # up to a multiple of TMA_ALIGN (total_k = cu_seqlens_k[-1])
@@ -104,6 +109,37 @@ def _quantize_tile(x, HW_CVT: tl.constexpr = False):
     return _to_e4m3(y, HW_CVT), scale
 
 
+INT8_MAX = tl.constexpr(quant.INT8_MAX)
+# 1.5 * 2**23: y + this rounds fp32 y (|y| < 2**22) to an integer, ties to even, in the low mantissa bits.
+RNE_MAGIC = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def _to_int8(y):
+    """int8 codes of fp32 ``y`` (any range): NaN -> 0, clamp to [-127, 127], round half to even
+    (``(y + 1.5 * 2**23) - 1.5 * 2**23``: 2 FADD, exact in fp32 for ``|y| <= 127``), then the exact cast.
+    The codes of ``quant.quantize_int8`` bit for bit, on the GPU and under the interpreter."""
+    y = tl.where(y == y, y, 0.0)
+    y = tl.where(y > INT8_MAX, INT8_MAX, tl.where(y < -INT8_MAX, -INT8_MAX, y))
+    r = (y + RNE_MAGIC) - RNE_MAGIC
+    return r.to(tl.int8)
+
+
+@triton.jit
+def _quantize_tile_int8(x):
+    """``_quantize_tile`` for the int8 Q operand of precision "int8qk" (``docs/fp8.md`` section 10):
+    ``(codes int8 [M, d], scale)`` with ``scale = amax / 127``, ``inv = 127 / amax`` (``div_rn``, NaN
+    ignored in ``amax``, ``amax < AMAX_FLOOR`` -> 1); the codes equal ``quant.quantize_int8``."""
+    a = tl.abs(x)
+    a = tl.where(a == a, a, 0.0)
+    amax = tl.max(tl.max(a, axis=1), axis=0)
+    tiny = amax < AMAX_FLOOR
+    safe = tl.where(tiny, 1.0, amax)
+    scale = tl.where(tiny, 1.0, tl.math.div_rn(safe, INT8_MAX))
+    inv = tl.where(tiny, 1.0, tl.math.div_rn(INT8_MAX, safe))
+    return _to_int8(x * inv), scale
+
+
 @triton.jit
 def _load_tokens(cache_ptr, page_table_ptr, b, h, t0, lk, stride_pt, stride_page, stride_slot, stride_head,
                  PAGE_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -147,9 +183,9 @@ def _kv_quant_kernel(k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, cu_k_ptr, inv_p
                      stride_pt, k_stride_page, k_stride_slot, k_stride_head,
                      v_stride_page, v_stride_slot, v_stride_head, n_pairs, total_k,
                      HKV: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
-                     HW_CVT: tl.constexpr = False):
+                     HW_CVT: tl.constexpr = False, K_INT8: tl.constexpr = False):
     # setup: program (request b, KV head h, token chunk c); inv_ptr is float32 [2, batch, Hkv] (K, V);
-    # HW_CVT: codes by the hardware cast (_to_e4m3)
+    # HW_CVT: codes by the hardware cast (_to_e4m3); K_INT8: K codes int8 (_to_int8, int8qk)
     b = tl.program_id(0)
     h = tl.program_id(1)
     t0 = tl.program_id(2) * BLOCK_T
@@ -167,9 +203,13 @@ def _kv_quant_kernel(k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, cu_k_ptr, inv_p
         k, _ = _load_tokens(k_ptr, page_table_ptr, b, h, t0, lk, stride_pt, k_stride_page, k_stride_slot,
                             k_stride_head, PAGE_SIZE, D, BLOCK_T)
         y = k * tl.load(inv_ptr + b * HKV + h)
-        y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))          # saturate, NaN kept
-        k8_row = k8_ptr + h.to(tl.int64) * total_k * D + dst[:, None] * D + dims[None, :]
-        tl.store(k8_row, _to_e4m3(y, HW_CVT), mask=in_al[:, None])
+        if K_INT8:
+            k8_row = k8_ptr + h.to(tl.int64) * total_k * D + dst[:, None] * D + dims[None, :]
+            tl.store(k8_row, _to_int8(y), mask=in_al[:, None])
+        else:
+            y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))      # saturate, NaN kept
+            k8_row = k8_ptr + h.to(tl.int64) * total_k * D + dst[:, None] * D + dims[None, :]
+            tl.store(k8_row, _to_e4m3(y, HW_CVT), mask=in_al[:, None])
         v, _ = _load_tokens(v_ptr, page_table_ptr, b, h, t0, lk, stride_pt, v_stride_page, v_stride_slot,
                             v_stride_head, PAGE_SIZE, D, BLOCK_T)
         y = v * tl.load(inv_ptr + n_pairs + b * HKV + h)
@@ -195,6 +235,19 @@ def _launch_shape(k_cache, v_cache, page_table, plan: BatchPlan):
     return grid, strides
 
 
+def kv_amax(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
+            plan: BatchPlan) -> torch.Tensor:
+    """``max |x|`` per (request, KV head) of K and V (one launch, ``_kv_amax_kernel``): float32
+    ``[2, batch, Hkv]`` (index 0: K, 1: V), NaN ignored. Args: as ``quantize_kv``."""
+    _, page_size, hkv, d = k_cache.shape
+    amax = torch.zeros(2, plan.batch, hkv, dtype=torch.int32, device=k_cache.device)
+    grid, strides = _launch_shape(k_cache, v_cache, page_table, plan)
+    if sum(plan.kv_lens):
+        _kv_amax_kernel[grid](k_cache, v_cache, page_table, seq_lens, amax, *strides,
+                              HKV=hkv, PAGE_SIZE=page_size, D=d, BLOCK_T=BLOCK_T)
+    return amax.view(torch.float32)
+
+
 def kv_amax_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
                    plan: BatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Per (request, KV head) scales of K and V (one launch, ``_kv_amax_kernel``).
@@ -203,17 +256,21 @@ def kv_amax_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: tor
     Returns:
         ``(scale, inv_scale)`` float32 ``[2, batch, Hkv]`` (index 0: K, 1: V), ``quant.amax_scales``.
     """
-    _, page_size, hkv, d = k_cache.shape
-    amax = torch.zeros(2, plan.batch, hkv, dtype=torch.int32, device=k_cache.device)
-    grid, strides = _launch_shape(k_cache, v_cache, page_table, plan)
-    if sum(plan.kv_lens):
-        _kv_amax_kernel[grid](k_cache, v_cache, page_table, seq_lens, amax, *strides,
-                              HKV=hkv, PAGE_SIZE=page_size, D=d, BLOCK_T=BLOCK_T)
-    return quant.amax_scales(amax.view(torch.float32))
+    return quant.amax_scales(kv_amax(k_cache, v_cache, page_table, seq_lens, plan))
+
+
+def kv_scales_for(amax: torch.Tensor, k_int8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, inv_scale)`` float32 ``[2, batch, Hkv]`` of ``amax`` ``[2, batch, Hkv]`` (K, V): e4m3
+    rules for both, or with ``k_int8`` (precision "int8qk") K's by ``quant.int8_scales``."""
+    scale, inv = quant.amax_scales(amax)
+    if k_int8:
+        ks, kinv = quant.int8_scales(amax[0])
+        scale, inv = torch.stack([ks, scale[1]]), torch.stack([kinv, inv[1]])
+    return scale, inv
 
 
 def quantize_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
-                plan: BatchPlan, amax: torch.Tensor | None = None, hw_cvt: bool = False) -> Fp8KV:
+                plan: BatchPlan, amax: torch.Tensor | None = None, hw_cvt: bool = False, k_int8: bool = False) -> Fp8KV:
     """Quantise a batch's K and V for the FP8 attention (``docs/fp8.md`` sections 2, 3, 7).
 
     Args:
@@ -224,23 +281,23 @@ def quantize_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.
             already reduced (``BlockIndex.kv_amax``, written by the block-means kernels), or None:
             one ``kv_amax_scales`` launch. Same scales either way (a max is exact).
         hw_cvt: the codes by the hardware cast (``_to_e4m3``; CUDA tensors only, else ignored).
+        k_int8: precision "int8qk": ``k8`` int8 with ``amax / 127`` scales (``docs/fp8.md`` section 10).
     Returns:
         ``Fp8KV`` (fresh tensors).
     """
     _, page_size, hkv, d = k_cache.shape
     dev = k_cache.device
     cu_k, total_k = _cu_seqlens_k(plan, dev)
-    k8 = torch.zeros(hkv, total_k, d, dtype=quant.E4M3, device=dev)
+    k8 = torch.zeros(hkv, total_k, d, dtype=torch.int8 if k_int8 else quant.E4M3, device=dev)
     v8t = torch.zeros(hkv, d, total_k, dtype=quant.E4M3, device=dev)
     if amax is None:
-        scale, inv = kv_amax_scales(k_cache, v_cache, page_table, seq_lens, plan)
-    else:
-        scale, inv = quant.amax_scales(amax)
+        amax = kv_amax(k_cache, v_cache, page_table, seq_lens, plan)
+    scale, inv = kv_scales_for(amax, k_int8)
     grid, strides = _launch_shape(k_cache, v_cache, page_table, plan)
     if total_k:
         _kv_quant_kernel[grid](k_cache, v_cache, page_table, seq_lens, cu_k, inv.contiguous(), k8, v8t, *strides,
                                total_k, HKV=hkv, PAGE_SIZE=page_size, D=d, BLOCK_T=BLOCK_T,
-                               HW_CVT=hw_cvt and k_cache.is_cuda)
+                               HW_CVT=hw_cvt and k_cache.is_cuda, K_INT8=k_int8)
     return Fp8KV(k8=k8, v8t=v8t, k_scale=scale[0], v_scale=scale[1], k_inv_scale=inv[0], v_inv_scale=inv[1],
                  cu_seqlens_k=cu_k)
 
@@ -322,9 +379,13 @@ def quantize_means(k_mean: torch.Tensor, v_mean: torch.Tensor, kv: Fp8KV, plan: 
         ``(k_mean8 e4m3 [n_blocks, Hkv, d], v_mean8t e4m3 [Hkv, d, n_cols], cu_cols int32
         [batch + 1])``: ``v_mean8t`` transposed for the ``P_m v̄`` product, ``n_cols`` a multiple of
         ``TMA_ALIGN``, zero where no block is; request ``b``'s first column ``cu_cols[b]``.
+        ``k_mean8`` is int8 (``quant.quantize_int8``) when ``kv.k8`` is (precision "int8qk").
     """
     req = block_requests(plan, k_mean.device)
-    k8 = quant.quantize(k_mean, kv.k_inv_scale[req][:, :, None])
+    if kv.k8.dtype == torch.int8:
+        k8 = quant.quantize_int8(k_mean, kv.k_inv_scale[req][:, :, None])
+    else:
+        k8 = quant.quantize(k_mean, kv.k_inv_scale[req][:, :, None])
     n_blocks, hkv, d = v_mean.shape
     codes = quant.quantize(v_mean, kv.v_inv_scale[req][:, :, None]).permute(1, 2, 0)
     if aligned:

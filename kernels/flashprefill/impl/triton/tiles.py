@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...config import PRECISIONS, TRITON_DTYPES, TRITON_HEAD_DIMS
+from ...config import EIGHT_BIT_PRECISIONS, PRECISIONS, TRITON_DTYPES, TRITON_HEAD_DIMS
 
 
 @dataclass(frozen=True)
@@ -169,8 +169,9 @@ def _attn_tiles_fp8(head_dim: int, block_size: int) -> AttnConfig:
 
 def _index_tiles(head_dim: int, precision: str) -> IndexConfig:
     # the FP8 index at d 128: the K / V amax from the block-means kernels, codes by the hardware cast
-    # (measured with the d-128 attention fields above; at d 64 the FP8 index was slower with them)
-    if precision == "fp8" and head_dim == 128:
+    # (measured with the d-128 attention fields above; at d 64 the FP8 index was slower with them);
+    # int8qk takes the same (its Q-tile codes are int8 either way; hw_cvt then serves V's codes)
+    if precision in EIGHT_BIT_PRECISIONS and head_dim == 128:
         return IndexConfig(fused_amax=True, hw_cvt=True)
     return IndexConfig()
 
@@ -182,7 +183,8 @@ def get_config(head_dim: int, dtype: torch.dtype, block_size: int, variant: str 
     Never keyed on sequence lengths. ``variant``: the name of a preset in ``VARIANTS`` (None: the
     measured defaults). ``precision``: ``"bf16"`` (the 16-bit kernels, measured) or ``"fp8"``
     (the e4m3 attention kernel's tiles; at d 128 with ``loop_guard`` / ``fold_scale`` /
-    ``mean_vec`` and the index's ``fused_amax`` / ``hw_cvt``, measured on the H200).
+    ``mean_vec`` and the index's ``fused_amax`` / ``hw_cvt``, measured on the H200); ``"int8qk"``
+    runs the same kernels with int8 ``Q K^T`` and takes fp8's tiles (not measured separately).
 
     Raises:
         ValueError: ``head_dim`` not in ``TRITON_HEAD_DIMS``, ``dtype`` not in ``TRITON_DTYPES``,
@@ -195,7 +197,8 @@ def get_config(head_dim: int, dtype: torch.dtype, block_size: int, variant: str 
         raise ValueError(f"head_dim must be one of {TRITON_HEAD_DIMS}, got {head_dim}")
     if dtype not in TRITON_DTYPES:
         raise ValueError(f"dtype must be one of {TRITON_DTYPES}, got {dtype}")
-    attn = _attn_tiles_fp8(head_dim, block_size) if precision == "fp8" else _attn_tiles(head_dim, block_size)
+    attn = (_attn_tiles_fp8(head_dim, block_size) if precision in EIGHT_BIT_PRECISIONS
+            else _attn_tiles(head_dim, block_size))
     cfg = KernelConfig(attn=attn, index=_index_tiles(head_dim, precision))
     if variant is not None:
         if variant not in VARIANTS:
