@@ -19,7 +19,8 @@ BLOCK_SCORES = ("energy", "mass")  # SparseConfig.block_score (docs/method.md se
 # import triton, so ``api.py`` (``backend="auto"``) and callers can test it without the kernels.
 TRITON_HEAD_DIMS = (64, 128, 256)
 # Attention operand precisions (``precision=`` of the API; semantics of "fp8" in docs/fp8.md).
-PRECISIONS = ("bf16", "fp8")
+PRECISIONS = ("bf16", "fp8", "int8qk")
+EIGHT_BIT_PRECISIONS = ("fp8", "int8qk")  # precisions that run the 8-bit kernels (docs/fp8.md)
 # FP8 on a GPU: e4m3 tensor cores need compute capability 8.9 (Ada) or newer (Hopper, Blackwell);
 # head dims the FP8 kernels take (a multiple of the 32-wide k step of an 8-bit MMA).
 FP8_MIN_CAPABILITY = (8, 9)
