@@ -337,7 +337,7 @@ def test_backend_choice_for_fp8():
 
 def test_unknown_precision(inp):
     for fn in (flashprefill.flashprefill_attention, flashprefill.build_index, flashprefill.dense_attention):
-        with pytest.raises(ValueError, match=r"precision must be one of \('bf16', 'fp8'\), got 'fp16'"):
+        with pytest.raises(ValueError, match=r"precision must be one of \('bf16', 'fp8', 'int8qk'\), got 'fp16'"):
             fn(*inp, precision="fp16")
 
 
