@@ -1,7 +1,8 @@
 """Run profiles: named YAML files that carry the method configuration and the engine settings.
 
 A profile is a built-in ``fpcli/builtin_profiles/<name>.yaml`` (``bf16``, ``accurate``, ``fp8``, ``dense``;
-package data, read with ``importlib.resources``) or any YAML path. The schema is documented in ``docs/profiles.md``; every key but ``name`` is optional
+package data, read with ``importlib.resources``) or any YAML path; ``NAME+fp8`` / ``NAME+int8qk`` /
+``NAME+bf16`` is that profile at another precision (``with_precision``), a rule, not a file. The schema is documented in ``docs/profiles.md``; every key but ``name`` is optional
 and defaults to the values of ``DEFAULTS`` below. A wrong key or value raises ``ProfileError``
 naming the file, the key and what is allowed.
 
@@ -83,7 +84,9 @@ class Profile:
         name: the profile's name (``bf16``, ``fp8``, ``dense`` or the user's).
         description: one line for humans.
         attention: ``flashprefill`` (block-sparse prefill) or ``dense``.
-        precision: ``bf16`` or ``fp8`` attention operands in the sparse prefill.
+        precision: the attention operands of the sparse prefill, one of ``PRECISIONS``: ``bf16``,
+            ``fp8`` (e4m3 operands) or ``int8qk`` (int8 Q and K for the block scoring and the
+            logits, e4m3 P and V; ``docs/fp8.md``).
         dense_layers: the decoder layers that always attend densely (``flashprefill.dense_layers``;
             parsed by ``parse_dense_layers``): an int N = the first N layers; a sorted tuple of
             layer ids = exactly those (a set that is ``0 .. N-1`` is kept as the int N).
@@ -302,18 +305,20 @@ def resolve_profile_path(name_or_path: str | Path) -> Path:
             raise ProfileError(not_a_file)
         raise ProfileError(
             f"unknown profile {text!r} (built-in: {', '.join(builtin_profiles())}; or a path to a .yaml file; "
-            f"NAME+fp8 or NAME+bf16: a profile at that precision)"
+            f"{', '.join(f'NAME+{p}' for p in PRECISIONS)}: a profile at that precision)"
         )
     return path
 
 
 def load_profile(name_or_path: str | Path = "bf16") -> Profile:
-    """Load and validate a profile by built-in name or path. ``NAME+fp8`` / ``NAME+bf16`` (a
-    built-in name or a path, when no file has that whole name) is that profile's twin at the
-    precision (``with_precision``), e.g. ``accurate+fp8``, as ``fp bench --fp8`` names it.
+    """Load and validate a profile by built-in name or path. ``NAME+fp8`` / ``NAME+int8qk`` /
+    ``NAME+bf16`` (a built-in name or a path, when no file has that whole name) is that profile's
+    twin at the precision (``with_precision``), e.g. ``accurate+fp8``, as ``fp bench --fp8`` names it.
 
     >>> p = load_profile("accurate+fp8"); p.name, p.precision, p.dense_layers
     ('accurate+fp8', 'fp8', 12)
+    >>> p = load_profile("accurate+int8qk"); p.name, p.precision, p.dense_layers
+    ('accurate+int8qk', 'int8qk', 12)
 
     Raises:
         ProfileError: file missing, a directory, empty, not YAML, unknown key, or wrong value; the
@@ -501,14 +506,17 @@ def with_context_length(profile: Profile, tokens: int) -> Profile:
 
 def with_precision(profile: Profile, precision: str) -> Profile:
     """The twin of ``profile`` whose sparse prefill runs its attention operands at ``precision``
-    (``bf16`` or ``fp8``), everything else the same: for the built-in ``bf16`` and ``fp8`` profiles
-    (twins that differ only in precision) the other built-in, as a user expects by name; for any
-    other profile the same profile at ``precision``, named ``<name>+<precision>`` (a dense profile
-    only records the request: it has no sparse prefill, and the engines say so). ``profile``
-    itself when it already asks for ``precision``.
+    (one of ``PRECISIONS``), everything else the same: for the built-in ``bf16`` and ``fp8`` profiles
+    (twins that differ only in precision) the built-in named ``precision``, as a user expects by
+    name, or ``bf16+<precision>`` where there is none (``int8qk``); for any other profile the same
+    profile at ``precision``, named ``<name>+<precision>`` (a dense profile only records the
+    request: it has no sparse prefill, and the engines say so). ``profile`` itself when it already
+    asks for ``precision``.
 
     >>> with_precision(load_profile("bf16"), "fp8").name, with_precision(load_profile("fp8"), "bf16").name
     ('fp8', 'bf16')
+    >>> with_precision(load_profile("fp8"), "int8qk").name, with_precision(load_profile("accurate"), "int8qk").name
+    ('bf16+int8qk', 'accurate+int8qk')
 
     Raises:
         ProfileError: ``precision`` is not one of ``PRECISIONS``.
@@ -517,7 +525,9 @@ def with_precision(profile: Profile, precision: str) -> Profile:
     if profile.precision == precision:
         return profile
     if profile.source is not None and profile_file(profile) is None and profile.name in PRECISIONS:
-        return load_profile(precision)  # the built-in twin: bf16 <-> fp8
+        if precision in builtin_profiles():
+            return load_profile(precision)  # the built-in twin: bf16 <-> fp8
+        profile = load_profile(PRECISIONS[0])  # bf16+int8qk, whichever built-in twin it came from
     return profile.replace(precision=precision, name=f"{profile.name}+{precision}")
 
 
@@ -542,19 +552,26 @@ def precision_twins(a: Profile, b: Profile) -> bool:
 
 
 def bf16_twin(profile: Profile, candidates: Sequence[Profile]) -> Profile | None:
-    """The BF16 twin of the FP8 ``profile`` among ``candidates`` (``precision_twins``): the one whose
-    FP8 twin ``with_precision`` names as ``profile`` (``bf16`` for ``fp8``, ``accurate`` for
-    ``accurate+fp8``) when it is there, else the first twin (a copy of ``bf16`` under another name
-    is one too); ``None`` when ``profile`` is not FP8 or has no twin among them.
+    """The BF16 twin of the 8-bit ``profile`` (``fp8`` or ``int8qk``: ``fpcli.engine.base.
+    eight_bit``) among ``candidates`` (``precision_twins``): the one whose twin at ``profile``'s
+    precision ``with_precision`` names as ``profile`` (``bf16`` for ``fp8`` and ``bf16+int8qk``,
+    ``accurate`` for ``accurate+fp8`` and ``accurate+int8qk``) when it is there, else the first twin
+    (a copy of ``bf16`` under another name is one too); ``None`` when ``profile`` is not 8-bit or
+    has no twin among them.
 
     >>> mine = load_profile("bf16").replace(name="mine")
     >>> bf16_twin(load_profile("fp8"), [mine, load_profile("bf16")]).name
     'bf16'
+    >>> bf16_twin(load_profile("accurate+int8qk"), [load_profile("fp8"), load_profile("accurate")]).name
+    'accurate'
     """
-    if profile.precision != "fp8":
+    from fpcli.engine.base import eight_bit  # here: fpcli.engine imports this module
+
+    if not eight_bit(profile.precision):
         return None
     twins = [q for q in candidates if q.precision == "bf16" and precision_twins(profile, q)]
-    return next((q for q in twins if with_precision(q, "fp8").name == profile.name), twins[0] if twins else None)
+    return next((q for q in twins if with_precision(q, profile.precision).name == profile.name),
+                twins[0] if twins else None)
 
 
 def _check_keys(where: str, prefix: str, data: dict, allowed: tuple[str, ...]) -> None:

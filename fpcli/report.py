@@ -34,8 +34,8 @@ Schema ``fp.ask/1`` (all times in seconds unless the key says ms; ``fp profile -
         "finish_reason", "engine", "model", "profile",
         "profile_source",        # the profile's YAML file when it is not a built-in one, else null
         "device",                # where the attention ran: "cpu", "cuda", or null (not said)
-        "precision",             # attention precision that RAN: bf16/fp16/fp32, or "fp8 (sparse layers)"
-        "precision_requested",   # the profile's precision (bf16 / fp8)
+        "precision",             # attention precision that RAN: bf16/fp16/fp32, or "fp8 (sparse layers)" / "int8qk (sparse layers)"
+        "precision_requested",   # the profile's precision (bf16 / fp8 / int8qk)
         "attention",
         "min_sparse_len",        # as run (tokens; null for dense): shorter prefill chunks run dense
         "sparse",                # the sparse settings as run, null for dense: every SparseConfig field
@@ -417,10 +417,10 @@ def render_summary(console: Console, report: dict) -> None:
     t.add_row("model", s["model"])
     precision = s["precision"]
     requested = s.get("precision_requested")
-    from fpcli.engine.base import precision_family
+    from fpcli.engine.base import eight_bit, precision_family, precision_label
 
     if requested and requested != precision_family(precision):
-        why = ("FP8 runs in sparse layers only and none ran sparse" if requested == "fp8"
+        why = (f"{precision_label(requested)} runs in sparse layers only and none ran sparse" if eight_bit(requested)
                else "ran at the model's dtype")
         precision = f"{precision}; {requested} requested, {why}"
     source = f"{Path(s['profile_source']).name}; " if s.get("profile_source") else ""
@@ -705,7 +705,16 @@ def heatmap_legend(color: bool = True) -> Text:
 
 
 DENSITY_SCALE = ("density", 1.0, "FlashPrefill attention density (selected / visible key blocks)")
-FP8_ERROR_SCALE = ("relative L2 error, FP8 vs BF16", None, "FP8-vs-BF16 attention output error (relative L2)")
+def error_scale(precision: str = "fp8") -> tuple[str, None, str]:
+    """``heatmap_figure``'s scale for the 8-bit ``precision``'s (``fp8``, ``int8qk``) output error
+    against BF16 (relative L2, vmax the data's max)."""
+    from fpcli.engine.base import precision_label
+
+    label = precision_label(precision)
+    return (f"relative L2 error, {label} vs BF16", None, f"{label}-vs-BF16 attention output error (relative L2)")
+
+
+FP8_ERROR_SCALE = error_scale("fp8")
 
 
 def heatmap_figure(per_layer_head: Sequence[Sequence[float | None]], title: str = "",
@@ -714,7 +723,7 @@ def heatmap_figure(per_layer_head: Sequence[Sequence[float | None]], title: str 
     ``None`` cells and short rows (not reported) drawn light grey. The title is wrapped to the
     figure's width so that no part of it falls outside the image. ``scale``: ``(colour bar label,
     vmax or None for the data's max, default title)``: ``DENSITY_SCALE`` (0-1) or
-    ``FP8_ERROR_SCALE``.
+    ``error_scale(precision)`` (``FP8_ERROR_SCALE``).
 
     Raises:
         ValueError: ``per_layer_head`` has no cell.

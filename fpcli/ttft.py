@@ -102,7 +102,7 @@ def measure(engine: Any, ids: list[int], secret: str, repeats: int, max_new_toke
 
     Returns ``{"ttft_s": median seconds, "density": float, "needle": bool, "answer": str,
     "prompt_tokens": int, "precision": str}`` (``precision``: what the engine reports it ran,
-    ``GenerationResult.precision``, e.g. ``"fp8 (sparse layers)"``)."""
+    ``GenerationResult.precision``, e.g. ``"fp8 (sparse layers)"``, ``"int8qk (sparse layers)"``)."""
     engine.flush_cache()
     engine.generate(ids, max_new_tokens=2)  # this length's allocations, outside the timing
     runs = []
@@ -148,15 +148,18 @@ def ttft_rows(lengths: Sequence[int], profiles: Sequence[Any], measured: Mapping
         the engine ran), ``ttft_s`` (median seconds), ``density`` (1.0 for dense), ``needle``
         (answered), ``answer``, ``x_dense`` (the dense row's TTFT / this row's, the speed-up over
         dense; ``None`` without a dense profile) and ``x_bf16`` (the BF16 sparse row's TTFT / this
-        row's; ``None`` unless an FP8 sparse profile is measured beside a BF16 one).
+        row's; ``None`` unless an 8-bit sparse profile, ``fp8`` or ``int8qk``, is measured beside a
+        BF16 one).
 
     Raises:
         KeyError: a ``(profile, length)`` missing from ``measured``.
     """
+    from fpcli.engine.base import eight_bit
+
     dense = next((p.name for p in profiles if p.is_dense), None)
     sparse = [p for p in profiles if not p.is_dense]
     bf16 = next((p.name for p in sparse if p.precision == "bf16"), None)
-    bf16 = bf16 if any(p.precision == "fp8" for p in sparse) else None
+    bf16 = bf16 if any(eight_bit(p.precision) for p in sparse) else None
 
     def over(ref: str | None, n: int, ttft: float) -> float | None:
         if ref is None:
@@ -211,7 +214,7 @@ TTFT_COLS = [("length", "length", "{:d}"), ("prompt_tokens", "prompt tokens", "{
 def format_ttft_table(rows: list[dict], meta: Mapping[str, Any]) -> str:
     """Plain-text table (fixed-width, no truncation) of ``ttft_rows``, under a header line from
     ``meta`` (``model``, ``gpu``, ``repeats``): the columns of ``TTFT_COLS``, ``x bf16`` only when
-    an FP8 profile ran beside BF16."""
+    an 8-bit profile (``fp8``, ``int8qk``) ran beside BF16."""
     from flashprefill.bench import plain_table
 
     if not rows:

@@ -20,7 +20,7 @@ import re
 import time
 from typing import Callable
 
-from fpcli.engine.base import GenerationResult, PrefillStats, ran_precision
+from fpcli.engine.base import GenerationResult, PrefillStats, eight_bit, precision_family, ran_precision
 
 TEMPLATE_TOKENS = 7  # tokens the fake chat template adds around system + user
 
@@ -221,7 +221,8 @@ class FakeSGLangEngine:
         self.profile_name = profile.name
         self.sparse = not profile.is_dense
         self.model_precision = "bf16"
-        self.precision = ran_precision(self.model_precision, int(self.sparse and profile.precision == "fp8"))
+        self.precision = ran_precision(self.model_precision, int(self.sparse and eight_bit(profile.precision)),
+                                       profile.precision)
         self.context_length = int(profile.engine.context_length or 32768)
         self.start_s = self.warmup_s = 0.0
         self._cache: list[int] | None = None
@@ -274,7 +275,8 @@ class FakeSGLangEngine:
         return GenerationResult(
             text=text, prompt_tokens=n, output_tokens=len(text.split()), ttft_s=ttft, prefill_s=ttft,
             total_s=ttft + 0.01, engine=self.name, model=self.model_name, profile=self.profile_name, stats=stats,
-            finish_reason="stop", precision=ran_precision(self.model_precision, int(sparse_ran and self.precision != "bf16")),
+            finish_reason="stop", precision=ran_precision(self.model_precision, int(sparse_ran and eight_bit(self.precision)),
+                                                          precision_family(self.precision)),
             device="cuda", cached_tokens=cached,
         )
 
@@ -320,10 +322,8 @@ def fake_load_engine(engine: str = "auto", model: str | None = None, profile=Non
     )
     fake.requested = {"engine": engine, "model": model, "profile": profile}
     fake.load_kwargs = dict(kwargs)  # what the command asked of the loader (max_requests, warmup, ...)
-    if getattr(profile, "precision", "bf16") == "fp8" and not getattr(profile, "is_dense", False):
-        from fpcli.engine.base import ran_precision
-
-        fake.precision = ran_precision("bf16", 1)  # like the real engines: FP8 in the sparse layers
+    if eight_bit(getattr(profile, "precision", "bf16")) and not getattr(profile, "is_dense", False):
+        fake.precision = ran_precision("bf16", 1, profile.precision)  # like the real engines: in the sparse layers
     engine_settings = getattr(profile, "engine", None)
     if engine_settings is not None:  # like the real engines: the profile's context, YaRN beyond the native one
         from fpcli.engine.context import plan_context

@@ -200,6 +200,31 @@ def test_fp_profile_fp8_reports_fp8_error_per_layer(smollm2, tmp_path):
     assert (tmp_path / "h.fp8.png").stat().st_size > 1000
 
 
+def test_fp_profile_int8qk_reports_its_error_against_bf16_per_layer(smollm2, tmp_path):
+    """``fp profile --int8qk`` through the real transformers engine and the reference's int8qk (int8
+    Q and K, e4m3 P and V): every sparse layer reports a non-zero error against BF16 on the same
+    inputs (zero would mean BF16 ran), the dense layers none. Needs the operator's int8qk (the
+    int8qk-kernel branch): before that merge the reference does not know it."""
+    doc = tmp_path / "report.txt"
+    doc.write_text(make_document(190, "The access code for the vault is 7429.", 0.5, seed=2))
+    png = tmp_path / "h.png"
+    proc = subprocess.run(
+        [fp_executable(), "profile", str(doc), "What is the access code?", "--int8qk", "--json", "--engine",
+         "transformers", "--no-server", "--context", "4k", "--png", str(png)],
+        capture_output=True, text=True, env=run_env(), timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    assert data["profile"] == "bf16+int8qk" and data["precision_requested"] == "int8qk"
+    assert data["prompt_tokens"] > 2048 and data["precision"] == "int8qk (sparse layers)"
+    sparse = set(data["density"]["sparse_layers"])
+    per_layer = data["fp8_rel_l2_per_layer"]
+    assert len(per_layer) == 30 and sparse == set(range(2, 30))
+    for i, err in enumerate(per_layer):
+        assert (0.0 < err < 0.5) if i in sparse else err is None, (i, err)
+    assert data["png_fp8"] == str(tmp_path / "h.int8qk.png")
+
+
 def test_fp_profile_of_a_prompt_within_sink_window_and_tail_says_why_nothing_was_pruned(smollm2, tmp_path):
     """The real transformers engine on a ~100-token prompt with min_sparse_len 0: the sparse layers
     run and keep every block (the prompt fits in sink 512 + window 1,024 + tail 256), and fp

@@ -240,7 +240,7 @@ def test_a_twin_at_another_precision_by_name(tmp_path):
     odd = tmp_path / "odd+fp8"  # a file of that very name wins over the twin syntax
     odd.write_text("name: odd\n")
     assert load_profile(odd).name == "odd" and load_profile(str(odd)).precision == "bf16"
-    with pytest.raises(ProfileError, match=r"unknown profile 'accurate\+fp16' .*NAME\+fp8 or NAME\+bf16"):
+    with pytest.raises(ProfileError, match=r"unknown profile 'accurate\+fp16' .*NAME\+bf16, NAME\+fp8, NAME\+int8qk: "):
         load_profile("accurate+fp16")
 
 

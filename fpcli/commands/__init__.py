@@ -244,16 +244,18 @@ def engine_loader():
     return load_engine
 
 
-def load_profile_or_exit(name: str, fp8: bool = False):
-    """The profile ``name`` (built-in or path); with ``fp8``, its FP8 twin (``fpcli.profiles.
-    with_precision``: the ``fp8`` profile instead of ``bf16``, else the profile with its precision
-    set to fp8, named ``<name>+fp8``). Exit 2 on a bad profile."""
+def load_profile_or_exit(name: str, fp8: bool = False, precision: str | None = None):
+    """The profile ``name`` (built-in or path); with ``precision`` (``fp8``: the same as ``fp8=True``;
+    ``int8qk``), its twin at that precision (``fpcli.profiles.with_precision``: the ``fp8`` profile
+    instead of ``bf16``, else the profile with its precision set, named ``<name>+<precision>``).
+    Exit 2 on a bad profile."""
     from fpcli.profiles import ProfileError, load_profile, with_precision
 
+    precision = precision or ("fp8" if fp8 else None)
     try:
         profile = load_profile(name)
-        if fp8:
-            profile = with_precision(profile, "fp8")
+        if precision:
+            profile = with_precision(profile, precision)
         return profile
     except ProfileError as exc:
         fail(str(exc), code=2)
@@ -436,18 +438,19 @@ def save_report_or_exit(path, data: dict) -> None:
 
 
 def warn_precision(console: Console, profile, engine) -> None:
-    """One line on stderr when the profile asks for FP8 attention and the engine will not run it
-    (FP8 applies to the sparse prefill: a dense profile, or a resident engine started with another
-    profile, runs at the model's dtype); the summary reports what ran. Engines refuse FP8 where the
-    GPU cannot run it, before loading. (A bf16 profile running fp32 on the CPU is the documented CPU
-    default, not worth a warning; the summary shows it.)"""
-    from fpcli.engine.base import precision_family
+    """One line on stderr when the profile asks for an 8-bit precision (``fp8``, ``int8qk``) and the
+    engine will not run it (it applies to the sparse prefill: a dense profile, or a resident engine
+    started with another profile, runs at the model's dtype); the summary reports what ran. Engines
+    refuse 8-bit profiles where the GPU cannot run them, before loading. (A bf16 profile running
+    fp32 on the CPU is the documented CPU default, not worth a warning; the summary shows it.)"""
+    from fpcli.engine.base import eight_bit, precision_family, precision_label
 
     ran = getattr(engine, "precision", None)
-    if ran and profile.precision == "fp8" and precision_family(ran) != "fp8":
-        why = ("FP8 applies to the sparse prefill and this profile is dense" if getattr(profile, "is_dense", False)
-               else "this engine runs without it")
-        warning(console, f"fp8 attention was requested (profile {profile.name}) but {why}; "
+    asked = str(profile.precision)
+    if ran and eight_bit(asked) and precision_family(ran) != asked:
+        why = (f"{precision_label(asked)} applies to the sparse prefill and this profile is dense"
+               if getattr(profile, "is_dense", False) else "this engine runs without it")
+        warning(console, f"{asked} attention was requested (profile {profile.name}) but {why}; "
                          f"{ran} runs, and the summary reports {ran}")
 
 
@@ -494,7 +497,8 @@ def obtain_engine(engine: str, model: str | None, profile, progress, no_server: 
     not answer), else an in-process engine from ``engine_loader()``. ``no_server`` skips the
     resident engine. ``timing``: an in-process engine measures index / attention time per layer
     (the resident engine runs as it was started); ``compare_fp8``: an in-process engine also reports
-    the FP8-vs-BF16 output error per layer (the resident engine does not). An in-process engine runs
+    the 8-bit-vs-BF16 output error per layer of an ``fp8`` / ``int8qk`` profile (the resident engine
+    does not). An in-process engine runs
     one request at a time (``max_requests=1``: one decode CUDA graph, a KV pool of one context).
     ``one_request``: the command sends a single prompt (``fp ask``, ``fp profile``), so ``"auto"``
     resolves to the transformers engine, which starts in one process (on the CUDA GPU when there is

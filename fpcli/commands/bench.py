@@ -88,7 +88,7 @@ def bench(
     e2e: Annotated[bool, typer.Option("--e2e", help="After the operator table, the end-to-end TTFT through the engine in the same run: the profile (with --fp8 its BF16 and FP8 twins) and dense side by side. Needs a CUDA GPU.")] = False,
     e2e_only: Annotated[bool, typer.Option("--e2e-only", help="The end-to-end TTFT alone, without the operator table.")] = False,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help=f"Model for --e2e, as for fp ask. Default: {QWEN_CODER} (the GPU default of fp ask, extended with YaRN to the longest --len).")] = None,
-    profile: Annotated[Optional[str], typer.Option("--profile", "-p", help="Profile (bf16, fp8, or a path): the operator table runs its sparse settings (without --profile: the default SparseConfig, not the bf16 profile's), --e2e its engine (default: bf16). Not dense: the dense baselines are in every run.", show_default=False)] = None,
+    profile: Annotated[Optional[str], typer.Option("--profile", "-p", help="Profile (bf16, fp8, NAME+int8qk, or a path): the operator table runs its sparse settings (without --profile: the default SparseConfig, not the bf16 profile's), --e2e its engine (default: bf16; an fp8 or int8qk profile beside its BF16 twin). Not dense: the dense baselines are in every run.", show_default=False)] = None,
     cpu: Annotated[bool, typer.Option("--cpu", help="Tiny CPU reference run of the operator table (short lengths only); NOT representative of GPU speed.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the tables' rows as one JSON object on stdout (schema fp.bench/2).")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also show other libraries' log lines, warnings and progress bars.")] = False,
@@ -120,6 +120,9 @@ def bench(
             who = "dense" if prof.name == "dense" else f"{prof.name} (attention: dense)"
             fail(f"--profile {profile}: {who} {DENSE_PROFILE_ERROR}", code=2)
         fp8 = fp8 or prof.precision == "fp8"
+        if prof.precision not in ("bf16", "fp8") and not e2e_only:  # int8qk: flashprefill.bench has fp8 columns only
+            note(err, f"the operator table runs BF16{' and FP8' if fp8 else ''} with {prof.name}'s sparse settings; "
+                      f"it has no {prof.precision} columns (--e2e runs {prof.name} itself)")
 
     cuda = _cuda_available()
     run_operator = not e2e_only
@@ -214,11 +217,14 @@ def _check_e2e_context_or_exit(model: str, spec: str, lengths: list[int]) -> boo
 def _e2e_profiles(prof, fp8: bool) -> list:
     """The engines of the end-to-end part, in order: the sparse profile (``prof``, default the
     built-in ``bf16``), with ``fp8`` its BF16 and FP8 twins (``fpcli.profiles.with_precision``),
-    then the built-in ``dense``."""
+    an ``int8qk`` profile after its BF16 (and, with ``fp8``, FP8) twin, then the built-in ``dense``."""
     from fpcli.profiles import with_precision
 
     base = prof if prof is not None else load_profile_or_exit("bf16")
-    sparse = [with_precision(base, "bf16"), with_precision(base, "fp8")] if fp8 else [base]
+    precisions = ["bf16", "fp8"] if fp8 else []
+    if base.precision not in ("bf16", "fp8"):  # int8qk: beside its BF16 twin, as fp8 is
+        precisions = (precisions or ["bf16"]) + [base.precision]
+    sparse = [with_precision(base, p) for p in precisions] if precisions else [base]
     return sparse + [load_profile_or_exit("dense")]
 
 

@@ -48,7 +48,7 @@ class EvalUsageError(ValueError):
 def evaluate(
     tasks: Annotated[str, typer.Option("--task", help="Tasks, comma list: niah_single, niah_multikey, niah_multivalue, vt, cwe. Default: all.", show_default=False)] = "",
     lens: Annotated[Optional[list[str]], typer.Option("--len", "-l", help=f"Prompt lengths in tokens of the model's tokenizer: 4k, 32768, or a comma list; repeatable (a length given twice runs once). Default: those of {DEFAULT_LENS} that fit the model's context.", show_default=False, metavar="LENGTHS")] = None,
-    profiles: Annotated[str, typer.Option("--profiles", "-p", help="Profiles side by side, comma list of names (bf16, accurate, fp8, dense; NAME+fp8 for a profile at FP8) or .yaml paths; with dense among them, each sparse profile is compared with it sample by sample.")] = DEFAULT_PROFILES,
+    profiles: Annotated[str, typer.Option("--profiles", "-p", help="Profiles side by side, comma list of names (bf16, accurate, fp8, dense; NAME+fp8 or NAME+int8qk for a profile at that precision) or .yaml paths; with dense among them, each sparse profile is compared with it sample by sample.")] = DEFAULT_PROFILES,
     samples: Annotated[int, typer.Option("--samples", "-n", min=1, help="Samples per (task, length); the same samples for every profile.")] = FEW_SAMPLES,
     seed: Annotated[str, typer.Option("--seed", help="Seed of the generated samples (same seed, same samples), or a comma list (0,1): each seed adds its own samples, and the table gives the spread between seeds.")] = "0",
     haystack: Annotated[Optional[list[str]], typer.Option("--haystack", help="Use your own document(s) as the haystack instead of generated text (repeat for several files).", show_default=False)] = None,

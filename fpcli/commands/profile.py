@@ -25,6 +25,7 @@ def profile_cmd(
     file: Annotated[str, typer.Argument(metavar="FILE", help="PDF, HTML, .txt or .md file; '-' reads standard input.", show_default=False)],
     question: Annotated[str, typer.Argument(metavar="QUESTION", help="Question appended to the document (it shapes the prefill).")] = DEFAULT_QUESTION,
     fp8: Annotated[bool, typer.Option("--fp8", help="FP8 attention in the sparse layers; also report the FP8-vs-BF16 output error per layer and KV head (the engine runs both on the same inputs).")] = False,
+    int8qk: Annotated[bool, typer.Option("--int8qk", help="int8qk attention in the sparse layers (int8 Q and K, FP8 P and V); also report the int8qk-vs-BF16 output error, as --fp8 does for FP8.")] = False,
     png: Annotated[Optional[Path], typer.Option("--png", help="Where to write the heatmap PNG. Default: <FILE stem>.density.png in the current directory.", dir_okay=False)] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP)] = None,
     context: Annotated[Optional[str], typer.Option("--context", "-c", help="Context in tokens (e.g. 128k): a cap within the model's own context, YaRN beyond it (up to 8x).", show_default=False)] = None,
@@ -37,15 +38,21 @@ def profile_cmd(
 ) -> None:
     """Show the attention density per layer and KV head of one prefill of FILE.
 
-    Prints a heatmap in the terminal, writes it as a PNG, shows index vs attention time per sparse layer (with a note when the first sparse layer carried a one-time cost such as kernel compilation; the headline share then leaves it out), and with --fp8 the FP8-vs-BF16 output error (relative L2) per layer and KV head, as a table and a second PNG (<FILE stem>.fp8.png beside the heatmap).
+    Prints a heatmap in the terminal, writes it as a PNG, shows index vs attention time per sparse layer (with a note when the first sparse layer carried a one-time cost such as kernel compilation; the headline share then leaves it out), and with --fp8 the FP8-vs-BF16 output error (relative L2) per layer and KV head, as a table and a second PNG (<FILE stem>.fp8.png beside the heatmap; --int8qk: the same for int8qk, <FILE stem>.int8qk.png).
     """
     from fpcli.logs import third_party_output
 
+    if fp8 and int8qk:
+        fail("--fp8 and --int8qk: give one (each compares its precision with BF16; fp eval --profiles "
+             "P,P+fp8,P+int8qk runs both)", code=2)
+    compared = "int8qk" if int8qk else ("fp8" if fp8 else None)
     with third_party_output(verbose):
-        _profile(file, question, fp8, png, model, profile, engine, password, json_out, verbose, context, no_server)
+        _profile(file, question, compared, png, model, profile, engine, password, json_out, verbose, context, no_server)
 
 
-def _profile(file, question, fp8, png, model, profile, engine, password, json_out, verbose, context, no_server) -> None:
+def _profile(file, question, compared, png, model, profile, engine, password, json_out, verbose, context,
+             no_server) -> None:
+    """``compared``: the 8-bit precision (``fp8``, ``int8qk``) run and compared with BF16, or ``None``."""
     from fpcli.console import print_table, stdout_console, warning
     from fpcli.ingest import check_paths, ingest
     from fpcli.prompt import NoRoomError, PromptError, build_prompt
@@ -59,7 +66,7 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
     if question != "-" and is_file(question) and not looks_like_question(question):
         fail(f"fp profile reads one FILE; the second argument {question} is a file, not a QUESTION "
              f"(fp profile FILE [QUESTION])", code=2)
-    prof = load_profile_or_exit(profile, fp8=fp8)
+    prof = load_profile_or_exit(profile, precision=compared)
     check_model_or_exit(model)
     prof = context_or_exit(context, prof, model, engine.value, one_request=True)
     if png is not None:
@@ -76,7 +83,7 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
 
     try:
         eng = obtain_engine(engine.value, model, prof, err, no_server, err, verbose=verbose, timing=True,
-                            compare_fp8=fp8, one_request=True)
+                            compare_fp8=compared is not None, one_request=True)
     except typer.Exit:
         raise
     except ContextError as exc:
@@ -156,20 +163,24 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
         except OSError as exc:
             warning(err, f"cannot write {png_path}: {exc.strerror or exc}")
 
-    if fp8_grid and any(fp8_grid) and data["png"]:
-        from fpcli.report import FP8_ERROR_SCALE
+    from fpcli.engine.base import precision_label
 
-        fp8_png = Path(data["png"]).with_name(Path(data["png"]).name.removesuffix(".png").removesuffix(".density") + ".fp8.png")
+    label = precision_label(compared or "fp8")  # "FP8", "int8qk": the error's texts
+    if fp8_grid and any(fp8_grid) and data["png"]:
+        from fpcli.report import error_scale
+
+        stem = Path(data["png"]).name.removesuffix(".png").removesuffix(".density")
+        fp8_png = Path(data["png"]).with_name(f"{stem}.{compared or 'fp8'}.png")
         try:
-            write_heatmap_png(fp8_png, fp8_grid, scale=FP8_ERROR_SCALE,
-                              title=f"{Path(file).name}: FP8 vs BF16 output, relative L2 ({result.model}, {prof.name})")
+            write_heatmap_png(fp8_png, fp8_grid, scale=error_scale(compared or "fp8"),
+                              title=f"{Path(file).name}: {label} vs BF16 output, relative L2 ({result.model}, {prof.name})")
             data["png_fp8"] = str(fp8_png)
         except OSError as exc:
             warning(err, f"cannot write {fp8_png}: {exc.strerror or exc}")
     if data["png"]:
         err.print(f"heatmap written to {data['png']}", highlight=False, soft_wrap=True)
     if data["png_fp8"]:
-        err.print(f"FP8 error heatmap written to {data['png_fp8']}", highlight=False, soft_wrap=True)
+        err.print(f"{label} error heatmap written to {data['png_fp8']}", highlight=False, soft_wrap=True)
     if json_out:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
         return
@@ -196,28 +207,32 @@ def _profile(file, question, fp8, png, model, profile, engine, password, json_ou
     else:
         out.print(_times_totals(stats.index_ms, stats.attention_ms, resident=bool(data["server"])),
                   soft_wrap=True, highlight=False)
-    if fp8:
+    if compared:
+        from fpcli.engine.base import precision_family
+
         if fp8_error:
-            print_table(_fp8_table(fp8_error, fp8_grid))
+            print_table(_fp8_table(fp8_error, fp8_grid, label))
         elif data["server"]:
-            out.print("FP8-vs-BF16 error per layer: unavailable (the resident engine does not compare; "
+            out.print(f"{label}-vs-BF16 error per layer: unavailable (the resident engine does not compare; "
                       "--no-server runs one in this process that does)")
-        elif data["precision"] == data["precision_requested"] or "fp8" in str(data["precision"]):
-            out.print(f"FP8-vs-BF16 error per layer: unavailable (the {result.engine} engine did not report it)")
+        elif precision_family(str(data["precision"])) == compared:
+            out.print(f"{label}-vs-BF16 error per layer: unavailable (the {result.engine} engine did not report it)")
         else:
-            why = _no_fp8_reason(result.prompt_tokens, None if prof.is_dense else int(prof.sparse.min_sparse_len))
-            out.print(f"FP8-vs-BF16 error per layer: none (no layer ran FP8: {data['precision']} ran){why}",
+            why = _no_fp8_reason(result.prompt_tokens, None if prof.is_dense else int(prof.sparse.min_sparse_len),
+                                 label)
+            out.print(f"{label}-vs-BF16 error per layer: none (no layer ran {label}: {data['precision']} ran){why}",
                       soft_wrap=True)
 
 
-def _no_fp8_reason(prompt_tokens: int, min_sparse_len: int | None) -> str:
-    """Why no layer ran FP8 when the prompt (tokens) is below the fitted ``min_sparse_len``
-    (tokens; ``None`` for a dense profile: ""), and what makes it run: a longer document, or a
-    ``--context`` of at most twice the prompt (``sparse_threshold`` lowers min_sparse_len to half the
-    context; a document longer than the context is cut to it), e.g. 811 tokens -> --context 1k."""
+def _no_fp8_reason(prompt_tokens: int, min_sparse_len: int | None, label: str = "FP8") -> str:
+    """Why no layer ran the 8-bit precision ``label`` (``FP8``, ``int8qk``) when the prompt (tokens)
+    is below the fitted ``min_sparse_len`` (tokens; ``None`` for a dense profile: ""), and what makes
+    it run: a longer document, or a ``--context`` of at most twice the prompt (``sparse_threshold``
+    lowers min_sparse_len to half the context; a document longer than the context is cut to it),
+    e.g. 811 tokens -> --context 1k."""
     if min_sparse_len is None or prompt_tokens >= min_sparse_len:
         return ""
-    why = (f": the prompt's {prompt_tokens:,} tokens are below min_sparse_len {min_sparse_len:,}, and FP8 runs "
+    why = (f": the prompt's {prompt_tokens:,} tokens are below min_sparse_len {min_sparse_len:,}, and {label} runs "
            f"in the sparse layers only; a document of more than {min_sparse_len:,} tokens runs it")
     k = prompt_tokens // 512  # whole k, with half of it at most the prompt
     if k >= 1:
@@ -294,12 +309,13 @@ def _times_totals(index_ms, attention_ms, resident: bool = False) -> str:
     return f"index {_ms(index_ms)} ms, attention {_ms(attention_ms)} ms over the sparse layers{share}; per-layer times not reported"
 
 
-def _fp8_table(per_layer, per_head):
-    """Layer, relative L2 over the layer, then one column per KV head; ``-`` for dense layers."""
+def _fp8_table(per_layer, per_head, label: str = "FP8"):
+    """Layer, relative L2 over the layer, then one column per KV head; ``-`` for dense layers.
+    ``label``: the 8-bit precision compared with BF16 (``FP8``, ``int8qk``)."""
     from rich.table import Table
 
     heads = max((len(r) for r in per_head or []), default=0)
-    t = Table(title="FP8-vs-BF16 attention output error per layer (relative L2; - = dense layer, BF16 path)",
+    t = Table(title=f"{label}-vs-BF16 attention output error per layer (relative L2; - = dense layer, BF16 path)",
               title_justify="left")
     t.add_column("layer", justify="right")
     t.add_column("layer rel. L2", justify="right")

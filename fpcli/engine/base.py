@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Callable, Protocol, runtime_checkable
 
+from flashprefill.config import EIGHT_BIT_PRECISIONS
+
 
 def dense_prefill_stats(prompt_tokens: int, layers: int, q_heads: int, kv_heads: int, head_dim: int) -> "PrefillStats":
     """``PrefillStats`` of a prefill that ran dense in every layer (the ``dense`` profile on an
@@ -23,12 +25,26 @@ def dense_prefill_stats(prompt_tokens: int, layers: int, q_heads: int, kv_heads:
 
 
 FP8_SPARSE = "fp8 (sparse layers)"  # GenerationResult.precision when the sparse prefill ran FP8
+SPARSE_LAYERS = " (sparse layers)"  # what follows an 8-bit precision in GenerationResult.precision
 
 
-def ran_precision(model_precision: str, fp8_layers: int) -> str:
-    """``GenerationResult.precision`` of a prefill: ``FP8_SPARSE`` when ``fp8_layers`` (sparse layers
-    that ran FP8 operands) > 0, else ``model_precision`` (the dtype every layer ran at)."""
-    return FP8_SPARSE if fp8_layers > 0 else model_precision
+def ran_precision(model_precision: str, eight_bit_layers: int, precision: str = "fp8") -> str:
+    """``GenerationResult.precision`` of a prefill: ``"<precision> (sparse layers)"`` (``FP8_SPARSE``
+    for ``"fp8"``, ``"int8qk (sparse layers)"``) when ``eight_bit_layers`` (sparse layers that ran
+    the 8-bit ``precision``, one of ``EIGHT_BIT_PRECISIONS``) > 0, else ``model_precision`` (the
+    dtype every layer ran at).
+
+    >>> ran_precision("bf16", 3, "int8qk"), ran_precision("bf16", 0, "int8qk"), ran_precision("fp32", 2)
+    ('int8qk (sparse layers)', 'bf16', 'fp8 (sparse layers)')
+
+    Raises:
+        ValueError: ``precision`` is not an 8-bit precision while ``eight_bit_layers`` > 0.
+    """
+    if eight_bit_layers <= 0:
+        return model_precision
+    if not eight_bit(precision):
+        raise ValueError(f"ran_precision: {precision!r} is not one of {EIGHT_BIT_PRECISIONS}")
+    return precision + SPARSE_LAYERS
 
 
 def precision_family(precision: str) -> str:
@@ -36,24 +52,44 @@ def precision_family(precision: str) -> str:
     return precision.split(" ", 1)[0]
 
 
+def eight_bit(precision: str | None) -> bool:
+    """Whether ``precision`` (a profile's, ``"int8qk"``, or what ran, ``"fp8 (sparse layers)"``) is
+    one that runs the 8-bit kernels (``flashprefill.config.EIGHT_BIT_PRECISIONS``: ``fp8``,
+    ``int8qk``; ``docs/fp8.md``). What they share: the FP8 GPU gate, the comparison with BF16
+    (``compare_fp8``), the BF16 twin in ``fp eval``. Only ``fp8`` reads an e4m3 KV cache.
+
+    >>> eight_bit("int8qk"), eight_bit("fp8 (sparse layers)"), eight_bit("bf16"), eight_bit(None)
+    (True, True, False, False)
+    """
+    return precision_family(str(precision or "")) in EIGHT_BIT_PRECISIONS
+
+
+def precision_label(precision: str) -> str:
+    """A profile precision as messages write it: ``FP8``, ``BF16``; ``int8qk`` as it is."""
+    return {"fp8": "FP8", "bf16": "BF16"}.get(precision, precision)
+
+
 def check_fp8_profile(profile, device, head_dim: int) -> None:
-    """Refuse, before any work, a profile whose sparse prefill asks for FP8 where it cannot run
-    (``flashprefill.api.check_fp8_support``: a CUDA GPU below compute capability 8.9, or a head dim
-    outside ``FP8_HEAD_DIMS``). Nothing for other profiles or the CPU (the reference runs FP8).
+    """Refuse, before any work, a profile whose sparse prefill asks for an 8-bit precision
+    (``eight_bit``: ``fp8``, ``int8qk``) where its kernels cannot run
+    (``flashprefill.api.check_fp8_support``, the gate of both: a CUDA GPU below compute capability
+    8.9, or a head dim outside ``FP8_HEAD_DIMS``). Nothing for other profiles or the CPU (the
+    reference runs both).
 
     Raises:
-        ValueError: one line naming the profile, the GPU or the head dim, and that the ``bf16``
-            profile would run.
+        ValueError: one line naming the profile, the precision, the GPU or the head dim, and that the
+            ``bf16`` profile would run.
     """
-    if getattr(profile, "is_dense", False) or str(getattr(profile, "precision", "bf16")) != "fp8":
+    precision = str(getattr(profile, "precision", "bf16"))
+    if getattr(profile, "is_dense", False) or not eight_bit(precision):
         return
     from flashprefill.api import check_fp8_support
 
     try:
         check_fp8_support(device, int(head_dim))
     except ValueError as exc:
-        raise ValueError(f"profile {profile.name} asks for FP8 attention, which cannot run here: {exc} "
-                         f"(the bf16 profile would run: --profile bf16)") from None
+        raise ValueError(f"profile {profile.name} asks for {precision_label(precision)} attention, which cannot run "
+                         f"here: {exc} (the bf16 profile would run: --profile bf16)") from None
 
 
 @dataclass
@@ -82,10 +118,10 @@ class PrefillStats:
             ``attention_ms``. Times are GPU time between CUDA events (the host's gaps between the
             stage's launches included; a layer whose kernels were compiled during the prefill
             carries that one-time cost), wall time on the CPU.
-        fp8_rel_l2_per_layer: per decoder layer, the relative L2 error of the FP8 attention output
-            against the BF16 operator's on the same prefill inputs; ``None`` for layers that did
-            not run FP8 (dense layers); an empty list when the engine was not asked to compare
-            (an engine setting, ``compare_fp8``).
+        fp8_rel_l2_per_layer: per decoder layer, the relative L2 error of the 8-bit attention output
+            (the profile's ``fp8`` or ``int8qk``, ``eight_bit``) against the BF16 operator's on the
+            same prefill inputs; ``None`` for layers that did not run it (dense layers); an empty
+            list when the engine was not asked to compare (an engine setting, ``compare_fp8``).
         fp8_rel_l2_per_layer_head: ``[layer][kv_head]`` of the same; ``[]`` for layers without.
     """
 
@@ -125,8 +161,9 @@ class GenerationResult:
     """One answer and its timings. Times in seconds unless the name says ms.
 
     ``precision`` is the attention precision that actually ran: the model's dtype (``bf16``,
-    ``fp16``, ``fp32``) when every layer ran at it, or ``FP8_SPARSE`` (``"fp8 (sparse layers)"``)
-    when the sparse layers ran FP8 operands (dense layers and prefills shorter than
+    ``fp16``, ``fp32``) when every layer ran at it, or ``FP8_SPARSE`` (``"fp8 (sparse layers)"``,
+    ``"int8qk (sparse layers)"``: ``ran_precision``) when the sparse layers ran an 8-bit precision
+    (dense layers and prefills shorter than
     ``min_sparse_len`` always run the stock path at the model's dtype). Use
     ``precision_family`` to compare it with a profile's ``precision``.
 

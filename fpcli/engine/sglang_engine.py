@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from fpcli.engine import context as _context
 from fpcli.engine.base import (GenerationResult, PrefillStats, check_fp8_profile, decode_mode, dense_prefill_stats,
-                               ran_precision)
+                               eight_bit, precision_label, ran_precision)
 from fpcli.engine.tokens import token_starts
 from fpcli.profiles import MIN_CHUNKED_PREFILL
 
@@ -425,8 +425,8 @@ def backend_settings(profile: Any, stats_dir: str | None, timing: bool = False, 
                      verbose: bool = False) -> "BackendSettings":
     """The ``flashprefill`` backend's frozen settings for ``profile`` (an ``fpcli.profiles.Profile``):
     its ``SparseConfig``, ``dense_layers`` and ``precision``; statistics written to ``stats_dir``;
-    per-layer index / attention timing only with ``timing``; FP8-vs-BF16 errors only with
-    ``compare_fp8``; the plugin's log level ``info`` when ``verbose``, else ``warning`` (its
+    per-layer index / attention timing only with ``timing``; 8-bit-vs-BF16 errors (``fp8``,
+    ``int8qk``) only with ``compare_fp8``; the plugin's log level ``info`` when ``verbose``, else ``warning`` (its
     registration lines are printed only when verbose); unless ``verbose`` the scheduler's own
     output (SGLang's log lines, its weight-loading bars) goes to ``scheduler_log_path(stats_dir)``,
     not to the terminal."""
@@ -466,10 +466,33 @@ def quiet_children_env(verbose: bool) -> dict[str, str]:
 
 
 def ran_precision_of(req: RequestPrefill | None, model_precision: str) -> str:
-    """``GenerationResult.precision`` of one request from the scheduler's lines: ``FP8_SPARSE`` when
-    any of its sparse layers ran FP8, else the model's precision."""
-    fp8 = sum(1 for p in (req.precision if req is not None else []) if p == "fp8")
-    return ran_precision(model_precision, fp8)
+    """``GenerationResult.precision`` of one request from the scheduler's lines: ``"fp8 (sparse
+    layers)"`` / ``"int8qk (sparse layers)"`` when any of its sparse layers ran that 8-bit precision
+    (``base.ran_precision``), else the model's precision."""
+    ran = [p for p in (req.precision if req is not None else []) if eight_bit(p)]
+    return ran_precision(model_precision, len(ran), ran[0] if ran else "fp8")
+
+
+E4M3_KV_CACHE_DTYPES = ("fp8_e4m3",)  # SGLang --kv-cache-dtype values whose pool holds e4m3 codes
+
+
+def check_kv_cache_precision(profile: Any, kv_cache_dtype: str | None) -> None:
+    """Refuse, before SGLang starts, a profile whose sparse prefill cannot read the KV cache SGLang
+    would keep: an e4m3 cache (``--kv-cache-dtype fp8_e4m3``, ``E4M3_KV_CACHE_DTYPES``) is read as
+    it is only by ``precision: fp8``; ``int8qk`` (int8 Q and K) needs a 16-bit cache (the operator
+    raises on e4m3 K). A ``bf16`` profile passes: its backend runs such layers dense (stock SGLang).
+    ``kv_cache_dtype``: SGLang's ``ServerArgs.kv_cache_dtype`` (``None`` / ``"auto"``: the model's).
+
+    Raises:
+        ValueError: one line naming the profile, the cache dtype and what would run.
+    """
+    precision = str(getattr(profile, "precision", "bf16"))
+    if (getattr(profile, "is_dense", False) or precision == "fp8" or not eight_bit(precision)
+            or str(kv_cache_dtype) not in E4M3_KV_CACHE_DTYPES):
+        return
+    raise ValueError(f"profile {profile.name} asks for {precision_label(precision)} attention, which needs a 16-bit "
+                     f"KV cache (bf16 / fp16), but --kv-cache-dtype {kv_cache_dtype} stores e4m3, which only fp8 "
+                     f"reads: leave out --kv-cache-dtype, or run an fp8 profile (--profile fp8, or NAME+fp8)")
 
 
 def prefill_stats_of(req: "RequestPrefill") -> PrefillStats:
@@ -543,14 +566,15 @@ class SGLangEngine:
         server_overrides: extra ``ServerArgs`` fields (SGLang's own options), win over the profile.
         log_level: SGLang's log level (default ``error``); ``info`` / ``debug`` also let the
             plugin's lines and the children's progress bars through (``quiet_children_env``).
-        compare_fp8: with an FP8 profile, report the FP8-vs-BF16 output error per layer and KV
-            head (``BackendSettings.compare_fp8``; bf16 / fp16 KV cache only).
+        compare_fp8: with an 8-bit profile (``fp8``, ``int8qk``), report its output error against
+            BF16 per layer and KV head (``BackendSettings.compare_fp8``; bf16 / fp16 KV cache only).
         max_requests: requests run at once (``build_server_kwargs``); ``None`` = the profile's
             ``engine.max_requests``; 1 for a command that asks one question.
 
     Raises:
-        ValueError: an FP8 profile on a GPU without FP8 tensor cores or with an unsupported head
-            dim (``base.check_fp8_profile``), before SGLang starts.
+        ValueError: an 8-bit profile (``fp8``, ``int8qk``) on a GPU without FP8 tensor cores or with
+            an unsupported head dim (``base.check_fp8_profile``); an ``int8qk`` profile with an e4m3
+            KV cache (``check_kv_cache_precision``); both before SGLang starts.
         shutdown_timeout_s: how long ``close`` waits for SGLang before killing its children.
         warmup: compile every kernel at start (``warmup``).
     """
@@ -581,6 +605,7 @@ class SGLangEngine:
 
             check_fp8_profile(profile, torch.device("cuda", 0),
                               int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])))
+        check_kv_cache_precision(profile, (server_overrides or {}).get("kv_cache_dtype"))  # the profile sets none
         self.model_path = str(model_path)
         self.model_name = Path(model_path).name
         self.profile = profile
@@ -588,7 +613,9 @@ class SGLangEngine:
         self.shutdown_timeout_s = shutdown_timeout_s
         self.sparse = not bool(getattr(profile, "is_dense", False))
         self.model_precision = attention_precision(profile)
-        self.precision = ran_precision(self.model_precision, int(self.sparse and str(profile.precision) == "fp8"))
+        sparse_precision = str(profile.precision)
+        self.precision = ran_precision(self.model_precision, int(self.sparse and eight_bit(sparse_precision)),
+                                       sparse_precision)
         self._closed = False
         self._engine = None
         self._stats_dir = tempfile.mkdtemp(prefix="fp-sglang-stats-")

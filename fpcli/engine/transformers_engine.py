@@ -73,7 +73,7 @@ from flashprefill.integrations.transformers import (
     ATTN_NAME, FlashPrefillRuntime, LayerSummary, install_flashprefill, register_attention,
 )
 
-from .base import GenerationResult, PrefillStats, check_fp8_profile, decode_mode, ran_precision
+from .base import GenerationResult, PrefillStats, check_fp8_profile, decode_mode, eight_bit, ran_precision
 from .context import ContextPlan, plan_context
 from .decode_graph import GRAPH_MIN_NEW_TOKENS, decode_graph_choice
 from .tokens import common_prefix_len, token_starts
@@ -167,9 +167,10 @@ class TransformersEngine:
         reuse_cache: keep the last request's KV cache (``kv_cache.reserved_cache``) and token ids,
             and prefill only what follows the longest common token prefix with the next prompt (the same
             documents with another question). ``False`` prefills every prompt whole (benchmarks).
-        compare_fp8: with an FP8 profile, also run the BF16 operator in every sparse layer and
-            report the FP8-vs-BF16 output error per layer and KV head
-            (``PrefillStats.fp8_rel_l2_per_layer``; ``fp profile --fp8``). Off by default.
+        compare_fp8: with an 8-bit profile (``fp8``, ``int8qk``: ``base.eight_bit``), also run the
+            BF16 operator in every sparse layer and report the 8-bit-vs-BF16 output error per layer
+            and KV head (``PrefillStats.fp8_rel_l2_per_layer``; ``fp profile --fp8`` / ``--int8qk``).
+            Off by default.
         decode_graph: greedy decode replays a CUDA graph of one step (module docstring): ``None``
             (default) = the profile's ``engine.cuda_graph_decode`` on a CUDA device, falling back to
             eager decode where the step cannot be captured; ``True`` = always (on the CPU the same
@@ -186,8 +187,8 @@ class TransformersEngine:
     Raises:
         fpcli.engine.context.ContextError: ``profile.engine.context_length`` beyond what the model
             can be extended to.
-        ValueError: an FP8 profile on a GPU without FP8 tensor cores or with an unsupported head
-            dim (``base.check_fp8_profile``), before the weights load; ``decode_graph`` with a model
+        ValueError: an 8-bit profile (``fp8``, ``int8qk``) on a GPU without FP8 tensor cores or with
+            an unsupported head dim (``base.check_fp8_profile``), before the weights load; ``decode_graph`` with a model
             whose step cannot be captured (``decode_graph.check_graphable``).
     """
 
@@ -213,7 +214,7 @@ class TransformersEngine:
         # profile's precision (GenerationResult.precision says what a prefill ran).
         self.model_precision = DTYPE_PRECISION.get(self.dtype, str(self.dtype).replace("torch.", ""))
         self.sparse_precision = "bf16" if profile.is_dense else str(profile.precision)
-        self.precision = ran_precision(self.model_precision, int(self.sparse_precision == "fp8"))
+        self.precision = ran_precision(self.model_precision, int(eight_bit(self.sparse_precision)), self.sparse_precision)
         t0 = time.perf_counter()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.start_phases: dict[str, float] = {"tokenizer": time.perf_counter() - t0}  # seconds per phase
@@ -324,7 +325,8 @@ class TransformersEngine:
         prefill_s = t_first - t0
         rows = self.runtime.summary(self.n_layers)
         stats = prefill_stats(rows)
-        precision = ran_precision(self.model_precision, sum(1 for r in rows if r is not None and r.precision == "fp8"))
+        eight_bit_layers = sum(1 for r in rows if r is not None and eight_bit(r.precision))
+        precision = ran_precision(self.model_precision, eight_bit_layers, self.sparse_precision)
 
         fed: list[int] = []  # answer tokens whose keys/values are in the cache
         if graph is not None:

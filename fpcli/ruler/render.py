@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from flashprefill.dense_layers import dense_layers_text, from_data
-from fpcli.engine.base import precision_family
+from fpcli.engine.base import eight_bit, precision_family, precision_label
 
 
 def eval_table(report: dict) -> Table:
@@ -166,7 +166,7 @@ def gap_notes(report: dict) -> list[str]:
     """One line per (length, sparse profile) of the report's ``against_dense`` (the same samples,
     paired), e.g. "at 32k bf16 against dense on the same 40 samples: 16 lost, 2 won (-35.0
     points)"; where a profile is more than ``GAP_POINTS`` below dense and ``accurate`` was not
-    among the profiles (nor is the profile ``accurate``'s own twin, ``accurate+fp8``), the line adds
+    among the profiles (nor is the profile ``accurate``'s own twin, ``accurate+fp8``, ``accurate+int8qk``), the line adds
     how to measure it. Empty without a dense profile."""
     names = {p["name"] for p in report.get("profiles", [])}
     notes = []
@@ -180,23 +180,28 @@ def gap_notes(report: dict) -> list[str]:
 
 
 def fp8_notes(report: dict) -> list[str]:
-    """One line per (length, FP8 profile) of the report's ``against_bf16``: its answers against its
-    BF16 twin's on the same samples, e.g. "at 128k accurate+fp8 against accurate (the same profile
-    at BF16) on the same 16 samples: 1 lost, 0 won (-6.2 points)"; more than ``GAP_POINTS`` below,
-    the line adds that FP8 is what costs the answers. An FP8 profile that ran FP8 with no BF16 twin
-    in the run gets one line saying how to measure FP8's own cost (its twin beside it), since against
-    dense its losses mix sparsity's and FP8's. Empty otherwise."""
+    """One line per (length, 8-bit profile: ``fp8`` or ``int8qk``) of the report's ``against_bf16``:
+    its answers against its BF16 twin's on the same samples, e.g. "at 128k accurate+fp8 against
+    accurate (the same profile at BF16) on the same 16 samples: 1 lost, 0 won (-6.2 points)"; more
+    than ``GAP_POINTS`` below, the line adds that its precision (FP8, int8qk) is what costs the
+    answers. An 8-bit profile that ran its precision with no BF16 twin in the run gets one line saying
+    how to measure the precision's own cost (its twin beside it), since against dense its losses mix
+    sparsity's and the precision's. Empty otherwise."""
+    requested = {p["name"]: str(p.get("requested_precision") or "") for p in report.get("profiles", [])}
     notes = []
     for p in report.get("profiles", []):
-        if (p.get("requested_precision") == "fp8" and p.get("attention") != "dense" and p.get("bf16_twin") is None
-                and any(precision_family(r) == "fp8" for r in str(p.get("ran_precision") or "").split("/"))):
-            notes.append(f"{p['name']} ran without its BF16 twin, so what FP8 alone costs is not separated from what "
-                         f"sparsity costs: run the same profile at BF16 beside it (--profiles bf16,fp8 or "
-                         f"accurate,accurate+fp8; any profile P with P+fp8)")
+        asked = requested[p["name"]]
+        if (eight_bit(asked) and p.get("attention") != "dense" and p.get("bf16_twin") is None
+                and any(precision_family(r) == asked for r in str(p.get("ran_precision") or "").split("/"))):
+            pair = "bf16,fp8 or accurate,accurate+fp8" if asked == "fp8" else f"accurate,accurate+{asked}"
+            notes.append(f"{p['name']} ran without its BF16 twin, so what {precision_label(asked)} alone costs is not "
+                         f"separated from what sparsity costs: run the same profile at BF16 beside it (--profiles "
+                         f"{pair}; any profile P with P+{asked})")
     for g in report.get("against_bf16", []):
         line = _paired_line(g, f"{g['baseline']} (the same profile at BF16)")
         if g["points"] < -GAP_POINTS:
-            line += f"; FP8 is what costs these answers: {g['baseline']} keeps them"
+            line += (f"; {precision_label(requested.get(g['profile'], 'fp8'))} is what costs these answers: "
+                     f"{g['baseline']} keeps them")
         notes.append(line)
     return notes
 

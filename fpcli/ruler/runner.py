@@ -42,7 +42,8 @@ class ProfileRun:
         dense_layers: the profile's dense layers (``Profile.dense_layers``: the first N, or a tuple
             of layer ids; ``None`` for a dense profile): a cell's density is over the other layers
             only. The report writes a tuple as a list.
-        bf16_twin: for a profile that asks for FP8, the name of the run's profile that is the same
+        bf16_twin: for a profile that asks for an 8-bit precision (``fp8``, ``int8qk``), the name of
+            the run's profile that is the same
             at BF16 (``fpcli.profiles.bf16_twin``; ``None`` when none was asked for; set also when
             an interrupted run stopped before the twin answered): ``against_bf16`` pairs their answers.
     """
@@ -216,18 +217,21 @@ def against_dense(run: EvalRun) -> list[dict]:
 
 
 def against_bf16(run: EvalRun) -> list[dict]:
-    """Every FP8 profile's answers against its BF16 twin's (``ProfileRun.bf16_twin``: the same
-    profile at BF16, in the same run) on the same samples: what FP8 alone costs, the sparse
-    settings held fixed (FP8 may select slightly different blocks). Per (length, FP8 profile), the keys of ``against_dense`` (``baseline`` = the twin's name),
-    over the samples on which the FP8 profile ran FP8 (``GenerationResult.precision``): where it ran
-    no FP8 (every prompt below ``min_sparse_len``, or FP8 not available) its answers are its twin's by
-    construction and say nothing about FP8. Empty when no FP8 profile ran FP8 beside its twin.
+    """Every 8-bit profile's (``fp8``, ``int8qk``) answers against its BF16 twin's
+    (``ProfileRun.bf16_twin``: the same profile at BF16, in the same run) on the same samples: what
+    the 8-bit precision alone costs, the sparse settings held fixed (it may select slightly different
+    blocks). Per (length, 8-bit profile), the keys of ``against_dense`` (``baseline`` = the twin's
+    name), over the samples on which the profile ran its precision (``GenerationResult.precision``):
+    where it ran none (every prompt below ``min_sparse_len``, or not available) its answers are its
+    twin's by construction and say nothing about the precision. Empty when no 8-bit profile ran its
+    precision beside its twin.
     ``docs/eval.md``, "Reading the table"."""
     by_name = {p.name: p for p in run.profiles}
     return [row for length in dict.fromkeys(s.length for s in run.samples)
             for p in run.profiles if p.bf16_twin in by_name
             if (row := _paired(run, p, by_name[p.bf16_twin], length,
-                               ran=lambda r: precision_family(r.precision) == "fp8")) is not None]
+                               ran=lambda r, asked=p.requested_precision: precision_family(r.precision) == asked))
+            is not None]
 
 
 def _paired(run: EvalRun, p: ProfileRun, base: ProfileRun, length: int,

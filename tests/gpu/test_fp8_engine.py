@@ -83,3 +83,10 @@ def test_fp8_ask_without_verbose_prints_no_plugin_lines_or_bars(tmp_path):
     loud = subprocess.run(args + ["-v"], capture_output=True, text=True, timeout=900)
     assert loud.returncode == 0, loud.stderr[-3000:]
     assert "flashprefill" in loud.stderr
+
+
+def test_sglang_engine_refuses_int8qk_with_an_e4m3_kv_cache_before_start():
+    """int8qk quantizes K from a 16-bit cache; only fp8 reads SGLang's e4m3 cache: the engine says so
+    before SGLang starts (no scheduler, no weights)."""
+    with pytest.raises(ValueError, match=r"accurate\+int8qk asks for int8qk attention, which needs a 16-bit KV cache"):
+        SGLangEngine(QWEN, load_profile("accurate+int8qk"), server_overrides={"kv_cache_dtype": "fp8_e4m3"})

@@ -1,7 +1,8 @@
-"""FP8-vs-BF16 output error of the sparse prefill, per request and KV head (both integrations).
+"""8-bit-vs-BF16 output error of the sparse prefill, per request and KV head (both integrations).
 
 When an engine is asked to compare (``FlashPrefillRuntime.compare_fp8``,
-``BackendSettings.compare_fp8``), each sparse layer that ran ``precision="fp8"`` also runs the
+``BackendSettings.compare_fp8``), each sparse layer that ran an 8-bit precision
+(``EIGHT_BIT_PRECISIONS``: ``"fp8"``, ``"int8qk"``; ``out_fp8`` below is its output) also runs the
 BF16 operator on the same inputs (its own index, as ``flashprefill.bench`` does) and keeps two
 sums per (request, KV head) over the request's query tokens, the ``g`` query heads of the KV head
 and ``d``::

@@ -30,11 +30,13 @@ kernel in a process compiles it (or loads it from Triton's cache) while the GPU 
 sparse layer's times carry that one-time cost (``fp profile`` says so).
 
 Precision: ``FlashPrefillRuntime.precision`` is the operator's ``precision=`` in the sparse layers
-(``"fp8"``: e4m3 operands, ``docs/fp8.md``; the reference simulates them on the CPU, the Triton FP8
-kernels run them on SM89+); dense layers and short prefills run SDPA at the model's dtype. Each
-``LayerRecord`` says which precision ran. With ``compare_fp8`` (off by default) every sparse layer
-that ran FP8 also runs the BF16 operator on the same inputs and records the FP8-vs-BF16 output
-error per KV head (``integrations.fp8_error``); the FP8 output is the one the model uses.
+(``"fp8"``: e4m3 operands; ``"int8qk"``: int8 Q and K, e4m3 P and V; ``docs/fp8.md``; the reference
+simulates them on the CPU, the Triton 8-bit kernels run them on SM89+); dense layers and short
+prefills run SDPA at the model's dtype. Each ``LayerRecord`` says which precision ran. With
+``compare_fp8`` (off by default) every sparse layer that ran an 8-bit precision
+(``EIGHT_BIT_PRECISIONS``) also runs the BF16 operator on the same inputs and records the
+8-bit-vs-BF16 output error per KV head (``integrations.fp8_error``); the 8-bit output is the one the
+model uses.
 
 Imports nothing of ``fp``'s CLI; transformers is imported only by ``register_attention``.
 """
@@ -47,7 +49,7 @@ from typing import Any, Callable
 import torch
 
 from ..api import build_index, flashprefill_attention
-from ..config import SparseConfig
+from ..config import EIGHT_BIT_PRECISIONS, SparseConfig
 from ..dense_layers import DenseLayers, dense_layer, dense_layers_problem
 from ..flops import dense_causal_flops
 from ..plan import make_plan
@@ -77,9 +79,9 @@ class LayerRecord:
             first two enclose ``build_index`` and the last two ``flashprefill_attention`` given
             that index (the layout copies to pages and the plan come before the start); a dense
             layer has no index stage (its middle mark equals the start) and its marks enclose SDPA.
-        precision: the operator's precision in a sparse layer (``"bf16"`` / ``"fp8"``); ``None``
+        precision: the operator's precision in a sparse layer (``"bf16"`` / ``"fp8"`` / ``"int8qk"``); ``None``
             for SDPA layers (the model's dtype).
-        fp8_sums: float64 ``[2, 1, Hkv]`` FP8-vs-BF16 error sums (``fp8_error.fp8_error_sums``) when
+        fp8_sums: float64 ``[2, 1, Hkv]`` 8-bit-vs-BF16 error sums (``fp8_error.fp8_error_sums``) when
             the runtime compares; ``None`` otherwise.
     """
 
@@ -106,9 +108,10 @@ class LayerSummary:
         selected_blocks, visible_blocks: the sums over KV heads (0 for SDPA layers).
         index_ms, attention_ms: stage times in milliseconds, ``None`` when timing was off
             (``index_ms`` is ``None`` for SDPA layers).
-        precision: ``"bf16"`` / ``"fp8"`` for sparse layers, ``None`` for SDPA layers.
-        fp8_rel_l2: relative L2 error of the layer's FP8 output against the BF16 operator's on
-            the same inputs (over all heads); ``None`` unless compared (sparse FP8 layers only).
+        precision: ``"bf16"`` / ``"fp8"`` / ``"int8qk"`` for sparse layers, ``None`` for SDPA layers.
+        fp8_rel_l2: relative L2 error of the layer's 8-bit output (``fp8`` or ``int8qk``) against
+            the BF16 operator's on the same inputs (over all heads); ``None`` unless compared
+            (sparse 8-bit layers only).
         fp8_rel_l2_per_kv_head: the same per KV head (``[Hkv]`` floats), or ``None``.
     """
 
@@ -139,10 +142,12 @@ class FlashPrefillRuntime:
         backend: the operator's ``backend=`` (``"auto"``: Triton on CUDA, reference otherwise).
         min_prefill_len: query lengths below this use SDPA (decode and tiny chunks).
         timing: record index / attention marks per layer (CUDA events; no sync per layer).
-        precision: the operator's ``precision=`` in the sparse layers, ``"bf16"`` or ``"fp8"``.
-        compare_fp8: with ``precision="fp8"``, also run the BF16 operator in every sparse layer and
-            record the FP8-vs-BF16 output error per KV head (doubles the sparse layers' work; for
-            ``fp profile --fp8``).
+        precision: the operator's ``precision=`` in the sparse layers, one of ``PRECISIONS``
+            (``"bf16"``, ``"fp8"``, ``"int8qk"``).
+        compare_fp8: with an 8-bit ``precision`` (``EIGHT_BIT_PRECISIONS``: ``"fp8"``,
+            ``"int8qk"``), also run the BF16 operator in every sparse layer and record the
+            8-bit-vs-BF16 output error per KV head (doubles the sparse layers' work; for
+            ``fp profile --fp8`` / ``--int8qk``).
         layers: ``layer_idx -> LayerRecord`` of the current prefill (cleared by ``reset``).
         on_layer: called with ``layer_idx`` after each layer's prefill attention (progress of a
             long prefill; set by an engine for one prefill, ``None`` otherwise).
@@ -352,7 +357,7 @@ def flashprefill_attention_forward(
     )
     marks = (start, mid, rt.mark(dev)) if rt.timing else None
     sums = None
-    if rt.compare_fp8 and rt.precision == "fp8":  # after the last mark: not in the layer's times
+    if rt.compare_fp8 and rt.precision in EIGHT_BIT_PRECISIONS:  # after the last mark: not in the layer's times
         ref = flashprefill_attention(q, k_cache, v_cache, page_table, seq_lens, cu, precision="bf16", **kw)
         sums = fp8_error_sums(out, ref, key.shape[1])
     selected, visible = index.head_counts()

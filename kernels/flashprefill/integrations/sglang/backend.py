@@ -13,17 +13,19 @@ A thin ``AttentionBackend`` (style guide habit 11). It owns only the extend (pre
 - Everything the operator does not cover runs on a stock SGLang backend (``dense_backend``,
   ``triton`` by default) built from SGLang's own registry: the ``dense_layers`` layers (the first N or a set),
   batches whose requests are all shorter than ``min_sparse_len``, sliding-window, cross and
-  encoder layers, logit soft-capping, sinks, an e4m3 KV cache with ``precision="bf16"``, KV pools
+  encoder layers, logit soft-capping, sinks, an e4m3 KV cache with a precision other than ``"fp8"``, KV pools
   that are not plain token-major MHA pools (SWA / unified / HND), speculative modes, and models the
   Triton operator cannot take (head_dim not 64/128/256, dtype not bf16/fp16; decided at init by
   ``metadata.operator_dense_reason``, unless ``operator_backend="reference"``).
 - Precision: ``settings.precision`` goes to the operator (``"fp8"``: e4m3 operands in the sparse
-  prefill, ``docs/fp8.md``). With SGLang's ``--kv-cache-dtype fp8_e4m3`` the pool holds e4m3 codes
+  prefill; ``"int8qk"``: int8 Q and K, e4m3 P and V; ``docs/fp8.md``). With SGLang's
+  ``--kv-cache-dtype fp8_e4m3`` the pool holds e4m3 codes
   (``get_key_buffer`` views them as ``float8_e4m3fn``); with ``precision="fp8"`` they are passed
   as they are, with the layer's ``k_scale`` / ``v_scale`` (``RadixAttention``; ``None`` = 1.0) as
-  ``k_descale`` / ``v_descale``: nothing is converted back to bf16. With ``compare_fp8`` every
-  sparse FP8 layer also runs the BF16 operator and the statistics carry the error sums
-  (``integrations.fp8_error``).
+  ``k_descale`` / ``v_descale``: nothing is converted back to bf16; with ``"int8qk"`` (int8 Q and
+  K from 16-bit K only) such layers run dense, and ``fp``'s engine refuses the pair before
+  start. With ``compare_fp8`` every sparse 8-bit layer (``EIGHT_BIT_PRECISIONS``) also runs the
+  BF16 operator and the statistics carry the error sums (``integrations.fp8_error``).
 - Decode is not ours: with ``prefill_attention_backend="flashprefill"`` and
   ``decode_attention_backend="triton"`` SGLang's ``HybridAttnBackend`` sends decode (and its CUDA
   graphs) to the decode backend. Used alone, this backend delegates decode and the decode CUDA
@@ -44,6 +46,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.radix_attention import AttentionType
 
 from ...api import build_index, flashprefill_attention
+from ...config import EIGHT_BIT_PRECISIONS
 from ...dense_layers import dense_layers_text
 from ..fp8_error import fp8_error_sums
 from .metadata import (
@@ -293,9 +296,10 @@ class FlashPrefillAttnBackend(AttentionBackend):
 
     def _kv_dtype_reason(self, kv_dtype: torch.dtype, q_dtype: torch.dtype) -> str | None:
         """Why a layer with this KV pool dtype runs dense (``None``: the operator reads it): an
-        e4m3 pool needs ``precision="fp8"``; any other pool must match q's dtype."""
+        e4m3 pool needs ``precision="fp8"`` (``int8qk`` quantizes K from 16 bits); any other pool
+        must match q's dtype."""
         if kv_dtype == torch.float8_e4m3fn:
-            return None if self.settings.precision == "fp8" else "e4m3 KV cache with precision bf16"
+            return None if self.settings.precision == "fp8" else f"e4m3 KV cache with precision {self.settings.precision}"
         return None if kv_dtype == q_dtype else f"KV dtype {kv_dtype} != q dtype {q_dtype}"
 
     @staticmethod
@@ -343,7 +347,7 @@ class FlashPrefillAttnBackend(AttentionBackend):
         if stats is not None:
             stats.add_index(layer.layer_id, index, (ev0, ev1, stats.stage_event()) if timed else None,
                             precision=self.settings.precision)
-            if self.settings.compare_fp8 and self.settings.precision == "fp8" and not e4m3:
+            if self.settings.compare_fp8 and self.settings.precision in EIGHT_BIT_PRECISIONS and not e4m3:
                 ref = flashprefill_attention(
                     q3, k_cache, v_cache, meta.page_table, meta.seq_lens, meta.cu_seqlens_q,
                     config=self.settings.sparse, softmax_scale=layer.scaling, plan=meta.plan,

@@ -46,8 +46,10 @@ class BackendSettings:
             an int N = the first N layers (ids ``0 .. N-1``), or a tuple of layer ids (strictly
             increasing) = exactly those; ``dense_layer(layer_id)`` tells. JSON carries a tuple
             as a list; ``from_dict`` turns it back.
-        precision: ``bf16`` or ``fp8`` attention operands in the sparse prefill
-            (``flashprefill_attention(precision=...)``).
+        precision: the attention operands of the sparse prefill, one of ``PRECISIONS``: ``bf16``,
+            ``fp8`` or ``int8qk`` (``flashprefill_attention(precision=...)``; ``docs/fp8.md``). An
+            e4m3 KV cache is read by ``fp8`` only: with ``bf16`` its layers run on the dense
+            backend; ``fp``'s engine refuses ``int8qk`` with one before SGLang starts.
         dense_backend: the stock SGLang backend that runs every dense case (dense layers,
             batches of short requests only, sliding-window layers, unsupported KV pools) and
             decode when this backend is used alone.
@@ -62,10 +64,11 @@ class BackendSettings:
             no stats on disk (they are still logged at debug level).
         debug_checks: validate the page table against ``req_to_token`` every batch (host
             syncs; for tests only).
-        compare_fp8: with ``precision="fp8"``, every sparse layer also runs the BF16 operator on
-            the same inputs and the statistics carry the FP8-vs-BF16 output error sums per
-            (request, KV head) (``integrations.fp8_error``; ``fp profile --fp8``). Needs a bf16 /
-            fp16 KV cache (an e4m3 cache has no BF16 path to compare with). Off by default.
+        compare_fp8: with an 8-bit ``precision`` (``EIGHT_BIT_PRECISIONS``: ``fp8``, ``int8qk``),
+            every sparse layer also runs the BF16 operator on the same inputs and the statistics
+            carry the 8-bit-vs-BF16 output error sums per (request, KV head)
+            (``integrations.fp8_error``; ``fp profile --fp8`` / ``--int8qk``). Needs a bf16 / fp16
+            KV cache (an e4m3 cache has no BF16 path to compare with). Off by default.
         log_level: level of the ``flashprefill`` loggers in the scheduler processes (one of
             ``LOG_LEVELS``), and whether the plugin prints its registration lines before SGLang
             configures logging (only at ``debug`` / ``info``); ``None`` = leave logging as the

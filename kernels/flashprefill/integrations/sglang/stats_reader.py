@@ -52,8 +52,8 @@ class RequestPrefill:
             the chunks; ``None`` for a layer without counts.
         dense_flops: per layer, dense-equivalent FLOPs (``flashprefill.flops.dense_causal_flops``).
         precision: per layer, the operator's precision of its sparse chunks (``"bf16"`` /
-            ``"fp8"``; ``None``: dense in every chunk).
-        fp8_err_sq, fp8_ref_sq: per layer, ``[Hkv]`` FP8-vs-BF16 error sums over the chunks
+            ``"fp8"`` / ``"int8qk"``; ``None``: dense in every chunk).
+        fp8_err_sq, fp8_ref_sq: per layer, ``[Hkv]`` 8-bit-vs-BF16 error sums over the chunks
             (``integrations.fp8_error``); ``None`` for a layer without (all ``[]`` when the
             backend did not compare).
     """

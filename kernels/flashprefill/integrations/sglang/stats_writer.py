@@ -46,7 +46,7 @@ Line schema (one per request per extend batch)::
      "layers": [str, ...],            # per layer: "sparse" or "dense:<reason>"
      "selected": [[int] * Hkv] | null per layer,   # null for dense layers
      "visible":  [[int] * Hkv] | null per layer,
-     "precision": [str | null, ...],  # per layer: the operator's "bf16" / "fp8" (null: dense)
+     "precision": [str | null, ...],  # per layer: the operator's "bf16" / "fp8" / "int8qk" (null: dense)
      "fp8_err_sq": [[float] * Hkv] | null per layer, or null,   # with compare_fp8 only:
      "fp8_ref_sq": [[float] * Hkv] | null per layer, or null}   # integrations.fp8_error sums
 """
