@@ -53,6 +53,8 @@ for part in "$@"; do
   case $part in
     kernels)  pyt kernels ${LIM:-330} tests/gpu/test_kernels.py tests/gpu/test_stats_cuda.py tests/gpu/test_fp8_quant.py ;;
     fp8)      pyt fp8 ${LIM:-300} tests/gpu/test_fp8.py tests/gpu/test_fp8_quant.py ;;
+    int8qk)   pyt int8qk ${LIM:-300} tests/gpu/test_int8qk.py ;;
+    opbench)  t python -m flashprefill.bench --lens ${OPBENCH_LENS:-32k,128k} ${OPBENCH_ARGS:---fp8 --int8qk} --json "$OUT/opbench.json" > "$OUT/opbench.txt" 2>&1; tail -20 "$OUT/opbench.txt" | cut -c1-600 | tee -a "$SUM" ;;
     ws)       pyt ws ${LIM:-240} tests/gpu/test_ws_probe.py ;;
     probe)    t python scripts/lab/ws_probe.py time --lens ${PROBE_LENS:-32k,128k} --out "$OUT" > "$OUT/probe.log" 2>&1
               tail -${PROBE_TAIL:-20} "$OUT/probe.log" | tee -a "$SUM" ;;
