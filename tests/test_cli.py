@@ -741,6 +741,29 @@ def test_bench_cpu_fp8_side_by_side(runner, monkeypatch):
     assert "note fp8_dense: FP8 dense baseline: none installed" in r.stdout
 
 
+def test_bench_cpu_int8qk_profile_gets_its_columns(runner, monkeypatch):
+    """No fake: `fp bench --cpu -p bf16+int8qk` puts the reference's int8qk sparse path beside BF16 (its
+    own index, total, x bf16 and error against BF16), with FP8's too under --fp8; no "no int8qk columns"."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = ["bench", "--cpu", "--len", "1k", "--heads", "2/1", "--head-dim", "64", "-p", "bf16+int8qk", "--json"]
+    r = invoke(runner, args + ["--fp8"])
+    assert r.exit_code == 0, r.output
+    assert "no int8qk columns" not in r.stderr
+    data = json.loads(r.stdout)["operator"]
+    assert data["int8qk"] is True and data["fp8"] is True and data["profile"] == "bf16+int8qk"
+    row = data["rows"][0]
+    for key in ("int8qk_total_ms", "int8qk_index_ms", "int8qk_speedup", "fp8_total_ms"):
+        assert isinstance(row[key], float) and row[key] > 0, key
+    assert 0.0 < row["int8qk_rel_l2"] < 0.2 and 0.0 < row["int8qk_density"] <= 1.0
+    assert row["int8qk_speedup"] == pytest.approx(row["total_ms"] / row["int8qk_total_ms"])
+    r = invoke(runner, ["bench", "--cpu", "--len", "1k", "--heads", "2/1", "--head-dim", "64", "-p", "bf16", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)["operator"]
+    assert data["int8qk"] is False and "int8qk_total_ms" not in data["rows"][0]
+
+
 def test_bench_on_gpu_passes_options(runner, fake_operator_bench, monkeypatch):
     import torch
 

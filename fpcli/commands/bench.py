@@ -120,9 +120,6 @@ def bench(
             who = "dense" if prof.name == "dense" else f"{prof.name} (attention: dense)"
             fail(f"--profile {profile}: {who} {DENSE_PROFILE_ERROR}", code=2)
         fp8 = fp8 or prof.precision == "fp8"
-        if prof.precision not in ("bf16", "fp8") and not e2e_only:  # int8qk: flashprefill.bench has fp8 columns only
-            note(err, f"the operator table runs BF16{' and FP8' if fp8 else ''} with {prof.name}'s sparse settings; "
-                      f"it has no {prof.precision} columns (--e2e runs {prof.name} itself)")
 
     cuda = _cuda_available()
     run_operator = not e2e_only
@@ -238,7 +235,8 @@ def _operator_part(err, lengths, hq, hkv, head_dim, batch, fp8, device, prof, ve
     from fpcli.profiles import profile_file
 
     config = prof.sparse_config() if prof is not None else SparseConfig()
-    kwargs: dict[str, Any] = {"fp8": fp8, "batch": batch}
+    int8qk = prof is not None and prof.precision == "int8qk"  # its columns beside BF16 (and FP8 with --fp8)
+    kwargs: dict[str, Any] = {"fp8": fp8, "int8qk": int8qk, "batch": batch}
     if device == "cpu":
         kwargs["device"] = "cpu"
     if prof is not None:
@@ -257,6 +255,7 @@ def _operator_part(err, lengths, hq, hkv, head_dim, batch, fp8, device, prof, ve
         "head_dim": head_dim,
         "batch": batch,
         "fp8": fp8,
+        "int8qk": int8qk,
         "device": device,
         "gpu": _gpu_name() if device == "cuda" else None,
         "profile": prof.name if prof is not None else None,  # None: the default SparseConfig
