@@ -510,13 +510,18 @@ def with_precision(profile: Profile, precision: str) -> Profile:
     (twins that differ only in precision) the built-in named ``precision``, as a user expects by
     name, or ``bf16+<precision>`` where there is none (``int8qk``); for any other profile the same
     profile at ``precision``, named ``<name>+<precision>`` (a dense profile only records the
-    request: it has no sparse prefill, and the engines say so). ``profile`` itself when it already
-    asks for ``precision``.
+    request: it has no sparse prefill, and the engines say so). A name that ends in
+    ``+<its own precision>`` (a twin made here) loses that suffix first, so that a twin's twin is
+    named for what it runs: ``accurate+int8qk`` at ``bf16`` is ``accurate``, at ``fp8``
+    ``accurate+fp8`` (never ``accurate+int8qk+bf16``). ``profile`` itself when it already asks for
+    ``precision``.
 
     >>> with_precision(load_profile("bf16"), "fp8").name, with_precision(load_profile("fp8"), "bf16").name
     ('fp8', 'bf16')
     >>> with_precision(load_profile("fp8"), "int8qk").name, with_precision(load_profile("accurate"), "int8qk").name
     ('bf16+int8qk', 'accurate+int8qk')
+    >>> [with_precision(load_profile("accurate+int8qk"), p).name for p in ("bf16", "fp8")]
+    ['accurate', 'accurate+fp8']
 
     Raises:
         ProfileError: ``precision`` is not one of ``PRECISIONS``.
@@ -524,11 +529,35 @@ def with_precision(profile: Profile, precision: str) -> Profile:
     _check_choice(None, "precision", precision, PRECISIONS)
     if profile.precision == precision:
         return profile
+    base = _twin_base(profile)
+    if base is not None:  # a twin made here: its twin is made from the profile it came from
+        return with_precision(base, precision)
     if profile.source is not None and profile_file(profile) is None and profile.name in PRECISIONS:
         if precision in builtin_profiles():
             return load_profile(precision)  # the built-in twin: bf16 <-> fp8
         profile = load_profile(PRECISIONS[0])  # bf16+int8qk, whichever built-in twin it came from
     return profile.replace(precision=precision, name=f"{profile.name}+{precision}")
+
+
+def _twin_base(profile: Profile) -> Profile | None:
+    """The profile that ``with_precision`` made ``profile`` from, when ``profile`` is such a twin:
+    its name ends in ``+<its precision>``, and its file (``source``) loads as a profile named
+    without that suffix and equal in everything but name, description and precision; else (a
+    profile not made so, or a file changed or gone since) ``profile`` renamed without the suffix,
+    or ``None`` when its name has no such suffix."""
+    own = f"+{profile.precision}"
+    if not profile.name.endswith(own) or profile.name == own:
+        return None
+    name = profile.name.removesuffix(own)
+    if profile.source is not None:
+        try:
+            base = load_profile(profile.source)
+        except ProfileError:
+            base = None
+        if base is not None and base.name == name and base.replace(precision=profile.precision) == \
+                dataclasses.replace(profile, name=name, description=base.description):
+            return base
+    return dataclasses.replace(profile, name=name)
 
 
 def precision_twins(a: Profile, b: Profile) -> bool:

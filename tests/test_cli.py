@@ -262,6 +262,15 @@ def test_help_shows_flags_as_flags_and_a_conventional_usage_line(runner):
     assert "--json" in r.stdout and "--quiet" in r.stdout
 
 
+def test_every_profile_option_names_the_precision_twins_in_its_help(runner):
+    """NAME+fp8 / NAME+int8qk work wherever a profile is named (fpcli.profiles.load_profile); fp ask,
+    chat, profile, start and serve said only "bf16, accurate, fp8, dense, or a path", so int8qk
+    was not to be found from their --help."""
+    for cmd in ("ask", "chat", "profile", "start", "serve"):
+        r = invoke(runner, [cmd, "--help"])
+        assert r.exit_code == 0 and "NAME+int8qk" in r.stdout and "NAME+fp8" in r.stdout, cmd
+
+
 def test_one_prompt_commands_say_what_auto_runs_in_their_help(runner):
     """fp ask and fp profile send one prompt: --engine auto gives them the transformers engine
     in-process (fpcli.engine.choose_engine), and the GPU default model is the same for both

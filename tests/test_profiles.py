@@ -54,9 +54,26 @@ def test_with_precision_of_a_users_profile_keeps_its_settings(tmp_path):
     mine = load_profile(str(path))
     twin = with_precision(mine, "fp8")
     assert twin.name == "bf16+fp8" and twin.precision == "fp8" and twin.sparse == mine.sparse and twin.source == path
-    assert with_precision(twin, "bf16").name == "bf16+fp8+bf16" and with_precision(twin, "bf16").sparse.alpha == 0.3
+    assert with_precision(twin, "bf16") == mine  # back to the user's own profile, not "bf16+fp8+bf16"
     dense = with_precision(load_profile("dense"), "fp8")  # recorded as asked; the engines say it runs dense
     assert dense.is_dense and dense.name == "dense+fp8"
+
+
+def test_a_twins_twin_is_named_for_its_precision_not_the_chain(tmp_path):
+    """with_precision of a twin starts from the profile it came from: no name says a precision that
+    does not run (accurate+int8qk+bf16 would be a BF16 row that reads int8qk)."""
+    acc_i = load_profile("accurate+int8qk")
+    assert with_precision(acc_i, "bf16") == load_profile("accurate")
+    assert with_precision(acc_i, "fp8") == load_profile("accurate+fp8")
+    assert load_profile("accurate+int8qk+fp8").name == "accurate+fp8"
+    assert with_precision(load_profile("bf16+int8qk"), "fp8") == load_profile("fp8")
+    path = tmp_path / "mine.yaml"  # a file changed since its twin was made: the twin's settings stay
+    path.write_text("name: mine\nprecision: fp8\nsparse:\n  alpha: 0.3\n")
+    twin = load_profile(f"{path}+int8qk")
+    path.write_text("name: mine\nsparse:\n  alpha: 0.2\n")
+    back = with_precision(twin, "bf16")
+    assert (back.name, back.precision, back.sparse.alpha) == ("mine+bf16", "bf16", 0.3)
+    assert with_precision(twin, "fp8").name == "mine+fp8"
 
 
 def test_load_by_path(tmp_path):

@@ -275,6 +275,10 @@ MODEL_HELP = ("Embedded model name (`fp model list`), Hugging Face folder or cac
               + DEFAULT_MODEL_HELP)
 """The help of ``--model`` for every command that loads an engine (its default: ``fpcli.models.default_model``)."""
 
+PROFILE_HELP = ("bf16, accurate, fp8, dense, or a path to a profile .yaml; NAME+fp8 or NAME+int8qk: that profile "
+                "at another precision.")
+"""The help of ``--profile`` for every command that takes one profile (``fpcli.profiles.load_profile``)."""
+
 CONTEXT_HELP = ("Context to run the model at, in tokens (e.g. 32k, 128k, 131072): a cap within the model's own "
                 "context, YaRN beyond it (up to 8x). Default: the profile's engine context_length, else the model's own.")
 

@@ -10,6 +10,7 @@ import typer
 
 from fpcli.commands import (
     MODEL_HELP,
+    PROFILE_HELP,
     engine_start_seconds,
     StdoutStream,
     FpCommand,
@@ -74,7 +75,7 @@ def ask(
         Optional[str],
         typer.Option("--context", "-c", help=CONTEXT_HELP, show_default=False),
     ] = None,
-    profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, accurate, fp8, dense, or a path to a profile .yaml.")] = "bf16",
+    profile: Annotated[str, typer.Option("--profile", "-p", help=PROFILE_HELP)] = "bf16",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Longest answer, in tokens.")] = 256,
     engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: the resident engine (fp start, SGLang or transformers) when one answers with the same model and profile, else the transformers engine for this one question in-process (on the CUDA GPU when there is one).")] = EngineChoice.auto,
     temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 = greedy.")] = 0.0,

@@ -20,6 +20,7 @@ import typer
 
 from fpcli.commands import (
     MODEL_HELP,
+    PROFILE_HELP,
     engine_start_seconds,
     CONTEXT_HELP,
     StdoutStream,
@@ -63,7 +64,7 @@ def chat(
         typer.Option("--model", "-m", help=MODEL_HELP),
     ] = None,
     context: Annotated[Optional[str], typer.Option("--context", "-c", help=CONTEXT_HELP, show_default=False)] = None,
-    profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, accurate, fp8, dense, or a path to a profile .yaml.")] = "bf16",
+    profile: Annotated[str, typer.Option("--profile", "-p", help=PROFILE_HELP)] = "bf16",
     engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: SGLang when CUDA and sglang are present, else transformers.")] = EngineChoice.auto,
     history: Annotated[bool, typer.Option("--history/--no-history", help="Put earlier questions and answers after the documents (the oldest are dropped when they no longer fit).")] = True,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", min=1, help="Longest answer, in tokens.")] = 256,

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from fpcli.commands import (MODEL_HELP, FpCommand, check_model_or_exit, check_output_path_or_exit, context_or_exit,
+from fpcli.commands import (MODEL_HELP, PROFILE_HELP, FpCommand, check_model_or_exit, check_output_path_or_exit, context_or_exit,
                             context_source,
                             fail, is_file, load_profile_or_exit, looks_like_question, obtain_engine,
                             render_answered_by, say_context,
@@ -29,7 +29,7 @@ def profile_cmd(
     png: Annotated[Optional[Path], typer.Option("--png", help="Where to write the heatmap PNG. Default: <FILE stem>.density.png in the current directory.", dir_okay=False)] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP)] = None,
     context: Annotated[Optional[str], typer.Option("--context", "-c", help="Context in tokens (e.g. 128k): a cap within the model's own context, YaRN beyond it (up to 8x).", show_default=False)] = None,
-    profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, accurate, fp8, dense, or a path.")] = "bf16",
+    profile: Annotated[str, typer.Option("--profile", "-p", help=PROFILE_HELP)] = "bf16",
     engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: the resident engine (fp start, SGLang or transformers) when one answers with the same model and profile, else the transformers engine for this one prompt in-process (on the CUDA GPU when there is one).")] = EngineChoice.auto,
     password: Annotated[Optional[str], typer.Option("--password", help="Password of an encrypted PDF.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the statistics as JSON on stdout.")] = False,

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from fpcli.commands import (MODEL_HELP, CONTEXT_HELP, FpCommand, context_source, engine_loader, fail,
+from fpcli.commands import (MODEL_HELP, PROFILE_HELP, CONTEXT_HELP, FpCommand, context_source, engine_loader, fail,
                             resident_setup_or_exit, stderr_console)
 from fpcli.commands.ask import EngineChoice
 from fpcli.server import LOOPBACK
@@ -25,7 +25,7 @@ def serve(
     ctx: typer.Context,
     model: Annotated[Optional[str], typer.Option("--model", "-m", "--model-path", help=MODEL_HELP)] = None,
     context: Annotated[Optional[str], typer.Option("--context", "-c", help=CONTEXT_HELP, show_default=False)] = None,
-    profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, accurate, fp8, dense, or a path; sets the backend and engine defaults.")] = "bf16",
+    profile: Annotated[str, typer.Option("--profile", "-p", help=PROFILE_HELP + " It sets the backend and engine defaults.")] = "bf16",
     engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: SGLang when CUDA and sglang are present, else transformers.")] = EngineChoice.auto,
     port: Annotated[Optional[int], typer.Option("--port", min=0, max=65535, help="Listen on this TCP port of 127.0.0.1 (0: any free port) with a bearer token, instead of the private Unix socket.")] = None,
     host: Annotated[str, typer.Option("--host", help="With --port: a loopback address only (127.0.0.1, ::1, localhost).")] = LOOPBACK,

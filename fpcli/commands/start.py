@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from fpcli.commands import (MODEL_HELP, CONTEXT_HELP, EngineArgsCommand, fail, resident_setup_or_exit, stderr_console,
+from fpcli.commands import (MODEL_HELP, PROFILE_HELP, CONTEXT_HELP, EngineArgsCommand, fail, resident_setup_or_exit, stderr_console,
                             note, warning)
 from fpcli.commands.ask import EngineChoice
 from fpcli.server import START_TIMEOUT_S
@@ -23,7 +23,7 @@ def start(
     ctx: typer.Context,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help=MODEL_HELP)] = None,
     context: Annotated[Optional[str], typer.Option("--context", "-c", help=CONTEXT_HELP, show_default=False)] = None,
-    profile: Annotated[str, typer.Option("--profile", "-p", help="bf16, accurate, fp8, dense, or a path to a profile .yaml.")] = "bf16",
+    profile: Annotated[str, typer.Option("--profile", "-p", help=PROFILE_HELP)] = "bf16",
     engine: Annotated[EngineChoice, typer.Option("--engine", help="auto: SGLang when CUDA and sglang are present, else transformers.")] = EngineChoice.auto,
     idle: Annotated[Optional[str], typer.Option("--idle", help="End after this long without a request, e.g. 10m (default: never).")] = None,
     replace: Annotated[bool, typer.Option("--replace", help="Stop a resident engine with another model or profile first (one still starting too).")] = False,
