@@ -17,43 +17,14 @@ import pytest
 import torch
 
 import flashprefill
-from flashprefill import SparseConfig, make_plan, quant
+from flashprefill import make_plan, quant
 from flashprefill.impl import reference as R
 from fp_brute import make_inputs
+from fp8_cases import (BF16_FLOOR, CASES, SAME_FACTOR, SPARSE, TRACK_FACTOR, assert_selection_agrees,
+                       cuda as _cuda, inputs as _inputs, rel)
 
-# As tests/gpu/test_fp8.py: budgets relative to the method's own error e = rel(ref_int8qk, ref_bf16).
-TRACK_FACTOR = 1.1
-SAME_FACTOR = 2 ** 0.5
-BF16_FLOOR = 0.005
 # LSE of the kernel vs the reference (natural log): the same logits up to fp32 order, the same l.
 LSE_TOL = 2e-3
-SPARSE = SparseConfig(block_size=128, sink_tokens=128, window_tokens=256, dense_tail_tokens=64, alpha=0.3)
-
-CASES = {  # name: (q_lens, kv_lens, Hq, Hkv, d, page_size, logit_gain)
-    "kv127_g1_ps16": ([127], [127], 2, 2, 128, 16, 1.0),
-    "kv128_g3_ps1": ([128], [128], 6, 2, 64, 1, 1.0),
-    "kv129_g7_ps64": ([129], [129], 7, 1, 128, 64, 1.0),
-    "kv4095_g8_ps64": ([1000], [4095], 16, 2, 128, 64, 1.0),
-    "kv4096_g1_d256": ([4096], [4096], 2, 2, 256, 16, 1.0),
-    "kv4097_prefix_g3_d64": ([700, 33], [4097, 900], 6, 2, 64, 16, 1.0),
-    "large_logits_g8": ([512], [2048], 8, 1, 128, 64, 8.0),
-}
-
-
-def rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-def _inputs(name):
-    q_lens, kv_lens, hq, hkv, d, ps, gain = CASES[name]
-    q, k, v, pt, sl, cu = make_inputs(q_lens, kv_lens, hq, hkv, d, ps, dtype=torch.float32, seed=7,
-                                      structured=True)
-    q = q * gain
-    return tuple(t.to(torch.bfloat16) if t.is_floating_point() else t for t in (q, k, v, pt, sl, cu))
-
-
-def _cuda(inp):
-    return tuple(t.cuda() for t in inp)
 
 
 def _cpu_index(index):
@@ -102,20 +73,7 @@ def test_int8qk_triton_matches_reference_and_tracks_bf16(name, variant):
 def test_int8qk_selection_agrees_with_reference(name):
     """int8 Q tiles against int8 means on both sides; the int32 sums are exact, so only the fp32
     scaling order differs: the same blocks up to near-ties of the threshold (>= 99% of the entries)."""
-    cpu = _inputs(name)
-    gpu = _cuda(cpu)
-    g = cpu[0].shape[1] // cpu[1].shape[2]
-    got = flashprefill.build_index(*gpu, SPARSE, plan=make_plan(gpu[4], gpu[5], g, 128), precision="int8qk")
-    want = R.build_index(*cpu, SPARSE, None, make_plan(cpu[4], cpu[5], g, 128), precision="int8qk")
-    a = set()
-    b = set()
-    rp_g, ci_g = got.row_ptr.cpu().tolist(), got.col_idx.cpu().tolist()
-    rp_w, ci_w = want.row_ptr.tolist(), want.col_idx.tolist()
-    for s in range(len(rp_w) - 1):
-        a |= {(s, j) for j in ci_g[rp_g[s]:rp_g[s + 1]]}
-        b |= {(s, j) for j in ci_w[rp_w[s]:rp_w[s + 1]]}
-    assert len(a ^ b) <= 0.01 * len(a | b)
-    assert torch.allclose(got.k_mean.cpu(), want.k_mean.float(), rtol=1e-5, atol=1e-6)
+    assert_selection_agrees(name, "int8qk")
 
 
 @pytest.mark.parametrize("hw_cvt", [False, True])
