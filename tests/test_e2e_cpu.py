@@ -171,23 +171,25 @@ def test_readme_sample_is_what_the_command_prints(smollm2):
     assert "14 May" in s["answer"]
 
 
-def test_fp_profile_fp8_reports_fp8_error_per_layer(smollm2, tmp_path):
-    """``fp profile --fp8`` through the real transformers engine: the sparse layers run the
-    reference's FP8 semantics and the engine reports their output error against BF16 on the same
-    inputs; the dense layers (the profile's first 2) have none. ``--context 4k`` puts the sparse
-    threshold at min(min_sparse_len, 4096 / 2) = 2048, below the ~2.6K-token prompt."""
+@pytest.mark.parametrize("precision,profile", [("fp8", "fp8"), ("int8qk", "bf16+int8qk")])
+def test_fp_profile_8bit_reports_its_error_per_layer(smollm2, tmp_path, precision, profile):
+    """``fp profile --fp8`` / ``--int8qk`` through the real transformers engine: the sparse layers run
+    the reference's 8-bit semantics (int8qk: int8 Q and K, e4m3 P and V) and the engine reports their
+    output error against BF16 on the same inputs, non-zero in every sparse layer and KV head (zero
+    would mean BF16 ran); the dense layers (the profile's first 2) have none. ``--context 4k`` puts
+    the sparse threshold at min(min_sparse_len, 4096 / 2) = 2048, below the ~2.6K-token prompt."""
     doc = tmp_path / "report.txt"
     doc.write_text(make_document(190, "The access code for the vault is 7429.", 0.5, seed=2))
     png = tmp_path / "h.png"
     proc = subprocess.run(
-        [fp_executable(), "profile", str(doc), "What is the access code?", "--fp8", "--json", "--engine",
+        [fp_executable(), "profile", str(doc), "What is the access code?", f"--{precision}", "--json", "--engine",
          "transformers", "--no-server", "--context", "4k", "--png", str(png)],
         capture_output=True, text=True, env=run_env(), timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(proc.stdout)
-    assert data["prompt_tokens"] > 2048 and data["precision"] == "fp8 (sparse layers)"
-    assert data["precision_requested"] == "fp8"
+    assert data["profile"] == profile and data["precision_requested"] == precision
+    assert data["prompt_tokens"] > 2048 and data["precision"] == f"{precision} (sparse layers)"
     sparse = set(data["density"]["sparse_layers"])
     per_layer, per_head = data["fp8_rel_l2_per_layer"], data["fp8_rel_l2_per_layer_head"]
     assert len(per_layer) == len(per_head) == 30 and sparse == set(range(2, 30))
@@ -196,33 +198,9 @@ def test_fp_profile_fp8_reports_fp8_error_per_layer(smollm2, tmp_path):
             assert 0.0 < err < 0.5 and len(heads) == 3 and all(0.0 < e < 0.5 for e in heads), (i, err, heads)
         else:
             assert err is None and heads == [], (i, err, heads)
-    assert data["png"] == str(png) and data["png_fp8"] == str(tmp_path / "h.fp8.png")
-    assert (tmp_path / "h.fp8.png").stat().st_size > 1000
-
-
-def test_fp_profile_int8qk_reports_its_error_against_bf16_per_layer(smollm2, tmp_path):
-    """``fp profile --int8qk`` through the real transformers engine and the reference's int8qk (int8
-    Q and K, e4m3 P and V): every sparse layer reports a non-zero error against BF16 on the same
-    inputs (zero would mean BF16 ran), the dense layers none. Needs the operator's int8qk (the
-    int8qk-kernel branch): before that merge the reference does not know it."""
-    doc = tmp_path / "report.txt"
-    doc.write_text(make_document(190, "The access code for the vault is 7429.", 0.5, seed=2))
-    png = tmp_path / "h.png"
-    proc = subprocess.run(
-        [fp_executable(), "profile", str(doc), "What is the access code?", "--int8qk", "--json", "--engine",
-         "transformers", "--no-server", "--context", "4k", "--png", str(png)],
-        capture_output=True, text=True, env=run_env(), timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads(proc.stdout)
-    assert data["profile"] == "bf16+int8qk" and data["precision_requested"] == "int8qk"
-    assert data["prompt_tokens"] > 2048 and data["precision"] == "int8qk (sparse layers)"
-    sparse = set(data["density"]["sparse_layers"])
-    per_layer = data["fp8_rel_l2_per_layer"]
-    assert len(per_layer) == 30 and sparse == set(range(2, 30))
-    for i, err in enumerate(per_layer):
-        assert (0.0 < err < 0.5) if i in sparse else err is None, (i, err)
-    assert data["png_fp8"] == str(tmp_path / "h.int8qk.png")
+    png8 = tmp_path / f"h.{precision}.png"
+    assert data["png"] == str(png) and data["png_fp8"] == str(png8)
+    assert png8.stat().st_size > 1000
 
 
 def test_fp_profile_of_a_prompt_within_sink_window_and_tail_says_why_nothing_was_pruned(smollm2, tmp_path):

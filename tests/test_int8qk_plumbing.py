@@ -3,8 +3,8 @@ the engines' gate and the e4m3-cache refusal, the SGLang backend settings, what 
 
 Plumbing only: the fake engine stands in for the model where a command is run (it takes the
 profile's precision as the real engines do), and no test here calls the int8qk operator. The
-end-to-end test with the real operator is ``test_e2e_cpu.py::test_fp_profile_int8qk_reports_its_
-error_against_bf16_per_layer`` (it needs the operator branch's int8qk).
+end-to-end test with the real operator is ``test_e2e_cpu.py::test_fp_profile_8bit_reports_its_
+error_per_layer`` (its ``int8qk`` case).
 """
 from __future__ import annotations
 
