@@ -1,4 +1,4 @@
-"""Shared fixtures for the CPU tests: a fake engine, a CLI runner, a PDF factory.
+"""Shared fixtures for the CPU tests: a fake engine, a CLI runner, a short text document, a PDF factory.
 
 The helpers themselves live in ``tests/fp_fakes.py`` (import them from there: ``from fp_fakes
 import FakeEngine, make_pdf``); they are re-exported here for convenience.
@@ -42,6 +42,14 @@ def runner():
     from typer.testing import CliRunner
 
     return CliRunner()
+
+
+@pytest.fixture
+def doc(tmp_path) -> Path:
+    """A three-line text document ``tmp_path / "doc.txt"`` whose fact is "The secret code is PLUM7."."""
+    path = tmp_path / "doc.txt"
+    path.write_text("Quarterly report.\nThe secret code is PLUM7.\nRevenue grew.\n", encoding="utf-8")
+    return path
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ subprocess with ``FP_ENGINE_FACTORY=fp_fakes:fake_load_engine`` and ``tests/`` o
 ``FakeSGLangEngine`` (made by ``fake_sglang``) stands in for ``SGLangEngine`` in ``fp bench --e2e``.
 ``make_pdf``, ``make_tex_pdf`` (words placed one by one, as TeX does), ``make_tex_accent_pdf`` (accent
 glyphs drawn over their letters, as TeX does), ``encrypt_pdf`` and
-``garble_pdf`` build real PDFs for the ingestion tests.
+``garble_pdf`` build real PDFs for the ingestion tests. ``invoke`` runs the CLI in this process.
 """
 from __future__ import annotations
 
@@ -187,6 +187,16 @@ def run_env() -> dict:
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env.setdefault("HF_HUB_OFFLINE", "1")
     return env
+
+
+def invoke(runner, args: list[str], **kw):
+    """``fp ARGS`` in this process through a Typer ``CliRunner`` (the ``runner`` fixture), at 200
+    columns so that help and tables do not wrap; ``env=`` adds variables (``COLUMNS`` included),
+    other keywords (``input=``) go to ``runner.invoke``. Returns its ``Result``."""
+    from fpcli.cli import app
+
+    env = {"COLUMNS": "200", **kw.pop("env", {})}
+    return runner.invoke(app, args, env=env, **kw)
 
 
 class FakeSGLangEngine:

@@ -1,9 +1,19 @@
-"""The harness of the Triton-interpreter test modules (``tests/test_fp8_*_interpret.py``).
+"""The harness of the Triton-interpreter test modules (``tests/test_fp8_*_interpret.py``,
+``tests/test_int8qk_interpret.py``).
 
 ``TRITON_INTERPRET=1`` must be set before Triton is imported, so each module runs its cases in a
 child process (the module itself with ``--worker``) that prints one JSON object per case; the
-module's ``results`` fixture (``interpreter_results``) collects them by ``"case"``. The FP8 kernel
-modules build each case's operands with ``fp8_case``.
+module's ``results`` fixture (``results_fixture``: ``interpreter_results``) collects them by ``"case"``. The FP8 kernel
+modules build each case's operands with ``fp8_case``. A module's skeleton::
+
+    results = results_fixture(__file__)          # test side: runs the worker once per module
+
+    def test_something(results, name):
+        r = case_result(results, name)           # fails with the worker's traceback if the case raised
+        assert r["..."], r
+
+    if __name__ == "__main__" and "--worker" in sys.argv:
+        run_cases(CASES, _run_case)              # worker side
 """
 from __future__ import annotations
 
@@ -56,6 +66,27 @@ def interpreter_results(script: str | os.PathLike, timeout_s: float = 900) -> di
     if not out:
         pytest.fail(f"interpreter worker produced no results (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
     return out
+
+
+def results_fixture(script: str | os.PathLike, timeout_s: float = 900):
+    """Test side: a module-scoped fixture named ``results`` returning ``interpreter_results(script,
+    timeout_s)``; bind it in the test module as ``results = results_fixture(__file__)``."""
+
+    @pytest.fixture(scope="module", name="results")
+    def results() -> dict[str, dict]:
+        """The interpreter worker's results of this module, by case name."""
+        return interpreter_results(script, timeout_s)
+
+    return results
+
+
+def case_result(results: dict[str, dict], name: str) -> dict:
+    """Test side: the result of case ``name``; fails the test with the worker's error and traceback
+    when the case raised."""
+    r = results[name]
+    if "error" in r:
+        pytest.fail(f"case {name}: {r['error']}\n{r.get('trace', '')}")
+    return r
 
 
 @dataclass(frozen=True)

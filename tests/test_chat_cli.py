@@ -11,7 +11,8 @@ import subprocess
 
 import pytest
 
-from test_cli import TESTS, _fp, doc, invoke  # noqa: F401 - doc is a fixture
+from fp_fakes import invoke
+from test_cli import TESTS, _fp
 
 
 def test_chat_answers_each_line_until_exit(runner, fake_engine, doc):

@@ -13,23 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from fp_fakes import LAST_FAKE, FakeEngine, encrypt_pdf, make_pdf
+from fp_fakes import LAST_FAKE, FakeEngine, encrypt_pdf, invoke, make_pdf
 from fpcli.cli import app
 from fpcli.commands.bench import parse_heads, parse_lengths
 
 TESTS = Path(__file__).resolve().parent
-
-
-def invoke(runner, args, **kw):
-    env = {"COLUMNS": "200", **kw.pop("env", {})}
-    return runner.invoke(app, args, env=env, **kw)
-
-
-@pytest.fixture
-def doc(tmp_path):
-    path = tmp_path / "doc.txt"
-    path.write_text("Quarterly report.\nThe secret code is PLUM7.\nRevenue grew.\n", encoding="utf-8")
-    return path
 
 
 # -- fp ask ---------------------------------------------------------------------------------------

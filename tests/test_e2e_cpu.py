@@ -203,12 +203,10 @@ def test_fp_profile_8bit_reports_its_error_per_layer(smollm2, tmp_path, precisio
     assert png8.stat().st_size > 1000
 
 
-def test_fp_profile_of_a_prompt_within_sink_window_and_tail_says_why_nothing_was_pruned(smollm2, tmp_path):
+def test_fp_profile_of_a_prompt_within_sink_window_and_tail_says_why_nothing_was_pruned(smollm2, tmp_path, doc):
     """The real transformers engine on a ~100-token prompt with min_sparse_len 0: the sparse layers
     run and keep every block (the prompt fits in sink 512 + window 1,024 + tail 256), and fp
     profile says so instead of a bare 100%."""
-    doc = tmp_path / "memo.txt"
-    doc.write_text("Quarterly report.\nThe secret code is PLUM7.\nRevenue grew.\n")
     proc = subprocess.run(
         [fp_executable(), "profile", str(doc), "--json", "--engine", "transformers", "--no-server",
          "--profile", str(sparse_profile(tmp_path)), "--png", str(tmp_path / "h.png")],

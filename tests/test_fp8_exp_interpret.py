@@ -7,16 +7,14 @@ Run in a subprocess (this file with ``--worker``) that switches the interpreter 
 compiles anything, as ``test_triton_interpret.py``."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from interpret_harness import case_result, results_fixture, run_cases
+
+CASES = ("exp2",)
 
 
-def _worker() -> None:
+def _run_case(name):
     global fk                  # the jitted kernel below resolves it among this module's globals
     import torch
     import triton
@@ -35,32 +33,28 @@ def _worker() -> None:
     x[3, :7] = float("-inf")                                                   # masked logits
     x[5, 10:20] = torch.tensor([8.0, 0.0, -0.5, 0.5, -1.0, 2.49, -2.51, -24.0, -99.0, -126.5], dtype=torch.float64)
     x32 = x.float().contiguous()
-    res = {}
-    for name in ("poly_half", "f16", "mufu"):
+    res = {"case": name}
+    for impl in ("poly_half", "f16", "mufu"):
         out = torch.empty_like(x32)
-        _exp_kernel[(1,)](x32, out, EXP=fk.EXP_IMPLS.index(name), M=16, N=64)
+        _exp_kernel[(1,)](x32, out, EXP=fk.EXP_IMPLS.index(impl), M=16, N=64)
         want = torch.exp2(x32.double())
         rel = ((out.double() - want).abs() / want.clamp_min(1e-300))
         normal = x32 >= -14.0                  # fp16 normal results
-        res[name] = {
+        res[impl] = {
             "rel_max_odd": float(rel[:, 1::2][torch.isfinite(x32[:, 1::2]) & (x32[:, 1::2] >= -99)].max()),
             "rel_max_normal": float(rel[normal].max()),
             "abs_max_small": float((out.double() - want).abs()[~normal].max()),
             "masked": out[3, :7].tolist(),
             "finite": bool(torch.isfinite(out).all()),
         }
-    print(json.dumps(res))
+    return res
 
 
-def _results():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT / 'kernels'}{os.pathsep}{ROOT / 'tests'}")
-    run = subprocess.run([sys.executable, __file__, "--worker"], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+results = results_fixture(__file__, timeout_s=600)
 
 
-def test_exp2_variants_stay_inside_their_error_bounds():
-    r = _results()
+def test_exp2_variants_stay_inside_their_error_bounds(results):
+    r = case_result(results, "exp2")
     for name in ("poly_half", "f16", "mufu"):
         assert r[name]["finite"], name
         assert all(v <= 2.0 ** -99 for v in r[name]["masked"]), (name, r[name]["masked"])
@@ -73,4 +67,4 @@ def test_exp2_variants_stay_inside_their_error_bounds():
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
-    _worker()
+    run_cases(CASES, _run_case, patch_range=False)

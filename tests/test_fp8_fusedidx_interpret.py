@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from interpret_harness import fp8_case, interpreter_results, run_cases
+from interpret_harness import case_result, fp8_case, results_fixture, run_cases
 
 import pytest
 
@@ -61,19 +61,12 @@ def _run_case(name):
     return res
 
 
-def _worker() -> None:
-    run_cases(CASES, _run_case)
-
-
-@pytest.fixture(scope="module")
-def results():
-    return interpreter_results(__file__, timeout_s=900)
+results = results_fixture(__file__)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_fused_amax_same_scales_and_index(results, name):
-    r = results[name]
-    assert "error" not in r, r.get("trace", r)
+    r = case_result(results, name)
     assert r["unfused_no_amax"] and r["amax_shape"] and r["k_v_amax_differ"], r
     assert r["scales_equal"], r
     assert r["selection_equal"] and r["pruned"] and r["means_equal"], r
@@ -81,11 +74,10 @@ def test_fused_amax_same_scales_and_index(results, name):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_fused_amax_same_prepass_and_output(results, name):
-    r = results[name]
-    assert "error" not in r, r.get("trace", r)
+    r = case_result(results, name)
     assert r["prepass_equal"], r
     assert r["finite"] and r["out_equal"], r
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
-    _worker()
+    run_cases(CASES, _run_case)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from interpret_harness import fp8_case, interpreter_results, run_cases
+from interpret_harness import case_result, fp8_case, results_fixture, run_cases
 
 import pytest
 
@@ -64,20 +64,13 @@ def _run_case(name):
     return res
 
 
-def _worker() -> None:
-    run_cases(CASES, _run_case)
-
-
-@pytest.fixture(scope="module")
-def results():
-    return interpreter_results(__file__, timeout_s=900)
+results = results_fixture(__file__)
 
 
 @pytest.mark.parametrize("pair", sorted(PAIRS))
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_loop_guard_bit_identical(results, name, pair):
-    r = results[name]
-    assert "error" not in r, r.get("trace", r)
+    r = case_result(results, name)
     assert r["pruned"], "the case must prune blocks (the correction loop runs)"
     assert r["empty_first_loop"], "the case must have programs whose first exact-key loop is empty"
     assert r[f"{pair}_finite"], r
@@ -85,4 +78,4 @@ def test_loop_guard_bit_identical(results, name, pair):
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
-    _worker()
+    run_cases(CASES, _run_case)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from interpret_harness import fp8_case, interpreter_results, run_cases
+from interpret_harness import case_result, fp8_case, results_fixture, run_cases
 
 import pytest
 
@@ -69,19 +69,12 @@ def _run_case(name):
     return res
 
 
-def _worker() -> None:
-    run_cases(CASES, _run_case)
-
-
-@pytest.fixture(scope="module")
-def results():
-    return interpreter_results(__file__, timeout_s=900)
+results = results_fixture(__file__)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_aligned_mean_columns(results, name):
-    r = results[name]
-    assert "error" not in r, r.get("trace", r)
+    r = case_result(results, name)
     assert r["starts_aligned"] and r["some_start_moved"] and r["unaligned_cols_are_block_ptr"], r
     assert r["k_codes_same"] and r["v_codes_same"], r
     assert r["gaps_zero"] and r["gap_count"] > 0, r
@@ -90,12 +83,11 @@ def test_aligned_mean_columns(results, name):
 @pytest.mark.parametrize("pair", sorted(PAIRS))
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_mean_vec_bit_identical(results, name, pair):
-    r = results[name]
-    assert "error" not in r, r.get("trace", r)
+    r = case_result(results, name)
     assert r["pruned"], "the case must prune blocks (the correction loop runs)"
     assert r[f"{pair}_finite"], r
     assert r[f"{pair}_out_equal"] and r[f"{pair}_lse_equal"], r
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
-    _worker()
+    run_cases(CASES, _run_case)

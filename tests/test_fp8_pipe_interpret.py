@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from interpret_harness import fp8_case, interpreter_results, run_cases
+from interpret_harness import case_result, fp8_case, results_fixture, run_cases
 
 import pytest
 
@@ -76,23 +76,12 @@ def _run_case(name):
     return res
 
 
-def _worker() -> None:
-    run_cases(CASES, _run_case)
-
-
-@pytest.fixture(scope="module")
-def results():
-    return interpreter_results(__file__, timeout_s=900)
-
-
-if __name__ == "__main__" and "--worker" in sys.argv:
-    _worker()
+results = results_fixture(__file__)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_pipelined_loop_matches_shipped_loop_and_fp8_reference(results, name):
-    r = results[name]
-    assert "error" not in r, r.get("trace", r.get("error"))
+    r = case_result(results, name)
     assert r["pruned"], "the case must prune blocks (the mean correction runs)"
     for key, value in r.items():
         if key.endswith("_finite"):
@@ -106,3 +95,7 @@ def test_pipelined_loop_matches_shipped_loop_and_fp8_reference(results, name):
             assert r[f"{mode}_{vname}_lse_inf_same"], (mode, vname)
     for vname in VARIANTS:
         assert r[f"{vname}_vs_ref8"] <= INTERP_FACTOR * SAME_FACTOR * r["e"] + FLOOR, (vname, r)
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    run_cases(CASES, _run_case)

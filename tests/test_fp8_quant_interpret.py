@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from interpret_harness import interpreter_results, run_cases
+from interpret_harness import case_result, results_fixture, run_cases
 
 import pytest
 
@@ -56,22 +56,15 @@ def _run_case(name):
     }
 
 
-def worker() -> None:
-    run_cases(CASES, _run_case, patch_range=False)
-
-
-@pytest.fixture(scope="module")
-def results():
-    return interpreter_results(__file__, timeout_s=600)
-
-
-if __name__ == "__main__" and "--worker" in sys.argv:
-    worker()
+results = results_fixture(__file__, timeout_s=600)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_prepass_matches_quant_bit_for_bit(results, name):
-    r = results[name]
-    assert "error" not in r, r.get("trace")
+    r = case_result(results, name)
     for key in ("k8", "v8t", "scales", "means", "cu", "saturated"):
         assert r[key], f"{name}: {key}"
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    run_cases(CASES, _run_case, patch_range=False)

@@ -11,24 +11,16 @@ import pytest
 import torch
 
 import flashprefill
-from fp_brute import brute_force, csr_segments, e4m3_round, make_inputs
+from fp8_reference_cases import (CASES, E4M3, SPARSE64, assert_dense_matches_brute_force,
+                                 assert_sparse_matches_brute_force, f64, f64_index_with_selection, rel)
+from fp_brute import brute_force, e4m3_round, make_inputs
 from flashprefill import SparseConfig, api, make_plan, quant
 from flashprefill.impl import reference as R
 
-E4M3 = torch.float8_e4m3fn
-SPARSE64 = SparseConfig(block_size=64, sink_tokens=64, window_tokens=64, dense_tail_tokens=32, alpha=0.3)
 # FP8 may err by at most this multiple of the error of rounding Q, K, V alone to e4m3 (one scale per
 # head), plus a floor of bf16 rounding: measured ratios were 0.96-1.13 (dense cases, d 64/128).
 K_BUDGET = 1.5
 FLOOR = 2e-3
-
-
-def rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-def f64(inp):
-    return tuple(t.double() if t.is_floating_point() else t for t in inp)
 
 
 def rounded_inputs(inp):
@@ -118,23 +110,9 @@ def test_p_factor_and_underflow_bound():
 # Reference against the independent float64 FP8 simulation
 
 
-CASES = [  # (q_lens, kv_lens, hq, hkv, d, page_size)
-    ([300], [600], 2, 1, 64, 16),            # P > 0, pruned blocks folded back as means
-    ([100, 40], [260, 40], 3, 1, 64, 1),     # GQA 3, page size 1, two requests
-    ([129], [129], 2, 2, 64, 64),            # tile / block boundary
-]
-
-
 @pytest.mark.parametrize("q_lens,kv_lens,hq,hkv,d,ps", CASES)
 def test_reference_matches_fp8_brute_force(q_lens, kv_lens, hq, hkv, d, ps):
-    inp = make_inputs(q_lens, kv_lens, hq, hkv, d, ps, structured=True, seed=3)
-    plan = make_plan(inp[4], inp[5], hq // hkv, SPARSE64.block_size)
-    index = R.build_index(*inp, SPARSE64, None, plan, precision="fp8")
-    out, lse = R.sparse_attention(*inp, SPARSE64, None, plan, index, precision="fp8")
-    ref_out, ref_lse, segs = brute_force(*inp, SPARSE64, precision="fp8")
-    assert csr_segments(index, plan) == segs
-    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-10, rtol=0)
+    inp, plan, index, out = assert_sparse_matches_brute_force("fp8", q_lens, kv_lens, hq, hkv, d, ps)
     # the FP8 result really differs from the exact one (the simulation is not a no-op)
     exact, _, _ = brute_force(*inp, SPARSE64)
     assert rel(out, exact) > 1e-3
@@ -143,12 +121,7 @@ def test_reference_matches_fp8_brute_force(q_lens, kv_lens, hq, hkv, d, ps):
 
 
 def test_dense_matches_fp8_brute_force_with_prefix():
-    inp = make_inputs([70], [200], 4, 2, 64, 16, seed=4)
-    plan = make_plan(inp[4], inp[5], 2, 128)
-    out, lse = R.dense_attention(*inp, None, plan, precision="fp8")
-    ref_out, ref_lse, _ = brute_force(*inp, SparseConfig(), dense=True, precision="fp8")
-    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-10, rtol=0)
+    assert_dense_matches_brute_force("fp8")
 
 
 def test_query_scale_is_per_tile():
@@ -234,8 +207,7 @@ def test_fp8_sparse_tracks_exact_same_selection(q_lens, kv_lens, hq, hkv, d, ps)
     assert index.nnz < int(index.n_visible.sum())
     out, _ = R.sparse_attention(*inp, SPARSE64, None, plan, index, precision="fp8")
     # the same selection in float64: the error is the quantisation's alone
-    index64 = R.build_index(*f64(inp), SPARSE64, None, plan)
-    index64 = type(index64)(**{**index64.__dict__, "row_ptr": index.row_ptr, "col_idx": index.col_idx})
+    index64 = f64_index_with_selection(inp, SPARSE64, plan, index)
     exact, _ = R.sparse_attention(*f64(inp), SPARSE64, None, plan, index64)
     rounded, _ = R.sparse_attention(*rounded_inputs(inp), SPARSE64, None, plan, index64)
     assert torch.isfinite(out).all()

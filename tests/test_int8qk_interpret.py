@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 
-from interpret_harness import interpreter_results, run_cases
+from interpret_harness import case_result, results_fixture, run_cases
 
 import pytest
 
@@ -141,19 +141,12 @@ def _run_case(name):
     return res
 
 
-def _worker() -> None:
-    run_cases(CASES, _run_case)
-
-
-@pytest.fixture(scope="module")
-def results():
-    return interpreter_results(__file__, timeout_s=1200)
+results = results_fixture(__file__, timeout_s=1200)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_int8qk_prepass_codes_exact(results, name):
-    r = results[name]
-    assert "error" not in r, r.get("trace", r)
+    r = case_result(results, name)
     assert r["ties"] > 0, "the case must contain exact rounding ties"
     assert r["k_codes_exact"] and r["v_as_fp8"], r
     assert r["fused_prepass_equal"], r
@@ -161,8 +154,7 @@ def test_int8qk_prepass_codes_exact(results, name):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_int8qk_selection_equals_reference(results, name):
-    r = results[name]
-    assert "error" not in r, r.get("trace", r)
+    r = case_result(results, name)
     assert r["pruned"], "the case must prune blocks"
     assert r["selection_separate"] and r["selection_fused"], r
     assert r["means_separate"] and r["means_fused"], r
@@ -172,8 +164,7 @@ def test_int8qk_selection_equals_reference(results, name):
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_int8qk_attention_tracks_reference(results, name, mode, label):
-    r = results[name]
-    assert "error" not in r, r.get("trace", r)
+    r = case_result(results, name)
     key = f"{mode}_{label}"
     assert r[f"{key}_finite"], r
     got, budget, _ = r[f"{key}_out"]
@@ -184,11 +175,10 @@ def test_int8qk_attention_tracks_reference(results, name, mode, label):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_int8qk_api_end_to_end(results, name):
-    r = results[name]
-    assert "error" not in r, r.get("trace", r)
+    r = case_result(results, name)
     got, budget = r["api"]
     assert got <= budget, (got, budget)
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
-    _worker()
+    run_cases(CASES, _run_case)

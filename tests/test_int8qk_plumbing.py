@@ -14,22 +14,11 @@ import json
 import pytest
 import torch
 
-from fp_fakes import FakeEngine
+from fp_fakes import FakeEngine, invoke
 from fpcli.cli import app
 from fpcli.engine.base import check_fp8_profile, eight_bit, precision_label, ran_precision
 from fpcli.profiles import (ProfileError, bf16_twin, load_profile, precision_twins, profile_from_dict,
                             with_precision)
-
-
-def invoke(runner, args):
-    return runner.invoke(app, args, env={"COLUMNS": "200"})
-
-
-@pytest.fixture
-def doc(tmp_path):
-    path = tmp_path / "doc.txt"
-    path.write_text("Quarterly report.\nThe secret code is PLUM7.\nRevenue grew.\n", encoding="utf-8")
-    return path
 
 
 # -- profiles ------------------------------------------------------------------------------------

@@ -10,20 +10,11 @@ import pytest
 import torch
 
 import flashprefill
-from fp_brute import brute_force, csr_segments, make_inputs
-from flashprefill import SparseConfig, api, make_plan, quant
+from fp8_reference_cases import (CASES, SPARSE64, assert_dense_matches_brute_force,
+                                 assert_sparse_matches_brute_force, f64, f64_index_with_selection, rel)
+from fp_brute import make_inputs
+from flashprefill import api, make_plan, quant
 from flashprefill.impl import reference as R
-
-E4M3 = torch.float8_e4m3fn
-SPARSE64 = SparseConfig(block_size=64, sink_tokens=64, window_tokens=64, dense_tail_tokens=32, alpha=0.3)
-
-
-def rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-def f64(inp):
-    return tuple(t.double() if t.is_floating_point() else t for t in inp)
 
 
 # --------------------------------------------------------------------------------------------
@@ -70,34 +61,15 @@ def test_int8_q_tiles_use_the_whole_tile_amax():
 # reference vs the float64 brute force
 
 
-CASES = [  # (q_lens, kv_lens, hq, hkv, d, page_size)
-    ([300], [600], 2, 1, 64, 16),            # P > 0, pruned blocks folded back as means
-    ([100, 40], [260, 40], 3, 1, 64, 1),     # GQA 3, page size 1, two requests
-    ([129], [129], 2, 2, 64, 64),            # tile / block boundary
-]
-
-
 @pytest.mark.parametrize("q_lens,kv_lens,hq,hkv,d,ps", CASES)
 def test_reference_matches_int8qk_brute_force(q_lens, kv_lens, hq, hkv, d, ps):
-    inp = make_inputs(q_lens, kv_lens, hq, hkv, d, ps, structured=True, seed=3)
-    plan = make_plan(inp[4], inp[5], hq // hkv, SPARSE64.block_size)
-    index = R.build_index(*inp, SPARSE64, None, plan, precision="int8qk")
-    out, lse = R.sparse_attention(*inp, SPARSE64, None, plan, index, precision="int8qk")
-    ref_out, ref_lse, segs = brute_force(*inp, SPARSE64, precision="int8qk")
-    assert csr_segments(index, plan) == segs
-    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-10, rtol=0)
+    inp, plan, index, out = assert_sparse_matches_brute_force("int8qk", q_lens, kv_lens, hq, hkv, d, ps)
     fp8_out, _ = R.sparse_attention(*inp, SPARSE64, None, plan, index, precision="fp8")
     assert not torch.allclose(out, fp8_out, atol=1e-6)                    # really another operand type
 
 
 def test_dense_matches_int8qk_brute_force_with_prefix():
-    inp = make_inputs([70], [200], 4, 2, 64, 16, seed=4)
-    plan = make_plan(inp[4], inp[5], 2, 128)
-    out, lse = R.dense_attention(*inp, None, plan, precision="int8qk")
-    ref_out, ref_lse, _ = brute_force(*inp, SparseConfig(), dense=True, precision="int8qk")
-    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=0)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-10, rtol=0)
+    assert_dense_matches_brute_force("int8qk")
 
 
 # --------------------------------------------------------------------------------------------
@@ -138,8 +110,7 @@ def test_int8qk_sparse_closer_to_exact_than_fp8_same_selection():
     plan = make_plan(inp[4], inp[5], 3, cfg.block_size)
     index = R.build_index(*inp, cfg, None, plan, precision="int8qk")
     assert index.nnz < int(index.n_visible.sum())
-    index64 = R.build_index(*f64(inp), cfg, None, plan)
-    index64 = type(index64)(**{**index64.__dict__, "row_ptr": index.row_ptr, "col_idx": index.col_idx})
+    index64 = f64_index_with_selection(inp, cfg, plan, index)
     exact, _ = R.sparse_attention(*f64(inp), cfg, None, plan, index64)
     outi, lsei = R.sparse_attention(*inp, cfg, None, plan, index, precision="int8qk")
     out8, _ = R.sparse_attention(*inp, cfg, None, plan, index, precision="fp8")

@@ -26,6 +26,7 @@ from flashprefill.integrations.sglang.metadata import (
 from flashprefill.integrations.sglang.settings import ENV_VAR, BackendSettings
 from flashprefill.integrations.sglang.stats_reader import aggregate, iter_records, read_prefill_stats
 from flashprefill.integrations.sglang.stats_writer import BatchStats, StatsWriter
+from fp_fakes import invoke
 from fpcli.engine.sglang_engine import backend_settings, prefill_stats_of
 
 
@@ -908,25 +909,18 @@ def test_in_process_commands_load_a_one_request_engine(monkeypatch):
     (["ask", "{doc}", "What is the code?", "--no-server"], True),
     (["profile", "{doc}", "What is the code?", "--no-server"], True),
 ])
-def test_one_prompt_commands_skip_the_engine_warmup(runner, fake_engine, tmp_path, monkeypatch, command, one_prompt):
+def test_one_prompt_commands_skip_the_engine_warmup(runner, fake_engine, doc, tmp_path, monkeypatch, command,
+                                                    one_prompt):
     """fp ask / fp profile send one prompt: their in-process engine skips the start-up warm-up
     (the request is its own warm-up)."""
-    from fpcli.cli import app
-
     monkeypatch.chdir(tmp_path)  # fp profile writes its heatmap PNG into the working directory
-    doc = tmp_path / "doc.txt"
-    doc.write_text("Quarterly report.\nThe secret code is PLUM7.\nRevenue grew.\n", encoding="utf-8")
-    r = runner.invoke(app, [a.format(doc=doc) for a in command], env={"COLUMNS": "200"})
+    r = invoke(runner, [a.format(doc=doc) for a in command])
     assert r.exit_code == 0, r.output
     assert fake_engine().load_kwargs.get("warmup", True) is not one_prompt
 
 
-def test_chat_keeps_the_engine_warmup(runner, fake_engine, tmp_path):
-    from fpcli.cli import app
-
-    doc = tmp_path / "doc.txt"
-    doc.write_text("Quarterly report.\nThe secret code is PLUM7.\nRevenue grew.\n", encoding="utf-8")
-    r = runner.invoke(app, ["chat", str(doc), "--no-server"], input="What is the code?\n", env={"COLUMNS": "200"})
+def test_chat_keeps_the_engine_warmup(runner, fake_engine, doc):
+    r = invoke(runner, ["chat", str(doc), "--no-server"], input="What is the code?\n")
     assert r.exit_code == 0, r.output
     assert fake_engine().load_kwargs.get("warmup", True) is True
 
