@@ -687,7 +687,8 @@ def test_gap_notes_say_what_changed_and_suggest_the_accurate_profile():
                                    "lost": 16, "won": 2, "points": points}]}
 
     (line,) = gap_notes(report("dense", "bf16"))
-    assert line.startswith("at 32k bf16 against dense on the same 40 samples: 16 lost, 2 won (-35.0 points)")
+    assert line.startswith("at 32k bf16 against dense on the same 40 samples: 16 lost, 2 won (-35.0 points, "
+                           "sign test p 0.0013)")
     assert "accurate profile" in line and "--profiles" in line
     assert "accurate" not in gap_notes(report("dense", "bf16", "accurate"))[0]  # already measured
     assert "accurate" not in gap_notes(report("dense", "bf16", points=-2.0))[0]  # within the 2-point bar
@@ -709,6 +710,7 @@ def test_eval_prints_the_paired_comparison_with_dense(runner, fake_engine, monke
         [("bf16", 3, 0, 0, 0.0), ("fp8", 3, 0, 0, 0.0)]
     err = " ".join(r.stderr.split())
     assert "at 1k bf16 against dense on the same 3 samples: 0 lost, 0 won (+0.0 points)" in err
+    assert [g["sign_p"] for g in data["against_dense"]] == [1.0, 1.0]  # nothing changed
 
 
 def test_eval_takes_a_twin_at_fp8_by_name(runner, fake_engine, monkeypatch):
@@ -816,15 +818,21 @@ def test_eval_pairs_fp8_with_bf16_not_an_earlier_copy(runner, fake_engine, monke
 def test_fp8_notes_say_what_fp8_alone_costs():
     from fpcli.ruler.render import fp8_notes
 
-    def report(points):
+    def report(points, lost=6, won=0):
         return {"against_bf16": [{"length": 131072, "profile": "accurate+fp8", "baseline": "accurate",
-                                  "samples": 16, "lost": 1, "won": 0, "points": points}]}
+                                  "samples": 16, "lost": lost, "won": won, "points": points}]}
 
-    (line,) = fp8_notes(report(-6.25))
+    (line,) = fp8_notes(report(-37.5))
     assert line.startswith("at 128k accurate+fp8 against accurate (the same profile at BF16) on the same 16 samples: "
-                           "1 lost, 0 won (-6.2 points)")
-    assert "FP8 is what costs these answers" in line
+                           "6 lost, 0 won (-37.5 points, sign test p 0.031)")
+    assert line.endswith("; FP8 is what costs these answers: accurate keeps them")
     assert "costs" not in fp8_notes(report(-2.0))[0]
+    # one answer lost of 16 (p 1.0): more than 2 points, but as likely by chance as not, so not put on FP8
+    (line,) = fp8_notes(report(-6.25, lost=1))
+    assert "(-6.2 points, sign test p 1.0)" in line and "costs" not in line
+    assert line.endswith("pair more samples (--samples, more --seed values) before putting it on FP8")
+    (line,) = fp8_notes(report(-25.0, lost=5, won=1))  # p 0.22: still not shown to be FP8's
+    assert "sign test p 0.22" in line and "before putting it on FP8" in line
     assert fp8_notes({"against_bf16": []}) == []
     lone = {"profiles": [{"name": "accurate+fp8", "attention": "flashprefill", "requested_precision": "fp8",
                           "ran_precision": "fp8 (sparse layers)", "bf16_twin": None}], "against_bf16": []}
@@ -895,3 +903,22 @@ def test_eval_names_a_set_of_dense_layers_by_its_ranges(runner, fake_engine, mon
     assert "(dense_layers: accurate 12, bf16-dl0189 [0-1, 8-11])" in err, err
     same = {"profiles": [{"name": "a", "dense_layers": [0, 1, 8]}, {"name": "b", "dense_layers": [0, 1, 8]}]}
     assert density_scope_notes(same) == []  # equal sets, read back from JSON as lists
+
+
+def test_sign_test_p_is_the_two_sided_binomial_tail():
+    """``sign_test_p`` against the binomial tail summed here term by term (n = lost + won, p = 1/2),
+    and its edges: nothing changed, an even split, a lopsided one, order of the arguments."""
+    from math import factorial
+
+    from fpcli.ruler.scoring import sign_test_p
+
+    def tail(k, n):  # P(X <= k), X ~ Binomial(n, 1/2)
+        return sum(factorial(n) // (factorial(i) * factorial(n - i)) for i in range(k + 1)) / 2 ** n
+
+    assert sign_test_p(0, 0) == 1.0
+    assert sign_test_p(1, 0) == 1.0 and sign_test_p(3, 3) == 1.0
+    assert sign_test_p(6, 0) == sign_test_p(0, 6) == 2 * 0.5 ** 6
+    assert abs(sign_test_p(16, 2) - 2 * tail(2, 18)) < 1e-15 and sign_test_p(16, 2) < 0.002
+    assert abs(sign_test_p(3, 0) - 0.25) < 1e-15  # fp8 at 32K over 108 samples: far from a verdict
+    with pytest.raises(ValueError, match="lost and won"):
+        sign_test_p(-1, 2)

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 from flashprefill.dense_layers import DenseLayers, to_data
 from fpcli.engine.base import Engine, GenerationResult, precision_family
 from fpcli.profiles import Profile, bf16_twin
-from fpcli.ruler.scoring import mean_points, string_match
+from fpcli.ruler.scoring import mean_points, sign_test_p, string_match
 from fpcli.ruler.tasks import Sample
 
 SCHEMA = "fp.eval/1"
@@ -207,7 +207,8 @@ def against_dense(run: EvalRun) -> list[dict]:
     dense), ``samples`` (those both answered), ``lost`` / ``won`` (samples it scored below / above
     the baseline; partial credit counts as a score like any other), ``points`` (its mean score
     minus the baseline's over those samples, points 0-100; the difference of their cells when no
-    sample is missing). Empty when no dense profile ran. ``docs/eval.md``, "Reading the table"."""
+    sample is missing), ``sign_p`` (``scoring.sign_test_p`` of ``lost`` / ``won``: how often chance
+    alone splits the changed samples this unevenly). Empty when no dense profile ran. ``docs/eval.md``, "Reading the table"."""
     base = next((p for p in run.profiles if p.attention == "dense"), None)
     if base is None:
         return []
@@ -243,9 +244,10 @@ def _paired(run: EvalRun, p: ProfileRun, base: ProfileRun, length: int,
              and ran(p.results[s.id])]
     if not pairs:
         return None
+    lost, won = sum(1 for a, b in pairs if a < b), sum(1 for a, b in pairs if a > b)
     return {"length": length, "profile": p.name, "baseline": base.name, "samples": len(pairs),
-            "lost": sum(1 for a, b in pairs if a < b), "won": sum(1 for a, b in pairs if a > b),
-            "points": 100.0 * fmean(a - b for a, b in pairs)}
+            "lost": lost, "won": won, "points": 100.0 * fmean(a - b for a, b in pairs),
+            "sign_p": sign_test_p(lost, won)}
 
 
 def eval_report(run: EvalRun, *, seeds: Sequence[int], samples_per_cell: int, tasks: Sequence[str], lengths: Sequence[int],
