@@ -680,11 +680,12 @@ def test_against_dense_pairs_the_same_samples():
 
 def test_gap_notes_say_what_changed_and_suggest_the_accurate_profile():
     from fpcli.ruler.render import gap_notes
+    from fpcli.ruler.scoring import sign_test_p
 
     def report(*names, points=-35.0):
         return {"profiles": [{"name": n} for n in names],
                 "against_dense": [{"length": 32768, "profile": "bf16", "baseline": "dense", "samples": 40,
-                                   "lost": 16, "won": 2, "points": points}]}
+                                   "lost": 16, "won": 2, "points": points, "sign_p": sign_test_p(16, 2)}]}
 
     (line,) = gap_notes(report("dense", "bf16"))
     assert line.startswith("at 32k bf16 against dense on the same 40 samples: 16 lost, 2 won (-35.0 points, "
@@ -817,10 +818,12 @@ def test_eval_pairs_fp8_with_bf16_not_an_earlier_copy(runner, fake_engine, monke
 
 def test_fp8_notes_say_what_fp8_alone_costs():
     from fpcli.ruler.render import fp8_notes
+    from fpcli.ruler.scoring import sign_test_p
 
     def report(points, lost=6, won=0):
         return {"against_bf16": [{"length": 131072, "profile": "accurate+fp8", "baseline": "accurate",
-                                  "samples": 16, "lost": lost, "won": won, "points": points}]}
+                                  "samples": 16, "lost": lost, "won": won, "points": points,
+                                  "sign_p": sign_test_p(lost, won)}]}
 
     (line,) = fp8_notes(report(-37.5))
     assert line.startswith("at 128k accurate+fp8 against accurate (the same profile at BF16) on the same 16 samples: "

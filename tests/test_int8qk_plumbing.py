@@ -174,15 +174,17 @@ def test_eval_runs_a_profile_beside_its_int8qk_twin(runner, fake_engine, monkeyp
 
 def test_eval_notes_name_int8qk_as_what_costs_the_answers():
     from fpcli.ruler.render import fp8_notes
+    from fpcli.ruler.scoring import sign_test_p
 
     profiles = [{"name": "accurate", "attention": "flashprefill", "requested_precision": "bf16"},
                 {"name": "accurate+int8qk", "attention": "flashprefill", "requested_precision": "int8qk",
                  "ran_precision": "int8qk (sparse layers)", "bf16_twin": "accurate"}]
     row = {"length": 131072, "profile": "accurate+int8qk", "baseline": "accurate", "samples": 16, "lost": 6,
-           "won": 0, "points": -37.5}
+           "won": 0, "points": -37.5, "sign_p": sign_test_p(6, 0)}
     (line,) = fp8_notes({"profiles": profiles, "against_bf16": [row]})
     assert line.endswith("; int8qk is what costs these answers: accurate keeps them") and "FP8" not in line
-    (line,) = fp8_notes({"profiles": profiles, "against_bf16": [dict(row, lost=2, points=-12.5)]})
+    (line,) = fp8_notes({"profiles": profiles,
+                         "against_bf16": [dict(row, lost=2, points=-12.5, sign_p=sign_test_p(2, 0))]})
     assert line.endswith("before putting it on int8qk") and "FP8" not in line  # 2 of 2 changed: p 0.5
     lone = [dict(profiles[1], bf16_twin=None)]
     (hint,) = fp8_notes({"profiles": lone, "against_bf16": []})

@@ -7,7 +7,6 @@ from rich.table import Table
 
 from flashprefill.dense_layers import dense_layers_text, from_data
 from fpcli.engine.base import eight_bit, precision_family, precision_label
-from fpcli.ruler.scoring import sign_test_p
 
 
 def eval_table(report: dict) -> Table:
@@ -160,7 +159,7 @@ GAP_POINTS = 2.0
 
 SIGNIFICANT_P = 0.05
 """``fp8_notes`` puts an 8-bit profile's lost answers on its precision only where the sign test of
-its paired samples (``scoring.sign_test_p``) is below this; above it, it asks for more samples."""
+its paired samples (the row's ``sign_p``, ``scoring.sign_test_p``) is below this; above it, it asks for more samples."""
 
 ACCURATE_PROFILE = "accurate"
 """The built-in that keeps the first half of the layers dense (``fpcli/builtin_profiles``), which
@@ -189,10 +188,11 @@ def fp8_notes(report: dict) -> list[str]:
     its answers against its BF16 twin's on the same samples, e.g. "at 128k accurate+fp8 against
     accurate (the same profile at BF16) on the same 16 samples: 1 lost, 0 won (-6.2 points, sign test
     p 1.0)"; more than ``GAP_POINTS`` below, the line adds that its precision (FP8, int8qk) is what
-    costs the answers where the sign test is below ``SIGNIFICANT_P``, else that chance alone gives
-    such a split this often and more paired samples are needed. An 8-bit profile that ran its precision with no BF16 twin in the run gets one line saying
-    how to measure the precision's own cost (its twin beside it), since against dense its losses mix
-    sparsity's and the precision's. Empty otherwise."""
+    costs the answers where the row's ``sign_p`` is below ``SIGNIFICANT_P``, else that chance alone
+    gives such a split this often and more paired samples are needed. An 8-bit profile that ran its
+    precision with no BF16 twin in the run gets one line saying how to measure the precision's own
+    cost (its twin beside it), since against dense its losses mix sparsity's and the precision's.
+    Empty otherwise."""
     requested = {p["name"]: str(p.get("requested_precision") or "") for p in report.get("profiles", [])}
     notes = []
     for p in report.get("profiles", []):
@@ -206,7 +206,7 @@ def fp8_notes(report: dict) -> list[str]:
     for g in report.get("against_bf16", []):
         line = _paired_line(g, f"{g['baseline']} (the same profile at BF16)")
         label = precision_label(requested.get(g["profile"], "fp8"))
-        if g["points"] < -GAP_POINTS and sign_test_p(g["lost"], g["won"]) < SIGNIFICANT_P:
+        if g["points"] < -GAP_POINTS and g["sign_p"] < SIGNIFICANT_P:
             line += f"; {label} is what costs these answers: {g['baseline']} keeps them"
         elif g["points"] < -GAP_POINTS:
             line += (f"; chance alone changes this many answers this often: pair more samples (--samples, "
@@ -218,8 +218,8 @@ def fp8_notes(report: dict) -> list[str]:
 def _paired_line(g: dict, baseline: str) -> str:
     """One pairing row of ``against_dense`` / ``against_bf16`` as a line: "at 32k bf16 against
     ``baseline`` on the same 40 samples: 16 lost, 2 won (-35.0 points, sign test p 0.0013)"; the
-    p value only where a sample changed (``scoring.sign_test_p``)."""
-    p = f", sign test p {_p_text(sign_test_p(g['lost'], g['won']))}" if g["lost"] + g["won"] else ""
+    row's ``sign_p`` only where a sample changed."""
+    p = f", sign test p {_p_text(g['sign_p'])}" if g["lost"] + g["won"] else ""
     return (f"at {_len(g['length'])} {g['profile']} against {baseline} on the same {g['samples']} "
             f"sample{'s' if g['samples'] != 1 else ''}: {g['lost']} lost, {g['won']} won ({g['points']:+.1f} points{p})")
 
