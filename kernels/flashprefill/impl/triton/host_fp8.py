@@ -52,7 +52,12 @@ def launch_attention_fp8(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale:
     their request's K / V scale (``qk.quantize_means``; ``tiles.mean_vec``: ``v_mean8t``'s request
     columns aligned, ``qk.mean_columns``) for the correction. An int8 ``kv.k8`` (precision "int8qk")
     launches the kernel's ``QK_INT8`` mode (int8 Q tile and key means, ``docs/fp8.md`` section 10).
+    ``tiles.impl == "gluon_ws"``: the sparse e4m3 case runs ``launch_attention_fp8_ws`` instead
+    (the dense mode and int8 ``k8`` stay on this kernel).
     """
+    if tiles.impl == "gluon_ws" and sparse and kv.k8.dtype != torch.int8:
+        return launch_attention_fp8_ws(q, kv, seq_lens, cu_seqlens_q, softmax_scale, plan, tiles,
+                                       mean_correction=mean_correction, block_size=block_size, index=index)
     total_q, hq, d = q.shape
     hkv = kv.k8.shape[0]
     out = torch.empty_like(q)
@@ -93,3 +98,96 @@ def launch_attention_fp8(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale:
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out, lse
+
+
+WS_HEAD_DIMS = (64, 128)
+WS_BLOCK = 128
+WS_TILE_ROWS = 128
+
+
+def ws_unsupported(q: torch.Tensor, kv: qk.Fp8KV, plan: BatchPlan, block_size: int) -> str | None:
+    """Why ``launch_attention_fp8_ws`` cannot run these inputs (a sentence), or None when it can:
+    a CUDA sm_90 GPU (TMA, e4m3 wgmma, ``setmaxnreg``), e4m3 ``k8``, d 64 / 128, key blocks of 128
+    tokens, 128-row tiles."""
+    if not q.is_cuda:
+        return f"needs a CUDA GPU with compute capability 9.0 (sm_90), got {q.device.type} tensors"
+    cc = torch.cuda.get_device_capability(q.device)
+    if cc != (9, 0):
+        name = torch.cuda.get_device_name(q.device)
+        return f"needs compute capability 9.0 (sm_90: Hopper wgmma and setmaxnreg), {name} is {cc[0]}.{cc[1]}"
+    if kv.k8.dtype != quant.E4M3:
+        return f"runs e4m3 K only (precision 'fp8'), got {kv.k8.dtype}"
+    if q.shape[2] not in WS_HEAD_DIMS:
+        return f"runs head dims {WS_HEAD_DIMS}, got d={q.shape[2]}"
+    if block_size != WS_BLOCK:
+        return f"runs key blocks of {WS_BLOCK} tokens, got {block_size}"
+    if plan.tile_rows != WS_TILE_ROWS:
+        return f"runs {WS_TILE_ROWS}-row query tiles, got {plan.tile_rows}"
+    return None
+
+
+def launch_attention_fp8_ws(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale: float, plan: BatchPlan,
+                            tiles: AttnConfig, *, mean_correction: bool, block_size: int, index: BlockIndex):
+    """Launch the warp-specialised Gluon kernel ``attention_fp8_ws_kernels._attn_fwd_fp8_ws`` (sparse
+    e4m3, ``docs/fp8.md`` section 11); no host sync. Same inputs and result as
+    ``launch_attention_fp8(..., sparse=True)``: ``(out [total_q, Hq, d] q.dtype, lse [total_q, Hq]
+    float32, natural log)``.
+
+    TMA boxes (e4m3, 128-byte swizzle where the row is 128 bytes): ``k8`` as ``[Hkv·total_k, d]``
+    box ``[B, d]``; ``v8t`` as ``[Hkv·d, total_k]`` box ``[d, B]``; ``k_mean8`` as ``[n_blocks, Hkv·d]``
+    box ``[B, d]``; ``v_mean8t`` (aligned columns, ``qk.quantize_means(..., aligned=True)``) as
+    ``[Hkv·d, n_cols]`` box ``[d, B]``. A box past a buffer's end reads zeros; keys past ``Lk`` have
+    ``-inf`` logits and mean-key columns past ``n_u`` have ``-inf`` biases, so what they read is never
+    weighted.
+
+    Raises:
+        ValueError: ``ws_unsupported`` gives a reason (not sm_90, not e4m3, d, block size, tile rows).
+    """
+    why = ws_unsupported(q, kv, plan, block_size)
+    if why:
+        raise ValueError(f"the warp-specialised FP8 attention (AttnConfig.impl='gluon_ws') {why}; "
+                         f"the default tiles (impl='triton') run these inputs")
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from . import attention_fp8_ws_kernels as wk
+
+    total_q, hq, d = q.shape
+    hkv, total_k, _ = kv.k8.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
+    if plan.n_tiles == 0 or total_q == 0:
+        return out, lse
+    if mean_correction:
+        k_mean8, v_mean8t, mean_cols = qk.quantize_means(index.k_mean, index.v_mean, kv, plan, aligned=True)
+        bits = mean_bits(index, plan)
+    else:                                              # placeholders the kernel never reads (n_u = 0)
+        k_mean8 = torch.zeros(block_size, hkv, d, dtype=quant.E4M3, device=q.device)
+        v_mean8t = torch.zeros(hkv, d, block_size, dtype=quant.E4M3, device=q.device)
+        mean_cols, bits = plan.block_ptr, index.row_ptr
+
+    def desc(t2: torch.Tensor, box: list[int]):
+        return TensorDescriptor.from_tensor(t2, box, gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv))
+
+    n_prog = plan.n_tiles
+    wk._attn_fwd_fp8_ws[(n_prog * hkv, )](
+        q, desc(kv.k8.view(hkv * total_k, d), [block_size, d]), desc(kv.v8t.view(hkv * d, total_k), [d, block_size]),
+        desc(k_mean8.view(k_mean8.shape[0], hkv * d), [block_size, d]),
+        desc(v_mean8t.view(hkv * d, v_mean8t.shape[2]), [d, block_size]),
+        kv.k_scale.contiguous(), kv.v_scale.contiguous(), kv.cu_seqlens_k, seq_lens, cu_seqlens_q,
+        plan.tile_request, plan.tile_local, plan.block_ptr, mean_cols, index.row_ptr, index.col_idx, bits, out, lse,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        bits.shape[1] if mean_correction else 0, total_k, plan.n_tiles, n_prog, hkv, float(softmax_scale) * LOG2E,
+        GROUP=hq // hkv, HEAD_DIM=d, TILE_ROWS=plan.tile_rows, BLOCK_SIZE=block_size, STAGES=tiles.ws_stages,
+        PINGPONG=tiles.ws_pingpong, MEAN_CORR=mean_correction, CONSUMER_REGS=WS_CONSUMER_REGS,
+        PRODUCER_REGS=WS_PRODUCER_REGS, num_warps=4, maxnreg=WS_MAXNREG)
+    return out, lse
+
+
+# Registers of the Gluon kernel: 12 resident warps (4 default + 4 consumer + 1 producer, rounded up to
+# warpgroups) at 168 each = the whole register file (65,536) of one program per SM; the producer's
+# warpgroup gives back to 24, the two consumer warpgroups take 240 (Triton sets the default
+# partition's from what is left).
+WS_MAXNREG = 168
+WS_CONSUMER_REGS = 240
+WS_PRODUCER_REGS = 24

@@ -48,6 +48,15 @@ class AttnConfig:
             requests, ``quant_kernels.mean_columns``), so the mean-correction loop loads its
             ``[d, block_u]`` tile with 16-byte copies instead of one-byte loads. Ignored by the
             16-bit kernels.
+        impl: the e4m3 sparse attention's kernel (precision "fp8", sparse mode): ``"triton"``
+            (``attention_fp8_kernels._attn_fwd_fp8``) or ``"gluon_ws"`` (the warp-specialised Gluon
+            kernel ``attention_fp8_ws_kernels``: sm_90, d 64 / 128, key blocks 128, 128-row tiles;
+            ``host_fp8.launch_attention_fp8_ws`` raises ``ValueError`` elsewhere). The dense mode,
+            precision "int8qk" and the 16-bit kernels ignore it.
+        ws_stages: ``"gluon_ws"`` only: depth of its K / V ring (``B d`` bytes each for K and V
+            per stage: 32 KiB at d 128).
+        ws_pingpong: ``"gluon_ws"`` only: order the two consumer warpgroups' wgmma issues (FA3's
+            ping-pong; measured slower, lab).
         loop_guard: FP8 kernel only: each exact-key loop runs inside an explicit ``if hi > lo``
             (same steps, same output), so ptxas no longer serializes the sparse kernel's
             ``wgmma`` (warning C7515: the loop's zero-trip path set the accumulator registers
@@ -66,6 +75,19 @@ class AttnConfig:
     pipeline: bool = False
     mean_vec: bool = False
     loop_guard: bool = False
+    impl: str = "triton"
+    ws_stages: int = 4
+    ws_pingpong: bool = False
+
+    def __post_init__(self):
+        if self.impl not in ATTN_IMPLS:
+            raise ValueError(f"AttnConfig.impl must be one of {ATTN_IMPLS}, got {self.impl!r}")
+        if self.ws_stages < 2:
+            raise ValueError(f"AttnConfig.ws_stages must be >= 2 (a stage loads while one is read), got {self.ws_stages}")
+
+
+# AttnConfig.impl values
+ATTN_IMPLS = ("triton", "gluon_ws")
 
 
 @dataclass(frozen=True)
@@ -124,11 +146,20 @@ def _plain(cfg: KernelConfig) -> KernelConfig:
         index=dataclasses.replace(cfg.index, fused_amax=False, hw_cvt=False))
 
 
+def _gluon_ws(cfg: KernelConfig) -> KernelConfig:
+    """``cfg`` with the FP8 sparse attention on the warp-specialised Gluon kernel
+    (``AttnConfig.impl = "gluon_ws"``, 4 ring stages). H200, 32 / 8 heads, d 128, 128K: its attention
+    14.47 ms against the Triton FP8 kernel's 16.15 and BF16's 18.30, operator total 1.15x BF16's
+    (Triton FP8: 1.06x); d 64 (14 / 2 heads): 6.49 against 7.07 and 7.31 (docs/benchmarks.md,
+    nineteenth session). Not the default until the whole GPU FP8 suite has run on it."""
+    return dataclasses.replace(cfg, attn=dataclasses.replace(cfg.attn, impl="gluon_ws", ws_stages=4))
+
+
 # Named presets of the same dataclasses, chosen by ``get_config(..., variant=name)``: a function of
 # the default ``KernelConfig`` returning another. ``plain``: every optional field off (the baseline
-# of the variant tests). The lab passes its own ``KernelConfig`` to the launchers instead
-# (``docs/lab/variants.md``).
-VARIANTS: dict[str, object] = {"plain": _plain}
+# of the variant tests); ``gluon_ws``: the FP8 sparse attention on the Gluon kernel. The lab passes
+# its own ``KernelConfig`` to the launchers instead (``docs/lab/variants.md``).
+VARIANTS: dict[str, object] = {"plain": _plain, "gluon_ws": _gluon_ws}
 
 
 def _attn_tiles(head_dim: int, block_size: int) -> AttnConfig:

@@ -1,0 +1,270 @@
+"""Lab harness of the warp-specialised Gluon FP8 attention (``attention_fp8_ws_kernels``,
+``AttnConfig.impl = "gluon_ws"``, ``docs/fp8.md`` section 11; ``docs/lab/kernel-notes.md`` "Version 7"):
+compiles it for sm_90 anywhere and times it against the shipped kernels on the H200.
+
+    PYTHONPATH=kernels:. python scripts/lab/gluon_fp8.py compile [--sass DIR]
+    PYTHONPATH=kernels:. python scripts/lab/gluon_fp8.py time --lens 32k,128k --shapes 32/8/128,14/2/64
+
+Why the kernel exists: at 128K (32 / 8 heads, d 128) the Triton FP8 exact-key loop was 1.22x of
+BF16's (12.3 vs 15.0 ms, ninth session) where issue 13 needs ~1.65x; Triton 3.6 waits each
+``Q Kᵀ`` wgmma where it is issued, and its automatic warp specialisation lost (0.88-0.91x).
+
+``compile`` (no GPU): each configuration (ring stages, ping-pong) at d 128 / 64, with and without the
+mean correction: registers and spills (ptxas ``-v``), shared memory, the ``USETMAXREG`` values, the
+e4m3 wgmma (``QGMMA``) and wgmma-wait counts of the SASS.
+
+``time`` (H200): ``flashprefill.bench``'s synthetic inputs (page 64, one request), the default
+``SparseConfig``: the shipped operator totals in BF16 and FP8 and their attention with / without
+the correction (index and pre-pass built beforehand), then per configuration its attention with /
+without the correction (relative L2 of the output, max |ΔLSE| against the Triton FP8 kernel in the
+same mode) and its operator total (FP8 index + pre-pass + this kernel). Medians of ``do_bench``;
+writes ``gluon_fp8.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+
+from flashprefill.impl.triton import attention_fp8_ws_kernels as wk
+from flashprefill.impl.triton import host_fp8
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonConfig:
+    """One configuration of the kernel: ``AttnConfig.ws_stages`` / ``ws_pingpong``."""
+
+    stages: int = 4
+    pingpong: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"ws_s{self.stages}{'_pp' if self.pingpong else ''}"
+
+
+def gluon_configs() -> dict[str, GluonConfig]:
+    out = [GluonConfig(4), GluonConfig(3), GluonConfig(3, True), GluonConfig(2)]
+    return {c.name: c for c in out}
+
+
+def launch(q, kv, seq_lens, cu_seqlens_q, plan, index, softmax_scale: float, cfg: GluonConfig, block_size: int,
+           mean_correction: bool = True):
+    """``host_fp8.launch_attention_fp8_ws`` with the FP8 tiles of d and ``cfg``'s ring."""
+    from flashprefill.impl.triton.tiles import get_config
+
+    tiles = get_config(q.shape[2], q.dtype, block_size, precision="fp8", variant="gluon_ws").attn
+    tiles = dataclasses.replace(tiles, ws_stages=cfg.stages, ws_pingpong=cfg.pingpong)
+    return host_fp8.launch_attention_fp8_ws(q, kv, seq_lens, cu_seqlens_q, softmax_scale, plan, tiles,
+                                            mean_correction=mean_correction, block_size=block_size, index=index)
+
+
+# ------------------------------------------------------------------------------------------ compile
+
+def compile_config(cfg: GluonConfig, sass_dir: str | None = None, mean_correction: bool = True,
+                   head_dim: int = 128) -> dict:
+    """Compile ``cfg`` for sm_90 on this machine (GQA group 4): registers and spills (ptxas ``-v``),
+    shared memory, ``SETMAXNREG`` values and the SASS count of e4m3 wgmma (``QGMMA``); or ``error``."""
+    import compile_sm90 as cs
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    def _desc(t2, box):
+        return TensorDescriptor.from_tensor(t2, box, gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv))
+
+    d = head_dim
+    kd = _desc(torch.zeros(8 * 256, d, dtype=torch.float8_e4m3fn), [128, d])
+    vd = _desc(torch.zeros(8 * d, 256, dtype=torch.float8_e4m3fn), [d, 128])
+    fn = wk._attn_fwd_fp8_ws
+    ptrs = {n: "*i32" for n in ("cu_seqlens_k", "seq_lens", "cu_seqlens_q", "tile_request", "tile_local", "row_ptr",
+                                "col_idx", "block_ptr", "mean_cols", "sel_bits")}
+    ptrs.update(q_ptr="*bf16", out_ptr="*bf16", k_scale="*fp32", v_scale="*fp32", lse_ptr="*fp32",
+                k_desc=mangle_type(kd), v_desc=mangle_type(vd), km_desc=mangle_type(kd), vm_desc=mangle_type(vd))
+    consts = dict(GROUP=4, HEAD_DIM=d, TILE_ROWS=128, BLOCK_SIZE=128, STAGES=cfg.stages, PINGPONG=cfg.pingpong,
+                  MEAN_CORR=mean_correction, CONSUMER_REGS=host_fp8.WS_CONSUMER_REGS,
+                  PRODUCER_REGS=host_fp8.WS_PRODUCER_REGS)
+    sig = cs._sig(fn, ptrs, consts, floats=("scale_log2",))
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n].startswith("*") or (sig[n] == "i32" and (n.startswith("stride") or n == "total_k"))}
+    res = {"config": cfg.name, "mean_correction": mean_correction, "d": d}
+    try:
+        k = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 4, "maxnreg": host_fp8.WS_MAXNREG})
+    except Exception as e:   # the compiler's message is the result
+        res["error"] = " | ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())[:3000] or type(e).__name__
+        return res
+    res["smem_kib"] = round(k.metadata.shared / 1024, 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(k.asm["ptx"])
+        arch = re.search(r"\.target\s+(sm_\w+)", k.asm["ptx"]).group(1)
+        pr = subprocess.run([os.path.join(cs.BIN, "ptxas"), "-v", f"-arch={arch}", ptx, "-o", os.path.join(tmp, "k.o")],
+                            capture_output=True, text=True)
+        log = pr.stdout + pr.stderr
+        res["ptxas_warnings"] = sorted({ln.split("warning :", 1)[1].strip()[:160] for ln in log.splitlines()
+                                        if "warning" in ln})
+        regs = re.search(r"Used (\d+) registers", log)
+        res["regs"] = int(regs.group(1)) if regs else None
+        res["spill_bytes"] = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", log))
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(k.asm["cubin"])
+        sass = subprocess.run([os.path.join(cs.BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+    if sass_dir:
+        os.makedirs(sass_dir, exist_ok=True)
+        tag = f"{cfg.name}_d{d}{'' if mean_correction else '_nomc'}"
+        with open(os.path.join(sass_dir, tag + ".sass"), "w") as f:
+            f.write(sass)
+        with open(os.path.join(sass_dir, tag + ".ttgir"), "w") as f:
+            f.write(k.asm["ttgir"])
+    res["setmaxnreg"] = sorted({f"{op.lower()} {int(n, 16)}" for op, n in
+                               re.findall(r"USETMAXREG\.(\w+)\.CTAPOOL(?: UP\d,)? (0x[0-9a-f]+)", sass)})
+    res["qgmma"] = len(re.findall(r"\bQGMMA\b", sass))
+    res["warpgroup_wait"] = len(re.findall(r"WARPGROUP\.DEPBAR", sass))
+    return res
+
+
+# ------------------------------------------------------------------------------------------ time
+
+def run_length(L: int, names: list[str], shape: tuple[int, int, int] = (32, 8, 128)) -> dict:
+    """One length on the GPU (``shape`` = query heads, KV heads, d; page 64, default ``SparseConfig``): the shipped
+    operator totals (index + pre-pass + attention) in BF16 and FP8, their attention alone with and
+    without the mean correction (index and pre-pass built beforehand), then per Gluon
+    configuration its attention with / without the correction (rel L2 of the output and max |ΔLSE|
+    against the shipped FP8 kernel of the same mode) and its operator total (the shipped FP8 index
+    and pre-pass, then ``launch``). Medians of ``do_bench`` (ms)."""
+    from fp8_variants import rel_l2
+
+    from flashprefill import SparseConfig, make_plan
+    from flashprefill.bench import synthetic_inputs, time_ms
+    from flashprefill.impl.triton import host, host_fp8
+    from flashprefill.impl.triton.tiles import get_config
+
+    HQ, HKV, D = shape
+    config = SparseConfig()
+    no_mc = dataclasses.replace(config, mean_correction=False)
+    q, kc, vc, pt, sl, cu, _, _ = synthetic_inputs(L, HQ, HKV, D, torch.bfloat16, 64, 1)
+    scale = 1.0 / math.sqrt(D)
+    plan = make_plan(sl, cu, HQ // HKV, config.block_size)
+    kcfg = get_config(D, torch.bfloat16, config.block_size, precision="fp8")
+    index16 = host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan)
+    index8 = host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=kcfg, precision="fp8")
+    kv = host_fp8.kv_operands(kc, vc, pt, sl, plan, amax=index8.kv_amax, hw_cvt=kcfg.index.hw_cvt)
+
+    def fp8_attn(mc):
+        return host_fp8.launch_attention_fp8(q, kv, sl, cu, scale, plan, kcfg.attn, sparse=True, mean_correction=mc,
+                                             block_size=config.block_size, index=index8)
+
+    ms = {
+        "bf16_total": time_ms(lambda: host.attention(q, kc, vc, pt, sl, cu, config, scale, plan)),
+        "fp8_total": time_ms(lambda: host.attention(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=kcfg,
+                                                    precision="fp8")),
+        "bf16_attn": time_ms(lambda: host.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, index16)),
+        "bf16_attn_nomc": time_ms(lambda: host.sparse_attention(q, kc, vc, pt, sl, cu, no_mc, scale, plan, index16)),
+        "fp8_attn": time_ms(lambda: fp8_attn(True)),
+        "fp8_attn_nomc": time_ms(lambda: fp8_attn(False)),
+    }
+    row = {"L": L, "shape": f"{HQ}/{HKV}/{D}", "density8": index8.nnz / max(1, int(index8.n_visible.sum())), "shipped_ms": ms}
+    print(f"  L={L} shipped {ms} density {row['density8']:.4f}", flush=True)
+    refs = {True: fp8_attn(True), False: fp8_attn(False)}
+    row["probe"] = {}
+    for name in names:
+        cfg = gluon_configs()[name]
+        r = {}
+        try:
+            for mc, tag in ((True, ""), (False, "_nomc")):
+                out, lse = launch(q, kv, sl, cu, plan, index8, scale, cfg, config.block_size, mc)
+                torch.cuda.synchronize()
+                ref_out, ref_lse = refs[mc]
+                fin = torch.isfinite(ref_lse)
+                r["rel_l2" + tag] = rel_l2(out, ref_out)
+                r["lse_max_abs" + tag] = float((lse[fin] - ref_lse[fin]).abs().max()) if bool(fin.any()) else 0.0
+                r["lse_inf_mismatch" + tag] = int((torch.isfinite(lse) != fin).sum())
+                r["nonfinite_out" + tag] = int((~torch.isfinite(out)).sum())
+                r["attn" + tag] = time_ms(lambda: launch(q, kv, sl, cu, plan, index8, scale, cfg, config.block_size, mc))
+
+            def total():
+                idx = host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=kcfg, precision="fp8")
+                kvx = host_fp8.kv_operands(kc, vc, pt, sl, plan, amax=idx.kv_amax, hw_cvt=kcfg.index.hw_cvt)
+                return launch(q, kvx, sl, cu, plan, idx, scale, cfg, config.block_size, True)
+
+            r["total"] = time_ms(total)
+            r["x_bf16_total"] = ms["bf16_total"] / r["total"]
+            r["x_bf16_attn"] = ms["bf16_attn"] / r["attn"]
+            r["x_fp8_attn"] = ms["fp8_attn"] / r["attn"]
+        except Exception as e:  # a configuration that does not compile or launch is reported, not fatal
+            r["error"] = f"{type(e).__name__}: {' | '.join(str(e).splitlines())[:600]}"
+        row["probe"][name] = r
+        print(f"  L={L} {name}: {r}", flush=True)
+    del q, kc, vc, kv
+    torch.cuda.empty_cache()
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = []
+    for row in rows:
+        m = row["shipped_ms"]
+        lines.append(f"L={row['L']} heads/d {row['shape']} density {row['density8']:.4f}: shipped BF16 total {m['bf16_total']:.3f} attn "
+                     f"{m['bf16_attn']:.3f} (noMC {m['bf16_attn_nomc']:.3f}); FP8 total {m['fp8_total']:.3f} "
+                     f"({m['bf16_total'] / m['fp8_total']:.2f}x) attn {m['fp8_attn']:.3f} (noMC {m['fp8_attn_nomc']:.3f})")
+        lines.append(f"{'kernel':>12} {'total':>8} {'x bf16':>6} {'attn':>8} {'x bf16':>6} {'x fp8':>6} {'noMC':>8} "
+                     f"{'relL2':>8} {'dLSE':>7} {'relL2 nMC':>9} {'dLSE nMC':>8}")
+        for name, r in row["probe"].items():
+            if "error" in r:
+                lines.append(f"{name:>12} {r['error'][:300]}")
+            else:
+                lines.append(f"{name:>12} {r['total']:8.3f} {r['x_bf16_total']:6.2f} {r['attn']:8.3f} "
+                             f"{r['x_bf16_attn']:6.2f} {r['x_fp8_attn']:6.2f} {r['attn_nomc']:8.3f} {r['rel_l2']:8.5f} "
+                             f"{r['lse_max_abs']:7.4f} {r['rel_l2_nomc']:9.5f} {r['lse_max_abs_nomc']:8.4f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    from flashprefill.lengths import parse_length
+
+    known = gluon_configs()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="mode", required=True)
+    c = sub.add_parser("compile", help="compile every configuration for sm_90 (no GPU)")
+    c.add_argument("--sass", default=None, help="write each configuration's SASS and TTGIR into this directory")
+    c.add_argument("--configs", default=",".join(known), help="comma-separated configuration names")
+    t = sub.add_parser("time", help="time the configurations against the shipped kernels (H200)")
+    t.add_argument("--lens", default="32k,128k", help="comma-separated lengths (e.g. 32k,128k)")
+    t.add_argument("--configs", default=",".join(known), help="comma-separated configuration names")
+    t.add_argument("--shapes", default="32/8/128", help="comma-separated query heads/KV heads/d (d 64 or 128)")
+    t.add_argument("--out", default=".", help="directory of gluon_fp8.json")
+    a = ap.parse_args(argv)
+    names = [n for n in a.configs.split(",") if n]
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise SystemExit(f"--configs: expected names from {sorted(known)}, got {a.configs!r}")
+    if a.mode == "compile":
+        for n in names:
+            for d in (128, 64):
+                for mc in (True, False):
+                    print(compile_config(known[n], a.sass, mean_correction=mc, head_dim=d), flush=True)
+        return 0
+    if not torch.cuda.is_available():
+        raise SystemExit("gluon_fp8.py time needs a CUDA GPU with TMA and FP8 tensor cores (sm_90)")
+    from fp8_variants import write_rows
+
+    shapes = [tuple(int(v) for v in sh.split("/")) for sh in a.shapes.split(",") if sh]
+    rows = [run_length(parse_length(x), names, sh) for sh in shapes for x in a.lens.split(",") if x]
+    print(table(rows))
+    write_rows(a.out, "gluon_fp8.json", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

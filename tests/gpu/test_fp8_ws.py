@@ -1,0 +1,107 @@
+"""The warp-specialised Gluon FP8 attention (``attention_fp8_ws_kernels``, ``AttnConfig.impl =
+"gluon_ws"``, docs/fp8.md section 11) on the H200: against the FP8 reference and BF16 with the budgets
+of ``test_fp8.py``, and against the Triton FP8 kernel (the same products in another order) on the same
+index, with and without the mean correction, at tile and block boundaries, GQA 1 / 3 / 7 / 8, page
+sizes 1 / 16 / 64, a prefix, two requests, and several chunks of mean keys.
+
+Run on the device: ``PYTHONPATH=kernels:.:tests pytest tests/gpu/test_fp8_ws.py -q -x``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import flashprefill
+from flashprefill import make_plan
+from flashprefill.impl import reference as R
+from fp8_cases import BF16_FLOOR, CASES, SAME_FACTOR, SPARSE, TRACK_FACTOR, cuda as _cuda, inputs as _inputs, rel
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                                reason="needs an sm_90 GPU (TMA, e4m3 wgmma, setmaxnreg)")
+
+WS_CASES = [n for n, c in CASES.items() if c[4] in (64, 128)]
+
+
+def _configs(d: int):
+    from flashprefill.impl.triton.tiles import get_config
+
+    return (get_config(d, torch.bfloat16, 128, precision="fp8"),
+            get_config(d, torch.bfloat16, 128, precision="fp8", variant="gluon_ws"))
+
+
+def _assert_like_triton(out, lse, want, want_lse, lse_tol):
+    assert torch.isfinite(out).all() and not torch.equal(out, torch.zeros_like(out))
+    assert rel(out, want) <= 2e-3, rel(out, want)
+    fin = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    assert float((lse[fin] - want_lse[fin]).abs().max()) <= lse_tol
+
+
+@pytest.mark.parametrize("mean_correction", [True, False])
+@pytest.mark.parametrize("name", WS_CASES)
+def test_gluon_fp8_meets_the_fp8_budgets_and_equals_the_triton_kernel(name, mean_correction):
+    from flashprefill.impl.triton import host
+
+    config = dataclasses.replace(SPARSE, mean_correction=mean_correction)
+    cpu = _inputs(name)
+    gpu = _cuda(cpu)
+    g = cpu[0].shape[1] // cpu[1].shape[2]
+    d = cpu[0].shape[2]
+    scale = d ** -0.5
+    plan = make_plan(gpu[4], gpu[5], g, config.block_size)
+    index = flashprefill.build_index(*gpu, config, plan=plan, precision="fp8")
+    triton_cfg, ws_cfg = _configs(d)
+    out, lse = host.sparse_attention(*gpu, config, scale, plan, index, kernels=ws_cfg, precision="fp8")
+    want, want_lse = host.sparse_attention(*gpu, config, scale, plan, index, kernels=triton_cfg, precision="fp8")
+    torch.cuda.synchronize()
+    # the Triton kernel: the same codes and products; the correction's log2 n_j enters in units of
+    # the raw sum (one FFMA per logit), a few float32 ulps of the logit
+    _assert_like_triton(out, lse, want, want_lse, 1e-3 if mean_correction else 1e-4)
+    cidx = dataclasses.replace(index, **{f.name: getattr(index, f.name).cpu() for f in dataclasses.fields(index)
+                                         if isinstance(getattr(index, f.name), torch.Tensor)})
+    cplan = make_plan(cpu[4], cpu[5], g, config.block_size)
+    ref8, _ = R.sparse_attention(*cpu, config, scale, cplan, cidx, precision="fp8")
+    ref16, _ = R.sparse_attention(*cpu, config, scale, cplan, cidx)
+    e = rel(ref8, ref16)
+    assert rel(out.cpu(), ref16) <= TRACK_FACTOR * e + BF16_FLOOR
+    assert rel(out.cpu(), ref8) <= SAME_FACTOR * e + BF16_FLOOR
+
+
+@pytest.mark.parametrize("d,hq,hkv", [(128, 8, 2), (64, 7, 1)])
+def test_several_chunks_of_mean_keys_and_two_requests(d, hq, hkv):
+    """Two requests of 20,000 tokens (157 key blocks: the last tiles' correction walks two chunks of
+    128 candidates, the second one partly past ``n_u``), page 64: the Gluon kernel against the Triton
+    one on the same index, with the correction (and the operator total through ``host.attention``)."""
+    from flashprefill import SparseConfig
+    from flashprefill.bench import synthetic_inputs
+    from flashprefill.impl.triton import host
+
+    config = SparseConfig()
+    q, kc, vc, pt, sl, cu, _, _ = synthetic_inputs(20000, hq, hkv, d, torch.bfloat16, 64, 2)
+    scale = 1.0 / math.sqrt(d)
+    plan = make_plan(sl, cu, hq // hkv, config.block_size)
+    triton_cfg, ws_cfg = _configs(d)
+    index = host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=triton_cfg, precision="fp8")
+    out, lse = host.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, index, kernels=ws_cfg,
+                                     precision="fp8")
+    want, want_lse = host.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, index, kernels=triton_cfg,
+                                           precision="fp8")
+    _assert_like_triton(out, lse, want, want_lse, 1e-3)
+    total = host.attention(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=ws_cfg, precision="fp8")[0]
+    assert rel(total, want) <= 2e-3
+
+
+def test_an_unsupported_head_dim_is_refused_before_any_launch():
+    from flashprefill.impl.triton import host
+    from flashprefill.impl.triton.tiles import get_config
+
+    cpu = _inputs("kv4096_g1_d256")
+    gpu = _cuda(cpu)
+    plan = make_plan(gpu[4], gpu[5], 1, 128)
+    index = flashprefill.build_index(*gpu, SPARSE, plan=plan, precision="fp8")
+    ws = get_config(256, torch.bfloat16, 128, precision="fp8", variant="gluon_ws")
+    with pytest.raises(ValueError, match=r"d=256.*impl='triton'"):
+        host.sparse_attention(*gpu, SPARSE, 256 ** -0.5, plan, index, kernels=ws, precision="fp8")

@@ -1,0 +1,137 @@
+"""The warp-specialised Gluon FP8 attention (``AttnConfig.impl = "gluon_ws"``, ``docs/fp8.md`` section 11)
+on a machine without a GPU: its configuration, where ``host_fp8.launch_attention_fp8`` sends a launch,
+the refusal of inputs it cannot run, and the kernel compiled for sm_90 by Triton's bundled ptxas.
+Gluon has no interpreter: the kernel's numbers are checked on the device (``tests/gpu/test_fp8_ws.py``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashprefill import make_plan, quant
+from flashprefill.impl.triton import host_fp8
+from flashprefill.impl.triton import quant_kernels as qk
+from flashprefill.impl.triton.tiles import ATTN_IMPLS, AttnConfig, get_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "lab"))
+
+
+def _kv(batch=1, hkv=2, d=128, L=300, k_dtype=quant.E4M3) -> qk.Fp8KV:
+    """An ``Fp8KV`` of the pre-pass's shapes (random codes; the dispatch never reads them)."""
+    total_k = batch * -(-L // qk.TMA_ALIGN) * qk.TMA_ALIGN
+    gen = torch.Generator().manual_seed(0)
+    k8 = torch.randn(hkv, total_k, d, generator=gen).to(k_dtype) if k_dtype != torch.int8 else \
+        torch.randint(-127, 128, (hkv, total_k, d), generator=gen, dtype=torch.int8)
+    v8t = torch.randn(hkv, d, total_k, generator=gen).to(quant.E4M3)
+    ones = torch.ones(batch, hkv)
+    cu = torch.arange(batch + 1, dtype=torch.int32) * (total_k // batch)
+    return qk.Fp8KV(k8, v8t, ones, ones, ones * 448.0, ones * 448.0, cu)
+
+
+def _plan(batch=1, L=300, g=4):
+    seq_lens = torch.full((batch,), L, dtype=torch.int32)
+    cu_q = torch.arange(batch + 1, dtype=torch.int32) * L
+    return seq_lens, cu_q, make_plan(seq_lens, cu_q, g, 128)
+
+
+def test_the_gluon_variant_sets_the_impl_and_nothing_else():
+    base = get_config(128, torch.bfloat16, 128, precision="fp8")
+    ws = get_config(128, torch.bfloat16, 128, precision="fp8", variant="gluon_ws")
+    assert base.attn.impl == "triton" and ws.attn.impl == "gluon_ws" and ws.attn.ws_stages == 4
+    assert dataclasses.replace(ws.attn, impl="triton", ws_stages=base.attn.ws_stages) == base.attn
+    assert ws.index == base.index
+    assert ATTN_IMPLS == ("triton", "gluon_ws")
+
+
+@pytest.mark.parametrize("kwargs,word", [({"impl": "cuda"}, "impl"), ({"ws_stages": 1}, "ws_stages")])
+def test_attn_config_refuses_an_unknown_impl_or_a_one_stage_ring(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        AttnConfig(block_m=128, block_n=128, block_u=64, num_warps=8, num_stages=2, **kwargs)
+
+
+def test_cpu_tensors_get_a_clear_error_naming_the_gpu_it_needs():
+    seq_lens, cu_q, plan = _plan()
+    q = torch.randn(300, 8, 128, dtype=torch.bfloat16)
+    kv = _kv()
+    assert "CUDA" in host_fp8.ws_unsupported(q, kv, plan, 128)
+    tiles = get_config(128, torch.bfloat16, 128, precision="fp8", variant="gluon_ws").attn
+    with pytest.raises(ValueError, match=r"impl='gluon_ws'.*sm_90.*cpu tensors.*impl='triton'"):
+        host_fp8.launch_attention_fp8_ws(q, kv, seq_lens, cu_q, 0.088, plan, tiles, mean_correction=True,
+                                         block_size=128, index=None)
+
+
+def test_each_shape_it_cannot_run_is_named(monkeypatch):
+    """On an sm_90 device (the capability query answered as the H200's), d 256, int8 K, key blocks
+    of 64 and 64-row tiles each get their own reason; d 64 / 128 with e4m3 K get none."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    seq_lens, cu_q, plan = _plan()
+
+    class CudaQ:  # q's attributes the check reads, as a CUDA tensor has them
+        is_cuda = True
+        device = torch.device("cuda", 0)
+
+        def __init__(self, d):
+            self.shape = (300, 8, d)
+
+    assert host_fp8.ws_unsupported(CudaQ(128), _kv(), plan, 128) is None
+    assert host_fp8.ws_unsupported(CudaQ(64), _kv(d=64), plan, 128) is None
+    assert "d=256" in host_fp8.ws_unsupported(CudaQ(256), _kv(d=256), plan, 128)
+    assert "int8" in host_fp8.ws_unsupported(CudaQ(128), _kv(k_dtype=torch.int8), plan, 128)
+    assert "64" in host_fp8.ws_unsupported(CudaQ(128), _kv(), plan, 64)
+    plan64 = make_plan(seq_lens, cu_q, 4, 128, tile_rows=64)
+    assert "tiles, got 64" in host_fp8.ws_unsupported(CudaQ(128), _kv(), plan64, 128)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B200")
+    assert "B200 is 10.0" in host_fp8.ws_unsupported(CudaQ(128), _kv(), plan, 128)
+
+
+@pytest.mark.parametrize("sparse,k_dtype,to_ws", [(True, quant.E4M3, True), (False, quant.E4M3, False),
+                                                  (True, torch.int8, False)])
+def test_only_the_sparse_e4m3_launch_goes_to_the_gluon_kernel(monkeypatch, sparse, k_dtype, to_ws):
+    """``launch_attention_fp8`` with ``impl="gluon_ws"``: the sparse e4m3 case calls
+    ``launch_attention_fp8_ws``; the dense mode and int8 K (precision "int8qk") launch the Triton
+    kernel (both launchers replaced by recorders: the dispatch is what is tested here)."""
+    calls = []
+    monkeypatch.setattr(host_fp8, "launch_attention_fp8_ws", lambda *a, **k: calls.append("ws") or ("ws", None))
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append("triton")
+
+    monkeypatch.setattr(host_fp8.fk, "_attn_fwd_fp8", Recorder())
+    seq_lens, cu_q, plan = _plan()
+    q = torch.randn(300, 8, 128, dtype=torch.bfloat16)
+    tiles = get_config(128, torch.bfloat16, 128, precision="fp8", variant="gluon_ws").attn
+    host_fp8.launch_attention_fp8(q, _kv(k_dtype=k_dtype), seq_lens, cu_q, 0.088, plan, tiles, sparse=sparse,
+                                  mean_correction=False, block_size=128, index=None if not sparse else _Index(plan))
+    assert calls == (["ws"] if to_ws else ["triton"])
+
+
+class _Index:
+    """The CSR fields of a ``BlockIndex`` the Triton launch reads without the mean correction."""
+
+    def __init__(self, plan):
+        self.row_ptr = torch.zeros(plan.n_tiles * 2 + 1, dtype=torch.int32)
+        self.col_idx = torch.zeros(1, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("d", [128, 64])
+def test_the_kernel_compiles_for_sm90_warp_specialised(d):
+    """Compiled for sm_90 here (Triton's bundled ptxas): no spills, the producer's warpgroup gives its
+    registers back to 24 and the consumers take 240 (``setmaxnreg``), the products are e4m3 wgmma
+    (``QGMMA``: per consumer, Q Kᵀ over d / 32 and P V over 128 / 32 k-steps, twice for the loop
+    and its tail), the ring uses ``4 (B d + d B)`` bytes beside the Q tile."""
+    import gluon_fp8
+
+    res = gluon_fp8.compile_config(gluon_fp8.GluonConfig(4), mean_correction=True, head_dim=d)
+    assert "error" not in res, res.get("error")
+    assert res["spill_bytes"] == 0
+    assert {"dealloc 24", "try_alloc 240"} <= set(res["setmaxnreg"])
+    assert res["qgmma"] == 2 * (d // 32 + 2 * (128 // 32))
+    ring_kib = 4 * 2 * 128 * d / 1024
+    q_kib = 128 * d / 1024
+    assert ring_kib + q_kib <= res["smem_kib"] < ring_kib + q_kib + 1
