@@ -55,14 +55,16 @@ def gluon_configs() -> dict[str, GluonConfig]:
 
 
 def launch(q, kv, seq_lens, cu_seqlens_q, plan, index, softmax_scale: float, cfg: GluonConfig, block_size: int,
-           mean_correction: bool = True):
-    """``host_fp8.launch_attention_fp8_ws`` with the FP8 tiles of d and ``cfg``'s ring."""
+           mean_correction: bool = True, means=None):
+    """``host_fp8.launch_attention_fp8_ws`` with the FP8 tiles of d and ``cfg``'s ring (``means``: its
+    correction operands made beforehand, ``host_fp8.ws_means``)."""
     from flashprefill.impl.triton.tiles import get_config
 
     tiles = get_config(q.shape[2], q.dtype, block_size, precision="fp8", variant="gluon_ws").attn
     tiles = dataclasses.replace(tiles, ws_stages=cfg.stages, ws_pingpong=cfg.pingpong)
     return host_fp8.launch_attention_fp8_ws(q, kv, seq_lens, cu_seqlens_q, softmax_scale, plan, tiles,
-                                            mean_correction=mean_correction, block_size=block_size, index=index)
+                                            mean_correction=mean_correction, block_size=block_size, index=index,
+                                            means=means)
 
 
 # ------------------------------------------------------------------------------------------ compile
@@ -174,6 +176,8 @@ def run_length(L: int, names: list[str], shape: tuple[int, int, int] = (32, 8, 1
         "fp8_attn": time_ms(lambda: fp8_attn(True)),
         "fp8_attn_nomc": time_ms(lambda: fp8_attn(False)),
     }
+    ms["means_prep"] = time_ms(lambda: host_fp8.ws_means(index8, kv, plan, True, config.block_size))
+    ms["host_launch_fp8"] = host_launch_ms(lambda: fp8_attn(True))
     row = {"L": L, "shape": f"{HQ}/{HKV}/{D}", "density8": index8.nnz / max(1, int(index8.n_visible.sum())), "shipped_ms": ms}
     print(f"  L={L} shipped {ms} density {row['density8']:.4f}", flush=True)
     refs = {True: fp8_attn(True), False: fp8_attn(False)}
@@ -193,6 +197,12 @@ def run_length(L: int, names: list[str], shape: tuple[int, int, int] = (32, 8, 1
                 r["nonfinite_out" + tag] = int((~torch.isfinite(out)).sum())
                 r["attn" + tag] = time_ms(lambda: launch(q, kv, sl, cu, plan, index8, scale, cfg, config.block_size, mc))
 
+            means = host_fp8.ws_means(index8, kv, plan, True, config.block_size)
+            r["attn_kernel"] = time_ms(lambda: launch(q, kv, sl, cu, plan, index8, scale, cfg, config.block_size, True,
+                                                      means))
+            r["host_launch"] = host_launch_ms(lambda: launch(q, kv, sl, cu, plan, index8, scale, cfg,
+                                                             config.block_size, True))
+
             def total():
                 idx = host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=kcfg, precision="fp8")
                 kvx = host_fp8.kv_operands(kc, vc, pt, sl, plan, amax=idx.kv_amax, hw_cvt=kcfg.index.hw_cvt)
@@ -211,21 +221,39 @@ def run_length(L: int, names: list[str], shape: tuple[int, int, int] = (32, 8, 1
     return row
 
 
+def host_launch_ms(fn, n: int = 20) -> float:
+    """Host milliseconds per call of ``fn`` (the launch path: Python, argument binding, descriptor
+    encoding, host-side preparation and any synchronising copy in it), the GPU drained before and
+    after (``n`` calls after one warm-up)."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) * 1e3 / n
+
+
 def table(rows: list[dict]) -> str:
     lines = []
     for row in rows:
         m = row["shipped_ms"]
         lines.append(f"L={row['L']} heads/d {row['shape']} density {row['density8']:.4f}: shipped BF16 total {m['bf16_total']:.3f} attn "
                      f"{m['bf16_attn']:.3f} (noMC {m['bf16_attn_nomc']:.3f}); FP8 total {m['fp8_total']:.3f} "
-                     f"({m['bf16_total'] / m['fp8_total']:.2f}x) attn {m['fp8_attn']:.3f} (noMC {m['fp8_attn_nomc']:.3f})")
+                     f"({m['bf16_total'] / m['fp8_total']:.2f}x) attn {m['fp8_attn']:.3f} (noMC {m['fp8_attn_nomc']:.3f}); "
+                     f"means prep {m['means_prep']:.3f}; host per FP8 attention call {m['host_launch_fp8']:.3f}")
         lines.append(f"{'kernel':>12} {'total':>8} {'x bf16':>6} {'attn':>8} {'x bf16':>6} {'x fp8':>6} {'noMC':>8} "
-                     f"{'relL2':>8} {'dLSE':>7} {'relL2 nMC':>9} {'dLSE nMC':>8}")
+                     f"{'kernel':>8} {'host':>7} {'relL2':>8} {'dLSE':>7} {'relL2 nMC':>9} {'dLSE nMC':>8}")
         for name, r in row["probe"].items():
             if "error" in r:
                 lines.append(f"{name:>12} {r['error'][:300]}")
             else:
                 lines.append(f"{name:>12} {r['total']:8.3f} {r['x_bf16_total']:6.2f} {r['attn']:8.3f} "
-                             f"{r['x_bf16_attn']:6.2f} {r['x_fp8_attn']:6.2f} {r['attn_nomc']:8.3f} {r['rel_l2']:8.5f} "
+                             f"{r['x_bf16_attn']:6.2f} {r['x_fp8_attn']:6.2f} {r['attn_nomc']:8.3f} {r['attn_kernel']:8.3f} "
+                             f"{r['host_launch']:7.3f} {r['rel_l2']:8.5f} "
                              f"{r['lse_max_abs']:7.4f} {r['rel_l2_nomc']:9.5f} {r['lse_max_abs_nomc']:8.4f}")
     return "\n".join(lines)
 

@@ -126,8 +126,23 @@ def ws_unsupported(q: torch.Tensor, kv: qk.Fp8KV, plan: BatchPlan, block_size: i
     return None
 
 
+def ws_means(index: BlockIndex, kv: qk.Fp8KV, plan: BatchPlan, mean_correction: bool, block_size: int):
+    """The correction's operands of ``launch_attention_fp8_ws``: ``(k_mean8 [n_blocks, Hkv, d],
+    v_mean8t [Hkv, d, n_cols] with aligned request columns, mean_cols int32 [batch + 1], sel_bits
+    int32 [n_segments, n_words])`` (``qk.quantize_means(..., aligned=True)``, ``mean_bits``); without
+    the correction zero placeholders the kernel never reads (``n_u = 0``)."""
+    hkv, _, d = kv.k8.shape
+    if mean_correction:
+        k_mean8, v_mean8t, mean_cols = qk.quantize_means(index.k_mean, index.v_mean, kv, plan, aligned=True)
+        return k_mean8, v_mean8t, mean_cols, mean_bits(index, plan)
+    k_mean8 = torch.zeros(block_size, hkv, d, dtype=quant.E4M3, device=kv.k8.device)
+    v_mean8t = torch.zeros(hkv, d, block_size, dtype=quant.E4M3, device=kv.k8.device)
+    return k_mean8, v_mean8t, plan.block_ptr, index.row_ptr
+
+
 def launch_attention_fp8_ws(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale: float, plan: BatchPlan,
-                            tiles: AttnConfig, *, mean_correction: bool, block_size: int, index: BlockIndex):
+                            tiles: AttnConfig, *, mean_correction: bool, block_size: int, index: BlockIndex,
+                            means: tuple | None = None):
     """Launch the warp-specialised Gluon kernel ``attention_fp8_ws_kernels._attn_fwd_fp8_ws`` (sparse
     e4m3, ``docs/fp8.md`` section 11); no host sync. Same inputs and result as
     ``launch_attention_fp8(..., sparse=True)``: ``(out [total_q, Hq, d] q.dtype, lse [total_q, Hq]
@@ -138,7 +153,8 @@ def launch_attention_fp8_ws(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_sca
     box ``[B, d]``; ``v_mean8t`` (aligned columns, ``qk.quantize_means(..., aligned=True)``) as
     ``[Hkv·d, n_cols]`` box ``[d, B]``. A box past a buffer's end reads zeros; keys past ``Lk`` have
     ``-inf`` logits and mean-key columns past ``n_u`` have ``-inf`` biases, so what they read is never
-    weighted.
+    weighted. ``means``: ``ws_means``' result, made here when None (the lab times the kernel apart
+    from it).
 
     Raises:
         ValueError: ``ws_unsupported`` gives a reason (not sm_90, not e4m3, d, block size, tile rows).
@@ -158,13 +174,8 @@ def launch_attention_fp8_ws(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_sca
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
     if plan.n_tiles == 0 or total_q == 0:
         return out, lse
-    if mean_correction:
-        k_mean8, v_mean8t, mean_cols = qk.quantize_means(index.k_mean, index.v_mean, kv, plan, aligned=True)
-        bits = mean_bits(index, plan)
-    else:                                              # placeholders the kernel never reads (n_u = 0)
-        k_mean8 = torch.zeros(block_size, hkv, d, dtype=quant.E4M3, device=q.device)
-        v_mean8t = torch.zeros(hkv, d, block_size, dtype=quant.E4M3, device=q.device)
-        mean_cols, bits = plan.block_ptr, index.row_ptr
+    k_mean8, v_mean8t, mean_cols, bits = means if means is not None else ws_means(index, kv, plan, mean_correction,
+                                                                                 block_size)
 
     def desc(t2: torch.Tensor, box: list[int]):
         return TensorDescriptor.from_tensor(t2, box, gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv))

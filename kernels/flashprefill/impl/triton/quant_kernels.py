@@ -225,7 +225,18 @@ def _cu_seqlens_k(plan: BatchPlan, device) -> tuple[torch.Tensor, int]:
     cu = [0]
     for lk in plan.kv_lens:
         cu.append(cu[-1] + -(-lk // TMA_ALIGN) * TMA_ALIGN)
-    return torch.tensor(cu, dtype=torch.int32, device=device), cu[-1]
+    return host_ints(cu, device), cu[-1]
+
+
+def host_ints(values: list[int], device) -> torch.Tensor:
+    """int32 tensor of host ints on ``device`` without a stream sync: on CUDA copied from pinned
+    memory with ``non_blocking`` (PyTorch's pinned allocator keeps the buffer until the copy is
+    done); a tensor made from a Python list directly on the GPU is a synchronous copy that drains
+    the stream first."""
+    t = torch.tensor(values, dtype=torch.int32)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _launch_shape(k_cache, v_cache, page_table, plan: BatchPlan):
@@ -341,9 +352,14 @@ def gather_e4m3_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: tor
 
 
 def block_requests(plan: BatchPlan, device) -> torch.Tensor:
-    """int64 ``[n_blocks]``: the request of each pooled key block (``BlockIndex.k_mean`` rows)."""
-    counts = torch.tensor([-(-lk // plan.block_size) for lk in plan.kv_lens], device=device)
-    return torch.repeat_interleave(torch.arange(plan.batch, device=device), counts)
+    """int64 ``[n_blocks]``: the request of each pooled key block (``BlockIndex.k_mean`` rows), from
+    the plan's device ``block_ptr`` (block ``r`` is request ``b``'s when ``block_ptr[b] <= r <
+    block_ptr[b + 1]``). Device ops only: no host-to-device copy, so no stream sync (a tensor made
+    from a Python list is copied synchronously: three of them per FP8 attention call drained the
+    GPU, ``docs/benchmarks.md`` nineteenth session)."""
+    bp = plan.block_ptr.to(device)
+    rows = torch.arange(plan.n_blocks, device=device, dtype=bp.dtype)
+    return torch.searchsorted(bp[1:].contiguous(), rows, right=True)
 
 
 def mean_columns(plan: BatchPlan, device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -356,16 +372,19 @@ def mean_columns(plan: BatchPlan, device) -> tuple[torch.Tensor, torch.Tensor, i
 
     Returns:
         ``(cols int64 [n_blocks], cu int32 [batch + 1], n_cols)``: block row ``r`` of request ``b``
-        (``BlockIndex.k_mean`` row) at column ``cu[b] + r - block_ptr[b]``; ``n_cols = cu[-1]``.
+        (``BlockIndex.k_mean`` row) at column ``cu[b] + r - block_ptr[b]``; ``n_cols = cu[-1]``
+        (computed on the host from the plan's lengths; ``cu`` on the device from ``block_ptr``: no
+        host-to-device copy, no sync).
     """
-    cu = [0]
-    for lk in plan.kv_lens:
-        nb = -(-lk // plan.block_size)                      # the request's key blocks
-        cu.append(cu[-1] + -(-nb // TMA_ALIGN) * TMA_ALIGN)
-    cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
+    n_blocks = [-(-lk // plan.block_size) for lk in plan.kv_lens]          # host: each request's key blocks
+    n_cols = sum(-(-nb // TMA_ALIGN) * TMA_ALIGN for nb in n_blocks)
+    bp = plan.block_ptr.to(device)
+    padded = (bp[1:] - bp[:-1] + TMA_ALIGN - 1) // TMA_ALIGN * TMA_ALIGN   # each request's blocks, rounded up
+    cu_t = torch.zeros(plan.batch + 1, dtype=torch.int32, device=device)
+    cu_t[1:] = torch.cumsum(padded, 0)
     req = block_requests(plan, device)
-    cols = torch.arange(plan.n_blocks, device=device) + (cu_t[req] - plan.block_ptr.to(device)[req]).long()
-    return cols, cu_t, cu[-1]
+    cols = torch.arange(plan.n_blocks, device=device) + (cu_t[req] - bp[req]).long()
+    return cols, cu_t, n_cols
 
 
 def quantize_means(k_mean: torch.Tensor, v_mean: torch.Tensor, kv: Fp8KV, plan: BatchPlan, aligned: bool = False):

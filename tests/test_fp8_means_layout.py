@@ -1,0 +1,50 @@
+"""The FP8 path's small layout tensors (``quant_kernels.block_requests``, ``mean_columns``,
+``_cu_seqlens_k``) are made from the plan without a host-to-device copy from a Python list (such a
+copy drained the GPU three times per FP8 attention call); these tests hold them to their definitions,
+written here from the plan's host lengths, on batches with one-block, partial-block and
+many-block requests."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashprefill import make_plan
+from flashprefill.impl.triton import quant_kernels as qk
+
+BATCHES = [([300, 5000], [300, 33]), ([1], [1]), ([128], [128]), ([129, 4096, 70000, 1], [1, 100, 70000, 1]),
+           ([2048] * 5, [10] * 5)]
+
+
+def _plan(kv_lens, q_lens, block_size):
+    sl = torch.tensor(kv_lens, dtype=torch.int32)
+    cu = torch.tensor([0] + torch.cumsum(torch.tensor(q_lens), 0).tolist(), dtype=torch.int32)
+    return make_plan(sl, cu, 4, block_size)
+
+
+@pytest.mark.parametrize("block_size", [128, 64])
+@pytest.mark.parametrize("kv_lens,q_lens", BATCHES)
+def test_block_requests_and_mean_columns_follow_their_definitions(kv_lens, q_lens, block_size):
+    plan = _plan(kv_lens, q_lens, block_size)
+    blocks = [-(-lk // block_size) for lk in kv_lens]
+    want_req = [b for b, n in enumerate(blocks) for _ in range(n)]
+    got_req = qk.block_requests(plan, "cpu")
+    assert got_req.dtype == torch.int64 and got_req.tolist() == want_req
+    starts = [0]
+    for n in blocks:
+        starts.append(starts[-1] + -(-n // qk.TMA_ALIGN) * qk.TMA_ALIGN)
+    want_cols = [starts[b] + r for b, n in enumerate(blocks) for r in range(n)]
+    cols, cu_cols, n_cols = qk.mean_columns(plan, "cpu")
+    assert cols.dtype == torch.int64 and cols.tolist() == want_cols
+    assert cu_cols.dtype == torch.int32 and cu_cols.tolist() == starts and n_cols == starts[-1]
+    assert all(c % qk.TMA_ALIGN == 0 for c in starts)
+
+
+@pytest.mark.parametrize("kv_lens,q_lens", BATCHES)
+def test_cu_seqlens_k_starts_each_request_at_an_aligned_slot(kv_lens, q_lens):
+    plan = _plan(kv_lens, q_lens, 128)
+    cu, total = qk._cu_seqlens_k(plan, "cpu")
+    want = [0]
+    for lk in kv_lens:
+        want.append(want[-1] + -(-lk // qk.TMA_ALIGN) * qk.TMA_ALIGN)
+    assert cu.dtype == torch.int32 and cu.tolist() == want and total == want[-1]
+    assert qk.host_ints([3, -1, 2**31 - 1], "cpu").tolist() == [3, -1, 2**31 - 1]
