@@ -308,8 +308,10 @@ class FlashPrefillAttnBackend(AttentionBackend):
         ``device``; ``None`` (SGLang's default when the checkpoint has no scales) is 1.0."""
         if scale is None:
             return torch.ones((), dtype=torch.float32, device=device)
-        t = scale if isinstance(scale, torch.Tensor) else torch.tensor(float(scale))
-        return t.detach().to(device=device, dtype=torch.float32).reshape(())
+        if isinstance(scale, torch.Tensor):
+            return scale.detach().to(device=device, dtype=torch.float32).reshape(())
+        # a Python float: filled on the device (a CPU tensor copied over would sync the stream per layer)
+        return torch.full((), float(scale), dtype=torch.float32, device=device)
 
     def _sparse_extend(self, q, k, v, layer, forward_batch, save_kv_cache, meta: FlashPrefillMetadata):
         pool = self.token_to_kv_pool
