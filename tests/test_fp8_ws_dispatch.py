@@ -135,3 +135,34 @@ def test_the_kernel_compiles_for_sm90_warp_specialised(d):
     ring_kib = 4 * 2 * 128 * d / 1024
     q_kib = 128 * d / 1024
     assert ring_kib + q_kib <= res["smem_kib"] < ring_kib + q_kib + 1
+
+
+def test_bench_ws_columns_are_filled_or_say_why_not(monkeypatch):
+    """``fp bench --fp8``'s ``fp8 ws`` columns (``bench._fp8_ws_columns``): absent with a note naming
+    the GPU off sm_90; the kernel's error as the note (the run goes on); else total, speed-up against
+    the row's BF16 total and the output's relative L2 against BF16 (``total_fn`` stands in for the
+    operator: the column logic is what is tested here)."""
+    from flashprefill import bench
+
+    base = torch.linspace(1.0, 2.0, 64, dtype=torch.float64)
+
+    def total_fn(precision="bf16", kernels=None):
+        return base if precision == "bf16" else base * 1.01
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    row = {"total_ms": 3.0}
+    assert "sm_89" in bench._fp8_ws_columns(row, total_fn, lambda fn: 1.5, 128, 128)["fp8_ws"]
+    assert "fp8ws_total_ms" not in row
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert "d 256" in bench._fp8_ws_columns(row, total_fn, lambda fn: 1.5, 256, 128)["fp8_ws"]
+
+    def failing(precision="bf16", kernels=None):
+        if kernels is not None:
+            raise RuntimeError("no TMA here")
+        return base
+
+    note = bench._fp8_ws_columns(row, failing, lambda fn: 1.5, 128, 128)["fp8_ws"]
+    assert "failed" in note and "no TMA here" in note and "fp8ws_total_ms" not in row
+    assert bench._fp8_ws_columns(row, total_fn, lambda fn: 1.5, 128, 128)["fp8_ws"] == bench.FP8_WS_NOTE
+    assert row["fp8ws_total_ms"] == 1.5 and row["fp8ws_speedup"] == 2.0
+    assert abs(row["fp8ws_rel_l2"] - 0.01) < 1e-12
