@@ -44,7 +44,7 @@ def test_the_gluon_variant_sets_the_impl_and_nothing_else():
     assert base.attn.impl == "triton" and ws.attn.impl == "gluon_ws" and ws.attn.ws_stages == 4
     assert dataclasses.replace(ws.attn, impl="triton", ws_stages=base.attn.ws_stages) == base.attn
     assert ws.index == base.index
-    assert ATTN_IMPLS == ("triton", "gluon_ws")
+    assert ATTN_IMPLS == ("triton", "gluon_ws", "auto")
 
 
 @pytest.mark.parametrize("kwargs,word", [({"impl": "cuda"}, "impl"), ({"ws_stages": 1}, "ws_stages")])
@@ -89,12 +89,19 @@ def test_each_shape_it_cannot_run_is_named(monkeypatch):
     assert "B200 is 10.0" in host_fp8.ws_unsupported(CudaQ(128), _kv(), plan, 128)
 
 
-@pytest.mark.parametrize("sparse,k_dtype,to_ws", [(True, quant.E4M3, True), (False, quant.E4M3, False),
-                                                  (True, torch.int8, False)])
-def test_only_the_sparse_e4m3_launch_goes_to_the_gluon_kernel(monkeypatch, sparse, k_dtype, to_ws):
-    """``launch_attention_fp8`` with ``impl="gluon_ws"``: the sparse e4m3 case calls
-    ``launch_attention_fp8_ws``; the dense mode and int8 K (precision "int8qk") launch the Triton
-    kernel (both launchers replaced by recorders: the dispatch is what is tested here)."""
+@pytest.mark.parametrize("impl,sparse,k_dtype,runs_here,to_ws", [
+    ("gluon_ws", True, quant.E4M3, False, True), ("gluon_ws", False, quant.E4M3, False, False),
+    ("gluon_ws", True, torch.int8, False, False), ("auto", True, quant.E4M3, True, True),
+    ("auto", True, quant.E4M3, False, False), ("auto", False, quant.E4M3, True, False),
+    ("auto", True, torch.int8, True, False), ("triton", True, quant.E4M3, True, False)])
+def test_only_the_sparse_e4m3_launch_goes_to_the_gluon_kernel(monkeypatch, impl, sparse, k_dtype, runs_here, to_ws):
+    """``launch_attention_fp8`` by ``impl``: ``"gluon_ws"`` sends the sparse e4m3 case to
+    ``launch_attention_fp8_ws`` (which refuses what it cannot run); ``"auto"`` only where
+    ``ws_unsupported`` finds nothing (``runs_here``: answered as on an H200, else as on these CPU
+    tensors); the dense mode and int8 K (precision "int8qk") always launch the Triton kernel (both
+    launchers replaced by recorders: the dispatch is what is tested here)."""
+    if runs_here:
+        monkeypatch.setattr(host_fp8, "ws_unsupported", lambda *a: None)
     calls = []
     monkeypatch.setattr(host_fp8, "launch_attention_fp8_ws", lambda *a, **k: calls.append("ws") or ("ws", None))
 
@@ -105,7 +112,7 @@ def test_only_the_sparse_e4m3_launch_goes_to_the_gluon_kernel(monkeypatch, spars
     monkeypatch.setattr(host_fp8.fk, "_attn_fwd_fp8", Recorder())
     seq_lens, cu_q, plan = _plan()
     q = torch.randn(300, 8, 128, dtype=torch.bfloat16)
-    tiles = get_config(128, torch.bfloat16, 128, precision="fp8", variant="gluon_ws").attn
+    tiles = dataclasses.replace(get_config(128, torch.bfloat16, 128, precision="fp8").attn, impl=impl)
     host_fp8.launch_attention_fp8(q, _kv(k_dtype=k_dtype), seq_lens, cu_q, 0.088, plan, tiles, sparse=sparse,
                                   mean_correction=False, block_size=128, index=None if not sparse else _Index(plan))
     assert calls == (["ws"] if to_ws else ["triton"])

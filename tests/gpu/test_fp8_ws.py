@@ -105,3 +105,24 @@ def test_an_unsupported_head_dim_is_refused_before_any_launch():
     ws = get_config(256, torch.bfloat16, 128, precision="fp8", variant="gluon_ws")
     with pytest.raises(ValueError, match=r"d=256.*impl='triton'"):
         host.sparse_attention(*gpu, SPARSE, 256 ** -0.5, plan, index, kernels=ws, precision="fp8")
+
+
+@pytest.mark.parametrize("name", ["kv4095_g8_ps64", "kv4096_g1_d256"])
+def test_auto_runs_the_gluon_kernel_where_it_can_and_triton_elsewhere(name):
+    """``AttnConfig.impl = "auto"``: at d 128 the Gluon kernel's output bit for bit; at d 256 (which it
+    cannot run) the Triton kernel's, without an error."""
+    from flashprefill.impl.triton import host
+    from flashprefill.impl.triton.tiles import get_config
+
+    cpu = _inputs(name)
+    gpu = _cuda(cpu)
+    g = cpu[0].shape[1] // cpu[1].shape[2]
+    d = cpu[0].shape[2]
+    plan = make_plan(gpu[4], gpu[5], g, SPARSE.block_size)
+    index = flashprefill.build_index(*gpu, SPARSE, plan=plan, precision="fp8")
+    base = get_config(d, torch.bfloat16, 128, precision="fp8")
+    auto = dataclasses.replace(base, attn=dataclasses.replace(base.attn, impl="auto"))
+    want_cfg = get_config(d, torch.bfloat16, 128, precision="fp8", variant="gluon_ws") if d in (64, 128) else base
+    got = host.sparse_attention(*gpu, SPARSE, d ** -0.5, plan, index, kernels=auto, precision="fp8")[0]
+    want = host.sparse_attention(*gpu, SPARSE, d ** -0.5, plan, index, kernels=want_cfg, precision="fp8")[0]
+    assert torch.isfinite(got).all() and torch.equal(got, want)

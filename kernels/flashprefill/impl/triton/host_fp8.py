@@ -53,9 +53,11 @@ def launch_attention_fp8(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale:
     columns aligned, ``qk.mean_columns``) for the correction. An int8 ``kv.k8`` (precision "int8qk")
     launches the kernel's ``QK_INT8`` mode (int8 Q tile and key means, ``docs/fp8.md`` section 10).
     ``tiles.impl == "gluon_ws"``: the sparse e4m3 case runs ``launch_attention_fp8_ws`` instead
-    (the dense mode and int8 ``k8`` stay on this kernel).
+    (the dense mode and int8 ``k8`` stay on this kernel); ``"auto"``: the same where
+    ``ws_unsupported`` finds nothing against it, this kernel elsewhere.
     """
-    if tiles.impl == "gluon_ws" and sparse and kv.k8.dtype != torch.int8:
+    if sparse and kv.k8.dtype != torch.int8 and (
+            tiles.impl == "gluon_ws" or (tiles.impl == "auto" and ws_unsupported(q, kv, plan, block_size) is None)):
         return launch_attention_fp8_ws(q, kv, seq_lens, cu_seqlens_q, softmax_scale, plan, tiles,
                                        mean_correction=mean_correction, block_size=block_size, index=index)
     total_q, hq, d = q.shape

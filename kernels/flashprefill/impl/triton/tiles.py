@@ -49,10 +49,11 @@ class AttnConfig:
             ``[d, block_u]`` tile with 16-byte copies instead of one-byte loads. Ignored by the
             16-bit kernels.
         impl: the e4m3 sparse attention's kernel (precision "fp8", sparse mode): ``"triton"``
-            (``attention_fp8_kernels._attn_fwd_fp8``) or ``"gluon_ws"`` (the warp-specialised Gluon
+            (``attention_fp8_kernels._attn_fwd_fp8``), ``"gluon_ws"`` (the warp-specialised Gluon
             kernel ``attention_fp8_ws_kernels``: sm_90, d 64 / 128, key blocks 128, 128-row tiles;
-            ``host_fp8.launch_attention_fp8_ws`` raises ``ValueError`` elsewhere). The dense mode,
-            precision "int8qk" and the 16-bit kernels ignore it.
+            ``host_fp8.launch_attention_fp8_ws`` raises ``ValueError`` elsewhere) or ``"auto"`` (the
+            Gluon kernel where it runs, the Triton one elsewhere: ``host_fp8.ws_unsupported``). The
+            dense mode, precision "int8qk" and the 16-bit kernels ignore it.
         ws_stages: ``"gluon_ws"`` only: depth of its K / V ring (``B d`` bytes each for K and V
             per stage: 32 KiB at d 128).
         ws_pingpong: ``"gluon_ws"`` only: order the two consumer warpgroups' wgmma issues (FA3's
@@ -87,7 +88,7 @@ class AttnConfig:
 
 
 # AttnConfig.impl values
-ATTN_IMPLS = ("triton", "gluon_ws")
+ATTN_IMPLS = ("triton", "gluon_ws", "auto")
 
 
 @dataclass(frozen=True)
