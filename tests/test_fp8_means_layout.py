@@ -2,7 +2,8 @@
 ``_cu_seqlens_k``) are made from the plan without a host-to-device copy from a Python list (such a
 copy drained the GPU three times per FP8 attention call); these tests hold them to their definitions,
 written here from the plan's host lengths, on batches with one-block, partial-block and
-many-block requests."""
+many-block requests, and empty ones (``Lk = 0``: ``block_ptr`` repeats a value) before, between
+and after others."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,7 @@ from flashprefill import make_plan
 from flashprefill.impl.triton import quant_kernels as qk
 
 BATCHES = [([300, 5000], [300, 33]), ([1], [1]), ([128], [128]), ([129, 4096, 70000, 1], [1, 100, 70000, 1]),
-           ([2048] * 5, [10] * 5)]
+           ([2048] * 5, [10] * 5), ([0, 300, 0, 5, 0], [0, 300, 0, 5, 0])]
 
 
 def _plan(kv_lens, q_lens, block_size):
