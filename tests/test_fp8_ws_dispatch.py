@@ -57,7 +57,7 @@ def test_cpu_tensors_get_a_clear_error_naming_the_gpu_it_needs():
     seq_lens, cu_q, plan = _plan()
     q = torch.randn(300, 8, 128, dtype=torch.bfloat16)
     kv = _kv()
-    assert "CUDA" in host_fp8.ws_unsupported(q, kv, plan, 128)
+    assert "CUDA" in host_fp8.ws_unsupported(q, kv.k8.dtype, plan, 128)
     tiles = get_config(128, torch.bfloat16, 128, precision="fp8", variant="gluon_ws").attn
     with pytest.raises(ValueError, match=r"impl='gluon_ws'.*sm_90.*cpu tensors.*impl='triton'"):
         host_fp8.launch_attention_fp8_ws(q, kv, seq_lens, cu_q, 0.088, plan, tiles, mean_correction=True,
@@ -77,16 +77,16 @@ def test_each_shape_it_cannot_run_is_named(monkeypatch):
         def __init__(self, d):
             self.shape = (300, 8, d)
 
-    assert host_fp8.ws_unsupported(CudaQ(128), _kv(), plan, 128) is None
-    assert host_fp8.ws_unsupported(CudaQ(64), _kv(d=64), plan, 128) is None
-    assert "d=256" in host_fp8.ws_unsupported(CudaQ(256), _kv(d=256), plan, 128)
-    assert "int8" in host_fp8.ws_unsupported(CudaQ(128), _kv(k_dtype=torch.int8), plan, 128)
-    assert "64" in host_fp8.ws_unsupported(CudaQ(128), _kv(), plan, 64)
+    assert host_fp8.ws_unsupported(CudaQ(128), quant.E4M3, plan, 128) is None
+    assert host_fp8.ws_unsupported(CudaQ(64), quant.E4M3, plan, 128) is None
+    assert "d=256" in host_fp8.ws_unsupported(CudaQ(256), quant.E4M3, plan, 128)
+    assert "int8" in host_fp8.ws_unsupported(CudaQ(128), torch.int8, plan, 128)
+    assert "64" in host_fp8.ws_unsupported(CudaQ(128), quant.E4M3, plan, 64)
     plan64 = make_plan(seq_lens, cu_q, 4, 128, tile_rows=64)
-    assert "tiles, got 64" in host_fp8.ws_unsupported(CudaQ(128), _kv(), plan64, 128)
+    assert "tiles, got 64" in host_fp8.ws_unsupported(CudaQ(128), quant.E4M3, plan64, 128)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B200")
-    assert "B200 is 10.0" in host_fp8.ws_unsupported(CudaQ(128), _kv(), plan, 128)
+    assert "B200 is 10.0" in host_fp8.ws_unsupported(CudaQ(128), quant.E4M3, plan, 128)
 
 
 @pytest.mark.parametrize("impl,sparse,k_dtype,runs_here,to_ws", [
@@ -120,6 +120,8 @@ def test_only_the_sparse_e4m3_launch_goes_to_the_gluon_kernel(monkeypatch, impl,
 
 class _Index:
     """The CSR fields of a ``BlockIndex`` the Triton launch reads without the mean correction."""
+
+    block_size = 128
 
     def __init__(self, plan):
         self.row_ptr = torch.zeros(plan.n_tiles * 2 + 1, dtype=torch.int32)
@@ -173,3 +175,30 @@ def test_bench_ws_columns_are_filled_or_say_why_not(monkeypatch):
     assert bench._fp8_ws_columns(row, total_fn, lambda fn: 1.5, 128, 128)["fp8_ws"] == bench.FP8_WS_NOTE
     assert row["fp8ws_total_ms"] == 1.5 and row["fp8ws_speedup"] == 2.0
     assert abs(row["fp8ws_rel_l2"] - 0.01) < 1e-12
+
+
+def test_the_refusal_comes_before_the_index_and_the_pre_pass(monkeypatch):
+    """``host.attention`` / ``host.sparse_attention`` with ``impl="gluon_ws"`` at precision "fp8" on
+    inputs it cannot run (CPU tensors here) raise before any kernel work (the index and the pre-pass
+    replaced by tripwires); precision "int8qk" and the default tiles are not refused (int8qk runs the
+    Triton kernel)."""
+    from flashprefill import SparseConfig
+    from flashprefill.impl.triton import host
+
+    def tripwire(*a, **k):
+        raise AssertionError("work started before the refusal")
+
+    monkeypatch.setattr(host, "build_index", tripwire)
+    monkeypatch.setattr(host_fp8, "kv_operands", tripwire)
+    seq_lens, cu_q, plan = _plan()
+    q = torch.randn(300, 8, 128, dtype=torch.bfloat16)
+    kc = torch.randn(5, 64, 2, 128, dtype=torch.bfloat16)
+    pt = torch.arange(5, dtype=torch.int32)[None, :]
+    ws = get_config(128, torch.bfloat16, 128, precision="fp8", variant="gluon_ws")
+    args = (q, kc, kc, pt, seq_lens, cu_q, SparseConfig(), 0.088, plan)
+    with pytest.raises(ValueError, match=r"impl='gluon_ws'.*CUDA"):
+        host.attention(*args, kernels=ws, precision="fp8")
+    with pytest.raises(ValueError, match=r"impl='gluon_ws'.*CUDA"):
+        host.sparse_attention(*args, _Index(plan), kernels=ws, precision="fp8")
+    with pytest.raises(AssertionError, match="work started"):
+        host.attention(*args, kernels=ws, precision="int8qk")

@@ -135,7 +135,9 @@ def _consumer(a, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.con
             w = gl.where(cols < 32, w0, gl.where(cols < 64, w1, gl.where(cols < 96, w2, w3)))
             use = (u < n_u) & (((w >> (cols % 32)) & 1) == 0)
             log2_n = gl.where(u == j_part, log2_part, log2_full)
-            S = S + gl.where(use, log2_n * inv_scale2, float("-inf"))[None, :]
+            # where(), not + (-inf): a NaN mean-key code past n_u (a later block, another request) must
+            # not reach these rows, as the Triton kernel's masked loads keep it out
+            S = gl.where(use[None, :], S + (log2_n * inv_scale2)[None, :], float("-inf"))
         m_new = gl.maximum(m_i, gl.max(S, axis=1) * scale2)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
@@ -245,12 +247,15 @@ def _attn_fwd_fp8_ws(q_ptr, k_desc, v_desc, km_desc, vm_desc, k_scale, v_scale, 
     v_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_SIZE], v_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for st in gl.static_range(STAGES):
         mbarrier.init(ready.index(st), count=1)
         mbarrier.init(empty.index(st), count=2)       # both consumers release a stage
-    for c in gl.static_range(2):
-        mbarrier.init(turn.index(c), count=1)
+    if PINGPONG:
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for c in gl.static_range(2):
+            mbarrier.init(turn.index(c), count=1)
+    else:
+        turn = ready                                  # never waited on: no barrier of its own
     args = (k_desc, v_desc, km_desc, vm_desc, q_smem, k_bufs, v_bufs, ready, empty, turn, col_idx, start, split,
             end, h * total_k + kv0, h * HEAD_DIM, kv0, blk0, col0, n_u, bits_row, n_words, j_part, log2_part, log2_full, P, lk, i * TILE_ROWS, q_start, lq, h, scale2, s_v,
             out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, stride_lh)

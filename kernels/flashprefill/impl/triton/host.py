@@ -405,6 +405,15 @@ def _correction_means(q, plan: BatchPlan, index: BlockIndex):
     return index.k_mean.to(q.dtype), index.v_mean.to(q.dtype)
 
 
+def _check_fp8_impl(q, tiles: AttnConfig, precision: str, plan: BatchPlan, block_size: int) -> None:
+    """``impl="gluon_ws"`` at precision "fp8" on inputs its kernel cannot run: the ``ValueError``
+    (``host_fp8.ws_error``) before the index or the pre-pass does any work. No host sync."""
+    if precision == "fp8" and tiles.impl == "gluon_ws":
+        why = host_fp8.ws_unsupported(q, quant.E4M3, plan, block_size)
+        if why:
+            raise ValueError(host_fp8.ws_error(why))
+
+
 def sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config: SparseConfig,
                      softmax_scale, plan: BatchPlan, index: BlockIndex, *, kernels: KernelConfig | None = None,
                      timing: torch.Tensor | None = None, precision: str = "bf16", k_descale=None, v_descale=None):
@@ -421,6 +430,7 @@ def sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, co
     scale = _scale(softmax_scale, q.shape[2])
     mc = bool(config.mean_correction)
     if _is_fp8(precision):
+        _check_fp8_impl(q, tiles, precision, plan, index.block_size)
         kv = host_fp8.kv_operands(k_cache, v_cache, page_table, seq_lens, plan, k_descale, v_descale,
                                   amax=index.kv_amax, hw_cvt=chosen.index.hw_cvt, k_int8=precision == "int8qk")
         return host_fp8.launch_attention_fp8(q, kv, seq_lens, cu_seqlens_q, scale, plan, tiles, sparse=True,
@@ -440,6 +450,7 @@ def attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config: S
     Returns ``(out [total_q, Hq, d] q.dtype, lse [total_q, Hq] float32, BlockIndex)``.
     """
     kernels = _kernels(q, config.block_size, kernels, precision)
+    _check_fp8_impl(q, kernels.attn, precision, plan, config.block_size)
     extra = dict(precision=precision, k_descale=k_descale, v_descale=v_descale)
     index = build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale, plan,
                         kernels=kernels, **extra)

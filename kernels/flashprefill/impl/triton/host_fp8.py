@@ -57,7 +57,7 @@ def launch_attention_fp8(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale:
     ``ws_unsupported`` finds nothing against it, this kernel elsewhere.
     """
     if sparse and kv.k8.dtype != torch.int8 and (
-            tiles.impl == "gluon_ws" or (tiles.impl == "auto" and ws_unsupported(q, kv, plan, block_size) is None)):
+            tiles.impl == "gluon_ws" or (tiles.impl == "auto" and ws_unsupported(q, kv.k8.dtype, plan, block_size) is None)):
         return launch_attention_fp8_ws(q, kv, seq_lens, cu_seqlens_q, softmax_scale, plan, tiles,
                                        mean_correction=mean_correction, block_size=block_size, index=index)
     total_q, hq, d = q.shape
@@ -107,18 +107,19 @@ WS_BLOCK = 128
 WS_TILE_ROWS = 128
 
 
-def ws_unsupported(q: torch.Tensor, kv: qk.Fp8KV, plan: BatchPlan, block_size: int) -> str | None:
+def ws_unsupported(q: torch.Tensor, k_dtype: torch.dtype, plan: BatchPlan, block_size: int) -> str | None:
     """Why ``launch_attention_fp8_ws`` cannot run these inputs (a sentence), or None when it can:
-    a CUDA sm_90 GPU (TMA, e4m3 wgmma, ``setmaxnreg``), e4m3 ``k8``, d 64 / 128, key blocks of 128
-    tokens, 128-row tiles."""
+    a CUDA sm_90 GPU (TMA, e4m3 wgmma, ``setmaxnreg``), e4m3 K codes (``k_dtype``: ``kv.k8``'s; the
+    pre-pass makes e4m3 codes for precision "fp8"), d 64 / 128, key blocks of 128 tokens, 128-row
+    tiles. No host sync."""
     if not q.is_cuda:
         return f"needs a CUDA GPU with compute capability 9.0 (sm_90), got {q.device.type} tensors"
     cc = torch.cuda.get_device_capability(q.device)
     if cc != (9, 0):
         name = torch.cuda.get_device_name(q.device)
         return f"needs compute capability 9.0 (sm_90: Hopper wgmma and setmaxnreg), {name} is {cc[0]}.{cc[1]}"
-    if kv.k8.dtype != quant.E4M3:
-        return f"runs e4m3 K only (precision 'fp8'), got {kv.k8.dtype}"
+    if k_dtype != quant.E4M3:
+        return f"runs e4m3 K only (precision 'fp8'), got {k_dtype}"
     if q.shape[2] not in WS_HEAD_DIMS:
         return f"runs head dims {WS_HEAD_DIMS}, got d={q.shape[2]}"
     if block_size != WS_BLOCK:
@@ -142,6 +143,12 @@ def ws_means(index: BlockIndex, kv: qk.Fp8KV, plan: BatchPlan, mean_correction: 
     return k_mean8, v_mean8t, plan.block_ptr, index.row_ptr
 
 
+def ws_error(why: str) -> str:
+    """The ``ValueError`` message for inputs ``impl="gluon_ws"`` cannot run (``why``: ``ws_unsupported``'s)."""
+    return (f"the warp-specialised FP8 attention (AttnConfig.impl='gluon_ws') {why}; "
+            f"the default tiles (impl='triton') run these inputs")
+
+
 def launch_attention_fp8_ws(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale: float, plan: BatchPlan,
                             tiles: AttnConfig, *, mean_correction: bool, block_size: int, index: BlockIndex,
                             means: tuple | None = None):
@@ -154,17 +161,19 @@ def launch_attention_fp8_ws(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_sca
     box ``[B, d]``; ``v8t`` as ``[Hkv·d, total_k]`` box ``[d, B]``; ``k_mean8`` as ``[n_blocks, Hkv·d]``
     box ``[B, d]``; ``v_mean8t`` (aligned columns, ``qk.quantize_means(..., aligned=True)``) as
     ``[Hkv·d, n_cols]`` box ``[d, B]``. A box past a buffer's end reads zeros; keys past ``Lk`` have
-    ``-inf`` logits and mean-key columns past ``n_u`` have ``-inf`` biases, so what they read is never
-    weighted. ``means``: ``ws_means``' result, made here when None (the lab times the kernel apart
+    ``-inf`` logits and mean-key columns past ``n_u`` have ``-inf`` biases, so what they read gets
+    ``p = 0``. **Known defect:** ``0 · NaN = NaN`` in the ``P V`` product, so a NaN in the next request's
+    V slots or block means (inside this request's last box) reaches this request's rows, which the
+    Triton kernel's masked loads keep out (``tests/gpu/test_fp8_ws.py``, an expected failure; fix before
+    this kernel becomes a default). ``means``: ``ws_means``' result, made here when None (the lab times the kernel apart
     from it).
 
     Raises:
         ValueError: ``ws_unsupported`` gives a reason (not sm_90, not e4m3, d, block size, tile rows).
     """
-    why = ws_unsupported(q, kv, plan, block_size)
+    why = ws_unsupported(q, kv.k8.dtype, plan, block_size)
     if why:
-        raise ValueError(f"the warp-specialised FP8 attention (AttnConfig.impl='gluon_ws') {why}; "
-                         f"the default tiles (impl='triton') run these inputs")
+        raise ValueError(ws_error(why))
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -191,14 +200,14 @@ def launch_attention_fp8_ws(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_sca
         plan.tile_request, plan.tile_local, plan.block_ptr, mean_cols, index.row_ptr, index.col_idx, bits, out, lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         bits.shape[1] if mean_correction else 0, total_k, plan.n_tiles, n_prog, hkv, float(softmax_scale) * LOG2E,
-        GROUP=hq // hkv, HEAD_DIM=d, TILE_ROWS=plan.tile_rows, BLOCK_SIZE=block_size, STAGES=tiles.ws_stages,
+        GROUP=plan.group_size, HEAD_DIM=d, TILE_ROWS=plan.tile_rows, BLOCK_SIZE=block_size, STAGES=tiles.ws_stages,
         PINGPONG=tiles.ws_pingpong, MEAN_CORR=mean_correction, CONSUMER_REGS=WS_CONSUMER_REGS,
         PRODUCER_REGS=WS_PRODUCER_REGS, num_warps=4, maxnreg=WS_MAXNREG)
     return out, lse
 
 
 # Registers of the Gluon kernel: 12 resident warps (4 default + 4 consumer + 1 producer, rounded up to
-# warpgroups) at 168 each = the whole register file (65,536) of one program per SM; the producer's
+# warpgroups) at 168 each = 64,512 of the SM's 65,536 registers: one program per SM; the producer's
 # warpgroup gives back to 24, the two consumer warpgroups take 240 (Triton sets the default
 # partition's from what is left).
 WS_MAXNREG = 168
