@@ -257,7 +257,8 @@ def _attn_fwd_fp8_ws(q_ptr, k_desc, v_desc, km_desc, vm_desc, k_scale, v_scale, 
     else:
         turn = ready                                  # never waited on: no barrier of its own
     args = (k_desc, v_desc, km_desc, vm_desc, q_smem, k_bufs, v_bufs, ready, empty, turn, col_idx, start, split,
-            end, h * total_k + kv0, h * HEAD_DIM, kv0, blk0, col0, n_u, bits_row, n_words, j_part, log2_part, log2_full, P, lk, i * TILE_ROWS, q_start, lq, h, scale2, s_v,
+            end, h * total_k + kv0, h * HEAD_DIM, kv0, blk0, col0, n_u, bits_row, n_words, j_part, log2_part,
+            log2_full, P, lk, i * TILE_ROWS, q_start, lq, h, scale2, s_v,
             out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, stride_lh)
     gl.warp_specialize([(_consumer0, (args, GROUP, HEAD_DIM, BLOCK_SIZE, PINGPONG)),
                         (_consumer1, (args, GROUP, HEAD_DIM, BLOCK_SIZE, PINGPONG)),

@@ -57,7 +57,8 @@ def launch_attention_fp8(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale:
     ``ws_unsupported`` finds nothing against it, this kernel elsewhere.
     """
     if sparse and kv.k8.dtype != torch.int8 and (
-            tiles.impl == "gluon_ws" or (tiles.impl == "auto" and ws_unsupported(q, kv.k8.dtype, plan, block_size) is None)):
+            tiles.impl == "gluon_ws"
+            or (tiles.impl == "auto" and ws_unsupported(q, kv.k8.dtype, plan, block_size) is None)):
         return launch_attention_fp8_ws(q, kv, seq_lens, cu_seqlens_q, softmax_scale, plan, tiles,
                                        mean_correction=mean_correction, block_size=block_size, index=index)
     total_q, hq, d = q.shape
@@ -164,9 +165,9 @@ def launch_attention_fp8_ws(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_sca
     ``-inf`` logits and mean-key columns past ``n_u`` have ``-inf`` biases, so what they read gets
     ``p = 0``. **Known defect:** ``0 · NaN = NaN`` in the ``P V`` product, so a NaN in the next request's
     V slots or block means (inside this request's last box) reaches this request's rows, which the
-    Triton kernel's masked loads keep out (``tests/gpu/test_fp8_ws.py``, an expected failure; fix before
-    this kernel becomes a default). ``means``: ``ws_means``' result, made here when None (the lab times the kernel apart
-    from it).
+    Triton kernel's masked loads keep out (``tests/gpu/test_fp8_ws.py``, an expected failure; fix
+    before this kernel becomes a default). ``means``: ``ws_means``' result, made here when None (the
+    lab times the kernel apart from it).
 
     Raises:
         ValueError: ``ws_unsupported`` gives a reason (not sm_90, not e4m3, d, block size, tile rows).

@@ -84,7 +84,8 @@ class AttnConfig:
         if self.impl not in ATTN_IMPLS:
             raise ValueError(f"AttnConfig.impl must be one of {ATTN_IMPLS}, got {self.impl!r}")
         if self.ws_stages < 2:
-            raise ValueError(f"AttnConfig.ws_stages must be >= 2 (a stage loads while one is read), got {self.ws_stages}")
+            raise ValueError(f"AttnConfig.ws_stages must be >= 2 (a stage loads while one is read), "
+                             f"got {self.ws_stages}")
 
 
 # AttnConfig.impl values
