@@ -56,6 +56,34 @@ def _sig(fn, ptrs: dict, consts: dict, floats=()):
     return {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names}
 
 
+def ptxas_report(ptx: str) -> dict:
+    """Triton's bundled ptxas run with ``-v`` on ``ptx`` for its own target: ``regs`` (registers per
+    thread, None if not reported), ``spill_bytes`` (spill stores, all functions) and
+    ``ptxas_warnings`` (the distinct warning texts, 160 characters each)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        arch = re.search(r"\.target\s+(sm_\w+)", ptx).group(1)
+        pr = subprocess.run([os.path.join(BIN, "ptxas"), "-v", f"-arch={arch}", src, "-o", os.path.join(tmp, "k.o")],
+                            capture_output=True, text=True)
+    log = pr.stdout + pr.stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    return {"ptxas_warnings": sorted({ln.split("warning :", 1)[1].strip()[:160] for ln in log.splitlines()
+                                      if "warning" in ln}),
+            "regs": int(regs.group(1)) if regs else None,
+            "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", log))}
+
+
+def sass_of(cubin: bytes) -> str:
+    """The SASS text of a compiled kernel's cubin (Triton's bundled ``cuobjdump -sass``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
+
+
 def ptxas_codes(ptx: str) -> list[str]:
     """The ptxas performance notes (``C7515`` etc.: e.g. every wgmma serialized) that Triton's own
     ptxas call does not show: its bundled ptxas run again with ``-v`` on the PTX (~1 s)."""

@@ -41,7 +41,6 @@ import dataclasses
 import math
 import os
 import re
-import subprocess
 import tempfile
 
 import torch
@@ -304,24 +303,9 @@ def compile_probe(cfg: ProbeConfig, sass_dir: str | None = None) -> dict:
     res["ws"] = "ttg.warp_specialize" in ttgir
     res["partitions"] = len(re.findall(r"partition\d+\(", ttgir))
     res["smem_kib"] = round(k.metadata.shared / 1024, 1)
+    res.update(cs.ptxas_report(k.asm["ptx"]))
+    sass = cs.sass_of(k.asm["cubin"])
     with tempfile.TemporaryDirectory() as tmp:
-        ptx = os.path.join(tmp, "k.ptx")
-        with open(ptx, "w") as f:
-            f.write(k.asm["ptx"])
-        arch = re.search(r"\.target\s+(sm_\w+)", k.asm["ptx"]).group(1)
-        pr = subprocess.run([os.path.join(cs.BIN, "ptxas"), "-v", f"-arch={arch}", ptx, "-o", os.path.join(tmp, "k.o")],
-                            capture_output=True, text=True)
-        log = pr.stdout + pr.stderr
-        res["ptxas_warnings"] = sorted({ln.split("warning :", 1)[1].strip()[:160] for ln in log.splitlines()
-                                        if "warning" in ln})
-        regs = re.search(r"Used (\d+) registers", log)
-        res["regs"] = int(regs.group(1)) if regs else None
-        spills = re.findall(r"(\d+) bytes spill stores", log)
-        res["spill_bytes"] = sum(int(x) for x in spills)
-        cubin = os.path.join(tmp, "k.cubin")
-        with open(cubin, "wb") as f:
-            f.write(k.asm["cubin"])
-        sass = subprocess.run([os.path.join(cs.BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
         spath = os.path.join(sass_dir or tmp, cfg.name + ".sass")
         if sass_dir:
             os.makedirs(sass_dir, exist_ok=True)
