@@ -265,11 +265,12 @@ def csr_segments(index, plan):
 def expected_prepass(k_cache, v_cache, page_table, kv_lens, block_size, k_mean=None, v_mean=None):
     """What the FP8 pre-pass (``impl/triton/quant_kernels.py``) must write, bit for bit, built per
     request with ``flashprefill.quant`` (docs/fp8.md section 7): ``dict`` of ``k8 [Hkv, total_k, d]``,
-    ``v8t [Hkv, d, total_k]`` (each request's tokens padded with zero codes to a multiple of 16, the
-    pre-pass's ``TMA_ALIGN``), ``cu_seqlens_k`` (list), ``k_scale``, ``v_scale`` ``[batch, Hkv]``, and
+    ``v8t [Hkv, d, total_k]`` (each request's tokens padded with zero codes to a multiple of 128, the
+    pre-pass's ``REQUEST_ALIGN``), ``cu_seqlens_k`` (list), ``k_scale``, ``v_scale`` ``[batch, Hkv]``, and
     with the means ``k_mean8``, ``v_mean8t [Hkv, d, n_blocks]``."""
     from flashprefill import quant
 
+    align = 128                         # written out, not imported: the test states the layout
     ps = k_cache.shape[1]
     ks, vs, k8, v8, kinv, vinv, blocks = [], [], [], [], [], [], []
     for b, lk in enumerate(kv_lens):
@@ -278,7 +279,7 @@ def expected_prepass(k_cache, v_cache, page_table, kv_lens, block_size, k_mean=N
             x = cache[pages].flatten(0, 1)[:lk]
             s, inv = quant.kv_scales(x)
             c = quant.quantize(x, inv[:, None])
-            gap = torch.zeros(-lk % 16, *c.shape[1:], dtype=c.dtype)
+            gap = torch.zeros(-lk % align, *c.shape[1:], dtype=c.dtype)
             codes.append(torch.cat([c.view(torch.uint8), gap.view(torch.uint8)]).view(c.dtype))
             scales.append(s)
             invs.append(inv)
@@ -286,7 +287,7 @@ def expected_prepass(k_cache, v_cache, page_table, kv_lens, block_size, k_mean=N
     out = {
         "k8": torch.cat(k8).permute(1, 0, 2),
         "v8t": torch.cat(v8).permute(1, 2, 0),
-        "cu_seqlens_k": [0] + [sum(-(-n // 16) * 16 for n in kv_lens[:i + 1]) for i in range(len(kv_lens))],
+        "cu_seqlens_k": [0] + [sum(-(-n // align) * align for n in kv_lens[:i + 1]) for i in range(len(kv_lens))],
         "k_scale": torch.stack(ks),
         "v_scale": torch.stack(vs),
     }

@@ -419,11 +419,12 @@ def test_kernel_configs_are_frozen_and_explicit():
 
 def test_plain_variant_turns_every_optional_kernel_field_off():
     """``get_config(..., variant="plain")`` is the baseline the variant tests compare against: every
-    optional field of the FP8 kernels off, the tiles themselves unchanged; the 16-bit configs are
-    the same with or without it (they ignore those fields)."""
+    optional field of the FP8 kernels off and the Triton FP8 kernel (impl "triton"), the tiles themselves
+    unchanged; the 16-bit configs are the same with or without it (they ignore those fields)."""
     from flashprefill.impl.triton import tiles
 
-    optional_attn = dict(loop_guard=False, fold_scale=False, mean_vec=False, pipeline=False, exp_impl="mufu")
+    optional_attn = dict(loop_guard=False, fold_scale=False, mean_vec=False, pipeline=False, exp_impl="mufu",
+                         impl="triton")
     for d in (64, 128, 256):
         for B in (64, 128):
             shipped = tiles.get_config(d, torch.bfloat16, B, precision="fp8")

@@ -32,12 +32,12 @@ def test_block_requests_and_mean_columns_follow_their_definitions(kv_lens, q_len
     assert got_req.dtype == torch.int64 and got_req.tolist() == want_req
     starts = [0]
     for n in blocks:
-        starts.append(starts[-1] + -(-n // qk.TMA_ALIGN) * qk.TMA_ALIGN)
+        starts.append(starts[-1] + -(-n // 128) * 128)
     want_cols = [starts[b] + r for b, n in enumerate(blocks) for r in range(n)]
     cols, cu_cols, n_cols = qk.mean_columns(plan, "cpu")
     assert cols.dtype == torch.int64 and cols.tolist() == want_cols
     assert cu_cols.dtype == torch.int32 and cu_cols.tolist() == starts and n_cols == starts[-1]
-    assert all(c % qk.TMA_ALIGN == 0 for c in starts)
+    assert qk.REQUEST_ALIGN == 128 and all(c % qk.TMA_ALIGN == 0 for c in starts)
 
 
 @pytest.mark.parametrize("kv_lens,q_lens", BATCHES)
@@ -46,6 +46,25 @@ def test_cu_seqlens_k_starts_each_request_at_an_aligned_slot(kv_lens, q_lens):
     cu, total = qk._cu_seqlens_k(plan, "cpu")
     want = [0]
     for lk in kv_lens:
-        want.append(want[-1] + -(-lk // qk.TMA_ALIGN) * qk.TMA_ALIGN)
+        want.append(want[-1] + -(-lk // 128) * 128)
     assert cu.dtype == torch.int32 and cu.tolist() == want and total == want[-1]
     assert qk.host_ints([3, -1, 2**31 - 1], "cpu").tolist() == [3, -1, 2**31 - 1]
+
+
+@pytest.mark.parametrize("kv_lens,q_lens", BATCHES)
+def test_every_128_token_box_of_a_request_ends_before_the_next_request(kv_lens, q_lens):
+    """The Gluon FP8 kernel reads K / V in boxes of 128 token slots from each block start, and block
+    means in boxes of 128 columns from the request's first column, without masks (docs/fp8.md
+    section 11): each box must end inside its own request's slots or zero gap, so a NaN in the next
+    request cannot reach the request's rows through 0 x NaN in the P V product."""
+    plan = _plan(kv_lens, q_lens, 128)
+    cu = qk._cu_seqlens_k(plan, "cpu")[0].tolist()
+    cols, cu_cols, n_cols = qk.mean_columns(plan, "cpu")
+    cu_cols = cu_cols.tolist()
+    for b, lk in enumerate(kv_lens):
+        for j0 in range(0, lk, 128):                   # exact-key boxes: one per key block
+            assert cu[b] + j0 + 128 <= cu[b + 1]
+        n_blocks = -(-lk // 128)
+        for u0 in range(0, n_blocks, 128):             # correction boxes: 128 candidates each
+            assert cu_cols[b] + u0 + 128 <= cu_cols[b + 1]
+    assert n_cols == cu_cols[-1]

@@ -38,12 +38,21 @@ def _plan(batch=1, L=300, g=4):
     return seq_lens, cu_q, make_plan(seq_lens, cu_q, g, 128)
 
 
-def test_the_gluon_variant_sets_the_impl_and_nothing_else():
-    base = get_config(128, torch.bfloat16, 128, precision="fp8")
-    ws = get_config(128, torch.bfloat16, 128, precision="fp8", variant="gluon_ws")
-    assert base.attn.impl == "triton" and ws.attn.impl == "gluon_ws" and ws.attn.ws_stages == 4
-    assert dataclasses.replace(ws.attn, impl="triton", ws_stages=base.attn.ws_stages) == base.attn
-    assert ws.index == base.index
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_the_default_and_the_kernel_variants_differ_in_the_impl_only(d):
+    """FP8 tiles: "auto" at d 64 / 128 (the Gluon kernel where it runs), "triton" at d 256 (the
+    Gluon kernel has no d 256); ``gluon_ws`` / ``triton_fp8`` pin one kernel and change nothing
+    else; ``plain`` is the Triton kernel; the 16-bit tiles keep "triton" (their kernels ignore it)."""
+    base = get_config(d, torch.bfloat16, 128, precision="fp8")
+    ws = get_config(d, torch.bfloat16, 128, precision="fp8", variant="gluon_ws")
+    tri = get_config(d, torch.bfloat16, 128, precision="fp8", variant="triton_fp8")
+    assert base.attn.impl == ("triton" if d == 256 else "auto")
+    assert ws.attn.impl == "gluon_ws" and ws.attn.ws_stages == 4 and tri.attn.impl == "triton"
+    assert dataclasses.replace(ws.attn, impl=base.attn.impl, ws_stages=base.attn.ws_stages) == base.attn
+    assert dataclasses.replace(tri.attn, impl=base.attn.impl) == base.attn
+    assert ws.index == base.index == tri.index
+    assert get_config(d, torch.bfloat16, 128, precision="fp8", variant="plain").attn.impl == "triton"
+    assert get_config(d, torch.bfloat16, 128).attn.impl == "triton"
     assert ATTN_IMPLS == ("triton", "gluon_ws", "auto")
 
 
@@ -146,35 +155,39 @@ def test_the_kernel_compiles_for_sm90_warp_specialised(d):
     assert ring_kib + q_kib <= res["smem_kib"] < ring_kib + q_kib + 1
 
 
-def test_bench_ws_columns_are_filled_or_say_why_not(monkeypatch):
-    """``fp bench --fp8``'s ``fp8 ws`` columns (``bench._fp8_ws_columns``): absent with a note naming
-    the GPU off sm_90; the kernel's error as the note (the run goes on); else total, speed-up against
-    the row's BF16 total and the output's relative L2 against BF16 (``total_fn`` stands in for the
-    operator: the column logic is what is tested here)."""
+def test_bench_triton_columns_are_filled_or_say_why_not(monkeypatch):
+    """``fp bench --fp8``'s ``fp8 triton`` columns (``bench._fp8_triton_columns``): absent with a note
+    where the default FP8 columns already ran the Triton kernel (off sm_90, d 256); the kernel's
+    error as the note (the run goes on); else total, speed-up against the row's BF16 total and the
+    output's relative L2 against BF16 (``total_fn`` stands in for the operator and records the
+    kernels it was asked for: the column logic is what is tested here)."""
     from flashprefill import bench
 
     base = torch.linspace(1.0, 2.0, 64, dtype=torch.float64)
+    asked = []
 
     def total_fn(precision="bf16", kernels=None):
+        asked.append(None if kernels is None else kernels.attn.impl)
         return base if precision == "bf16" else base * 1.01
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
     row = {"total_ms": 3.0}
-    assert "sm_89" in bench._fp8_ws_columns(row, total_fn, lambda fn: 1.5, 128, 128)["fp8_ws"]
-    assert "fp8ws_total_ms" not in row
+    assert "sm_89" in bench._fp8_triton_columns(row, total_fn, lambda fn: 1.5, 128, 128)["fp8_triton"]
+    assert "fp8tri_total_ms" not in row and not asked
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert "d 256" in bench._fp8_ws_columns(row, total_fn, lambda fn: 1.5, 256, 128)["fp8_ws"]
+    assert "d 256" in bench._fp8_triton_columns(row, total_fn, lambda fn: 1.5, 256, 128)["fp8_triton"]
 
     def failing(precision="bf16", kernels=None):
         if kernels is not None:
             raise RuntimeError("no TMA here")
         return base
 
-    note = bench._fp8_ws_columns(row, failing, lambda fn: 1.5, 128, 128)["fp8_ws"]
-    assert "failed" in note and "no TMA here" in note and "fp8ws_total_ms" not in row
-    assert bench._fp8_ws_columns(row, total_fn, lambda fn: 1.5, 128, 128)["fp8_ws"] == bench.FP8_WS_NOTE
-    assert row["fp8ws_total_ms"] == 1.5 and row["fp8ws_speedup"] == 2.0
-    assert abs(row["fp8ws_rel_l2"] - 0.01) < 1e-12
+    note = bench._fp8_triton_columns(row, failing, lambda fn: 1.5, 128, 128)["fp8_triton"]
+    assert "failed" in note and "no TMA here" in note and "fp8tri_total_ms" not in row
+    assert bench._fp8_triton_columns(row, total_fn, lambda fn: 1.5, 128, 128)["fp8_triton"] == bench.FP8_TRITON_NOTE
+    assert row["fp8tri_total_ms"] == 1.5 and row["fp8tri_speedup"] == 2.0
+    assert abs(row["fp8tri_rel_l2"] - 0.01) < 1e-12
+    assert "triton" in asked
 
 
 def test_the_refusal_comes_before_the_index_and_the_pre_pass(monkeypatch):

@@ -176,32 +176,35 @@ def _fp8_columns(row: dict, index_fn, total_fn, timer, precision: str = "fp8") -
     row[f"{p}_speedup"] = row["total_ms"] / row[f"{p}_total_ms"]
 
 
-FP8_WS_NOTE = ("the FP8 sparse attention on the warp-specialised Gluon kernel (AttnConfig.impl='gluon_ws', "
-               "docs/fp8.md section 11; not yet the default): the same index and pre-pass, its total against BF16's")
+FP8_TRITON_NOTE = ("the FP8 sparse attention on the Triton kernel (AttnConfig.impl='triton', the default FP8 "
+                   "kernel before the Gluon one, docs/fp8.md section 11): the same index and pre-pass, its "
+                   "total against BF16's")
 
 
-def _fp8_ws_columns(row: dict, total_fn, timer, head_dim: int, block_size: int) -> dict:
-    """``fp bench --fp8`` on an sm_90 GPU: the FP8 operator with the warp-specialised Gluon attention
-    (``tiles.get_config(..., variant="gluon_ws")``) beside the default FP8 one: ``fp8ws_total_ms``,
-    ``fp8ws_speedup`` (BF16 sparse total / it), ``fp8ws_rel_l2`` (its output against BF16's). Returns
-    the row's note: what the columns are, or why they are absent (another GPU, d, block size, or the
+def _fp8_triton_columns(row: dict, total_fn, timer, head_dim: int, block_size: int) -> dict:
+    """``fp bench --fp8`` where the default FP8 attention is the warp-specialised Gluon kernel (sm_90,
+    d 64 / 128, key blocks of 128: ``AttnConfig.impl = "auto"``): the Triton FP8 kernel beside it
+    (``tiles.get_config(..., variant="triton_fp8")``): ``fp8tri_total_ms``, ``fp8tri_speedup`` (BF16
+    sparse total / it), ``fp8tri_rel_l2`` (its output against BF16's). Returns the row's note: what
+    the columns are, or why they are absent (the default already ran the Triton kernel here, or the
     kernel's error: an optional column does not stop the run)."""
     from .impl.triton.host_fp8 import WS_BLOCK, WS_HEAD_DIMS
     from .impl.triton.tiles import get_config
 
     cc = torch.cuda.get_device_capability()
     if cc != (9, 0) or head_dim not in WS_HEAD_DIMS or block_size != WS_BLOCK:
-        return {"fp8_ws": f"the Gluon FP8 kernel runs on sm_90 at d {WS_HEAD_DIMS} with key blocks of "
-                          f"{WS_BLOCK} (here sm_{cc[0]}{cc[1]}, d {head_dim}, blocks {block_size}): not run"}
-    kernels = get_config(head_dim, torch.bfloat16, block_size, precision="fp8", variant="gluon_ws")
+        return {"fp8_triton": f"the fp8 columns ran the Triton kernel (the Gluon kernel, the default where it runs, "
+                              f"needs sm_90, d {WS_HEAD_DIMS} and key blocks of {WS_BLOCK}; here sm_{cc[0]}{cc[1]}, "
+                              f"d {head_dim}, blocks {block_size})"}
+    kernels = get_config(head_dim, torch.bfloat16, block_size, precision="fp8", variant="triton_fp8")
     try:
         out16, out8 = total_fn().double(), total_fn(precision="fp8", kernels=kernels).double()
-        row["fp8ws_total_ms"] = timer(lambda: total_fn(precision="fp8", kernels=kernels))
+        row["fp8tri_total_ms"] = timer(lambda: total_fn(precision="fp8", kernels=kernels))
     except Exception as exc:  # an optional column: its failure is reported in the row, the run goes on
-        return {"fp8_ws": f"the Gluon FP8 kernel failed: {type(exc).__name__}: {exc}"[:300]}
-    row["fp8ws_rel_l2"] = float((out8 - out16).norm() / out16.norm())
-    row["fp8ws_speedup"] = row["total_ms"] / row["fp8ws_total_ms"]
-    return {"fp8_ws": FP8_WS_NOTE}
+        return {"fp8_triton": f"the Triton FP8 kernel failed: {type(exc).__name__}: {exc}"[:300]}
+    row["fp8tri_rel_l2"] = float((out8 - out16).norm() / out16.norm())
+    row["fp8tri_speedup"] = row["total_ms"] / row["fp8tri_total_ms"]
+    return {"fp8_triton": FP8_TRITON_NOTE}
 
 
 def _fp8_dense_baseline(row, q, k_lin, v_lin, L, batch, hq, hkv, d, scale) -> dict:
@@ -365,7 +368,7 @@ def run_operator_bench(lens, heads_q: int, heads_kv: int, head_dim: int, dtype, 
                          lambda **p: host.attention(q, kc, vc, pt, sl, cu, config, scale, plan, **p)[0], time_ms)
             row["fp8_dense_mode_ms"] = time_ms(lambda: host.dense_attention(q, kc, vc, pt, sl, cu, scale, plan,
                                                                             precision="fp8"))
-            row["notes"].update(_fp8_ws_columns(
+            row["notes"].update(_fp8_triton_columns(
                 row, lambda **p: host.attention(q, kc, vc, pt, sl, cu, config, scale, plan, **p)[0], time_ms,
                 head_dim, config.block_size))
             row["notes"].update(_fp8_dense_baseline(row, q, k_lin, v_lin, L, batch, heads_q, heads_kv, head_dim,
@@ -406,8 +409,8 @@ TABLE_COLS = [("L", "L", "{:d}"), ("density", "density", "{:.1%}"), ("index_ms",
               ("fp8_total_ms", "fp8 total ms", "{:.3f}"), ("fp8_speedup", "x bf16", "{:.2f}"),
               ("fp8_rel_l2", "fp8 relL2", "{:.4f}"), ("fp8_dense_mode_ms", "fp8 our dense ms", "{:.3f}"),
               ("fp8_flashinfer_ms", "FI fp8 ms", "{:.3f}"),
-              ("fp8ws_total_ms", "fp8 ws total ms", "{:.3f}"), ("fp8ws_speedup", "x bf16", "{:.2f}"),
-              ("fp8ws_rel_l2", "fp8 ws relL2", "{:.4f}"),
+              ("fp8tri_total_ms", "fp8 triton total ms", "{:.3f}"), ("fp8tri_speedup", "x bf16", "{:.2f}"),
+              ("fp8tri_rel_l2", "fp8 triton relL2", "{:.4f}"),
               ("int8qk_density", "int8qk density", "{:.1%}"), ("int8qk_index_ms", "int8qk index ms", "{:.3f}"),
               ("int8qk_total_ms", "int8qk total ms", "{:.3f}"), ("int8qk_speedup", "x bf16", "{:.2f}"),
               ("int8qk_rel_l2", "int8qk relL2", "{:.4f}"), ("int8qk_dense_mode_ms", "int8qk our dense ms", "{:.3f}")]

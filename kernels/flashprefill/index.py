@@ -55,6 +55,10 @@ class BlockIndex:
         fold_count: optional ``[n_blocks, Hkv]`` (the means' dtype); with ``global_pos``, the
             tokens a pruned block folds back (``n_j`` less its global keys): ``k_mean`` /
             ``v_mean`` are then the means of those tokens (0 where none is left). ``None``: ``n_j``.
+        fp8_operands: optional ``impl.triton.host_fp8.Fp8Operands``: the sparse FP8 / int8qk
+            attention's K / V codes and mean codes, made by the Triton index before its ``nnz`` sync
+            (precision "fp8" / "int8qk"), read by that backend's ``sparse_attention`` when they fit
+            its launch and this index's ``sel_bits``. ``None`` otherwise. Not counted by ``nbytes``.
     """
 
     row_ptr: torch.Tensor
@@ -73,6 +77,7 @@ class BlockIndex:
     kv_amax: torch.Tensor | None = None
     global_pos: torch.Tensor | None = None
     fold_count: torch.Tensor | None = None
+    fp8_operands: object | None = None
 
     @property
     def n_kv_heads(self) -> int:

@@ -138,7 +138,8 @@ def gpu_timeline(fn: Callable[[], object], n: int = 3) -> dict:
     return calls[len(calls) // 2]
 
 
-def run(L: int, hq: int, hkv: int, d: int, dtype, page_size: int, profile: bool, sweep: bool) -> dict:
+def run(L: int, hq: int, hkv: int, d: int, dtype, page_size: int, profile: bool, sweep: bool,
+        precisions: tuple[str, ...] = ("bf16",)) -> dict:
     cfg = SparseConfig()
     q, kc, vc, pt, sl, cu, _, _ = synthetic_inputs(L, hq, hkv, d, dtype, page_size)
     scale = 1.0 / math.sqrt(d)
@@ -167,9 +168,13 @@ def run(L: int, hq: int, hkv: int, d: int, dtype, page_size: int, profile: bool,
         nobits = dataclasses.replace(index, sel_bits=None)
         row["attn_subtract_ms"] = time_ms(lambda: host.sparse_attention(q, kc, vc, pt, sl, cu, cfg, scale, plan, nobits))
     if profile:
-        total = lambda: host.attention(q, kc, vc, pt, sl, cu, cfg, scale, plan)  # noqa: E731
-        row["profile"] = profile_kernels(total)
-        row["timeline"] = gpu_timeline(total)
+        for p in precisions:   # each precision's default kernels (fp8: the Gluon attention on sm_90)
+            tag = "" if p == "bf16" else f"_{p}"
+            total = lambda: host.attention(q, kc, vc, pt, sl, cu, cfg, scale, plan, precision=p)  # noqa: E731
+            row[f"total{tag}_ms"] = time_ms(total)
+            row[f"profile{tag}"] = profile_kernels(total)
+            row[f"timeline{tag}"] = gpu_timeline(total)
+            row[f"total_host{tag}_ms"] = host_ms(total)
         n_prog = host.attention_programs(plan, hkv, kernels.attn)
         row["phases"] = attention_phases(
             lambda t: host.sparse_attention(q, kc, vc, pt, sl, cu, cfg, scale, plan, index, timing=t), n_prog)
@@ -184,15 +189,29 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--precisions", default="bf16", help="with --profile: comma list of precisions to profile "
+                    "(bf16,fp8,int8qk), each with its default kernels")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     hq, hkv = (int(x) for x in a.heads.split("/"))
-    rows = [run(L, hq, hkv, a.head_dim, torch.bfloat16, a.page_size, a.profile, a.sweep) for L in parse_lengths(a.lens)]
+    rows = [run(L, hq, hkv, a.head_dim, torch.bfloat16, a.page_size, a.profile, a.sweep, tuple(a.precisions.split(",")))
+            for L in parse_lengths(a.lens)]
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=2)
     for r in rows:
-        print(json.dumps(r))
+        if not a.profile:
+            print(json.dumps(r))
+            continue
+        print(f"L={r['L']} density {r['density']:.4f}")   # the profile, short: the whole row is in --json
+        for p in a.precisions.split(","):
+            tag = "" if p == "bf16" else f"_{p}"
+            tl = r.get(f"timeline{tag}") or {}
+            print(f"  {p}: total {r[f'total{tag}_ms']:.3f} ms (host {r[f'total_host{tag}_ms']:.3f}); GPU span "
+                  f"{tl.get('span_ms', 0):.3f} busy {tl.get('busy_ms', 0):.3f} idle {tl.get('idle_ms', 0):.3f}, longest gap "
+                  f"{tl.get('longest_gap_ms', 0):.3f} after {tl.get('gap_after')} before {tl.get('gap_before')}")
+            for name, ms, n in r[f"profile{tag}"][:12]:
+                print(f"    {ms:8.3f} ms  x{n:<3d} {name}")
     return 0
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call of a GPU round (lab tooling, never imported by the product).
 #   source .fpdev/bin/env.sh && bash scripts/lab/gpu_round.sh PART [PART...]
-# PARTs: kernels (operator GPU tests), globalkeys (SparseConfig.global_keys on CUDA), fp8 (FP8 kernel tests), engines1 / engines2 / fp8engine (engine and CLI GPU
+# PARTs: kernels (operator GPU tests), globalkeys (SparseConfig.global_keys on CUDA), fp8 (FP8 kernel tests), fp8ws (the Gluon FP8 kernel's and the no-sync tests), engines1 / engines2 / fp8engine (engine and CLI GPU
 # tests), user (fp start / fp ask x2 / fp status / fp stop / fp profile on real TeX manuals, as a user
 # runs them), askcold (one cold fp ask --no-server on the TeX manual with $ASK_ARGS), eval (fp eval at 32K and 128K, $EVAL_PROFILES or dense / bf16 / fp8, two seeds), bench (fp bench: the operator
 # table; BENCH_ARGS="--fp8 --e2e --model M" adds the end-to-end table, bf16 / fp8 / dense engines), benchcli (its GPU test), stats (tests/gpu/test_stats_cuda.py alone), transformers (the
@@ -54,6 +54,7 @@ for part in "$@"; do
     kernels)  pyt kernels ${LIM:-330} tests/gpu/test_kernels.py tests/gpu/test_stats_cuda.py tests/gpu/test_fp8_quant.py ;;
     fp8)      pyt fp8 ${LIM:-300} tests/gpu/test_fp8.py tests/gpu/test_fp8_quant.py ;;
     int8qk)   pyt int8qk ${LIM:-300} tests/gpu/test_int8qk.py ;;
+    fp8ws)    pyt fp8ws ${LIM:-300} tests/gpu/test_fp8_ws.py tests/gpu/test_fp8_nosync.py ;;
     opbench)  t python -m flashprefill.bench --lens ${OPBENCH_LENS:-32k,128k} ${OPBENCH_ARGS:---fp8 --int8qk} --json "$OUT/opbench.json" > "$OUT/opbench.txt" 2>&1; tail -20 "$OUT/opbench.txt" | cut -c1-600 | tee -a "$SUM" ;;
     ws)       pyt ws ${LIM:-240} tests/gpu/test_ws_probe.py ;;
     probe)    t python scripts/lab/ws_probe.py time --lens ${PROBE_LENS:-32k,128k} --out "$OUT" > "$OUT/probe.log" 2>&1

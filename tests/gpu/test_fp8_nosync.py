@@ -97,7 +97,7 @@ def test_an_fp8_attention_call_makes_no_host_sync(name, cache):
     impls = ["triton"] + (["gluon_ws"] if torch.cuda.get_device_capability() == (9, 0) else [])
     outs = {}
     for impl in impls:
-        kernels = get_config(d, q.dtype, 128, precision="fp8", variant=None if impl == "triton" else impl)
+        kernels = get_config(d, q.dtype, 128, precision="fp8", variant="triton_fp8" if impl == "triton" else impl)
         index = host.build_index(q, k, v, pt, sl, cu, SPARSE, d ** -0.5, plan, kernels=kernels, precision="fp8",
                                  **extra)
         args = (q, k, v, pt, sl, cu, SPARSE, d ** -0.5, plan, index)

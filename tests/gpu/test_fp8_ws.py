@@ -28,7 +28,7 @@ WS_CASES = [n for n, c in CASES.items() if c[4] in (64, 128)]
 def _configs(d: int):
     from flashprefill.impl.triton.tiles import get_config
 
-    return (get_config(d, torch.bfloat16, 128, precision="fp8"),
+    return (get_config(d, torch.bfloat16, 128, precision="fp8", variant="triton_fp8"),
             get_config(d, torch.bfloat16, 128, precision="fp8", variant="gluon_ws"))
 
 
@@ -94,6 +94,29 @@ def test_several_chunks_of_mean_keys_and_two_requests(d, hq, hkv):
     assert rel(total, want) <= 2e-3
 
 
+@pytest.mark.parametrize("d,hq,hkv", [(128, 8, 2), (64, 7, 1)])
+def test_the_operands_the_index_prepares_give_the_attention_bit_for_bit(d, hq, hkv):
+    """The default tiles on sm_90 (``impl="auto"``: the Gluon kernel): ``host.build_index`` attaches
+    the FP8 operands laid out for it (``BlockIndex.fp8_operands``, made before the ``nnz`` sync), and
+    ``host.sparse_attention`` on them equals, bit for bit, the attention that makes its own (an index
+    without them), on two requests of 20,000 tokens with the correction."""
+    from flashprefill import SparseConfig
+    from flashprefill.bench import synthetic_inputs
+    from flashprefill.impl.triton import host, host_fp8
+
+    config = SparseConfig()
+    q, kc, vc, pt, sl, cu, _, _ = synthetic_inputs(20000, hq, hkv, d, torch.bfloat16, 64, 2)
+    scale = 1.0 / math.sqrt(d)
+    plan = make_plan(sl, cu, hq // hkv, config.block_size)
+    index = host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan, precision="fp8")
+    ops = index.fp8_operands
+    assert isinstance(ops, host_fp8.Fp8Operands) and ops.ws and ops.mean_correction
+    out, lse = host.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, index, precision="fp8")
+    bare = dataclasses.replace(index, fp8_operands=None)
+    want, want_lse = host.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, bare, precision="fp8")
+    assert torch.isfinite(out).all() and torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
 def test_an_unsupported_head_dim_is_refused_before_any_launch():
     from flashprefill.impl.triton import host
     from flashprefill.impl.triton.tiles import get_config
@@ -128,39 +151,42 @@ def test_auto_runs_the_gluon_kernel_where_it_can_and_triton_elsewhere(name):
     assert torch.isfinite(got).all() and torch.equal(got, want)
 
 
-def _nan_in_second_request():
-    """Two requests of 300 tokens (request 1's K / V slots start at 304 in the pre-pass buffers, inside
-    request 0's last 128-key block), page 16, d 128, GQA 4; request 1's V at its token 10, KV head 0,
-    is NaN."""
+def _nan_in_second_request(which):
+    """Two requests of 300 tokens (request 1's K / V slots start at 384 in the pre-pass buffers,
+    ``quant_kernels.REQUEST_ALIGN``; before the fix at 304, inside request 0's last 128-key box),
+    page 16, d 128, GQA 4; request 1's ``which`` ("k" or "v") at its token 10, KV head 0, is NaN
+    (so is its first block mean, read by request 0's correction box of 128 candidates)."""
     from fp_brute import make_inputs
 
     q, k, v, pt, sl, cu = make_inputs([300, 300], [300, 300], 8, 2, 128, 16, dtype=torch.float32, seed=3,
                                       structured=True)
     page, slot = int(pt[1, 10 // 16]), 10 % 16
-    v[page, slot, 0] = float("nan")
+    (k if which == "k" else v)[page, slot, 0] = float("nan")
     gpu = tuple((t.to(torch.bfloat16) if t.is_floating_point() else t).cuda() for t in (q, k, v, pt, sl, cu))
     return gpu, make_plan(gpu[4], gpu[5], 4, 128)
 
 
-def _request0_rows(impl_variant):
+def _rows_of_each_request(impl_variant, which):
     from flashprefill.impl.triton import host
     from flashprefill.impl.triton.tiles import get_config
 
-    gpu, plan = _nan_in_second_request()
+    gpu, plan = _nan_in_second_request(which)
     index = flashprefill.build_index(*gpu, SPARSE, plan=plan, precision="fp8")
     kernels = get_config(128, torch.bfloat16, 128, precision="fp8", variant=impl_variant)
     out = host.sparse_attention(*gpu, SPARSE, 128 ** -0.5, plan, index, kernels=kernels, precision="fp8")[0]
-    return out[:300]
+    return out[:300], out[300:]
 
 
-def test_a_nan_in_one_requests_values_stays_in_that_request_triton():
-    """docs/fp8.md section 2: a NaN poisons the rows that read it. The Triton kernel masks V past the
-    request's aligned length, so request 0 stays finite."""
-    assert torch.isfinite(_request0_rows(None)).all()
-
-
-@pytest.mark.xfail(strict=True, reason="known defect (docs/fp8.md section 11): the Gluon kernel's V box of a "
-                                       "request's last block reads the next request's slots unmasked, and "
-                                       "0 x NaN = NaN in the P V wgmma; to fix before it becomes the default")
-def test_a_nan_in_one_requests_values_stays_in_that_request_gluon():
-    assert torch.isfinite(_request0_rows("gluon_ws")).all()
+@pytest.mark.parametrize("which", ["v", "k"])
+@pytest.mark.parametrize("impl_variant", ["triton_fp8", "gluon_ws"])
+def test_a_nan_in_one_requests_keys_or_values_stays_in_that_request(impl_variant, which):
+    """docs/fp8.md section 2: a NaN poisons the rows that read it, and only those. The Triton kernel
+    masks K / V past the request's aligned length; the Gluon kernel's 128-token boxes end in the
+    request's own zero gap (``REQUEST_ALIGN``, docs/fp8.md section 11), where a box of the old 16-slot
+    layout read request 1's NaN value (0 x NaN = NaN in the P V wgmma). Request 1's rows do read the
+    NaN: the test would pass on a kernel that dropped it."""
+    if impl_variant == "gluon_ws" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel runs on sm_90 only")
+    first, second = _rows_of_each_request(impl_variant, which)
+    assert torch.isfinite(first).all()
+    assert not torch.isfinite(second).all()

@@ -203,7 +203,8 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
     fp8 = _is_fp8(precision)
     int8 = precision == "int8qk"
     e4m3 = k_cache.dtype == quant.E4M3
-    tiles = _kernels(q, config.block_size, kernels, precision).index
+    chosen = _kernels(q, config.block_size, kernels, precision)
+    tiles = chosen.index
     B = config.block_size
     if plan.block_size != B:
         raise ValueError(f"plan.block_size {plan.block_size} != config.block_size {B}")
@@ -283,8 +284,17 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
                                   None if amax is None else amax[1])
     if e4m3:
         _descale_means(v_mean, v_descale, plan)
+    fp8_ops = None
     if fp8:
         k_lowp = None                   # the e4m3 means are the attention's to make (with V's scale)
+        if n_seg:
+            # the attention's pre-pass and mean codes, queued before the sync: the GPU runs them while
+            # the host waits for nnz, so only the expand and the attention's launch follow the sync
+            fp8_ops = host_fp8.prepare(
+                q, k_cache, v_cache, page_table, seq_lens, plan, chosen.attn, k_mean=k_mean, v_mean=v_mean,
+                bits=bits, row_ptr=row_ptr, mean_correction=bool(config.mean_correction), block_size=B,
+                k_descale=k_descale, v_descale=v_descale, amax=None if amax is None else amax.view(torch.float32),
+                hw_cvt=tiles.hw_cvt and q.is_cuda, k_int8=int8)
     # owned copies of the plan's pointers, made before the sync so they overlap the GPU work
     block_ptr, tile_ptr = plan.block_ptr.clone(), plan.tile_ptr.clone()
     nnz = nnz_ready() if nnz_ready is not None else 0
@@ -309,6 +319,7 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
         v_mean_lowp=v_lowp,
         sel_bits=bits,
         kv_amax=None if amax is None else amax.view(torch.float32),
+        fp8_operands=fp8_ops,
     )
 
 
@@ -431,10 +442,19 @@ def sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, co
     mc = bool(config.mean_correction)
     if _is_fp8(precision):
         _check_fp8_impl(q, tiles, precision, plan, index.block_size)
-        kv = host_fp8.kv_operands(k_cache, v_cache, page_table, seq_lens, plan, k_descale, v_descale,
-                                  amax=index.kv_amax, hw_cvt=chosen.index.hw_cvt, k_int8=precision == "int8qk")
-        return host_fp8.launch_attention_fp8(q, kv, seq_lens, cu_seqlens_q, scale, plan, tiles, sparse=True,
-                                             mean_correction=mc, block_size=index.block_size, index=index)
+        k_int8 = precision == "int8qk"
+        ops = index.fp8_operands
+        if not (isinstance(ops, host_fp8.Fp8Operands)
+                and ops.matches(host_fp8.runs_ws(q, ops.kv.k8.dtype, plan, tiles, index.block_size), mc, tiles, k_int8)
+                and (not mc or ops.means[3] is index.sel_bits)):
+            bits = host_fp8.mean_bits(index, plan) if mc and plan.n_tiles else None
+            ops = host_fp8.prepare(q, k_cache, v_cache, page_table, seq_lens, plan, tiles, k_mean=index.k_mean,
+                                   v_mean=index.v_mean, bits=bits, row_ptr=index.row_ptr, mean_correction=mc,
+                                   block_size=index.block_size, k_descale=k_descale, v_descale=v_descale,
+                                   amax=index.kv_amax, hw_cvt=chosen.index.hw_cvt, k_int8=k_int8)
+        return host_fp8.launch_attention_fp8(q, ops.kv, seq_lens, cu_seqlens_q, scale, plan, tiles, sparse=True,
+                                             mean_correction=mc, block_size=index.block_size, index=index,
+                                             means=ops.means)
     km, vm = _correction_means(q, plan, index) if mc else (None, None)
     return launch_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, scale, plan, tiles,
                             sparse=True, mean_correction=mc, block_size=index.block_size,

@@ -4,6 +4,8 @@
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ... import quant
@@ -42,25 +44,90 @@ def mean_bits(index: BlockIndex, plan: BatchPlan) -> torch.Tensor:
     return bits.to(torch.int32).view(n_seg, n_words)
 
 
+def runs_ws(q: torch.Tensor, k_dtype: torch.dtype, plan: BatchPlan, tiles: AttnConfig, block_size: int) -> bool:
+    """Whether a sparse FP8 launch goes to the Gluon kernel (``launch_attention_fp8_ws``): ``tiles.impl``
+    "gluon_ws", or "auto" where ``ws_unsupported`` finds nothing against it; never int8 K codes
+    (precision "int8qk"). No host sync."""
+    if k_dtype == torch.int8:
+        return False
+    return tiles.impl == "gluon_ws" or (tiles.impl == "auto" and ws_unsupported(q, k_dtype, plan, block_size) is None)
+
+
+def correction_operands(k_mean, v_mean, bits, row_ptr, kv: qk.Fp8KV, plan: BatchPlan, *, mean_correction: bool,
+                        block_size: int, ws: bool, mean_vec: bool = False) -> tuple:
+    """The mean correction's operands of a sparse FP8 launch: ``(k_mean8 [n_blocks, Hkv, d], v_mean8t
+    [Hkv, d, n_cols], mean_cols int32 [batch + 1], bits int32 [n_segments, n_words])``.
+
+    ``k_mean`` / ``v_mean``: float32 ``[n_blocks, Hkv, d]`` (``BlockIndex``), quantised with their
+    request's K / V scale (``qk.quantize_means``; ``v_mean8t``'s request columns aligned for the Gluon
+    kernel, ``ws``, or with ``AttnConfig.mean_vec``); ``bits``: the selection bitmask (``mean_bits``).
+    Without the correction, placeholders the kernels never read (``row_ptr`` as ``bits``). No host
+    sync: ``build_index`` makes them before its ``nnz`` sync (``Fp8Operands``)."""
+    if mean_correction:
+        k_mean8, v_mean8t, mean_cols = qk.quantize_means(k_mean, v_mean, kv, plan, aligned=ws or mean_vec)
+        return k_mean8, v_mean8t, mean_cols, bits
+    hkv, _, d = kv.k8.shape
+    dev = kv.k8.device
+    if ws:   # whole TMA boxes
+        return (torch.zeros(block_size, hkv, d, dtype=quant.E4M3, device=dev),
+                torch.zeros(hkv, d, block_size, dtype=quant.E4M3, device=dev), plan.block_ptr, row_ptr)
+    return (torch.zeros(1, hkv, d, dtype=kv.k8.dtype, device=dev),
+            torch.zeros(hkv, d, qk.TMA_ALIGN, dtype=quant.E4M3, device=dev), plan.block_ptr, row_ptr)
+
+
+@dataclass(frozen=True)
+class Fp8Operands:
+    """A sparse FP8 launch's operands besides Q, made by ``prepare`` (``docs/fp8.md`` section 7).
+
+    ``host.build_index`` makes them at precision "fp8" / "int8qk" after the selection's launch and
+    before its one host sync (``nnz``), so the GPU runs the K / V pre-pass and the means' codes while
+    the host waits, and nothing but the expand and the attention's launch is left after the sync
+    (``docs/benchmarks.md``, twentieth session). ``BlockIndex.fp8_operands`` holds them;
+    ``sparse_attention`` uses them when ``matches`` its launch, else makes its own."""
+
+    kv: qk.Fp8KV
+    means: tuple                # correction_operands' (k_mean8, v_mean8t, mean_cols, bits)
+    ws: bool                    # laid out for the Gluon kernel (runs_ws)
+    mean_correction: bool
+    aligned: bool               # v_mean8t's request columns aligned (ws or tiles.mean_vec)
+
+    def matches(self, ws: bool, mean_correction: bool, tiles: AttnConfig, k_int8: bool) -> bool:
+        """Whether a launch with these settings can read them (same kernel, correction and layout)."""
+        return (self.ws == ws and self.mean_correction == mean_correction and self.aligned == (ws or tiles.mean_vec)
+                and (self.kv.k8.dtype == torch.int8) == k_int8)
+
+
+def prepare(q, k_cache, v_cache, page_table, seq_lens, plan: BatchPlan, tiles: AttnConfig, *, k_mean, v_mean,
+            bits, row_ptr, mean_correction: bool, block_size: int, k_descale=None, v_descale=None,
+            amax: torch.Tensor | None = None, hw_cvt: bool = False, k_int8: bool = False) -> Fp8Operands:
+    """``kv_operands`` and ``correction_operands`` of one sparse FP8 launch (arguments as theirs). No
+    host sync."""
+    kv = kv_operands(k_cache, v_cache, page_table, seq_lens, plan, k_descale, v_descale, amax=amax,
+                     hw_cvt=hw_cvt, k_int8=k_int8)
+    ws = runs_ws(q, kv.k8.dtype, plan, tiles, block_size)
+    means = correction_operands(k_mean, v_mean, bits, row_ptr, kv, plan, mean_correction=mean_correction,
+                                block_size=block_size, ws=ws, mean_vec=tiles.mean_vec)
+    return Fp8Operands(kv=kv, means=means, ws=ws, mean_correction=mean_correction, aligned=ws or tiles.mean_vec)
+
+
 def launch_attention_fp8(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale: float, plan: BatchPlan,
                          tiles: AttnConfig, *, sparse: bool, mean_correction: bool, block_size: int,
-                         index: BlockIndex | None = None):
+                         index: BlockIndex | None = None, means: tuple | None = None):
     """Launch ``_attn_fwd_fp8`` (no host sync); returns ``(out [total_q, Hq, d] q.dtype, lse
     [total_q, Hq] float32, natural log)``.
 
-    ``index``: the batch's ``BlockIndex`` (``sparse``); its float32 means are quantised with
-    their request's K / V scale (``qk.quantize_means``; ``tiles.mean_vec``: ``v_mean8t``'s request
-    columns aligned, ``qk.mean_columns``) for the correction. An int8 ``kv.k8`` (precision "int8qk")
-    launches the kernel's ``QK_INT8`` mode (int8 Q tile and key means, ``docs/fp8.md`` section 10).
-    ``tiles.impl == "gluon_ws"``: the sparse e4m3 case runs ``launch_attention_fp8_ws`` instead
-    (the dense mode and int8 ``k8`` stay on this kernel); ``"auto"``: the same where
-    ``ws_unsupported`` finds nothing against it, this kernel elsewhere.
+    ``index``: the batch's ``BlockIndex`` (``sparse``); ``means``: its ``correction_operands`` for
+    this launch, made here when None (its float32 means quantised with their request's K / V scale,
+    ``qk.quantize_means``; ``tiles.mean_vec``: ``v_mean8t``'s request columns aligned,
+    ``qk.mean_columns``). An int8 ``kv.k8`` (precision "int8qk") launches the kernel's ``QK_INT8``
+    mode (int8 Q tile and key means, ``docs/fp8.md`` section 10). ``runs_ws``: the sparse e4m3 case
+    runs ``launch_attention_fp8_ws`` instead (``tiles.impl`` "gluon_ws", or "auto" where the Gluon
+    kernel runs; the dense mode and int8 ``k8`` stay on this kernel).
     """
-    if sparse and kv.k8.dtype != torch.int8 and (
-            tiles.impl == "gluon_ws"
-            or (tiles.impl == "auto" and ws_unsupported(q, kv.k8.dtype, plan, block_size) is None)):
+    if sparse and runs_ws(q, kv.k8.dtype, plan, tiles, block_size):
         return launch_attention_fp8_ws(q, kv, seq_lens, cu_seqlens_q, softmax_scale, plan, tiles,
-                                       mean_correction=mean_correction, block_size=block_size, index=index)
+                                       mean_correction=mean_correction, block_size=block_size, index=index,
+                                       means=means)
     total_q, hq, d = q.shape
     hkv = kv.k8.shape[0]
     out = torch.empty_like(q)
@@ -73,12 +140,13 @@ def launch_attention_fp8(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale:
     int8 = kv.k8.dtype == torch.int8
     if sparse:
         row_ptr, col_idx = index.row_ptr, index.col_idx
-        bits = mean_bits(index, plan) if mc else row_ptr
+        if means is None:
+            k_mean, v_mean, bits = (index.k_mean, index.v_mean, mean_bits(index, plan)) if mc else (None, None, None)
+            means = correction_operands(k_mean, v_mean, bits, row_ptr, kv, plan, mean_correction=mc,
+                                        block_size=block_size, ws=False, mean_vec=tiles.mean_vec)
+        k_mean8, v_mean8t, mean_cols, bits = means
     else:
         row_ptr = col_idx = bits = plan.tile_ptr            # unused placeholders (dense mode)
-    if mc:
-        k_mean8, v_mean8t, mean_cols = qk.quantize_means(index.k_mean, index.v_mean, kv, plan, aligned=tiles.mean_vec)
-    else:
         k_mean8 = torch.zeros(1, hkv, d, dtype=kv.k8.dtype, device=q.device)
         v_mean8t = torch.zeros(hkv, d, qk.TMA_ALIGN, dtype=quant.E4M3, device=q.device)
         mean_cols = plan.block_ptr                          # unused placeholder
@@ -131,17 +199,12 @@ def ws_unsupported(q: torch.Tensor, k_dtype: torch.dtype, plan: BatchPlan, block
 
 
 def ws_means(index: BlockIndex, kv: qk.Fp8KV, plan: BatchPlan, mean_correction: bool, block_size: int):
-    """The correction's operands of ``launch_attention_fp8_ws``: ``(k_mean8 [n_blocks, Hkv, d],
-    v_mean8t [Hkv, d, n_cols] with aligned request columns, mean_cols int32 [batch + 1], sel_bits
-    int32 [n_segments, n_words])`` (``qk.quantize_means(..., aligned=True)``, ``mean_bits``); without
-    the correction zero placeholders the kernel never reads (``n_u = 0``)."""
-    hkv, _, d = kv.k8.shape
-    if mean_correction:
-        k_mean8, v_mean8t, mean_cols = qk.quantize_means(index.k_mean, index.v_mean, kv, plan, aligned=True)
-        return k_mean8, v_mean8t, mean_cols, mean_bits(index, plan)
-    k_mean8 = torch.zeros(block_size, hkv, d, dtype=quant.E4M3, device=kv.k8.device)
-    v_mean8t = torch.zeros(hkv, d, block_size, dtype=quant.E4M3, device=kv.k8.device)
-    return k_mean8, v_mean8t, plan.block_ptr, index.row_ptr
+    """``correction_operands`` of ``launch_attention_fp8_ws`` for ``index`` (the lab times the kernel
+    apart from them): ``(k_mean8, v_mean8t, mean_cols, sel_bits)``."""
+    k_mean, v_mean, bits = ((index.k_mean, index.v_mean, mean_bits(index, plan)) if mean_correction
+                            else (None, None, None))
+    return correction_operands(k_mean, v_mean, bits, index.row_ptr, kv, plan, mean_correction=mean_correction,
+                               block_size=block_size, ws=True)
 
 
 def ws_error(why: str) -> str:
@@ -163,11 +226,11 @@ def launch_attention_fp8_ws(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_sca
     box ``[B, d]``; ``v_mean8t`` (aligned columns, ``qk.quantize_means(..., aligned=True)``) as
     ``[Hkv·d, n_cols]`` box ``[d, B]``. A box past a buffer's end reads zeros; keys past ``Lk`` have
     ``-inf`` logits and mean-key columns past ``n_u`` have ``-inf`` biases, so what they read gets
-    ``p = 0``. **Known defect:** ``0 · NaN = NaN`` in the ``P V`` product, so a NaN in the next request's
-    V slots or block means (inside this request's last box) reaches this request's rows, which the
-    Triton kernel's masked loads keep out (``tests/gpu/test_fp8_ws.py``, an expected failure; fix
-    before this kernel becomes a default). ``means``: ``ws_means``' result, made here when None (the
-    lab times the kernel apart from it).
+    ``p = 0``. Each request's first slot and first mean column are multiples of 128
+    (``qk.REQUEST_ALIGN``), so a request's last boxes end in its own zero gap: ``0 · NaN = NaN`` in the
+    ``P V`` product never brings the next request's NaN into this request's rows
+    (``tests/gpu/test_fp8_ws.py``). ``means``: its ``correction_operands`` (``ws=True``), made here
+    when None.
 
     Raises:
         ValueError: ``ws_unsupported`` gives a reason (not sm_90, not e4m3, d, block size, tile rows).

@@ -8,7 +8,7 @@ Two launches per layer call, then torch ops on tiny tensors:
 2. scales from the amax with ``quant.amax_scales`` (the same code as the reference);
 3. ``_kv_quant_kernel``: codes of K into ``k8 [Hkv, total_k, d]`` and of V, transposed, into
    ``v8t [Hkv, d, total_k]`` (request ``b`` at token slot ``cu_seqlens_k[b]``, each request's start
-   a multiple of ``TMA_ALIGN``, the gaps zero);
+   a multiple of ``REQUEST_ALIGN``, the gaps zero);
 4. ``quantize_means``: the float32 block means with their request's scales (``quant.quantize``).
 
 The e4m3 rounding is done in fp32 arithmetic (``_e4m3_rne``) before the cast, so the cast only
@@ -37,6 +37,12 @@ from ...plan import BatchPlan
 # one-byte global loads outside the software pipeline.
 TMA_ALIGN = 16
 _TMA_ALIGN_C = tl.constexpr(TMA_ALIGN)
+# Each request's first token slot in k8 / v8t and its first column in the aligned v_mean8t are
+# multiples of this (a multiple of TMA_ALIGN): a 128-token TMA box of the Gluon kernel
+# (attention_fp8_ws_kernels, key blocks of 128) that starts in a request ends inside it, in its zero
+# gap, never in the next request's slots, whose NaN would otherwise reach the request's rows through
+# 0 * NaN in the P V product (docs/fp8.md section 11). At most 127 zero slots per request and KV head.
+REQUEST_ALIGN = 128
 # Tokens per program of both kernels.
 BLOCK_T = 64
 
@@ -53,7 +59,7 @@ class Fp8KV:
     k_inv_scale: torch.Tensor  # float32 [batch, Hkv]; 448 (int8: 127) / amax (the quantisation factor)
     v_inv_scale: torch.Tensor  # float32 [batch, Hkv]
     cu_seqlens_k: torch.Tensor  # int32 [batch + 1]; request b's first slot, cumulative Lk each rounded
-                                # up to a multiple of TMA_ALIGN (total_k = cu_seqlens_k[-1])
+                                # up to a multiple of REQUEST_ALIGN (total_k = cu_seqlens_k[-1])
 
 
 @triton.jit
@@ -221,10 +227,10 @@ def _kv_quant_kernel(k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, cu_k_ptr, inv_p
 
 def _cu_seqlens_k(plan: BatchPlan, device) -> tuple[torch.Tensor, int]:
     """``(cu_seqlens_k int32 [batch + 1], total_k)`` from the plan's host lengths: request starts
-    at multiples of ``TMA_ALIGN`` (each ``Lk`` rounded up)."""
+    at multiples of ``REQUEST_ALIGN`` (each ``Lk`` rounded up)."""
     cu = [0]
     for lk in plan.kv_lens:
-        cu.append(cu[-1] + -(-lk // TMA_ALIGN) * TMA_ALIGN)
+        cu.append(cu[-1] + -(-lk // REQUEST_ALIGN) * REQUEST_ALIGN)
     return host_ints(cu, device), cu[-1]
 
 
@@ -344,7 +350,7 @@ def gather_e4m3_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: tor
             # byte views: index_select on float8 is not implemented everywhere
             k8.view(torch.uint8)[:, start:start + lk] = k_cache.view(torch.uint8)[pages, slots].permute(1, 0, 2)
             v8t.view(torch.uint8)[:, :, start:start + lk] = v_cache.view(torch.uint8)[pages, slots].permute(1, 2, 0)
-        start += -(-lk // TMA_ALIGN) * TMA_ALIGN
+        start += -(-lk // REQUEST_ALIGN) * REQUEST_ALIGN
     ks = descale_grid(k_descale, plan.batch, hkv)
     vs = descale_grid(v_descale, plan.batch, hkv)
     return Fp8KV(k8=k8, v8t=v8t, k_scale=ks, v_scale=vs, k_inv_scale=1.0 / ks, v_inv_scale=1.0 / vs,
@@ -364,11 +370,11 @@ def block_requests(plan: BatchPlan, device) -> torch.Tensor:
 
 def mean_columns(plan: BatchPlan, device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Columns of the pooled key blocks in ``v_mean8t`` with each request's first column a multiple
-    of ``TMA_ALIGN`` (its block count rounded up; the gap columns stay zero), from the plan's host
+    of ``REQUEST_ALIGN`` (its block count rounded up; the gap columns stay zero), from the plan's host
     lengths (no sync).
 
-    Example: ``B = 128``, ``Lk = (300, 5000)`` -> blocks ``(3, 40)``; ``cu = [0, 16, 64]``; the
-    blocks' columns ``0 1 2 16 17 ... 55``.
+    Example: ``B = 128``, ``Lk = (300, 5000)`` -> blocks ``(3, 40)``; ``cu = [0, 128, 256]``; the
+    blocks' columns ``0 1 2 128 129 ... 167``.
 
     Returns:
         ``(cols int64 [n_blocks], cu int32 [batch + 1], n_cols)``: block row ``r`` of request ``b``
@@ -377,9 +383,9 @@ def mean_columns(plan: BatchPlan, device) -> tuple[torch.Tensor, torch.Tensor, i
         host-to-device copy, no sync).
     """
     n_blocks = [-(-lk // plan.block_size) for lk in plan.kv_lens]          # host: each request's key blocks
-    n_cols = sum(-(-nb // TMA_ALIGN) * TMA_ALIGN for nb in n_blocks)
+    n_cols = sum(-(-nb // REQUEST_ALIGN) * REQUEST_ALIGN for nb in n_blocks)
     bp = plan.block_ptr.to(device)
-    padded = (bp[1:] - bp[:-1] + TMA_ALIGN - 1) // TMA_ALIGN * TMA_ALIGN   # each request's blocks, rounded up
+    padded = (bp[1:] - bp[:-1] + REQUEST_ALIGN - 1) // REQUEST_ALIGN * REQUEST_ALIGN   # each request's blocks, rounded up
     cu_t = torch.zeros(plan.batch + 1, dtype=torch.int32, device=device)
     cu_t[1:] = torch.cumsum(padded, 0)
     req = block_requests(plan, device)
@@ -393,7 +399,7 @@ def quantize_means(k_mean: torch.Tensor, v_mean: torch.Tensor, kv: Fp8KV, plan: 
     Args:
         k_mean, v_mean: float32 ``[n_blocks, Hkv, d]`` (``BlockIndex.k_mean`` / ``v_mean``).
         aligned: lay out ``v_mean8t``'s columns by ``mean_columns`` (each request's first column a
-            multiple of ``TMA_ALIGN``); else column = block row (``plan.block_ptr``).
+            multiple of ``REQUEST_ALIGN``); else column = block row (``plan.block_ptr``).
     Returns:
         ``(k_mean8 e4m3 [n_blocks, Hkv, d], v_mean8t e4m3 [Hkv, d, n_cols], cu_cols int32
         [batch + 1])``: ``v_mean8t`` transposed for the ``P_m v̄`` product, ``n_cols`` a multiple of

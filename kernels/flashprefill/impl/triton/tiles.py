@@ -139,29 +139,36 @@ class KernelConfig:
 
 def _plain(cfg: KernelConfig) -> KernelConfig:
     """``cfg`` with every optional kernel field off: no ``loop_guard`` / ``fold_scale`` / ``mean_vec`` /
-    ``pipeline``, the fp32 ``exp2``, no ``fused_amax`` / ``hw_cvt``. The FP8 kernel as first shipped
-    (before the tenth session): what the tests and the lab compare each optional field against.
-    The 16-bit kernels ignore these fields (their tiles are unchanged)."""
+    ``pipeline``, the fp32 ``exp2``, no ``fused_amax`` / ``hw_cvt``, the Triton FP8 kernel
+    (``impl="triton"``). The FP8 kernel as first shipped (before the tenth session): what the tests
+    and the lab compare each optional field against. The 16-bit kernels ignore these fields (their
+    tiles are unchanged)."""
     return KernelConfig(
         attn=dataclasses.replace(cfg.attn, loop_guard=False, fold_scale=False, mean_vec=False, pipeline=False,
-                                 exp_impl="mufu"),
+                                 exp_impl="mufu", impl="triton"),
         index=dataclasses.replace(cfg.index, fused_amax=False, hw_cvt=False))
 
 
 def _gluon_ws(cfg: KernelConfig) -> KernelConfig:
-    """``cfg`` with the FP8 sparse attention on the warp-specialised Gluon kernel
-    (``AttnConfig.impl = "gluon_ws"``, 4 ring stages). H200, 32 / 8 heads, d 128, 128K: its attention
-    14.47 ms against the Triton FP8 kernel's 16.15 and BF16's 18.30, operator total 1.15x BF16's
-    (Triton FP8: 1.06x); d 64 (14 / 2 heads): 6.49 against 7.07 and 7.31 (docs/benchmarks.md,
-    nineteenth session). Not the default until the whole GPU FP8 suite has run on it."""
+    """``cfg`` with the FP8 sparse attention on the warp-specialised Gluon kernel only
+    (``AttnConfig.impl = "gluon_ws"``, 4 ring stages: a ``ValueError`` where it cannot run, where the
+    default ``"auto"`` takes the Triton kernel). H200, 32 / 8 heads, d 128, 128K: its attention
+    14.47 ms against the Triton FP8 kernel's 16.15 and BF16's 18.30 (docs/benchmarks.md, nineteenth
+    session)."""
     return dataclasses.replace(cfg, attn=dataclasses.replace(cfg.attn, impl="gluon_ws", ws_stages=4))
+
+
+def _triton_fp8(cfg: KernelConfig) -> KernelConfig:
+    """``cfg`` with the FP8 sparse attention on the Triton kernel everywhere (``AttnConfig.impl =
+    "triton"``, the default before the twentieth session): ``fp bench --fp8``'s second FP8 column."""
+    return dataclasses.replace(cfg, attn=dataclasses.replace(cfg.attn, impl="triton"))
 
 
 # Named presets of the same dataclasses, chosen by ``get_config(..., variant=name)``: a function of
 # the default ``KernelConfig`` returning another. ``plain``: every optional field off (the baseline
-# of the variant tests); ``gluon_ws``: the FP8 sparse attention on the Gluon kernel. The lab passes
-# its own ``KernelConfig`` to the launchers instead (``docs/lab/variants.md``).
-VARIANTS: dict[str, object] = {"plain": _plain, "gluon_ws": _gluon_ws}
+# of the variant tests); ``gluon_ws`` / ``triton_fp8``: the FP8 sparse attention on one kernel. The
+# lab passes its own ``KernelConfig`` to the launchers instead (``docs/lab/variants.md``).
+VARIANTS: dict[str, object] = {"plain": _plain, "gluon_ws": _gluon_ws, "triton_fp8": _triton_fp8}
 
 
 def _attn_tiles(head_dim: int, block_size: int) -> AttnConfig:
@@ -195,6 +202,12 @@ def _attn_tiles_fp8(head_dim: int, block_size: int) -> AttnConfig:
         # H200, 32/8 heads, FP8 total 20.12 ms against 22.54 without them at 128K (BF16 21.50), 3.96
         # against 4.09 at 32K (docs/benchmarks.md, tenth session). At d 64 they lost at 32K: off there.
         cfg = dataclasses.replace(cfg, loop_guard=True, fold_scale=True, mean_vec=True)
+    if head_dim in (64, 128):
+        # the sparse e4m3 attention on the warp-specialised Gluon kernel where it runs (sm_90, key blocks
+        # of 128), the Triton kernel elsewhere: H200, FP8 totals 19.41 against 19.90 ms at 128K and
+        # 3.81 against 4.26 at 32K (32 / 8 heads, d 128), 8.68 / 9.63 and 2.20 / 2.39 (14 / 2 heads,
+        # d 64) (docs/benchmarks.md, twentieth session)
+        cfg = dataclasses.replace(cfg, impl="auto")
     if cfg.block_n > block_size:
         cfg = dataclasses.replace(cfg, block_n=block_size)
     return cfg
