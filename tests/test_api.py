@@ -105,6 +105,11 @@ class _FakeBackend(types.ModuleType):
         self.calls.append(("sparse_attention", config, softmax_scale, plan, index))
         return torch.zeros_like(q), torch.zeros(q.shape[:2])
 
+    def attention(self, q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale, plan):
+        self.calls.append(("attention", config, softmax_scale, plan))
+        index = R.build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale, plan)
+        return torch.zeros_like(q), torch.zeros(q.shape[:2]), index
+
     def dense_attention(self, q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, softmax_scale, plan):
         self.calls.append(("dense_attention", softmax_scale, plan))
         return torch.ones_like(q), torch.zeros(q.shape[:2])
@@ -145,7 +150,7 @@ def test_triton_on_cpu_under_interpreter(inp, inp64d, fake_triton, monkeypatch):
     bf = inp64d
     out = flashprefill.flashprefill_attention(*bf, CFG, softmax_scale=0.5, backend="triton")
     assert (out == 0).all()                                  # the fake's answer: it was called
-    assert [c[0] for c in fake_triton.calls] == ["build_index", "sparse_attention"]
+    assert [c[0] for c in fake_triton.calls] == ["attention"]      # index and attention in one backend call
     _, config, scale, plan = fake_triton.calls[0]
     assert config is CFG and scale == 0.5 and plan.block_size == 64 and plan.group_size == 3
     assert (flashprefill.dense_attention(*bf, backend="triton") == 1).all()
@@ -379,10 +384,10 @@ def test_return_index_does_not_sync(inp64d, fake_triton, monkeypatch):
     plan = make_plan(inp64d[4], inp64d[5], 3, CFG.block_size)
     built = R.build_index(*inp64d, CFG, None, plan)
 
-    def build_index(*args):
-        fake_triton.calls.append(("build_index",))
-        return built
-    monkeypatch.setattr(fake_triton, "build_index", build_index)
+    def attention(*args):
+        fake_triton.calls.append(("attention",))
+        return torch.zeros_like(args[0]), torch.zeros(args[0].shape[:2]), built
+    monkeypatch.setattr(fake_triton, "attention", attention)
 
     def boom(*_a, **_k):
         raise AssertionError("host sync in the API layer")
@@ -390,8 +395,8 @@ def test_return_index_does_not_sync(inp64d, fake_triton, monkeypatch):
         monkeypatch.setattr(torch.Tensor, meth, boom)
     out, index = flashprefill.flashprefill_attention(*inp64d, CFG, plan=plan, backend="triton", return_index=True)
     monkeypatch.undo()
-    assert [c[0] for c in fake_triton.calls] == ["build_index", "sparse_attention"]
-    assert index is built and fake_triton.calls[1][4] is built
+    assert [c[0] for c in fake_triton.calls] == ["attention"]
+    assert index is built
 
 
 def test_kernel_configs_are_frozen_and_explicit():

@@ -523,12 +523,14 @@ def flashprefill_attention(
                                         config, softmax_scale, plan, backend, precision=precision,
                                         k_descale=k_descale, v_descale=v_descale)
     extra = _precision_kwargs(precision, k_descale, v_descale)
-    if index is None:
-        index = mod.build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale, plan, **extra)
-    elif not torch.compiler.is_compiling():
-        _check_index(index, plan, config, k_cache.shape[2])
-    out, lse = mod.sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale,
-                                    plan, index, **extra)
+    if index is None:   # one call: the Triton backend launches the attention before the index's nnz sync
+        out, lse, index = mod.attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale, plan,
+                                        **extra)
+    else:
+        if not torch.compiler.is_compiling():
+            _check_index(index, plan, config, k_cache.shape[2])
+        out, lse = mod.sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, scale,
+                                        plan, index, **extra)
     result = (out,)
     if return_lse:
         result += (lse,)

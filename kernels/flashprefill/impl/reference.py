@@ -676,6 +676,30 @@ def sparse_attention(
                       config.mean_correction, fp8, k_descale, v_descale, int8)
 
 
+def attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    config: SparseConfig | None = None,
+    softmax_scale: float | None = None,
+    plan: BatchPlan | None = None,
+    precision: str = "bf16",
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, BlockIndex]:
+    """``build_index`` then ``sparse_attention`` (arguments as theirs): ``(out, lse, index)``, the
+    reference's form of the Triton backend's ``host.attention`` (``flashprefill_attention`` without
+    an index calls it)."""
+    index = build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale, plan,
+                        precision, k_descale, v_descale)
+    out, lse = sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale,
+                                plan, index, precision, k_descale, v_descale)
+    return out, lse, index
+
+
 def dense_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

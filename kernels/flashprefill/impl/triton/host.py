@@ -14,6 +14,7 @@ Host syncs: none, except one in ``build_index`` to read ``nnz`` (the CSR total) 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -22,7 +23,7 @@ import triton
 from ... import quant
 from ...config import EIGHT_BIT_PRECISIONS, PRECISIONS, TRITON_DTYPES, TRITON_HEAD_DIMS, SparseConfig
 from ...index import BlockIndex
-from ...plan import BatchPlan
+from ...plan import BatchPlan, visible_blocks
 from . import attention_kernels as ak
 from . import host_fp8
 from . import index_kernels as ik
@@ -171,35 +172,14 @@ def _queue_nnz_copy(row_ptr: torch.Tensor):
     return wait
 
 
-def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config: SparseConfig,
-                softmax_scale, plan: BatchPlan, *, kernels: KernelConfig | None = None,
-                precision: str = "bf16", k_descale=None, v_descale=None) -> BlockIndex:
-    """Block means, selection and CSR of a batch (``docs/method.md`` sections 3.1-3.6) on the GPU.
-
-    Memory: the index tensors (``k_mean``/``v_mean`` ``2 x n_blocks x Hkv x d x 4`` bytes, their
-    16-bit copies half that, CSR ``4 x (n_segments + 1 + nnz)`` bytes, the selection bitmask
-    ``sel_bits`` ``n_segments x ceil(max_blocks / 32)`` int32 that the mean correction reads)
-    plus, during the call only, a scratch of ``n_programs x max_blocks`` float32 (at 128K, 32/8
-    heads, d 128: 8 + 4 MiB means, 4 MiB bitmask, 3 MiB CSR, 2 MiB scratch).
-
-    One host sync: ``row_ptr[-1]`` (``nnz``) to size ``col_idx``; it waits for the selection
-    only, while the GPU computes the value means.
-
-    ``precision="fp8"`` (``docs/fp8.md``): the selection scores e4m3 Q tiles against the e4m3 key
-    means (K's per (request, KV head) scale: one ``quant_kernels.kv_amax_scales`` launch, or the
-    descales of e4m3 caches ``k_cache`` / ``v_cache`` with ``k_descale`` / ``v_descale``); the
-    index holds float32 means only (no 16-bit copies). ``tiles.fused_amax`` (16-bit caches): the
-    block-means kernels also write ``max |K|`` / ``max |V|`` per (request, KV head) into
-    ``BlockIndex.kv_amax``: K's scale without a separate launch, and the attention's pre-pass
-    (``sparse_attention``) skips its own amax launch. ``tiles.hw_cvt``: the selection's Q-tile
-    codes (and, in ``sparse_attention``, the pre-pass's K / V codes) by the hardware cast.
-    ``precision="int8qk"`` (``docs/fp8.md`` section 10, 16-bit caches): the same with int8 Q tiles
-    and int8 key means (``amax / 127`` scales), the selection's ``QK_INT8`` mode.
-
-    Raises:
-        ValueError: ``plan.block_size != config.block_size``, or a head dim / dtype the kernels
-            do not take.
-    """
+def _launch_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config: SparseConfig,
+                  softmax_scale, plan: BatchPlan, *, kernels: KernelConfig | None = None,
+                  precision: str = "bf16", k_descale=None, v_descale=None) -> tuple:
+    """``build_index`` up to its one host sync: every launch but the expand. Returns ``(partial,
+    nnz_ready, expand)``: ``partial`` the ``BlockIndex`` with an empty ``col_idx`` (its other tensors
+    queued on the stream), ``nnz_ready()`` waits for ``nnz`` (None without segments) and
+    ``expand(col_idx)`` launches the bitmask-to-CSR expand into any int32 buffer of at least ``nnz``
+    entries (it reads ``row_ptr`` on the device: no sync). Arguments as ``build_index``."""
     fp8 = _is_fp8(precision)
     int8 = precision == "int8qk"
     e4m3 = k_cache.dtype == quant.E4M3
@@ -297,16 +277,15 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
                 hw_cvt=tiles.hw_cvt and q.is_cuda, k_int8=int8)
     # owned copies of the plan's pointers, made before the sync so they overlap the GPU work
     block_ptr, tile_ptr = plan.block_ptr.clone(), plan.tile_ptr.clone()
-    nnz = nnz_ready() if nnz_ready is not None else 0
-    col_idx = torch.empty(nnz, dtype=torch.int32, device=dev)
-    if n_seg:
-        ik._expand_kernel[(n_seg,)](bits, row_ptr, n_visible, col_idx, n_words,
-                                    WORDS=tiles.expand_words, num_warps=4)
-    else:
-        bits = None
-    return BlockIndex(
+
+    def expand(col_idx: torch.Tensor) -> None:
+        if n_seg:
+            ik._expand_kernel[(n_seg,)](bits, row_ptr, n_visible, col_idx, n_words,
+                                        WORDS=tiles.expand_words, num_warps=4)
+
+    partial = BlockIndex(
         row_ptr=row_ptr,
-        col_idx=col_idx,
+        col_idx=torch.empty(0, dtype=torch.int32, device=dev),
         k_mean=k_mean,
         v_mean=v_mean,
         block_ptr=block_ptr,
@@ -317,10 +296,49 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
         tile_rows=plan.tile_rows,
         k_mean_lowp=k_lowp,
         v_mean_lowp=v_lowp,
-        sel_bits=bits,
+        sel_bits=bits if n_seg else None,
         kv_amax=None if amax is None else amax.view(torch.float32),
         fp8_operands=fp8_ops,
     )
+    return partial, nnz_ready, expand
+
+
+def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config: SparseConfig,
+                softmax_scale, plan: BatchPlan, *, kernels: KernelConfig | None = None,
+                precision: str = "bf16", k_descale=None, v_descale=None) -> BlockIndex:
+    """Block means, selection and CSR of a batch (``docs/method.md`` sections 3.1-3.6) on the GPU.
+
+    Memory: the index tensors (``k_mean``/``v_mean`` ``2 x n_blocks x Hkv x d x 4`` bytes, their
+    16-bit copies half that, CSR ``4 x (n_segments + 1 + nnz)`` bytes, the selection bitmask
+    ``sel_bits`` ``n_segments x ceil(max_blocks / 32)`` int32 that the mean correction reads)
+    plus, during the call only, a scratch of ``n_programs x max_blocks`` float32 (at 128K, 32/8
+    heads, d 128: 8 + 4 MiB means, 4 MiB bitmask, 3 MiB CSR, 2 MiB scratch).
+
+    One host sync: ``row_ptr[-1]`` (``nnz``) to size ``col_idx``; it waits for the selection
+    only, while the GPU computes the value means.
+
+    ``precision="fp8"`` (``docs/fp8.md``): the selection scores e4m3 Q tiles against the e4m3 key
+    means (K's per (request, KV head) scale: one ``quant_kernels.kv_amax_scales`` launch, or the
+    descales of e4m3 caches ``k_cache`` / ``v_cache`` with ``k_descale`` / ``v_descale``); the
+    index holds float32 means only (no 16-bit copies). ``tiles.fused_amax`` (16-bit caches): the
+    block-means kernels also write ``max |K|`` / ``max |V|`` per (request, KV head) into
+    ``BlockIndex.kv_amax``: K's scale without a separate launch, and the attention's pre-pass
+    (``sparse_attention``) skips its own amax launch. ``tiles.hw_cvt``: the selection's Q-tile
+    codes (and, in ``sparse_attention``, the pre-pass's K / V codes) by the hardware cast.
+    ``precision="int8qk"`` (``docs/fp8.md`` section 10, 16-bit caches): the same with int8 Q tiles
+    and int8 key means (``amax / 127`` scales), the selection's ``QK_INT8`` mode.
+
+    Raises:
+        ValueError: ``plan.block_size != config.block_size``, or a head dim / dtype the kernels
+            do not take.
+    """
+    partial, nnz_ready, expand = _launch_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config,
+                                               softmax_scale, plan, kernels=kernels, precision=precision,
+                                               k_descale=k_descale, v_descale=v_descale)
+    nnz = nnz_ready() if nnz_ready is not None else 0
+    col_idx = torch.empty(nnz, dtype=torch.int32, device=q.device)
+    expand(col_idx)
+    return dataclasses.replace(partial, col_idx=col_idx)
 
 
 # --------------------------------------------------------------------------------------------
@@ -465,18 +483,33 @@ def sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, co
 def attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config: SparseConfig,
               softmax_scale, plan: BatchPlan, *, kernels: KernelConfig | None = None,
               precision: str = "bf16", k_descale=None, v_descale=None):
-    """``build_index`` + ``sparse_attention`` with one ``KernelConfig``; one host sync (``nnz``).
+    """``build_index`` + ``sparse_attention`` with one ``KernelConfig``, the attention launched before
+    the index's one host sync: the expand writes the CSR into a buffer of the largest ``nnz`` the
+    plan allows (``Hkv x plan.visible_blocks``, from host lengths: 4 bytes per causally visible
+    (segment, block) pair, 64 MiB at 128K with 32 / 8 heads), the attention reads it, and only then
+    does the host wait for ``nnz`` and copy the ``nnz`` entries out (queued after the attention), so
+    the GPU never waits for the host between index and attention (``docs/benchmarks.md``, twentieth
+    session). Same results as the two calls, bit for bit.
 
     Returns ``(out [total_q, Hq, d] q.dtype, lse [total_q, Hq] float32, BlockIndex)``.
     """
     kernels = _kernels(q, config.block_size, kernels, precision)
     _check_fp8_impl(q, kernels.attn, precision, plan, config.block_size)
     extra = dict(precision=precision, k_descale=k_descale, v_descale=v_descale)
-    index = build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale, plan,
-                        kernels=kernels, **extra)
+    partial, nnz_ready, expand = _launch_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config,
+                                               softmax_scale, plan, kernels=kernels, **extra)
+    if nnz_ready is None:                # no segments: nothing to expand, nothing to wait for
+        index = partial
+        out, lse = sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale,
+                                    plan, index, kernels=kernels, **extra)
+        return out, lse, index
+    bound = k_cache.shape[2] * sum(visible_blocks(plan))
+    csr = torch.empty(bound, dtype=torch.int32, device=q.device)
+    expand(csr)
     out, lse = sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale,
-                                plan, index, kernels=kernels, **extra)
-    return out, lse, index
+                                plan, dataclasses.replace(partial, col_idx=csr), kernels=kernels, **extra)
+    nnz = nnz_ready()
+    return out, lse, dataclasses.replace(partial, col_idx=csr[:nnz].clone())
 
 
 def dense_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, softmax_scale, plan: BatchPlan,
