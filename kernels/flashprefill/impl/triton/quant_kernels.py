@@ -43,6 +43,7 @@ _TMA_ALIGN_C = tl.constexpr(TMA_ALIGN)
 # gap, never in the next request's slots, whose NaN would otherwise reach the request's rows through
 # 0 * NaN in the P V product (docs/fp8.md section 11). At most 127 zero slots per request and KV head.
 REQUEST_ALIGN = 128
+_REQUEST_ALIGN_C = tl.constexpr(REQUEST_ALIGN)
 # Tokens per program of both kernels.
 BLOCK_T = 64
 
@@ -196,12 +197,13 @@ def _kv_quant_kernel(k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, cu_k_ptr, inv_p
     h = tl.program_id(1)
     t0 = tl.program_id(2) * BLOCK_T
     lk = tl.load(seq_lens_ptr + b)
-    if t0 < lk:
-        # the request's first slot and its length rounded up are multiples of TMA_ALIGN: the stores
-        # are masked in whole 16-token groups (16-byte V8^T stores, not one byte each); the slots in
-        # [lk, lk_al) get the codes of the masked loads' zeros, i.e. the zero gap
+    # the request's slots run to its length rounded up to REQUEST_ALIGN: the slots in [lk, lk_al) get
+    # the codes of the masked loads' zeros (the zero gap), so every slot of k8 / v8t is written (the
+    # buffers are torch.empty); the first slot and lk_al are multiples of TMA_ALIGN, so the stores are
+    # masked in whole 16-token groups (16-byte V8^T stores, not one byte each)
+    lk_al = tl.multiple_of((lk + _REQUEST_ALIGN_C - 1) // _REQUEST_ALIGN_C * _REQUEST_ALIGN_C, _TMA_ALIGN_C)
+    if t0 < lk_al:
         start = tl.multiple_of(tl.load(cu_k_ptr + b), _TMA_ALIGN_C).to(tl.int64)
-        lk_al = tl.multiple_of((lk + _TMA_ALIGN_C - 1) // _TMA_ALIGN_C * _TMA_ALIGN_C, _TMA_ALIGN_C)
         pos = t0 + tl.arange(0, BLOCK_T)
         dst = start + pos.to(tl.int64)                          # token slot in the batch
         in_al = pos < lk_al
@@ -247,7 +249,8 @@ def host_ints(values: list[int], device) -> torch.Tensor:
 
 def _launch_shape(k_cache, v_cache, page_table, plan: BatchPlan):
     hkv = k_cache.shape[2]
-    grid = (plan.batch, hkv, max(1, -(-plan.max_kv_len // BLOCK_T)))
+    slots = -(-plan.max_kv_len // REQUEST_ALIGN) * REQUEST_ALIGN      # a request's slots, zero gap included
+    grid = (plan.batch, hkv, max(1, -(-slots // BLOCK_T)))
     strides = (page_table.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], plan.batch * hkv)
     return grid, strides
 
@@ -305,8 +308,9 @@ def quantize_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.
     _, page_size, hkv, d = k_cache.shape
     dev = k_cache.device
     cu_k, total_k = _cu_seqlens_k(plan, dev)
-    k8 = torch.zeros(hkv, total_k, d, dtype=torch.int8 if k_int8 else quant.E4M3, device=dev)
-    v8t = torch.zeros(hkv, d, total_k, dtype=quant.E4M3, device=dev)
+    # every slot is written by _kv_quant_kernel (the zero gaps included): no memset
+    k8 = torch.empty(hkv, total_k, d, dtype=torch.int8 if k_int8 else quant.E4M3, device=dev)
+    v8t = torch.empty(hkv, d, total_k, dtype=quant.E4M3, device=dev)
     if amax is None:
         amax = kv_amax(k_cache, v_cache, page_table, seq_lens, plan)
     scale, inv = kv_scales_for(amax, k_int8)
