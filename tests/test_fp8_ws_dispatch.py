@@ -202,6 +202,7 @@ def test_the_refusal_comes_before_the_index_and_the_pre_pass(monkeypatch):
         raise AssertionError("work started before the refusal")
 
     monkeypatch.setattr(host, "build_index", tripwire)
+    monkeypatch.setattr(host, "_launch_index", tripwire)        # host.attention's index launches
     monkeypatch.setattr(host_fp8, "kv_operands", tripwire)
     seq_lens, cu_q, plan = _plan()
     q = torch.randn(300, 8, 128, dtype=torch.bfloat16)

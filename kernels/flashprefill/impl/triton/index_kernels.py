@@ -93,8 +93,8 @@ def _block_means_kernel(
     n_valid = tl.minimum(BLOCK_SIZE, lk - j * BLOCK_SIZE)
     dims = tl.arange(0, HEAD_DIM)
     x_sum = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    if AMAX:
-        x_max = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    if AMAX:   # elementwise over the steps, one cross-thread reduction at the end (a max is exact)
+        x_max = tl.zeros([TOKENS, HEAD_DIM], dtype=tl.float32)
     # --- loop: fp32 sums of the valid tokens
     for s in tl.static_range(BLOCK_SIZE // TOKENS):
         pos = j * BLOCK_SIZE + s * TOKENS + tl.arange(0, TOKENS)
@@ -107,7 +107,7 @@ def _block_means_kernel(
         x_sum += tl.sum(x.to(tl.float32), axis=0)
         if AMAX:
             a = tl.abs(x.to(tl.float32))
-            x_max = tl.maximum(x_max, tl.max(tl.where(a == a, a, 0.0), axis=0))   # NaN ignored
+            x_max = tl.maximum(x_max, tl.where(a == a, a, 0.0))   # NaN ignored
     # --- epilogue: divide by n_j (never by B)
     mean = x_sum * (1.0 / n_valid.to(tl.float32))
     out = gb.to(tl.int64) * stride_mb + h * stride_mh + dims
@@ -116,7 +116,8 @@ def _block_means_kernel(
         tl.store(x_lowp + out, mean.to(x_lowp.dtype.element_ty))
     if AMAX:
         # non-negative floats compare like their int32 bits
-        tl.atomic_max(amax + b * tl.num_programs(1) + h, tl.max(x_max, axis=0).to(tl.int32, bitcast=True))
+        tl.atomic_max(amax + b * tl.num_programs(1) + h,
+                      tl.max(tl.max(x_max, axis=1), axis=0).to(tl.int32, bitcast=True))
 
 
 # --------------------------------------------------------------------------------------------
