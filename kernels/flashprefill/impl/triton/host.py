@@ -10,7 +10,9 @@ Kernel tiles: every public function takes ``kernels`` (a ``tiles.KernelConfig``;
 down to the launchers as arguments. Nothing is read from a module global or the environment.
 
 Host syncs: none, except one in ``build_index`` to read ``nnz`` (the CSR total) before allocating
-``col_idx``. The ``plan`` carries every host length the launches need.
+``col_idx``; ``attention`` makes it after the attention's launch (the CSR in a buffer sized from the
+plan's lengths), so the GPU never waits for the host between index and attention. The ``plan``
+carries every host length the launches need.
 """
 from __future__ import annotations
 
