@@ -37,6 +37,8 @@ PREPARED = {  # the same fields
 
 
 def _one_call_case(name):
+    import dataclasses
+
     import torch
 
     import flashprefill
@@ -74,7 +76,18 @@ def _one_call_case(name):
     idx_b = host.build_index(*args, kernels=kernels, precision=precision)
     out_b, lse_b = host.sparse_attention(*args, idx_b, kernels=kernels, precision=precision)
     two_calls = list(events)
+    # a CSR bound above ONE_CALL_CSR_MAX_BYTES: the wait first, the same results
+    events.clear()
+    real_cap, host.ONE_CALL_CSR_MAX_BYTES = host.ONE_CALL_CSR_MAX_BYTES, 0
+    out_c, lse_c, idx_c = host.attention(*args, kernels=kernels, precision=precision)
+    host.ONE_CALL_CSR_MAX_BYTES = real_cap
+    capped = list(events)
     host._queue_nnz_copy, host.launch_attention, host_fp8.launch_attention_fp8 = real_queue, real_launch, real_launch8
+    # every tile dense: nnz reaches the bound exactly (an off-by-one in it would show)
+    dense_cfg = dataclasses.replace(c.cfg, min_sparse_len=10**9)
+    idx_d = host.attention(c.q, c.k, c.v, c.pt, c.sl, c.cu, dense_cfg, c.scale, c.plan, kernels=kernels,
+                           precision=precision)[2]
+    bound = c.k.shape[2] * sum(visible_blocks(c.plan))
     res = {"case": name, "one_call": one_call, "two_calls": two_calls,
            "pruned": int(idx_a.nnz) < int(idx_a.n_visible.sum()),
            "out_same": torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b),
@@ -82,7 +95,11 @@ def _one_call_case(name):
     res["index_same"] = all(torch.equal(getattr(idx_a, f), getattr(idx_b, f))
                             for f in ("row_ptr", "col_idx", "n_visible", "k_mean", "v_mean", "sel_bits"))
     res["col_idx_is_nnz_long"] = idx_a.col_idx.numel() == int(idx_a.row_ptr[-1]) == idx_b.nnz
-    res["bound_holds"] = c.k.shape[2] * sum(visible_blocks(c.plan)) >= idx_a.nnz
+    res["bound_holds"] = bound >= idx_a.nnz and idx_d.nnz == bound
+    res["capped_waits_first"] = capped == ["nnz wait", "attention launch"]
+    res["capped_same"] = (torch.equal(out_c, out_a) and torch.equal(lse_c, lse_a)
+                          and torch.equal(idx_c.col_idx, idx_a.col_idx))
+    res["returned_without_operands"] = idx_a.fp8_operands is None and idx_c.fp8_operands is None
     api_out, api_index = flashprefill.flashprefill_attention(
         c.q, c.k, c.v, c.pt, c.sl, c.cu, c.cfg, c.scale, plan=c.plan, backend="triton", precision=precision,
         return_index=True)
@@ -139,6 +156,15 @@ def _prepared_case(name):
     res["nomc_made_again"] = mismatched[2] == 1 and matching[2] == 0
     res["nomc_same"] = same(mismatched, matching)
     res["nomc_differs_from_mc"] = not torch.equal(mismatched[0], used[0])
+    # other caches than the index was built on (an index reused for another layer): made again from
+    # them, equal to an index without operands on those caches, and unlike the first caches' output
+    k2, v2 = (c.k.float() * 0.5).half(), c.v.flip(0)
+    calls.clear()
+    other = host.sparse_attention(c.q, k2, v2, c.pt, c.sl, c.cu, c.cfg, c.scale, c.plan, index, **kw)
+    res["other_caches_made_again"] = len(calls) == 1
+    bare = host.sparse_attention(c.q, k2, v2, c.pt, c.sl, c.cu, c.cfg, c.scale, c.plan,
+                                 dataclasses.replace(index, fp8_operands=None), **kw)
+    res["other_caches_same"] = same(other, bare) and not torch.equal(other[0], used[0])
     # the selection bitmask replaced (a BlockIndex with another CSR sets sel_bits None): made again
     rebuilt = attend(dataclasses.replace(index, sel_bits=None))
     res["no_bits_made_again"] = rebuilt[2] == 1 and same(rebuilt, used)
@@ -167,6 +193,13 @@ def test_one_call_equals_index_then_attention_bit_for_bit(results, name):
     assert r["pruned"] and r["finite"], r
     assert r["out_same"] and r["index_same"] and r["col_idx_is_nnz_long"], r
     assert r["bound_holds"] and r["api_same"], r
+    assert r["returned_without_operands"], r
+
+
+@pytest.mark.parametrize("name", list(ONE_CALL))
+def test_a_csr_bound_above_the_cap_waits_first_with_the_same_results(results, name):
+    r = case_result(results, name)
+    assert r["capped_waits_first"] and r["capped_same"], r
 
 
 
@@ -185,6 +218,7 @@ def test_operands_that_do_not_fit_the_launch_are_made_again(results, name):
     r = case_result(results, name)
     assert r["nomc_made_again"] and r["nomc_same"] and r["nomc_differs_from_mc"], r
     assert r["no_bits_made_again"], r
+    assert r["other_caches_made_again"] and r["other_caches_same"], r
     assert r["layout_made_again"], r
 
 

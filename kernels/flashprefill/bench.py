@@ -164,7 +164,9 @@ CPU_COLS = [("L", "L", "{:d}"), ("density", "density", "{:.1%}"), ("index_ms", "
 def _fp8_columns(row: dict, index_fn, total_fn, timer, precision: str = "fp8") -> None:
     """The FP8 sparse path next to the BF16 one of the same row: ``fp8_index_ms``, ``fp8_total_ms``,
     ``fp8_density``, ``fp8_rel_l2`` (relative L2 of the FP8 output against the BF16 sparse output
-    on the same inputs) and ``fp8_speedup`` (BF16 sparse total / FP8 sparse total).
+    on the same inputs) and ``fp8_speedup`` (BF16 sparse total / FP8 sparse total). ``fp8_index_ms``
+    includes the attention's K / V pre-pass and the means' codes, which the FP8 index makes before
+    its host sync (``host_fp8.Fp8Operands``), so it is not comparable with BF16's ``index_ms``.
     ``precision="int8qk"``: the same columns for that precision, named ``int8qk_*``."""
     p = precision
     index8 = index_fn(precision=p)

@@ -12,6 +12,7 @@ Run on the device: ``PYTHONPATH=kernels:.:tests pytest tests/gpu/test_fp8_nosync
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -104,6 +105,12 @@ def test_an_fp8_attention_call_makes_no_host_sync(name, cache):
         host.sparse_attention(*args, kernels=kernels, precision="fp8", **extra)     # compiles outside the check
         with _no_sync():
             out, lse = host.sparse_attention(*args, kernels=kernels, precision="fp8", **extra)
+        # an index without the operands the index made (BlockIndex.fp8_operands): the attention makes the
+        # pre-pass and the means' codes itself, under the same check
+        bare = (*args[:-1], dataclasses.replace(index, fp8_operands=None))
+        with _no_sync():
+            out2, lse2 = host.sparse_attention(*bare, kernels=kernels, precision="fp8", **extra)
+        assert torch.equal(out2, out) and torch.equal(lse2, lse)
         assert torch.isfinite(out).all() and not torch.equal(out, torch.zeros_like(out))
         outs[impl] = (out, lse, index)
     if "gluon_ws" in outs:

@@ -36,6 +36,10 @@ from .tiles import AttnConfig, IndexConfig, KernelConfig, get_config
 # beyond it converts them to q's dtype once (half the L2 traffic of its loop). Only for an index
 # without 16-bit copies (the reference's): the Triton index always writes them.
 MEANS_DIRECT_MAX_KV = 32768
+# ``attention`` launches the attention before the index's nnz sync when the CSR bound (4 bytes per
+# causally visible (segment, block) pair, quadratic in the length: 64 MiB at 128K with 8 KV heads,
+# 1 GiB at 512K) fits this many bytes; above it, the sync first and a CSR of exactly nnz entries.
+ONE_CALL_CSR_MAX_BYTES = 256 * 2**20
 
 
 def kv_length_thresholds() -> tuple[int, ...]:
@@ -282,7 +286,7 @@ def _launch_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, confi
 
     def expand(col_idx: torch.Tensor) -> None:
         if n_seg:
-            ik._expand_kernel[(n_seg,)](bits, row_ptr, n_visible, col_idx, n_words,
+            ik._expand_kernel[(n_seg,)](bits, row_ptr, n_visible, col_idx, n_words, col_idx.numel(),
                                         WORDS=tiles.expand_words, num_warps=4)
 
     partial = BlockIndex(
@@ -314,7 +318,10 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
     16-bit copies half that, CSR ``4 x (n_segments + 1 + nnz)`` bytes, the selection bitmask
     ``sel_bits`` ``n_segments x ceil(max_blocks / 32)`` int32 that the mean correction reads)
     plus, during the call only, a scratch of ``n_programs x max_blocks`` float32 (at 128K, 32/8
-    heads, d 128: 8 + 4 MiB means, 4 MiB bitmask, 3 MiB CSR, 2 MiB scratch).
+    heads, d 128: 8 + 4 MiB means, 4 MiB bitmask, 3 MiB CSR, 2 MiB scratch). At precision "fp8" /
+    "int8qk" the index also holds the attention's operands (``fp8_operands``: the K and V codes, one
+    byte per cached K or V element, 256 MiB at 128K with 8 KV heads of d 128, while the index
+    lives; ``attention`` returns its index without them).
 
     One host sync: ``row_ptr[-1]`` (``nnz``) to size ``col_idx``; it waits for the selection
     only, while the GPU computes the value means.
@@ -464,9 +471,10 @@ def sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, co
         _check_fp8_impl(q, tiles, precision, plan, index.block_size)
         k_int8 = precision == "int8qk"
         ops = index.fp8_operands
+        sources = (k_cache, v_cache, k_descale, v_descale, index.k_mean, index.v_mean)
         if not (isinstance(ops, host_fp8.Fp8Operands)
-                and ops.matches(host_fp8.runs_ws(q, ops.kv.k8.dtype, plan, tiles, index.block_size), mc, tiles, k_int8)
-                and (not mc or ops.means[3] is index.sel_bits)):
+                and ops.matches(ws=host_fp8.runs_ws(q, ops.kv.k8.dtype, plan, tiles, index.block_size),
+                                mean_correction=mc, tiles=tiles, k_int8=k_int8, sources=sources, bits=index.sel_bits)):
             bits = host_fp8.mean_bits(index, plan) if mc and plan.n_tiles else None
             ops = host_fp8.prepare(q, k_cache, v_cache, page_table, seq_lens, plan, tiles, k_mean=index.k_mean,
                                    v_mean=index.v_mean, bits=bits, row_ptr=index.row_ptr, mean_correction=mc,
@@ -491,27 +499,32 @@ def attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config: S
     (segment, block) pair, 64 MiB at 128K with 32 / 8 heads), the attention reads it, and only then
     does the host wait for ``nnz`` and copy the ``nnz`` entries out (queued after the attention), so
     the GPU never waits for the host between index and attention (``docs/benchmarks.md``, twentieth
-    session). Same results as the two calls, bit for bit.
+    session). Above ``ONE_CALL_CSR_MAX_BYTES`` of bound (~256K tokens with 8 KV heads) it waits
+    first, as the two calls do. Same results as the two calls, bit for bit.
 
-    Returns ``(out [total_q, Hq, d] q.dtype, lse [total_q, Hq] float32, BlockIndex)``.
+    Returns ``(out [total_q, Hq, d] q.dtype, lse [total_q, Hq] float32, BlockIndex)``; the index
+    without ``fp8_operands`` (the attention has read them).
     """
     kernels = _kernels(q, config.block_size, kernels, precision)
     _check_fp8_impl(q, kernels.attn, precision, plan, config.block_size)
     extra = dict(precision=precision, k_descale=k_descale, v_descale=v_descale)
     partial, nnz_ready, expand = _launch_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config,
                                                softmax_scale, plan, kernels=kernels, **extra)
-    if nnz_ready is None:                # no segments: nothing to expand, nothing to wait for
-        index = partial
-        out, lse = sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale,
-                                    plan, index, kernels=kernels, **extra)
-        return out, lse, index
-    bound = k_cache.shape[2] * sum(visible_blocks(plan))
-    csr = torch.empty(bound, dtype=torch.int32, device=q.device)
-    expand(csr)
+    bound = k_cache.shape[2] * sum(visible_blocks(plan)) if nnz_ready is not None else 0
+    early = nnz_ready is not None and 4 * bound <= ONE_CALL_CSR_MAX_BYTES
+    if early:                            # the attention on the bound-sized CSR, then the wait
+        csr = torch.empty(bound, dtype=torch.int32, device=q.device)
+        expand(csr)
+        index = dataclasses.replace(partial, col_idx=csr)
+    else:                                # no segments (nothing to wait for), or a CSR bound too large
+        nnz = nnz_ready() if nnz_ready is not None else 0
+        index = dataclasses.replace(partial, col_idx=torch.empty(nnz, dtype=torch.int32, device=q.device))
+        expand(index.col_idx)
     out, lse = sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale,
-                                plan, dataclasses.replace(partial, col_idx=csr), kernels=kernels, **extra)
-    nnz = nnz_ready()
-    return out, lse, dataclasses.replace(partial, col_idx=csr[:nnz].clone())
+                                plan, index, kernels=kernels, **extra)
+    # the returned index: exactly nnz CSR entries, and without the FP8 codes (used up; 256 MiB at 128K)
+    col_idx = csr[:nnz_ready()].clone() if early else index.col_idx
+    return out, lse, dataclasses.replace(index, col_idx=col_idx, fp8_operands=None)
 
 
 def dense_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, softmax_scale, plan: BatchPlan,

@@ -81,33 +81,42 @@ class Fp8Operands:
 
     ``host.build_index`` makes them at precision "fp8" / "int8qk" after the selection's launch and
     before its one host sync (``nnz``), so the GPU runs the K / V pre-pass and the means' codes while
-    the host waits, and nothing but the expand and the attention's launch is left after the sync
-    (``docs/benchmarks.md``, twentieth session). ``BlockIndex.fp8_operands`` holds them;
-    ``sparse_attention`` uses them when ``matches`` its launch, else makes its own."""
+    the host waits (``docs/benchmarks.md``, twentieth session). ``BlockIndex.fp8_operands`` holds
+    them (the codes: one byte per K or V element, 256 MiB at 128K with 8 KV heads of d 128, while the
+    index lives); ``sparse_attention`` uses them when ``matches`` says they fit its launch and its
+    inputs, else makes its own."""
 
     kv: qk.Fp8KV
     means: tuple                # correction_operands' (k_mean8, v_mean8t, mean_cols, bits)
     ws: bool                    # laid out for the Gluon kernel (runs_ws)
     mean_correction: bool
     aligned: bool               # v_mean8t's request columns aligned (ws or tiles.mean_vec)
+    sources: tuple              # (k_cache, v_cache, k_descale, v_descale, k_mean, v_mean) they were made from
 
-    def matches(self, ws: bool, mean_correction: bool, tiles: AttnConfig, k_int8: bool) -> bool:
-        """Whether a launch with these settings can read them (same kernel, correction and layout)."""
+    def matches(self, *, ws: bool, mean_correction: bool, tiles: AttnConfig, k_int8: bool, sources: tuple,
+                bits) -> bool:
+        """Whether a launch can read them: the same kernel layout, correction and K codes, made from the
+        same tensors (``sources`` compared by identity: other caches, descales or means, e.g. an index
+        reused for another layer or a ``dataclasses.replace`` copy, make them anew) and, with the
+        correction, from the index's own selection bitmask ``bits``."""
         return (self.ws == ws and self.mean_correction == mean_correction and self.aligned == (ws or tiles.mean_vec)
-                and (self.kv.k8.dtype == torch.int8) == k_int8)
+                and (self.kv.k8.dtype == torch.int8) == k_int8
+                and len(sources) == len(self.sources) and all(a is b for a, b in zip(sources, self.sources))
+                and (not mean_correction or self.means[3] is bits))
 
 
 def prepare(q, k_cache, v_cache, page_table, seq_lens, plan: BatchPlan, tiles: AttnConfig, *, k_mean, v_mean,
             bits, row_ptr, mean_correction: bool, block_size: int, k_descale=None, v_descale=None,
             amax: torch.Tensor | None = None, hw_cvt: bool = False, k_int8: bool = False) -> Fp8Operands:
-    """``kv_operands`` and ``correction_operands`` of one sparse FP8 launch (arguments as theirs). No
-    host sync."""
+    """``kv_operands`` and ``correction_operands`` of one sparse FP8 launch (arguments as theirs), with
+    the tensors they were made from (``Fp8Operands.sources``). No host sync."""
     kv = kv_operands(k_cache, v_cache, page_table, seq_lens, plan, k_descale, v_descale, amax=amax,
                      hw_cvt=hw_cvt, k_int8=k_int8)
     ws = runs_ws(q, kv.k8.dtype, plan, tiles, block_size)
     means = correction_operands(k_mean, v_mean, bits, row_ptr, kv, plan, mean_correction=mean_correction,
                                 block_size=block_size, ws=ws, mean_vec=tiles.mean_vec)
-    return Fp8Operands(kv=kv, means=means, ws=ws, mean_correction=mean_correction, aligned=ws or tiles.mean_vec)
+    return Fp8Operands(kv=kv, means=means, ws=ws, mean_correction=mean_correction, aligned=ws or tiles.mean_vec,
+                       sources=(k_cache, v_cache, k_descale, v_descale, k_mean, v_mean))
 
 
 def launch_attention_fp8(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale: float, plan: BatchPlan,
@@ -210,7 +219,7 @@ def ws_means(index: BlockIndex, kv: qk.Fp8KV, plan: BatchPlan, mean_correction: 
 def ws_error(why: str) -> str:
     """The ``ValueError`` message for inputs ``impl="gluon_ws"`` cannot run (``why``: ``ws_unsupported``'s)."""
     return (f"the warp-specialised FP8 attention (AttnConfig.impl='gluon_ws') {why}; "
-            f"the default tiles (impl='triton') run these inputs")
+            f"impl='auto' (the default at d 64 / 128: this kernel where it runs) or impl='triton' run these inputs")
 
 
 def launch_attention_fp8_ws(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale: float, plan: BatchPlan,

@@ -355,10 +355,12 @@ def _select_kernel(
 
 
 @triton.jit
-def _expand_kernel(bits, row_ptr, n_visible, col_idx, n_words,
+def _expand_kernel(bits, row_ptr, n_visible, col_idx, n_words, n_col,
                    WORDS: tl.constexpr):
     """One segment's bitmask -> its ascending ``col_idx`` entries (from ``row_ptr[seg]``),
-    ``WORDS`` int32 words (``32 * WORDS`` key blocks) per step."""
+    ``WORDS`` int32 words (``32 * WORDS`` key blocks) per step. ``n_col``: ``col_idx``'s length; no
+    write lands past it (a ``row_ptr`` beyond the buffer, from lengths that disagree with the plan,
+    leaves entries unwritten instead of writing out of bounds)."""
     seg = tl.program_id(0)
     start = tl.load(row_ptr + seg)
     n_vis = tl.load(n_visible + seg)
@@ -372,5 +374,6 @@ def _expand_kernel(bits, row_ptr, n_visible, col_idx, n_words,
         js = j0 + tl.arange(0, CHUNK)
         sel = tl.where(js < n_vis, sel, 0)
         pos = tl.cumsum(sel, axis=0) - 1
-        tl.store(col_idx + start + written + pos, js, mask=sel != 0)
+        dst = start + written + pos
+        tl.store(col_idx + dst, js, mask=(sel != 0) & (dst < n_col))
         written += tl.sum(sel, axis=0)

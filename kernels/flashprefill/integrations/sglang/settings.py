@@ -58,8 +58,10 @@ class BackendSettings:
         collect_stats: record per-layer density and prefill time (device tensors and CUDA
             events; read by a writer thread after the forward).
         layer_timing: also time the index and attention stages of every sparse layer (three
-            CUDA events per layer, the index built by ``build_index`` between the first two);
-            off unless asked for.
+            CUDA events per layer, the index built by ``build_index`` between the first two: at
+            precision ``fp8`` / ``int8qk`` the index stage includes the attention's pre-pass, and
+            the layer waits for the index before launching the attention, where the untimed path
+            launches it first); off unless asked for.
         stats_dir: folder where the scheduler writes ``stats-<pid>.jsonl``; ``None`` = keep
             no stats on disk (they are still logged at debug level).
         debug_checks: validate the page table against ``req_to_token`` every batch (host
