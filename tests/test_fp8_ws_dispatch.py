@@ -155,6 +155,61 @@ def test_the_kernel_compiles_for_sm90_warp_specialised(d):
     assert ring_kib + q_kib <= res["smem_kib"] < ring_kib + q_kib + 1
 
 
+def test_the_timing_stamps_compile_away_in_the_shipped_launch(tmp_path):
+    """``TIMING`` (the lab's ``phases``): compiled for sm_90 here, the stamped kernel reads
+    ``%globaltimer`` and ``%smid`` with the same e4m3 wgmma count, registers and no spills, and the
+    shipped kernel (``t_ptr=None``) reads neither."""
+    import gluon_fp8
+
+    shipped = gluon_fp8.compile_config(gluon_fp8.GluonConfig(4), str(tmp_path), head_dim=128)
+    stamped = gluon_fp8.compile_config(gluon_fp8.GluonConfig(4), str(tmp_path), head_dim=128, timing=True)
+    assert "error" not in shipped and "error" not in stamped, (shipped.get("error"), stamped.get("error"))
+    assert stamped["spill_bytes"] == 0 and stamped["qgmma"] == shipped["qgmma"]
+    assert stamped["setmaxnreg"] == shipped["setmaxnreg"]
+    sass = {tag: (tmp_path / f"ws_s4_d128{tag}.sass").read_text() for tag in ("", "_timing")}
+    assert "GLOBALTIMER" in sass["_timing"] and "SMID" in sass["_timing"]
+    assert "GLOBALTIMER" not in sass[""] and "SMID" not in sass[""]
+
+
+def test_a_timing_buffer_of_another_shape_is_refused_before_the_launch(monkeypatch):
+    """``launch_attention_fp8_ws(timing=)`` takes int64 ``[n_tiles * Hkv, 8]``, contiguous; anything else
+    is a ``ValueError`` naming the expected shape (``ws_unsupported`` answered as on an H200, so the
+    check is what stops the call)."""
+    monkeypatch.setattr(host_fp8, "ws_unsupported", lambda *a: None)
+    seq_lens, cu_q, plan = _plan()
+    q = torch.randn(300, 8, 128, dtype=torch.bfloat16)
+    tiles = get_config(128, torch.bfloat16, 128, precision="fp8", variant="gluon_ws").attn
+    rows = plan.n_tiles * 2
+    for bad in (torch.zeros(rows, 7, dtype=torch.int64), torch.zeros(rows, 8, dtype=torch.int32),
+                torch.zeros(8, rows, dtype=torch.int64).t()):
+        with pytest.raises(ValueError, match=rf"timing must be a contiguous int64 \[{rows}, 8\]"):
+            host_fp8.launch_attention_fp8_ws(q, _kv(), seq_lens, cu_q, 0.088, plan, tiles, mean_correction=True,
+                                             block_size=128, index=_Index(plan), timing=bad)
+
+
+def test_phase_summary_adds_the_stamps_up():
+    """``gluon_fp8.phase_summary`` on hand-made stamps: three programs on SMs 0, 0 and 2 (ns): per
+    phase the summed time over the SM count, the time per step of each kind, the span and the SMs'
+    busy time."""
+    import gluon_fp8
+
+    stamps = torch.tensor([
+        # start, consumer, first corr., loop end, stores end, SM, exact, corr
+        [0, 1000, 9000, 13000, 14000, 0, 4, 2],
+        [14000, 14500, 20500, 20500, 21000, 0, 3, 0],
+        [500, 1500, 5500, 9500, 10500, 2, 2, 1],
+    ], dtype=torch.int64)
+    r = gluon_fp8.phase_summary(stamps, n_sm=4)
+    assert r["setup"] == (1000 + 500 + 1000) / 4 / 1e6
+    assert r["exact"] == (8000 + 6000 + 4000) / 4 / 1e6
+    assert r["correction"] == (4000 + 0 + 4000) / 4 / 1e6
+    assert r["epilogue"] == (1000 + 500 + 1000) / 4 / 1e6
+    assert r["exact_us_per_step"] == 18000 / 9 / 1e3 and r["correction_us_per_step"] == 8000 / 3 / 1e3
+    assert (r["steps_exact"], r["steps_correction"]) == (9, 3)
+    assert r["span_ms"] == 21000 / 1e6 and r["n_sm_used"] == 2
+    assert (r["sm_busy_min_ms"], r["sm_busy_max_ms"]) == (10000 / 1e6, 21000 / 1e6)
+
+
 def test_bench_triton_columns_are_filled_or_say_why_not(monkeypatch):
     """``fp bench --fp8``'s ``fp8 triton`` columns (``bench._fp8_triton_columns``): absent with a note
     where the default FP8 columns already ran the Triton kernel (off sm_90, d 256); the kernel's

@@ -4,6 +4,7 @@ compiles it for sm_90 anywhere and times it against the shipped kernels on the H
 
     PYTHONPATH=kernels:. python scripts/lab/gluon_fp8.py compile [--sass DIR]
     PYTHONPATH=kernels:. python scripts/lab/gluon_fp8.py time --lens 32k,128k --shapes 32/8/128,14/2/64
+    PYTHONPATH=kernels:. python scripts/lab/gluon_fp8.py phases --lens 32k,128k   # TIMING stamps
 
 Why the kernel exists: at 128K (32 / 8 heads, d 128) the Triton FP8 exact-key loop was 1.22x of
 BF16's (12.3 vs 15.0 ms, ninth session) where issue 13 needs ~1.65x; Triton 3.6 waits each
@@ -14,11 +15,18 @@ mean correction: registers and spills (ptxas ``-v``), shared memory, the ``USETM
 e4m3 wgmma (``QGMMA``) and wgmma-wait counts of the SASS.
 
 ``time`` (H200): ``flashprefill.bench``'s synthetic inputs (page 64, one request), the default
-``SparseConfig``: the shipped operator totals in BF16 and FP8 and their attention with / without
-the correction (index and pre-pass built beforehand), then per configuration its attention with /
+``SparseConfig``: the operator totals in BF16 and FP8 on the Triton kernel (``variant="triton_fp8"``)
+and their attention with / without the correction (index and pre-pass built beforehand), then per
+configuration of the Gluon kernel its attention with /
 without the correction (relative L2 of the output, max |ΔLSE| against the Triton FP8 kernel in the
 same mode) and its operator total (FP8 index + pre-pass + this kernel). Medians of ``do_bench``;
 writes ``gluon_fp8.json``.
+
+``phases`` (H200): the shipped Gluon launch with its ``TIMING`` stamps (``launch_attention_fp8_ws(timing=)``):
+per phase (setup, exact-key steps, correction chunks, epilogue) the summed program time over the SM
+count, the time per exact step and per correction chunk, the steps of each kind, the span and the
+least / most busy SM (``phase_summary``); the output equal to the untimed launch's. Writes
+``gluon_fp8_phases.json``.
 """
 from __future__ import annotations
 
@@ -68,9 +76,11 @@ def launch(q, kv, seq_lens, cu_seqlens_q, plan, index, softmax_scale: float, cfg
 # ------------------------------------------------------------------------------------------ compile
 
 def compile_config(cfg: GluonConfig, sass_dir: str | None = None, mean_correction: bool = True,
-                   head_dim: int = 128) -> dict:
+                   head_dim: int = 128, timing: bool = False) -> dict:
     """Compile ``cfg`` for sm_90 on this machine (GQA group 4): registers and spills (ptxas ``-v``),
-    shared memory, ``SETMAXNREG`` values and the SASS count of e4m3 wgmma (``QGMMA``); or ``error``."""
+    shared memory, ``SETMAXNREG`` values and the SASS count of e4m3 wgmma (``QGMMA``); or ``error``.
+    ``timing``: the lab's ``TIMING`` stamps on (``t_ptr`` an int64 pointer), else as shipped
+    (``t_ptr=None``)."""
     import compile_sm90 as cs
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -91,7 +101,11 @@ def compile_config(cfg: GluonConfig, sass_dir: str | None = None, mean_correctio
                 k_desc=mangle_type(kd), v_desc=mangle_type(vd), km_desc=mangle_type(kd), vm_desc=mangle_type(vd))
     consts = dict(GROUP=4, HEAD_DIM=d, TILE_ROWS=128, BLOCK_SIZE=128, STAGES=cfg.stages, PINGPONG=cfg.pingpong,
                   MEAN_CORR=mean_correction, CONSUMER_REGS=host_fp8.WS_CONSUMER_REGS,
-                  PRODUCER_REGS=host_fp8.WS_PRODUCER_REGS)
+                  PRODUCER_REGS=host_fp8.WS_PRODUCER_REGS, TIMING=timing)
+    if timing:
+        ptrs["t_ptr"] = "*i64"
+    else:
+        consts["t_ptr"] = None
     sig = cs._sig(fn, ptrs, consts, floats=("scale_log2",))
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if sig[n].startswith("*") or (sig[n] == "i32" and (n.startswith("stride") or n == "total_k"))}
@@ -107,7 +121,7 @@ def compile_config(cfg: GluonConfig, sass_dir: str | None = None, mean_correctio
     sass = cs.sass_of(k.asm["cubin"])
     if sass_dir:
         os.makedirs(sass_dir, exist_ok=True)
-        tag = f"{cfg.name}_d{d}{'' if mean_correction else '_nomc'}"
+        tag = f"{cfg.name}_d{d}{'' if mean_correction else '_nomc'}{'_timing' if timing else ''}"
         with open(os.path.join(sass_dir, tag + ".sass"), "w") as f:
             f.write(sass)
         with open(os.path.join(sass_dir, tag + ".ttgir"), "w") as f:
@@ -122,8 +136,8 @@ def compile_config(cfg: GluonConfig, sass_dir: str | None = None, mean_correctio
 # ------------------------------------------------------------------------------------------ time
 
 def run_length(L: int, names: list[str], shape: tuple[int, int, int] = (32, 8, 128)) -> dict:
-    """One length on the GPU (``shape`` = query heads, KV heads, d; page 64, default ``SparseConfig``): the shipped
-    operator totals (index + pre-pass + attention) in BF16 and FP8, their attention alone with and
+    """One length on the GPU (``shape`` = query heads, KV heads, d; page 64, default ``SparseConfig``): the
+    operator totals (index + pre-pass + attention) in BF16 and FP8 on the Triton kernel, their attention alone with and
     without the mean correction (index and pre-pass built beforehand), then per Gluon
     configuration its attention with / without the correction (rel L2 of the output and max |ΔLSE|
     against the shipped FP8 kernel of the same mode) and its operator total (the shipped FP8 index
@@ -141,7 +155,9 @@ def run_length(L: int, names: list[str], shape: tuple[int, int, int] = (32, 8, 1
     q, kc, vc, pt, sl, cu, _, _ = synthetic_inputs(L, HQ, HKV, D, torch.bfloat16, 64, 1)
     scale = 1.0 / math.sqrt(D)
     plan = make_plan(sl, cu, HQ // HKV, config.block_size)
-    kcfg = get_config(D, torch.bfloat16, config.block_size, precision="fp8")
+    # the Triton FP8 kernel (the default FP8 kernel before the twentieth session): what each Gluon
+    # configuration is compared against
+    kcfg = get_config(D, torch.bfloat16, config.block_size, precision="fp8", variant="triton_fp8")
     index16 = host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan)
     index8 = host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=kcfg, precision="fp8")
     kv = host_fp8.kv_operands(kc, vc, pt, sl, plan, amax=index8.kv_amax, hw_cvt=kcfg.index.hw_cvt)
@@ -204,6 +220,64 @@ def run_length(L: int, names: list[str], shape: tuple[int, int, int] = (32, 8, 1
     return row
 
 
+def phase_summary(stamps: torch.Tensor, n_sm: int) -> dict:
+    """Where the Gluon kernel's programs spend their time, from ``launch_attention_fp8_ws(timing=)``'s
+    int64 ``[n_programs, 8]`` rows (ns stamps: start, consumer start, first correction step, loop
+    end, stores end; SM id; exact steps; correction steps). Per phase the summed program time over
+    ``n_sm`` (ms: comparable with the kernel time at one program per SM): ``setup`` (Q tile, the
+    split), ``exact`` (the exact-key steps), ``correction`` (the mean-key chunks), ``epilogue``;
+    ``exact_us_per_step`` / ``correction_us_per_step`` (one program's time per step of each kind,
+    over all programs); the launch's span, and the least / most busy SM (ms)."""
+    t = stamps.to(torch.float64)
+    phase = {name: float((t[:, b] - t[:, a]).sum() / n_sm / 1e6)
+             for name, a, b in (("setup", 0, 1), ("exact", 1, 2), ("correction", 2, 3), ("epilogue", 3, 4))}
+    steps_exact, steps_corr = float(t[:, 6].sum()), float(t[:, 7].sum())
+    phase["exact_us_per_step"] = float((t[:, 2] - t[:, 1]).sum() / max(steps_exact, 1.0) / 1e3)
+    phase["correction_us_per_step"] = float((t[:, 3] - t[:, 2]).sum() / max(steps_corr, 1.0) / 1e3)
+    phase["steps_exact"], phase["steps_correction"] = int(steps_exact), int(steps_corr)
+    busy = t[:, 4] - t[:, 0]
+    sm = stamps[:, 5].long()
+    per_sm = torch.zeros(int(sm.max()) + 1, dtype=torch.float64).index_add_(0, sm, busy)
+    per_sm = per_sm[per_sm > 0]
+    phase.update(span_ms=float((t[:, 4].max() - t[:, 0].min()) / 1e6), sm_busy_min_ms=float(per_sm.min() / 1e6),
+                 sm_busy_max_ms=float(per_sm.max() / 1e6), n_sm_used=int(per_sm.numel()))
+    return phase
+
+
+def run_phases(L: int, shape: tuple[int, int, int] = (32, 8, 128)) -> dict:
+    """The shipped Gluon launch at one length with ``TIMING`` stamps (the operands the index prepared),
+    its output equal to the untimed launch's; ``phase_summary`` of the second of two timed runs."""
+    from flashprefill import SparseConfig, make_plan
+    from flashprefill.bench import synthetic_inputs
+    from flashprefill.impl.triton import host
+    from flashprefill.impl.triton.tiles import get_config
+
+    HQ, HKV, D = shape
+    config = SparseConfig()
+    q, kc, vc, pt, sl, cu, _, _ = synthetic_inputs(L, HQ, HKV, D, torch.bfloat16, 64, 1)
+    scale = 1.0 / math.sqrt(D)
+    plan = make_plan(sl, cu, HQ // HKV, config.block_size)
+    kcfg = get_config(D, torch.bfloat16, config.block_size, precision="fp8", variant="gluon_ws")
+    index = host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=kcfg, precision="fp8")
+    ops = index.fp8_operands
+    stamps = torch.zeros(plan.n_tiles * HKV, 8, dtype=torch.int64, device=q.device)
+
+    def run(timing=None):
+        return host_fp8.launch_attention_fp8_ws(q, ops.kv, sl, cu, scale, plan, kcfg.attn, mean_correction=True,
+                                                block_size=config.block_size, index=index, means=ops.means,
+                                                timing=timing)
+
+    want = run()
+    run(stamps)
+    got = run(stamps)
+    torch.cuda.synchronize()
+    n_sm = torch.cuda.get_device_properties(q.device).multi_processor_count
+    row = {"L": L, "shape": f"{HQ}/{HKV}/{D}", "same_output": bool(torch.equal(got[0], want[0])),
+           **phase_summary(stamps.cpu(), n_sm)}
+    print(f"  {row}", flush=True)
+    return row
+
+
 def host_launch_ms(fn, n: int = 20) -> float:
     """Host milliseconds per call of ``fn`` (the launch path: Python, argument binding, descriptor
     encoding, host-side preparation and any synchronising copy in it), the GPU drained before and
@@ -255,6 +329,10 @@ def main(argv=None) -> int:
     t.add_argument("--configs", default=",".join(known), help="comma-separated configuration names")
     t.add_argument("--shapes", default="32/8/128", help="comma-separated query heads/KV heads/d (d 64 or 128)")
     t.add_argument("--out", default=".", help="directory of gluon_fp8.json")
+    ph = sub.add_parser("phases", help="per-phase time of the shipped Gluon launch from TIMING stamps (H200)")
+    ph.add_argument("--lens", default="32k,128k", help="comma-separated lengths (e.g. 32k,128k)")
+    ph.add_argument("--shapes", default="32/8/128", help="comma-separated query heads/KV heads/d (d 64 or 128)")
+    ph.add_argument("--configs", default="ws_s4", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     names = [n for n in a.configs.split(",") if n]
     bad = [n for n in names if n not in known]
@@ -267,10 +345,21 @@ def main(argv=None) -> int:
                     print(compile_config(known[n], a.sass, mean_correction=mc, head_dim=d), flush=True)
         return 0
     if not torch.cuda.is_available():
-        raise SystemExit("gluon_fp8.py time needs a CUDA GPU with TMA and FP8 tensor cores (sm_90)")
+        raise SystemExit(f"gluon_fp8.py {a.mode} needs a CUDA GPU with TMA and FP8 tensor cores (sm_90)")
     from fp8_variants import write_rows
 
     shapes = [tuple(int(v) for v in sh.split("/")) for sh in a.shapes.split(",") if sh]
+    if a.mode == "phases":
+        rows = [run_phases(parse_length(x), sh) for sh in shapes for x in a.lens.split(",") if x]
+        print(f"{'L':>7} {'shape':>9} {'setup':>7} {'exact':>7} {'corr':>7} {'epi':>6} {'us/exact':>8} "
+              f"{'us/corr':>8} {'n exact':>8} {'n corr':>7} {'span':>7} {'SM min':>7} {'SM max':>7} same")
+        for r in rows:
+            print(f"{r['L']:>7} {r['shape']:>9} {r['setup']:7.3f} {r['exact']:7.3f} {r['correction']:7.3f} "
+                  f"{r['epilogue']:6.3f} {r['exact_us_per_step']:8.3f} {r['correction_us_per_step']:8.3f} "
+                  f"{r['steps_exact']:8d} {r['steps_correction']:7d} {r['span_ms']:7.3f} {r['sm_busy_min_ms']:7.3f} "
+                  f"{r['sm_busy_max_ms']:7.3f} {r['same_output']}")
+        write_rows(".", "gluon_fp8_phases.json", rows)
+        return 0
     rows = [run_length(parse_length(x), names, sh) for sh in shapes for x in a.lens.split(",") if x]
     print(table(rows))
     write_rows(a.out, "gluon_fp8.json", rows)

@@ -117,6 +117,44 @@ def test_the_operands_the_index_prepares_give_the_attention_bit_for_bit(d, hq, h
     assert torch.isfinite(out).all() and torch.equal(out, want) and torch.equal(lse, want_lse)
 
 
+def test_the_timing_stamps_follow_the_steps_and_leave_the_output_alone():
+    """``launch_attention_fp8_ws(timing=)`` (the lab's ``gluon_fp8.py phases``): per program the stamps
+    ascend (start, consumer, first correction step, loop end, stores end), the exact steps are the
+    CSR row's length, some programs have correction steps, the SM ids are the GPU's, and the output
+    equals the untimed launch's bit for bit."""
+    from flashprefill import SparseConfig
+    from flashprefill.bench import synthetic_inputs
+    from flashprefill.impl.triton import host, host_fp8
+    from flashprefill.impl.triton.tiles import get_config
+
+    config = SparseConfig()
+    q, kc, vc, pt, sl, cu, _, _ = synthetic_inputs(20000, 8, 2, 128, torch.bfloat16, 64, 2)
+    plan = make_plan(sl, cu, 4, config.block_size)
+    kcfg = get_config(128, torch.bfloat16, config.block_size, precision="fp8", variant="gluon_ws")
+    index = host.build_index(q, kc, vc, pt, sl, cu, config, 128 ** -0.5, plan, kernels=kcfg, precision="fp8")
+    ops = index.fp8_operands
+    stamps = torch.zeros(plan.n_tiles * 2, 8, dtype=torch.int64, device="cuda")
+
+    def run(timing=None):
+        return host_fp8.launch_attention_fp8_ws(q, ops.kv, sl, cu, 128 ** -0.5, plan, kcfg.attn, mean_correction=True,
+                                                block_size=config.block_size, index=index, means=ops.means,
+                                                timing=timing)
+
+    want = run()
+    got = run(stamps)
+    torch.cuda.synchronize()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    t = stamps.cpu()
+    assert bool((t[:, 1:5] >= t[:, 0:4]).all()) and bool((t[:, 0] > 0).all())
+    # program pid = KV head + Hkv * (n_tiles - 1 - tile): its segment is h * n_tiles + tile
+    pid = torch.arange(t.shape[0])
+    seg = (pid % 2) * plan.n_tiles + (plan.n_tiles - 1 - pid // 2)
+    counts = (index.row_ptr[1:] - index.row_ptr[:-1]).cpu().long()
+    assert torch.equal(t[:, 6], counts[seg]) and int(t[:, 7].sum()) > 0
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    assert bool((t[:, 5] >= 0).all()) and bool((t[:, 5] < n_sm).all())
+
+
 def test_an_unsupported_head_dim_is_refused_before_any_launch():
     from flashprefill.impl.triton import host
     from flashprefill.impl.triton.tiles import get_config

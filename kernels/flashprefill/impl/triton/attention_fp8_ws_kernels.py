@@ -44,13 +44,25 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
+def _clock(TIMING: gl.constexpr):
+    """``%globaltimer`` (ns) when ``TIMING``, else 0: the lab's per-phase stamps (``timing`` of
+    ``host_fp8.launch_attention_fp8_ws``), compiled away in every shipped launch."""
+    if TIMING:
+        return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
+                                         pack=1)
+    else:
+        return gl.to_tensor(0).to(gl.int64)
+
+
+@gluon.jit
 def _producer(a, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, PINGPONG: gl.constexpr):
     """The TMA partition (1 warp): step ``t`` waits for its stage to be released by both consumers,
     then copies exact block ``col_idx[start + t]`` (``t < end - start``) or mean-key chunk ``t - (end -
     start)`` into it, both copies signalling ``ready``. ``a``: the program's values (``_attn_fwd_fp8_ws``)."""
     (k_desc, v_desc, km_desc, vm_desc, q_smem, k_bufs, v_bufs, ready, empty, turn, col_idx, start, split, end,
      k_row0, v_row0, kv0, blk0, col0, n_u, bits_row, n_words, j_part, log2_part, log2_full,
-     P, lk, tile_row0, q_start, lq, h, scale2, s_v, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, stride_lh) = a
+     P, lk, tile_row0, q_start, lq, h, scale2, s_v, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, stride_lh,
+     t_row, t_start) = a
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     n_exact = end - start
     for t in range(n_exact + gl.cdiv(n_u, BLOCK_SIZE)):
@@ -71,12 +83,14 @@ def _producer(a, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.con
 
 @gluon.jit
 def _consumer(a, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, PINGPONG: gl.constexpr,
-              CID: gl.constexpr):
+              CID: gl.constexpr, TIMING: gl.constexpr):
     """Consumer ``CID`` (one warpgroup): rows ``64 CID .. 64 CID + 63`` of the Q tile through every
-    step of the ring (module docstring), then their output and LSE."""
+    step of the ring (module docstring), then their output and LSE. ``TIMING`` (consumer 0 only):
+    ``%globaltimer`` stamps into the program's row of ``t_row`` (``_attn_fwd_fp8_ws``)."""
     (k_desc, v_desc, km_desc, vm_desc, q_smem, k_bufs, v_bufs, ready, empty, turn, col_idx, start, split, end,
      k_row0, v_row0, kv0, blk0, col0, n_u, bits_row, n_words, j_part, log2_part, log2_full,
-     P, lk, tile_row0, q_start, lq, h, scale2, s_v, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, stride_lh) = a
+     P, lk, tile_row0, q_start, lq, h, scale2, s_v, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, stride_lh,
+     t_row, t_start) = a
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     gl.static_assert(BLOCK_SIZE == 128)          # one chunk of mean keys = 4 bitmask words
     M: gl.constexpr = 64
@@ -101,7 +115,12 @@ def _consumer(a, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.con
     n_exact = end - start
     n = n_exact + gl.cdiv(n_u, BLOCK_SIZE)
     inv_scale2 = 1.0 / scale2
+    STAMP: gl.constexpr = TIMING and CID == 0
+    t_loop = _clock(STAMP)
+    t_split = t_loop
     for t in range(n):
+        if STAMP:
+            t_split = gl.where(t == n_exact, _clock(STAMP), t_split)     # the first correction step
         s = t % STAGES
         # this step's scalars, loaded before the waits: the block id (the diagonal steps' mask) or
         # the chunk's 4 selection words (mean-key steps)
@@ -152,6 +171,9 @@ def _consumer(a, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.con
         sl = (n - 1) % STAGES
         acc = warpgroup_mma(p8, v_bufs.index(sl).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    t_done = _clock(STAMP)
+    if STAMP:
+        t_split = gl.where(n_exact >= n, t_done, t_split)                  # no correction step
     m_i = gl.convert_layout(m_i, row_o)
     l_i = gl.convert_layout(l_i, row_o)
     rows = gl.convert_layout(rows, row_o)
@@ -167,16 +189,31 @@ def _consumer(a, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.con
     gl.store(out_ptr + o_off[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     l_off = (q_start + tok).to(gl.int64) * stride_lt + head.to(gl.int64) * stride_lh
     gl.store(lse_ptr + l_off, lse, mask=row_ok)
+    if STAMP:
+        # [program start, consumer start, first correction step (= loop end without one), loop end,
+        #  stores done, SM id, exact steps, correction steps]
+        t_end = _clock(STAMP)
+        sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=True, pack=1)
+        gl.store(t_row + 0, t_start)
+        gl.store(t_row + 1, t_loop)
+        gl.store(t_row + 2, t_split)
+        gl.store(t_row + 3, t_done)
+        gl.store(t_row + 4, t_end)
+        gl.store(t_row + 5, sm.to(gl.int64))
+        gl.store(t_row + 6, n_exact.to(gl.int64))
+        gl.store(t_row + 7, (n - n_exact).to(gl.int64))
 
 
 @gluon.jit
-def _consumer0(a, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, PINGPONG: gl.constexpr):
-    _consumer(a, GROUP, HEAD_DIM, BLOCK_SIZE, PINGPONG, 0)
+def _consumer0(a, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, PINGPONG: gl.constexpr,
+               TIMING: gl.constexpr):
+    _consumer(a, GROUP, HEAD_DIM, BLOCK_SIZE, PINGPONG, 0, TIMING)
 
 
 @gluon.jit
-def _consumer1(a, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, PINGPONG: gl.constexpr):
-    _consumer(a, GROUP, HEAD_DIM, BLOCK_SIZE, PINGPONG, 1)
+def _consumer1(a, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, PINGPONG: gl.constexpr,
+               TIMING: gl.constexpr):
+    _consumer(a, GROUP, HEAD_DIM, BLOCK_SIZE, PINGPONG, 1, TIMING)
 
 
 @gluon.jit
@@ -186,8 +223,9 @@ def _attn_fwd_fp8_ws(q_ptr, k_desc, v_desc, km_desc, vm_desc, k_scale, v_scale, 
             n_words, total_k, n_tiles, n_programs, n_kv_heads, scale_log2,
             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, TILE_ROWS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
             STAGES: gl.constexpr, PINGPONG: gl.constexpr, MEAN_CORR: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-            PRODUCER_REGS: gl.constexpr):
+            PRODUCER_REGS: gl.constexpr, t_ptr=None, TIMING: gl.constexpr = False):
     gl.static_assert(TILE_ROWS == 2 * 64)
+    t_start = _clock(TIMING)
     pid = gl.program_id(0)
     h = pid % n_kv_heads
     tile = n_programs - 1 - pid // n_kv_heads
@@ -259,8 +297,9 @@ def _attn_fwd_fp8_ws(q_ptr, k_desc, v_desc, km_desc, vm_desc, k_scale, v_scale, 
     args = (k_desc, v_desc, km_desc, vm_desc, q_smem, k_bufs, v_bufs, ready, empty, turn, col_idx, start, split,
             end, h * total_k + kv0, h * HEAD_DIM, kv0, blk0, col0, n_u, bits_row, n_words, j_part, log2_part,
             log2_full, P, lk, i * TILE_ROWS, q_start, lq, h, scale2, s_v,
-            out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, stride_lh)
-    gl.warp_specialize([(_consumer0, (args, GROUP, HEAD_DIM, BLOCK_SIZE, PINGPONG)),
-                        (_consumer1, (args, GROUP, HEAD_DIM, BLOCK_SIZE, PINGPONG)),
+            out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, stride_lh,
+            t_ptr + pid.to(gl.int64) * 8 if TIMING else out_ptr, t_start)
+    gl.warp_specialize([(_consumer0, (args, GROUP, HEAD_DIM, BLOCK_SIZE, PINGPONG, TIMING)),
+                        (_consumer1, (args, GROUP, HEAD_DIM, BLOCK_SIZE, PINGPONG, TIMING)),
                         (_producer, (args, GROUP, HEAD_DIM, BLOCK_SIZE, PINGPONG))], [4, 1],
                        [CONSUMER_REGS, PRODUCER_REGS])

@@ -224,7 +224,7 @@ def ws_error(why: str) -> str:
 
 def launch_attention_fp8_ws(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale: float, plan: BatchPlan,
                             tiles: AttnConfig, *, mean_correction: bool, block_size: int, index: BlockIndex,
-                            means: tuple | None = None):
+                            means: tuple | None = None, timing: torch.Tensor | None = None):
     """Launch the warp-specialised Gluon kernel ``attention_fp8_ws_kernels._attn_fwd_fp8_ws`` (sparse
     e4m3, ``docs/fp8.md`` section 11); no host sync. Same inputs and result as
     ``launch_attention_fp8(..., sparse=True)``: ``(out [total_q, Hq, d] q.dtype, lse [total_q, Hq]
@@ -239,11 +239,21 @@ def launch_attention_fp8_ws(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_sca
     (``qk.REQUEST_ALIGN``), so a request's last boxes end in its own zero gap: ``0 · NaN = NaN`` in the
     ``P V`` product never brings the next request's NaN into this request's rows
     (``tests/gpu/test_fp8_ws.py``). ``means``: its ``correction_operands`` (``ws=True``), made here
-    when None.
+    when None. ``timing`` (lab only, ``scripts/lab/gluon_fp8.py phases``): int64 ``[n_tiles * Hkv, 8]``,
+    one row per program, written by consumer 0: ``%globaltimer`` (ns) at the program's start, the
+    consumer's start, the first correction step (the loop's end without one), the loop's end and
+    the stores' end, then the SM id, the exact steps and the correction steps (``TIMING``; every
+    shipped launch compiles without it).
 
     Raises:
-        ValueError: ``ws_unsupported`` gives a reason (not sm_90, not e4m3, d, block size, tile rows).
+        ValueError: ``ws_unsupported`` gives a reason (not sm_90, not e4m3, d, block size, tile rows);
+            ``timing`` of another shape, dtype or layout.
     """
+    n_rows = plan.n_tiles * kv.k8.shape[0]
+    if timing is not None and (timing.shape != (n_rows, 8) or timing.dtype != torch.int64
+                               or not timing.is_contiguous()):
+        raise ValueError(f"timing must be a contiguous int64 [{n_rows}, 8] (one row per program), got "
+                         f"{timing.dtype} {list(timing.shape)} with strides {timing.stride()}")
     why = ws_unsupported(q, kv.k8.dtype, plan, block_size)
     if why:
         raise ValueError(ws_error(why))
@@ -275,7 +285,7 @@ def launch_attention_fp8_ws(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_sca
         bits.shape[1] if mean_correction else 0, total_k, plan.n_tiles, n_prog, hkv, float(softmax_scale) * LOG2E,
         GROUP=plan.group_size, HEAD_DIM=d, TILE_ROWS=plan.tile_rows, BLOCK_SIZE=block_size, STAGES=tiles.ws_stages,
         PINGPONG=tiles.ws_pingpong, MEAN_CORR=mean_correction, CONSUMER_REGS=WS_CONSUMER_REGS,
-        PRODUCER_REGS=WS_PRODUCER_REGS, num_warps=4, maxnreg=WS_MAXNREG)
+        PRODUCER_REGS=WS_PRODUCER_REGS, t_ptr=timing, TIMING=timing is not None, num_warps=4, maxnreg=WS_MAXNREG)
     return out, lse
 
 
