@@ -227,7 +227,9 @@ def phase_summary(stamps: torch.Tensor, n_sm: int) -> dict:
     ``n_sm`` (ms: comparable with the kernel time at one program per SM): ``setup`` (Q tile, the
     split), ``exact`` (the exact-key steps), ``correction`` (the mean-key chunks), ``epilogue``;
     ``exact_us_per_step`` / ``correction_us_per_step`` (one program's time per step of each kind,
-    over all programs); the launch's span, and the least / most busy SM (ms)."""
+    over all programs); the launch's span, and the least / most busy SM (ms). The loop is pipelined
+    (step ``t`` issues ``S_t`` and ``P_{t-1} V_{t-1}``), so the phases split at a step's start: the
+    last exact step's ``P V`` counts in ``correction``."""
     t = stamps.to(torch.float64)
     phase = {name: float((t[:, b] - t[:, a]).sum() / n_sm / 1e6)
              for name, a, b in (("setup", 0, 1), ("exact", 1, 2), ("correction", 2, 3), ("epilogue", 3, 4))}
