@@ -63,7 +63,7 @@ def gluon_configs() -> dict[str, GluonConfig]:
 def launch(q, kv, seq_lens, cu_seqlens_q, plan, index, softmax_scale: float, cfg: GluonConfig, block_size: int,
            mean_correction: bool = True, means=None):
     """``host_fp8.launch_attention_fp8_ws`` with the FP8 tiles of d and ``cfg``'s ring (``means``: its
-    correction operands made beforehand, ``host_fp8.ws_means``)."""
+    correction operands made beforehand, ``host_fp8.index_correction_operands``)."""
     from flashprefill.impl.triton.tiles import get_config
 
     tiles = get_config(q.shape[2], q.dtype, block_size, precision="fp8", variant="gluon_ws").attn
@@ -175,7 +175,8 @@ def run_length(L: int, names: list[str], shape: tuple[int, int, int] = (32, 8, 1
         "fp8_attn": time_ms(lambda: fp8_attn(True)),
         "fp8_attn_nomc": time_ms(lambda: fp8_attn(False)),
     }
-    ms["means_prep"] = time_ms(lambda: host_fp8.ws_means(index8, kv, plan, True, config.block_size))
+    ms["means_prep"] = time_ms(lambda: host_fp8.index_correction_operands(
+        index8, kv, plan, mean_correction=True, block_size=config.block_size, ws=True))
     ms["host_launch_fp8"] = host_launch_ms(lambda: fp8_attn(True))
     row = {"L": L, "shape": f"{HQ}/{HKV}/{D}", "density8": index8.nnz / max(1, int(index8.n_visible.sum())), "shipped_ms": ms}
     print(f"  L={L} shipped {ms} density {row['density8']:.4f}", flush=True)
@@ -196,7 +197,8 @@ def run_length(L: int, names: list[str], shape: tuple[int, int, int] = (32, 8, 1
                 r["nonfinite_out" + tag] = int((~torch.isfinite(out)).sum())
                 r["attn" + tag] = time_ms(lambda: launch(q, kv, sl, cu, plan, index8, scale, cfg, config.block_size, mc))
 
-            means = host_fp8.ws_means(index8, kv, plan, True, config.block_size)
+            means = host_fp8.index_correction_operands(index8, kv, plan, mean_correction=True,
+                                                       block_size=config.block_size, ws=True)
             r["attn_kernel"] = time_ms(lambda: launch(q, kv, sl, cu, plan, index8, scale, cfg, config.block_size, True,
                                                       means))
             r["host_launch"] = host_launch_ms(lambda: launch(q, kv, sl, cu, plan, index8, scale, cfg,

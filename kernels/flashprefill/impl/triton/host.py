@@ -341,11 +341,16 @@ def build_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config:
         ValueError: ``plan.block_size != config.block_size``, or a head dim / dtype the kernels
             do not take.
     """
-    partial, nnz_ready, expand = _launch_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config,
-                                               softmax_scale, plan, kernels=kernels, precision=precision,
-                                               k_descale=k_descale, v_descale=v_descale)
+    return _finish_index(*_launch_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config,
+                                        softmax_scale, plan, kernels=kernels, precision=precision,
+                                        k_descale=k_descale, v_descale=v_descale))
+
+
+def _finish_index(partial: BlockIndex, nnz_ready, expand) -> BlockIndex:
+    """``_launch_index``'s result made whole: the wait for ``nnz`` (none without segments), a CSR of
+    exactly ``nnz`` entries and its expand."""
     nnz = nnz_ready() if nnz_ready is not None else 0
-    col_idx = torch.empty(nnz, dtype=torch.int32, device=q.device)
+    col_idx = torch.empty(nnz, dtype=torch.int32, device=partial.row_ptr.device)
     expand(col_idx)
     return dataclasses.replace(partial, col_idx=col_idx)
 
@@ -517,9 +522,7 @@ def attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config: S
         expand(csr)
         index = dataclasses.replace(partial, col_idx=csr)
     else:                                # no segments (nothing to wait for), or a CSR bound too large
-        nnz = nnz_ready() if nnz_ready is not None else 0
-        index = dataclasses.replace(partial, col_idx=torch.empty(nnz, dtype=torch.int32, device=q.device))
-        expand(index.col_idx)
+        index = _finish_index(partial, nnz_ready, expand)
     out, lse = sparse_attention(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, config, softmax_scale,
                                 plan, index, kernels=kernels, **extra)
     # the returned index: exactly nnz CSR entries, and without the FP8 codes (used up; 256 MiB at 128K)

@@ -75,6 +75,16 @@ def correction_operands(k_mean, v_mean, bits, row_ptr, kv: qk.Fp8KV, plan: Batch
             torch.zeros(hkv, d, qk.TMA_ALIGN, dtype=quant.E4M3, device=dev), plan.block_ptr, row_ptr)
 
 
+def index_correction_operands(index: BlockIndex, kv: qk.Fp8KV, plan: BatchPlan, *, mean_correction: bool,
+                              block_size: int, ws: bool, mean_vec: bool = False) -> tuple:
+    """``correction_operands`` of ``index``'s means and selection bitmask (``mean_bits``; none read
+    without the correction). The lab times a kernel apart from them with ``ws=True``."""
+    k_mean, v_mean, bits = ((index.k_mean, index.v_mean, mean_bits(index, plan)) if mean_correction
+                            else (None, None, None))
+    return correction_operands(k_mean, v_mean, bits, index.row_ptr, kv, plan, mean_correction=mean_correction,
+                               block_size=block_size, ws=ws, mean_vec=mean_vec)
+
+
 @dataclass(frozen=True)
 class Fp8Operands:
     """A sparse FP8 launch's operands besides Q, made by ``prepare`` (``docs/fp8.md`` section 7).
@@ -150,9 +160,8 @@ def launch_attention_fp8(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale:
     if sparse:
         row_ptr, col_idx = index.row_ptr, index.col_idx
         if means is None:
-            k_mean, v_mean, bits = (index.k_mean, index.v_mean, mean_bits(index, plan)) if mc else (None, None, None)
-            means = correction_operands(k_mean, v_mean, bits, row_ptr, kv, plan, mean_correction=mc,
-                                        block_size=block_size, ws=False, mean_vec=tiles.mean_vec)
+            means = index_correction_operands(index, kv, plan, mean_correction=mc, block_size=block_size, ws=False,
+                                              mean_vec=tiles.mean_vec)
         k_mean8, v_mean8t, mean_cols, bits = means
     else:
         row_ptr = col_idx = bits = plan.tile_ptr            # unused placeholders (dense mode)
@@ -207,15 +216,6 @@ def ws_unsupported(q: torch.Tensor, k_dtype: torch.dtype, plan: BatchPlan, block
     return None
 
 
-def ws_means(index: BlockIndex, kv: qk.Fp8KV, plan: BatchPlan, mean_correction: bool, block_size: int):
-    """``correction_operands`` of ``launch_attention_fp8_ws`` for ``index`` (the lab times the kernel
-    apart from them): ``(k_mean8, v_mean8t, mean_cols, sel_bits)``."""
-    k_mean, v_mean, bits = ((index.k_mean, index.v_mean, mean_bits(index, plan)) if mean_correction
-                            else (None, None, None))
-    return correction_operands(k_mean, v_mean, bits, index.row_ptr, kv, plan, mean_correction=mean_correction,
-                               block_size=block_size, ws=True)
-
-
 def ws_error(why: str) -> str:
     """The ``ValueError`` message for inputs ``impl="gluon_ws"`` cannot run (``why``: ``ws_unsupported``'s)."""
     return (f"the warp-specialised FP8 attention (AttnConfig.impl='gluon_ws') {why}; "
@@ -268,8 +268,10 @@ def launch_attention_fp8_ws(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_sca
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
     if plan.n_tiles == 0 or total_q == 0:
         return out, lse
-    k_mean8, v_mean8t, mean_cols, bits = means if means is not None else ws_means(index, kv, plan, mean_correction,
-                                                                                 block_size)
+    if means is None:
+        means = index_correction_operands(index, kv, plan, mean_correction=mean_correction, block_size=block_size,
+                                          ws=True)
+    k_mean8, v_mean8t, mean_cols, bits = means
 
     def desc(t2: torch.Tensor, box: list[int]):
         return TensorDescriptor.from_tensor(t2, box, gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv))
