@@ -52,6 +52,7 @@ def _run_case(name):
     QK.torch.empty = dirty_empty
     try:
         kv = QK.quantize_kv(k, v, pt, sl, plan)
+        kvp = QK.quantize_kv(k, v, pt, sl, plan, v_perm=True)      # V in the Gluon kernel's wgmma order
     finally:
         QK.torch.empty = empty
     k8m, v8mt, _ = QK.quantize_means(index.k_mean, index.v_mean, kv, plan)
@@ -66,6 +67,9 @@ def _run_case(name):
         "means": torch.equal(bits(k8m), bits(want["k_mean8"])) and torch.equal(bits(v8mt[:, :, :nb]), bits(want["v_mean8t"])),
         "cu": kv.cu_seqlens_k.tolist() == want["cu_seqlens_k"],
         "saturated": bool((kv.k8.float().abs() == 448).any()),
+        # slot wgmma_slot(p) of the permuted V holds what slot p of the token-ordered one does
+        "v8t_wgmma_order": kvp.v_perm and torch.equal(bits(kvp.k8), bits(kv.k8))
+        and torch.equal(bits(kvp.v8t)[:, :, QK.wgmma_slot(torch.arange(kv.v8t.shape[2]))], bits(want["v8t"])),
     }
 
 
@@ -75,7 +79,7 @@ results = results_fixture(__file__, timeout_s=600)
 @pytest.mark.parametrize("name", list(CASES))
 def test_prepass_matches_quant_bit_for_bit(results, name):
     r = case_result(results, name)
-    for key in ("k8", "v8t", "scales", "means", "cu", "saturated"):
+    for key in ("k8", "v8t", "scales", "means", "cu", "saturated", "v8t_wgmma_order"):
         assert r[key], f"{name}: {key}"
 
 

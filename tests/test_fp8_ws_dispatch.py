@@ -155,6 +155,21 @@ def test_the_kernel_compiles_for_sm90_warp_specialised(d):
     assert ring_kib + q_kib <= res["smem_kib"] < ring_kib + q_kib + 1
 
 
+@pytest.mark.parametrize("d", [128, 64])
+def test_v_in_the_wgmma_order_takes_the_byte_moves_out_of_the_loop(d):
+    """``V_PERM`` (``Fp8KV.v_perm``, the shipped operands): ``P8`` reaches the ``P V`` wgmma as the
+    registers the softmax left (``assert_trivial`` holds at compile time), so the SASS has less than
+    half the byte permutes and shuffles of token order (the codes' layout conversion, ~110 per step
+    and consumer), with the same e4m3 wgmma, no spills."""
+    import gluon_fp8
+
+    wg = gluon_fp8.compile_config(gluon_fp8.GluonConfig(4), head_dim=d)
+    tok = gluon_fp8.compile_config(gluon_fp8.GluonConfig(4), head_dim=d, v_perm=False)
+    assert "error" not in wg and "error" not in tok, (wg.get("error"), tok.get("error"))
+    assert wg["spill_bytes"] == 0 and wg["qgmma"] == tok["qgmma"]
+    assert 2 * wg["byte_moves"] < tok["byte_moves"], (wg["byte_moves"], tok["byte_moves"])
+
+
 def test_the_timing_stamps_compile_away_in_the_shipped_launch(tmp_path):
     """``TIMING`` (the lab's ``phases``): compiled for sm_90 here, the stamped kernel reads
     ``%globaltimer`` and ``%smid`` with the same e4m3 wgmma count, registers and no spills, and the

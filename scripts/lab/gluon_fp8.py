@@ -76,11 +76,13 @@ def launch(q, kv, seq_lens, cu_seqlens_q, plan, index, softmax_scale: float, cfg
 # ------------------------------------------------------------------------------------------ compile
 
 def compile_config(cfg: GluonConfig, sass_dir: str | None = None, mean_correction: bool = True,
-                   head_dim: int = 128, timing: bool = False) -> dict:
+                   head_dim: int = 128, timing: bool = False, v_perm: bool = True) -> dict:
     """Compile ``cfg`` for sm_90 on this machine (GQA group 4): registers and spills (ptxas ``-v``),
     shared memory, ``SETMAXNREG`` values and the SASS count of e4m3 wgmma (``QGMMA``); or ``error``.
     ``timing``: the lab's ``TIMING`` stamps on (``t_ptr`` an int64 pointer), else as shipped
-    (``t_ptr=None``)."""
+    (``t_ptr=None``). ``v_perm``: V in the wgmma order (``Fp8KV.v_perm``, what ``host_fp8.prepare`` makes
+    for this kernel), else token order (a layout conversion of ``P8`` each step); the SASS files of
+    token order end in ``_tokord``."""
     import compile_sm90 as cs
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -101,7 +103,7 @@ def compile_config(cfg: GluonConfig, sass_dir: str | None = None, mean_correctio
                 k_desc=mangle_type(kd), v_desc=mangle_type(vd), km_desc=mangle_type(kd), vm_desc=mangle_type(vd))
     consts = dict(GROUP=4, HEAD_DIM=d, TILE_ROWS=128, BLOCK_SIZE=128, STAGES=cfg.stages, PINGPONG=cfg.pingpong,
                   MEAN_CORR=mean_correction, CONSUMER_REGS=host_fp8.WS_CONSUMER_REGS,
-                  PRODUCER_REGS=host_fp8.WS_PRODUCER_REGS, TIMING=timing)
+                  PRODUCER_REGS=host_fp8.WS_PRODUCER_REGS, TIMING=timing, V_PERM=v_perm)
     if timing:
         ptrs["t_ptr"] = "*i64"
     else:
@@ -121,7 +123,7 @@ def compile_config(cfg: GluonConfig, sass_dir: str | None = None, mean_correctio
     sass = cs.sass_of(k.asm["cubin"])
     if sass_dir:
         os.makedirs(sass_dir, exist_ok=True)
-        tag = f"{cfg.name}_d{d}{'' if mean_correction else '_nomc'}{'_timing' if timing else ''}"
+        tag = f"{cfg.name}_d{d}{'' if mean_correction else '_nomc'}{'_timing' if timing else ''}{'' if v_perm else '_tokord'}"
         with open(os.path.join(sass_dir, tag + ".sass"), "w") as f:
             f.write(sass)
         with open(os.path.join(sass_dir, tag + ".ttgir"), "w") as f:
@@ -130,6 +132,7 @@ def compile_config(cfg: GluonConfig, sass_dir: str | None = None, mean_correctio
                                re.findall(r"USETMAXREG\.(\w+)\.CTAPOOL(?: UP\d,)? (0x[0-9a-f]+)", sass)})
     res["qgmma"] = len(re.findall(r"\bQGMMA\b", sass))
     res["warpgroup_wait"] = len(re.findall(r"WARPGROUP\.DEPBAR", sass))
+    res["byte_moves"] = len(re.findall(r"\b(?:PRMT|SHFL)\b", sass))      # P8's conversion shows here
     return res
 
 
@@ -248,9 +251,10 @@ def phase_summary(stamps: torch.Tensor, n_sm: int) -> dict:
     return phase
 
 
-def run_phases(L: int, shape: tuple[int, int, int] = (32, 8, 128)) -> dict:
+def run_phases(L: int, shape: tuple[int, int, int] = (32, 8, 128), out: str | None = None) -> dict:
     """The shipped Gluon launch at one length with ``TIMING`` stamps (the operands the index prepared),
-    its output equal to the untimed launch's; ``phase_summary`` of the second of two timed runs."""
+    its output equal to the untimed launch's; ``phase_summary`` of the second of two timed runs. With
+    ``out``, the raw stamps go to ``out/gluon_fp8_stamps_<L>_<HQ>-<HKV>-<D>.pt`` (int64 [n_programs, 8])."""
     from flashprefill import SparseConfig, make_plan
     from flashprefill.bench import synthetic_inputs
     from flashprefill.impl.triton import host
@@ -276,6 +280,8 @@ def run_phases(L: int, shape: tuple[int, int, int] = (32, 8, 128)) -> dict:
     got = run(stamps)
     torch.cuda.synchronize()
     n_sm = torch.cuda.get_device_properties(q.device).multi_processor_count
+    if out is not None:
+        torch.save(stamps.cpu(), os.path.join(out, f"gluon_fp8_stamps_{L}_{HQ}-{HKV}-{D}.pt"))
     row = {"L": L, "shape": f"{HQ}/{HKV}/{D}", "same_output": bool(torch.equal(got[0], want[0])),
            **phase_summary(stamps.cpu(), n_sm)}
     print(f"  {row}", flush=True)
@@ -337,6 +343,7 @@ def main(argv=None) -> int:
     ph.add_argument("--lens", default="32k,128k", help="comma-separated lengths (e.g. 32k,128k)")
     ph.add_argument("--shapes", default="32/8/128", help="comma-separated query heads/KV heads/d (d 64 or 128)")
     ph.add_argument("--configs", default="ws_s4", help=argparse.SUPPRESS)
+    ph.add_argument("--out", default=".", help="directory of gluon_fp8_phases.json and the raw stamps")
     a = ap.parse_args(argv)
     names = [n for n in a.configs.split(",") if n]
     bad = [n for n in names if n not in known]
@@ -354,7 +361,7 @@ def main(argv=None) -> int:
 
     shapes = [tuple(int(v) for v in sh.split("/")) for sh in a.shapes.split(",") if sh]
     if a.mode == "phases":
-        rows = [run_phases(parse_length(x), sh) for sh in shapes for x in a.lens.split(",") if x]
+        rows = [run_phases(parse_length(x), sh, a.out) for sh in shapes for x in a.lens.split(",") if x]
         print(f"{'L':>7} {'shape':>9} {'setup':>7} {'exact':>7} {'corr':>7} {'epi':>6} {'us/exact':>8} "
               f"{'us/corr':>8} {'n exact':>8} {'n corr':>7} {'span':>7} {'SM min':>7} {'SM max':>7} same")
         for r in rows:
@@ -362,7 +369,7 @@ def main(argv=None) -> int:
                   f"{r['epilogue']:6.3f} {r['exact_us_per_step']:8.3f} {r['correction_us_per_step']:8.3f} "
                   f"{r['steps_exact']:8d} {r['steps_correction']:7d} {r['span_ms']:7.3f} {r['sm_busy_min_ms']:7.3f} "
                   f"{r['sm_busy_max_ms']:7.3f} {r['same_output']}")
-        write_rows(".", "gluon_fp8_phases.json", rows)
+        write_rows(a.out, "gluon_fp8_phases.json", rows)
         return 0
     rows = [run_length(parse_length(x), names, sh) for sh in shapes for x in a.lens.split(",") if x]
     print(table(rows))

@@ -117,6 +117,43 @@ def test_the_operands_the_index_prepares_give_the_attention_bit_for_bit(d, hq, h
     assert torch.isfinite(out).all() and torch.equal(out, want) and torch.equal(lse, want_lse)
 
 
+@pytest.mark.parametrize("d,hq,hkv", [(128, 8, 2), (64, 7, 1)])
+def test_v_in_the_wgmma_order_gives_the_token_orders_attention(d, hq, hkv):
+    """``Fp8KV.v_perm`` (what ``host_fp8.prepare`` makes for this kernel: V and the means' values in the
+    wgmma order, ``P8`` to the ``P V`` wgmma without a layout conversion) against token order
+    (``V_PERM`` off: the codes converted each step), on two requests of 20,000 tokens with the
+    correction: the pre-pass's permuted V equals the token order's bytes permuted
+    (``quant_kernels.wgmma_slot``, the GPU's compiled permutation), the LSE is bit for bit the same (it
+    does not read V) and the output the same products summed in another order."""
+    from flashprefill import SparseConfig
+    from flashprefill.bench import synthetic_inputs
+    from flashprefill.impl.triton import host, host_fp8
+    from flashprefill.impl.triton import quant_kernels as qk
+
+    config = SparseConfig()
+    q, kc, vc, pt, sl, cu, _, _ = synthetic_inputs(20000, hq, hkv, d, torch.bfloat16, 64, 2)
+    scale = 1.0 / math.sqrt(d)
+    plan = make_plan(sl, cu, hq // hkv, config.block_size)
+    _, ws_cfg = _configs(d)
+    index = host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=ws_cfg, precision="fp8")
+    runs = {}
+    for v_perm in (False, True):
+        kv = host_fp8.kv_operands(kc, vc, pt, sl, plan, amax=index.kv_amax, hw_cvt=ws_cfg.index.hw_cvt,
+                                  v_perm=v_perm)
+        assert kv.v_perm == v_perm
+        runs[v_perm] = kv, host_fp8.launch_attention_fp8_ws(q, kv, sl, cu, scale, plan, ws_cfg.attn,
+                                                            mean_correction=True, block_size=128, index=index)
+    torch.cuda.synchronize()
+    (tok, (want, want_lse)), (wg, (out, lse)) = runs[False], runs[True]
+    slot = qk.wgmma_slot(torch.arange(tok.v8t.shape[2], device=q.device))
+    assert torch.equal(wg.v8t.view(torch.uint8)[:, :, slot], tok.v8t.view(torch.uint8))
+    assert torch.equal(wg.k8.view(torch.uint8), tok.k8.view(torch.uint8))
+    assert torch.isfinite(out).all() and torch.equal(lse, want_lse)
+    assert rel(out, want) <= 1e-5, rel(out, want)
+    ops = index.fp8_operands
+    assert ops.ws and ops.kv.v_perm
+
+
 def test_the_timing_stamps_follow_the_steps_and_leave_the_output_alone():
     """``launch_attention_fp8_ws(timing=)`` (the lab's ``gluon_fp8.py phases``): per program the stamps
     ascend (start, consumer, first correction step, loop end, stores end), the exact steps are the

@@ -23,6 +23,11 @@ same pre-pass buffers (``k8 [Hkv, total_k, d]``, ``v8t [Hkv, d, total_k]``, the 
   (selection bit 0) and ``-inf`` elsewhere. ``PINGPONG`` orders the two consumers' issues with an
   mbarrier pair (FA3's inter-warpgroup schedule; measured slower here, kept for the lab).
 
+``V_PERM`` (``Fp8KV.v_perm``, the pre-pass's choice for this kernel): ``v8t`` / ``v_mean8t`` hold
+each 16 keys in the order of the ``S`` accumulator's registers (``quant_kernels.wgmma_slot``), so
+``P8`` goes to the ``P V`` wgmma as the registers the softmax left, four codes packed per register
+(``_e4m3x4``), with no shuffle; without it, a layout conversion of the codes each step.
+
 Shapes: d 64 or 128, key blocks ``B = 128``, 128-row tiles (``host_fp8.launch_attention_fp8_ws``
 checks them). Gluon has no interpreter: these kernels run on an sm_90 GPU only
 (``tests/gpu/test_fp8_ws.py``); ``scripts/lab/compile_sm90.py``-style compilation for sm_90 runs
@@ -55,6 +60,16 @@ def _clock(TIMING: gl.constexpr):
 
 
 @gluon.jit
+def _e4m3x4(x):
+    """``x.to(float8e4nv)`` (round to nearest, saturating: what Triton emits for e4m3 on sm_90), four
+    values at a time into one 32-bit register: a thread's four consecutive values of an 8-bit A operand
+    (``DotOperandLayout`` ``k_width=4``) come out as the register the wgmma reads."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+        "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [x], dtype=gl.float8e4nv, is_pure=True, pack=4)
+
+
+@gluon.jit
 def _producer(a, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, PINGPONG: gl.constexpr):
     """The TMA partition (1 warp): step ``t`` waits for its stage to be released by both consumers,
     then copies exact block ``col_idx[start + t]`` (``t < end - start``) or mean-key chunk ``t - (end -
@@ -83,7 +98,7 @@ def _producer(a, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.con
 
 @gluon.jit
 def _consumer(a, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, PINGPONG: gl.constexpr,
-              CID: gl.constexpr, TIMING: gl.constexpr):
+              CID: gl.constexpr, TIMING: gl.constexpr, V_PERM: gl.constexpr):
     """Consumer ``CID`` (one warpgroup): rows ``64 CID .. 64 CID + 63`` of the Q tile through every
     step of the ring (module docstring), then their output and LSE. ``TIMING`` (consumer 0 only):
     ``%globaltimer`` stamps into the program's row of ``t_row`` (``_attn_fwd_fp8_ws``)."""
@@ -110,7 +125,13 @@ def _consumer(a, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.con
     l_i = gl.zeros([M], gl.float32, layout=row_l)
     acc = gl.zeros([M, HEAD_DIM], gl.float32, layout=mma_o)
     zero = gl.zeros([M, BLOCK_SIZE], gl.float32, layout=mma_s)
-    p8 = gl.convert_layout(zero.to(gl.float8e4nv), p_layout)
+    if V_PERM:
+        # P stays float32 between steps and becomes codes where the P V wgmma reads it: carried across
+        # the loop as bytes, Triton keeps each code in its own register and packs them again (~110
+        # PRMT / LOP3 per step)
+        p8 = gl.convert_layout(zero, p_layout)
+    else:
+        p8 = gl.convert_layout(zero.to(gl.float8e4nv), p_layout)
     cols = gl.arange(0, BLOCK_SIZE, layout=col_l)
     n_exact = end - start
     n = n_exact + gl.cdiv(n_u, BLOCK_SIZE)
@@ -137,7 +158,10 @@ def _consumer(a, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.con
         S = warpgroup_mma(q, k_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
         # the previous step's P V (at t == 0: zero codes times this step's V, a finite tile)
         sp = gl.maximum(t - 1, 0) % STAGES
-        acc = warpgroup_mma(p8, v_bufs.index(sp).permute((1, 0)), acc, is_async=True)
+        if V_PERM:
+            acc = warpgroup_mma(_e4m3x4(p8), v_bufs.index(sp).permute((1, 0)), acc, is_async=True)
+        else:
+            acc = warpgroup_mma(p8, v_bufs.index(sp).permute((1, 0)), acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - CID), count=1)
         S = warpgroup_mma_wait(num_outstanding=1, deps=(S, ))
@@ -165,11 +189,23 @@ def _consumer(a, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.con
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index(sp), count=1, pred=t > 0)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+        if V_PERM:
+            # v8t / v_mean8t hold the keys in the wgmma order (quant_kernels.wgmma_slot): column
+            # 16h + 4q + 2a + b of the A operand is S column 16h + 8a + 2q + b, which the thread
+            # already holds, so no data moves (assert_trivial); without it the conversion is
+            # shuffles and byte permutes (docs/fp8.md section 11)
+            p8 = gl.reshape(p, [M, BLOCK_SIZE // 16, 2, 4, 2])
+            p8 = gl.reshape(gl.permute(p8, [0, 1, 3, 2, 4]), [M, BLOCK_SIZE])
+            p8 = gl.convert_layout(p8, p_layout, assert_trivial=True)
+        else:
+            p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
         m_i = m_new
     if n > 0:
         sl = (n - 1) % STAGES
-        acc = warpgroup_mma(p8, v_bufs.index(sl).permute((1, 0)), acc, is_async=True)
+        if V_PERM:
+            acc = warpgroup_mma(_e4m3x4(p8), v_bufs.index(sl).permute((1, 0)), acc, is_async=True)
+        else:
+            acc = warpgroup_mma(p8, v_bufs.index(sl).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     t_done = _clock(STAMP)
     if STAMP:
@@ -206,14 +242,14 @@ def _consumer(a, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.con
 
 @gluon.jit
 def _consumer0(a, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, PINGPONG: gl.constexpr,
-               TIMING: gl.constexpr):
-    _consumer(a, GROUP, HEAD_DIM, BLOCK_SIZE, PINGPONG, 0, TIMING)
+               TIMING: gl.constexpr, V_PERM: gl.constexpr):
+    _consumer(a, GROUP, HEAD_DIM, BLOCK_SIZE, PINGPONG, 0, TIMING, V_PERM)
 
 
 @gluon.jit
 def _consumer1(a, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, PINGPONG: gl.constexpr,
-               TIMING: gl.constexpr):
-    _consumer(a, GROUP, HEAD_DIM, BLOCK_SIZE, PINGPONG, 1, TIMING)
+               TIMING: gl.constexpr, V_PERM: gl.constexpr):
+    _consumer(a, GROUP, HEAD_DIM, BLOCK_SIZE, PINGPONG, 1, TIMING, V_PERM)
 
 
 @gluon.jit
@@ -223,7 +259,7 @@ def _attn_fwd_fp8_ws(q_ptr, k_desc, v_desc, km_desc, vm_desc, k_scale, v_scale, 
             n_words, total_k, n_tiles, n_programs, n_kv_heads, scale_log2,
             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, TILE_ROWS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
             STAGES: gl.constexpr, PINGPONG: gl.constexpr, MEAN_CORR: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-            PRODUCER_REGS: gl.constexpr, t_ptr=None, TIMING: gl.constexpr = False):
+            PRODUCER_REGS: gl.constexpr, V_PERM: gl.constexpr, t_ptr=None, TIMING: gl.constexpr = False):
     gl.static_assert(TILE_ROWS == 2 * 64)
     t_start = _clock(TIMING)
     pid = gl.program_id(0)
@@ -299,7 +335,7 @@ def _attn_fwd_fp8_ws(q_ptr, k_desc, v_desc, km_desc, vm_desc, k_scale, v_scale, 
             log2_full, P, lk, i * TILE_ROWS, q_start, lq, h, scale2, s_v,
             out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, stride_lh,
             t_ptr + pid.to(gl.int64) * 8 if TIMING else out_ptr, t_start)
-    gl.warp_specialize([(_consumer0, (args, GROUP, HEAD_DIM, BLOCK_SIZE, PINGPONG, TIMING)),
-                        (_consumer1, (args, GROUP, HEAD_DIM, BLOCK_SIZE, PINGPONG, TIMING)),
+    gl.warp_specialize([(_consumer0, (args, GROUP, HEAD_DIM, BLOCK_SIZE, PINGPONG, TIMING, V_PERM)),
+                        (_consumer1, (args, GROUP, HEAD_DIM, BLOCK_SIZE, PINGPONG, TIMING, V_PERM)),
                         (_producer, (args, GROUP, HEAD_DIM, BLOCK_SIZE, PINGPONG))], [4, 1],
                        [CONSUMER_REGS, PRODUCER_REGS])

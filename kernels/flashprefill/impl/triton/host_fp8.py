@@ -18,14 +18,18 @@ from .tiles import AttnConfig
 
 
 def kv_operands(k_cache, v_cache, page_table, seq_lens, plan: BatchPlan, k_descale=None, v_descale=None,
-                amax: torch.Tensor | None = None, hw_cvt: bool = False, k_int8: bool = False) -> qk.Fp8KV:
+                amax: torch.Tensor | None = None, hw_cvt: bool = False, k_int8: bool = False,
+                v_perm: bool = False) -> qk.Fp8KV:
     """The e4m3 K / V of a batch: quantised by the pre-pass (bf16 / fp16 caches) or the e4m3 caches'
     codes as they are, with their descales (``docs/fp8.md`` sections 5 and 7). ``amax``: float32
     ``[2, batch, Hkv]`` (``BlockIndex.kv_amax``) or None, ``hw_cvt``: see ``quant_kernels.quantize_kv``.
-    ``k_int8`` (precision "int8qk", 16-bit caches only: ``api`` refuses e4m3 ones): K as int8 codes."""
+    ``k_int8`` (precision "int8qk", 16-bit caches only: ``api`` refuses e4m3 ones): K as int8 codes.
+    ``v_perm``: V's keys in the Gluon kernel's wgmma order (``qk.wgmma_slot``; ``prepare`` asks for it
+    where ``runs_ws``); the Triton kernel reads token order only."""
     if k_cache.dtype == quant.E4M3:
-        return qk.gather_e4m3_kv(k_cache, v_cache, page_table, plan, k_descale, v_descale)
-    return qk.quantize_kv(k_cache, v_cache, page_table, seq_lens, plan, amax=amax, hw_cvt=hw_cvt, k_int8=k_int8)
+        return qk.gather_e4m3_kv(k_cache, v_cache, page_table, plan, k_descale, v_descale, v_perm=v_perm)
+    return qk.quantize_kv(k_cache, v_cache, page_table, seq_lens, plan, amax=amax, hw_cvt=hw_cvt, k_int8=k_int8,
+                          v_perm=v_perm)
 
 
 def mean_bits(index: BlockIndex, plan: BatchPlan) -> torch.Tensor:
@@ -60,7 +64,8 @@ def correction_operands(k_mean, v_mean, bits, row_ptr, kv: qk.Fp8KV, plan: Batch
 
     ``k_mean`` / ``v_mean``: float32 ``[n_blocks, Hkv, d]`` (``BlockIndex``), quantised with their
     request's K / V scale (``qk.quantize_means``; ``v_mean8t``'s request columns aligned for the Gluon
-    kernel, ``ws``, or with ``AttnConfig.mean_vec``); ``bits``: the selection bitmask (``mean_bits``).
+    kernel, ``ws``, or with ``AttnConfig.mean_vec``, and in ``kv``'s V order, ``kv.v_perm``); ``bits``:
+    the selection bitmask (``mean_bits``).
     Without the correction, placeholders the kernels never read (``row_ptr`` as ``bits``). No host
     sync: ``build_index`` makes them before its ``nnz`` sync (``Fp8Operands``)."""
     if mean_correction:
@@ -119,10 +124,11 @@ def prepare(q, k_cache, v_cache, page_table, seq_lens, plan: BatchPlan, tiles: A
             bits, row_ptr, mean_correction: bool, block_size: int, k_descale=None, v_descale=None,
             amax: torch.Tensor | None = None, hw_cvt: bool = False, k_int8: bool = False) -> Fp8Operands:
     """``kv_operands`` and ``correction_operands`` of one sparse FP8 launch (arguments as theirs), with
-    the tensors they were made from (``Fp8Operands.sources``). No host sync."""
+    the tensors they were made from (``Fp8Operands.sources``); for the Gluon kernel (``runs_ws``) V in
+    its wgmma order (``Fp8KV.v_perm``). No host sync."""
+    ws = runs_ws(q, torch.int8 if k_int8 else quant.E4M3, plan, tiles, block_size)
     kv = kv_operands(k_cache, v_cache, page_table, seq_lens, plan, k_descale, v_descale, amax=amax,
-                     hw_cvt=hw_cvt, k_int8=k_int8)
-    ws = runs_ws(q, kv.k8.dtype, plan, tiles, block_size)
+                     hw_cvt=hw_cvt, k_int8=k_int8, v_perm=ws)
     means = correction_operands(k_mean, v_mean, bits, row_ptr, kv, plan, mean_correction=mean_correction,
                                 block_size=block_size, ws=ws, mean_vec=tiles.mean_vec)
     return Fp8Operands(kv=kv, means=means, ws=ws, mean_correction=mean_correction, aligned=ws or tiles.mean_vec,
@@ -142,11 +148,18 @@ def launch_attention_fp8(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale:
     mode (int8 Q tile and key means, ``docs/fp8.md`` section 10). ``runs_ws``: the sparse e4m3 case
     runs ``launch_attention_fp8_ws`` instead (``tiles.impl`` "gluon_ws", or "auto" where the Gluon
     kernel runs; the dense mode and int8 ``k8`` stay on this kernel).
+
+    Raises:
+        ValueError: ``kv.v_perm`` operands on this kernel (it reads V in token order); ``tiles.block_m``
+            other than the plan's tile rows.
     """
     if sparse and runs_ws(q, kv.k8.dtype, plan, tiles, block_size):
         return launch_attention_fp8_ws(q, kv, seq_lens, cu_seqlens_q, softmax_scale, plan, tiles,
                                        mean_correction=mean_correction, block_size=block_size, index=index,
                                        means=means)
+    if kv.v_perm:
+        raise ValueError("the Triton FP8 attention reads V in token order; these operands hold it in the Gluon "
+                         "kernel's wgmma order (kv_operands(..., v_perm=True)): make them with v_perm=False")
     total_q, hq, d = q.shape
     hkv = kv.k8.shape[0]
     out = torch.empty_like(q)
@@ -243,7 +256,9 @@ def launch_attention_fp8_ws(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_sca
     one row per program, written by consumer 0: ``%globaltimer`` (ns) at the program's start, the
     consumer's start, the first correction step (the loop's end without one), the loop's end and
     the stores' end, then the SM id, the exact steps and the correction steps (``TIMING``; every
-    shipped launch compiles without it).
+    shipped launch compiles without it). ``kv.v_perm`` (V and the means' values in the wgmma order,
+    ``qk.wgmma_slot``) hands ``P8`` to the ``P V`` product without a layout conversion (``V_PERM``); both
+    orders give the same result.
 
     Raises:
         ValueError: ``ws_unsupported`` gives a reason (not sm_90, not e4m3, d, block size, tile rows);
@@ -287,7 +302,8 @@ def launch_attention_fp8_ws(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_sca
         bits.shape[1] if mean_correction else 0, total_k, plan.n_tiles, n_prog, hkv, float(softmax_scale) * LOG2E,
         GROUP=plan.group_size, HEAD_DIM=d, TILE_ROWS=plan.tile_rows, BLOCK_SIZE=block_size, STAGES=tiles.ws_stages,
         PINGPONG=tiles.ws_pingpong, MEAN_CORR=mean_correction, CONSUMER_REGS=WS_CONSUMER_REGS,
-        PRODUCER_REGS=WS_PRODUCER_REGS, t_ptr=timing, TIMING=timing is not None, num_warps=4, maxnreg=WS_MAXNREG)
+        PRODUCER_REGS=WS_PRODUCER_REGS, V_PERM=kv.v_perm, t_ptr=timing, TIMING=timing is not None, num_warps=4,
+        maxnreg=WS_MAXNREG)
     return out, lse
 
 

@@ -61,6 +61,17 @@ class Fp8KV:
     v_inv_scale: torch.Tensor  # float32 [batch, Hkv]
     cu_seqlens_k: torch.Tensor  # int32 [batch + 1]; request b's first slot, cumulative Lk each rounded
                                 # up to a multiple of REQUEST_ALIGN (total_k = cu_seqlens_k[-1])
+    v_perm: bool = False       # v8t's keys in the wgmma order within each 16 slots (wgmma_slot): for
+                               # the Gluon kernel only (docs/fp8.md section 11); else in token order
+
+
+def wgmma_slot(pos: torch.Tensor) -> torch.Tensor:
+    """The ``v8t`` slot (or aligned ``v_mean8t`` column) of key ``pos`` in the wgmma order
+    (``Fp8KV.v_perm``, ``docs/fp8.md`` section 11): within each 16, key ``16h + 8a + 2q + b`` goes to
+    slot ``16h + 4q + 2a + b`` (``q`` 0-3, ``a`` and ``b`` 0-1), so the ``S`` accumulator column a
+    thread holds at register position ``r`` of a 16 is the ``P V`` A operand's column ``r``. A
+    permutation of each 16 (bits 1-2 and 3 of the position swap places); integer tensors of any shape."""
+    return (pos & ~15) | (((pos >> 1) & 3) << 2) | (((pos >> 3) & 1) << 1) | (pos & 1)
 
 
 @triton.jit
@@ -190,9 +201,11 @@ def _kv_quant_kernel(k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, cu_k_ptr, inv_p
                      stride_pt, k_stride_page, k_stride_slot, k_stride_head,
                      v_stride_page, v_stride_slot, v_stride_head, n_pairs, total_k,
                      HKV: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
-                     HW_CVT: tl.constexpr = False, K_INT8: tl.constexpr = False):
+                     HW_CVT: tl.constexpr = False, K_INT8: tl.constexpr = False, V_PERM: tl.constexpr = False):
     # setup: program (request b, KV head h, token chunk c); inv_ptr is float32 [2, batch, Hkv] (K, V);
-    # HW_CVT: codes by the hardware cast (_to_e4m3); K_INT8: K codes int8 (_to_int8, int8qk)
+    # HW_CVT: codes by the hardware cast (_to_e4m3); K_INT8: K codes int8 (_to_int8, int8qk);
+    # V_PERM: V's tokens in the wgmma order within each 16 (wgmma_slot), permuted in registers so
+    # the stores stay 16 bytes wide
     b = tl.program_id(0)
     h = tl.program_id(1)
     t0 = tl.program_id(2) * BLOCK_T
@@ -222,6 +235,9 @@ def _kv_quant_kernel(k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, cu_k_ptr, inv_p
                             v_stride_head, PAGE_SIZE, D, BLOCK_T)
         y = v * tl.load(inv_ptr + n_pairs + b * HKV + h)
         y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))
+        if V_PERM:
+            # row 16h + 8a + 2q + b moves to row 16h + 4q + 2a + b (wgmma_slot; t0 is a multiple of 16)
+            y = tl.reshape(tl.permute(tl.reshape(y, [BLOCK_T // 16, 2, 4, 2, D]), [0, 2, 1, 3, 4]), [BLOCK_T, D])
         # V transposed: element (token, dim) goes to v8t[h, dim, token]
         v8_col = v8t_ptr + h.to(tl.int64) * D * total_k + dims[None, :].to(tl.int64) * total_k + dst[:, None]
         tl.store(v8_col, _to_e4m3(y, HW_CVT), mask=in_al[:, None])
@@ -290,7 +306,8 @@ def kv_scales_for(amax: torch.Tensor, k_int8: bool) -> tuple[torch.Tensor, torch
 
 
 def quantize_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
-                plan: BatchPlan, amax: torch.Tensor | None = None, hw_cvt: bool = False, k_int8: bool = False) -> Fp8KV:
+                plan: BatchPlan, amax: torch.Tensor | None = None, hw_cvt: bool = False, k_int8: bool = False,
+                v_perm: bool = False) -> Fp8KV:
     """Quantise a batch's K and V for the FP8 attention (``docs/fp8.md`` sections 2, 3, 7).
 
     Args:
@@ -302,6 +319,7 @@ def quantize_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.
             one ``kv_amax_scales`` launch. Same scales either way (a max is exact).
         hw_cvt: the codes by the hardware cast (``_to_e4m3``; CUDA tensors only, else ignored).
         k_int8: precision "int8qk": ``k8`` int8 with ``amax / 127`` scales (``docs/fp8.md`` section 10).
+        v_perm: ``v8t``'s keys in the Gluon kernel's wgmma order (``wgmma_slot``, ``Fp8KV.v_perm``).
     Returns:
         ``Fp8KV`` (fresh tensors).
     """
@@ -318,9 +336,9 @@ def quantize_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.
     if total_k:
         _kv_quant_kernel[grid](k_cache, v_cache, page_table, seq_lens, cu_k, inv.contiguous(), k8, v8t, *strides,
                                total_k, HKV=hkv, PAGE_SIZE=page_size, D=d, BLOCK_T=BLOCK_T,
-                               HW_CVT=hw_cvt and k_cache.is_cuda, K_INT8=k_int8)
+                               HW_CVT=hw_cvt and k_cache.is_cuda, K_INT8=k_int8, V_PERM=v_perm)
     return Fp8KV(k8=k8, v8t=v8t, k_scale=scale[0], v_scale=scale[1], k_inv_scale=inv[0], v_inv_scale=inv[1],
-                 cu_seqlens_k=cu_k)
+                 cu_seqlens_k=cu_k, v_perm=v_perm)
 
 
 def descale_grid(descale: torch.Tensor, batch: int, hkv: int) -> torch.Tensor:
@@ -329,7 +347,7 @@ def descale_grid(descale: torch.Tensor, batch: int, hkv: int) -> torch.Tensor:
 
 
 def gather_e4m3_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, plan: BatchPlan,
-                   k_descale: torch.Tensor, v_descale: torch.Tensor) -> Fp8KV:
+                   k_descale: torch.Tensor, v_descale: torch.Tensor, v_perm: bool = False) -> Fp8KV:
     """The pre-pass buffers of e4m3 caches (``docs/fp8.md`` section 5): the codes as they are,
     gathered through the page table (byte copies; V transposed), ``scale = descale``,
     ``inv_scale = 1 / descale``. Only the pages the batch reads are touched.
@@ -337,6 +355,7 @@ def gather_e4m3_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: tor
     Args:
         k_cache, v_cache: ``float8_e4m3fn [num_pages, page_size, Hkv, d]``.
         k_descale, v_descale: float32 0-dim or ``[batch, Hkv]``.
+        v_perm: ``v8t``'s keys in the wgmma order (``wgmma_slot``, ``Fp8KV.v_perm``).
     Returns:
         ``Fp8KV``.
     """
@@ -353,12 +372,13 @@ def gather_e4m3_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: tor
             slots = pos % page_size
             # byte views: index_select on float8 is not implemented everywhere
             k8.view(torch.uint8)[:, start:start + lk] = k_cache.view(torch.uint8)[pages, slots].permute(1, 0, 2)
-            v8t.view(torch.uint8)[:, :, start:start + lk] = v_cache.view(torch.uint8)[pages, slots].permute(1, 2, 0)
+            dst = start + (wgmma_slot(pos) if v_perm else pos)
+            v8t.view(torch.uint8)[:, :, dst] = v_cache.view(torch.uint8)[pages, slots].permute(1, 2, 0)
         start += -(-lk // REQUEST_ALIGN) * REQUEST_ALIGN
     ks = descale_grid(k_descale, plan.batch, hkv)
     vs = descale_grid(v_descale, plan.batch, hkv)
     return Fp8KV(k8=k8, v8t=v8t, k_scale=ks, v_scale=vs, k_inv_scale=1.0 / ks, v_inv_scale=1.0 / vs,
-                 cu_seqlens_k=cu_k)
+                 cu_seqlens_k=cu_k, v_perm=v_perm)
 
 
 def block_requests(plan: BatchPlan, device) -> torch.Tensor:
@@ -403,7 +423,9 @@ def quantize_means(k_mean: torch.Tensor, v_mean: torch.Tensor, kv: Fp8KV, plan: 
     Args:
         k_mean, v_mean: float32 ``[n_blocks, Hkv, d]`` (``BlockIndex.k_mean`` / ``v_mean``).
         aligned: lay out ``v_mean8t``'s columns by ``mean_columns`` (each request's first column a
-            multiple of ``REQUEST_ALIGN``); else column = block row (``plan.block_ptr``).
+            multiple of ``REQUEST_ALIGN``); else column = block row (``plan.block_ptr``). With
+            ``kv.v_perm`` (which needs ``aligned``) each 16 columns in the wgmma order (``wgmma_slot``),
+            as ``kv.v8t``'s keys.
     Returns:
         ``(k_mean8 e4m3 [n_blocks, Hkv, d], v_mean8t e4m3 [Hkv, d, n_cols], cu_cols int32
         [batch + 1])``: ``v_mean8t`` transposed for the ``P_m v̄`` product, ``n_cols`` a multiple of
@@ -417,8 +439,12 @@ def quantize_means(k_mean: torch.Tensor, v_mean: torch.Tensor, kv: Fp8KV, plan: 
         k8 = quant.quantize(k_mean, kv.k_inv_scale[req][:, :, None])
     n_blocks, hkv, d = v_mean.shape
     codes = quant.quantize(v_mean, kv.v_inv_scale[req][:, :, None]).permute(1, 2, 0)
+    if kv.v_perm and not aligned:
+        raise ValueError("quantize_means: kv.v_perm (the Gluon kernel's V order) needs aligned=True columns")
     if aligned:
         cols, cu_cols, n_cols = mean_columns(plan, v_mean.device)
+        if kv.v_perm:
+            cols = wgmma_slot(cols)            # each request's first column is a multiple of 128
         v8t = torch.zeros(hkv, d, n_cols, dtype=quant.E4M3, device=v_mean.device)
         v8t.view(torch.uint8)[:, :, cols] = codes.view(torch.uint8)   # byte views: float8 index_put
     else:
