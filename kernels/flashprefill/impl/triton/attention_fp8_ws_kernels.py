@@ -8,10 +8,9 @@ same pre-pass buffers (``k8 [Hkv, total_k, d]``, ``v8t [Hkv, d, total_k]``, the 
 ``v_mean8t`` columns of ``quant_kernels.quantize_means``), grid and program order (one program per
 (Q tile, KV head), heaviest tiles first). What differs is how the work is spread over warps:
 
-- the default warps issue the ring's first ``STAGES`` copies (``_load_step``), then load the tile's
-  128 GQA-packed Q rows and quantise them with one scale (``docs/fp8.md`` section 3, ``div_rn`` as
-  ``quant_kernels._quantize_tile``) into shared memory while those copies land, then the program
-  splits (``gl.warp_specialize``) into
+- the default warps load the tile's 128 GQA-packed Q rows, quantise them with one scale
+  (``docs/fp8.md`` section 3, ``div_rn`` as ``quant_kernels._quantize_tile``) into shared memory,
+  then the program splits (``gl.warp_specialize``) into
 - a **producer** (1 warp, 24 registers): walks the tile's CSR row and copies each key block's
   ``K8 [B, d]`` / ``V8ᵀ [d, B]`` by TMA into a ``STAGES``-deep ring (``ready`` / ``empty`` mbarriers),
   then the correction's mean keys / values in chunks of ``B`` candidates (``k_mean8`` rows,
@@ -71,39 +70,30 @@ def _e4m3x4(x):
 
 
 @gluon.jit
-def _load_step(t, n_exact, s, k_desc, v_desc, km_desc, vm_desc, k_bufs, v_bufs, ready, col_idx, start, k_row0,
-               v_row0, kv0, blk0, col0, BLOCK_SIZE: gl.constexpr):
-    """Step ``t``'s TMA copies into stage ``s`` (free), both signalling ``ready[s]``: exact block
-    ``col_idx[start + t]`` (``t < n_exact``) or mean-key chunk ``t - n_exact`` (``k_mean8`` rows,
-    ``v_mean8t`` columns of the correction's candidates ``u0 ..``)."""
-    mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    if t < n_exact:
-        j = gl.load(col_idx + start + t)
-        tma.async_copy_global_to_shared(k_desc, [k_row0 + j * BLOCK_SIZE, 0], ready.index(s), k_bufs.index(s))
-        tma.async_copy_global_to_shared(v_desc, [v_row0, kv0 + j * BLOCK_SIZE], ready.index(s), v_bufs.index(s))
-    else:
-        u0 = (t - n_exact) * BLOCK_SIZE
-        tma.async_copy_global_to_shared(km_desc, [blk0 + u0, v_row0], ready.index(s), k_bufs.index(s))
-        tma.async_copy_global_to_shared(vm_desc, [v_row0, col0 + u0], ready.index(s), v_bufs.index(s))
-
-
-@gluon.jit
 def _producer(a, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, PINGPONG: gl.constexpr):
-    """The TMA partition (1 warp): from step ``STAGES`` on (the program's prologue issued the first
-    ``STAGES``, ``_attn_fwd_fp8_ws``), step ``t`` waits for its stage to be released by both consumers,
-    then issues ``_load_step``. ``a``: the program's values (``_attn_fwd_fp8_ws``)."""
+    """The TMA partition (1 warp): step ``t`` waits for its stage to be released by both consumers,
+    then copies exact block ``col_idx[start + t]`` (``t < end - start``) or mean-key chunk ``t - (end -
+    start)`` into it, both copies signalling ``ready``. ``a``: the program's values (``_attn_fwd_fp8_ws``)."""
     (k_desc, v_desc, km_desc, vm_desc, q_smem, k_bufs, v_bufs, ready, empty, turn, col_idx, start, split, end,
      k_row0, v_row0, kv0, blk0, col0, n_u, bits_row, n_words, j_part, log2_part, log2_full,
      P, lk, tile_row0, q_start, lq, h, scale2, s_v, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, stride_lh,
      t_row, t_start) = a
     STAGES: gl.constexpr = k_bufs.type.shape[0]
     n_exact = end - start
-    n = n_exact + gl.cdiv(n_u, BLOCK_SIZE)
-    for t in range(gl.minimum(n, STAGES), n):
+    for t in range(n_exact + gl.cdiv(n_u, BLOCK_SIZE)):
         s = t % STAGES
-        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
-        _load_step(t, n_exact, s, k_desc, v_desc, km_desc, vm_desc, k_bufs, v_bufs, ready, col_idx, start, k_row0,
-                   v_row0, kv0, blk0, col0, BLOCK_SIZE)
+        ph = (t // STAGES) & 1
+        mbarrier.wait(empty.index(s), ph ^ 1)          # a fresh barrier passes parity 1
+        mbarrier.expect(ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        if t < n_exact:
+            j = gl.load(col_idx + start + t)
+            tma.async_copy_global_to_shared(k_desc, [k_row0 + j * BLOCK_SIZE, 0], ready.index(s), k_bufs.index(s))
+            tma.async_copy_global_to_shared(v_desc, [v_row0, kv0 + j * BLOCK_SIZE], ready.index(s), v_bufs.index(s))
+        else:
+            # a chunk of BLOCK_SIZE mean keys / values (the correction's candidates u0 ..)
+            u0 = (t - n_exact) * BLOCK_SIZE
+            tma.async_copy_global_to_shared(km_desc, [blk0 + u0, v_row0], ready.index(s), k_bufs.index(s))
+            tma.async_copy_global_to_shared(vm_desc, [v_row0, col0 + u0], ready.index(s), v_bufs.index(s))
 
 
 @gluon.jit
@@ -303,20 +293,6 @@ def _attn_fwd_fp8_ws(q_ptr, k_desc, v_desc, km_desc, vm_desc, k_scale, v_scale, 
     blk0 = gl.load(block_ptr + b)
     col0 = gl.load(mean_cols + b)
     bits_row = sel_bits + seg.to(gl.int64) * n_words
-    # the ring and its barriers, and its first STAGES steps' copies issued now, so they land while
-    # the Q tile below is loaded and quantised (the producer starts at step STAGES)
-    kv0 = gl.load(cu_seqlens_k + b)
-    k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_SIZE, HEAD_DIM], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_SIZE], v_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for st in gl.static_range(STAGES):
-        mbarrier.init(ready.index(st), count=1)
-        mbarrier.init(empty.index(st), count=2)       # both consumers release a stage
-    n_exact = end - start
-    for t in range(gl.minimum(n_exact + gl.cdiv(n_u, BLOCK_SIZE), STAGES)):
-        _load_step(t, n_exact, t, k_desc, v_desc, km_desc, vm_desc, k_bufs, v_bufs, ready, col_idx, start,
-                   h * total_k + kv0, h * HEAD_DIM, kv0, blk0, col0, BLOCK_SIZE)
     # the Q tile, quantised with one scale (docs/fp8.md section 3), into shared memory
     ql: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rows = i * TILE_ROWS + gl.arange(0, TILE_ROWS, layout=gl.SliceLayout(1, ql))
@@ -340,6 +316,14 @@ def _attn_fwd_fp8_ws(q_ptr, k_desc, v_desc, km_desc, vm_desc, k_scale, v_scale, 
     s_k = gl.load(k_scale + b * n_kv_heads + h)
     s_v = gl.load(v_scale + b * n_kv_heads + h)
     scale2 = scale_log2 * s_q * s_k
+    kv0 = gl.load(cu_seqlens_k + b)
+    k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_SIZE, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, HEAD_DIM, BLOCK_SIZE], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(STAGES):
+        mbarrier.init(ready.index(st), count=1)
+        mbarrier.init(empty.index(st), count=2)       # both consumers release a stage
     if PINGPONG:
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for c in gl.static_range(2):
