@@ -84,7 +84,7 @@ def test_the_e4m3_caches_gather_v_into_the_wgmma_order(kv_lens, q_lens):
     assert bool(u8(tok.v8t).any()) and not torch.equal(u8(wg.v8t), u8(tok.v8t))
 
 
-@pytest.mark.parametrize("kv_lens,q_lens", KV_LENS)
+@pytest.mark.parametrize("kv_lens,q_lens", [([300, 37, 1000], [300, 5, 17]), ([5000], [5000]), ([400, 2100], [1, 2])])
 def test_the_block_means_columns_follow_v_into_the_wgmma_order(kv_lens, q_lens):
     plan, _, _ = _plan(kv_lens, q_lens)
     k, v, pt = _e4m3_caches(kv_lens)
@@ -99,6 +99,7 @@ def test_the_block_means_columns_follow_v_into_the_wgmma_order(kv_lens, q_lens):
     assert torch.equal(u8(k8p), u8(k8a)) and torch.equal(cu_p, cu_a)
     slot = qk.wgmma_slot(torch.arange(v8a.shape[2]))
     assert torch.equal(u8(v8p)[:, :, slot], u8(v8a)) and bool(u8(v8a).any())
+    assert not torch.equal(u8(v8p), u8(v8a))           # a request with 3+ blocks: columns move
     with pytest.raises(ValueError, match="needs aligned=True"):
         qk.quantize_means(k_mean, v_mean, wg, plan)
 
@@ -137,6 +138,38 @@ def test_prepare_lays_v_out_for_the_kernel_that_will_read_it(monkeypatch, ws):
     u8 = lambda t: t.view(torch.uint8)
     if ws:
         assert torch.equal(u8(ops.kv.v8t)[:, :, qk.wgmma_slot(torch.arange(tok.v8t.shape[2]))], u8(tok.v8t))
-        assert torch.equal(u8(ops.means[1])[:, :, qk.wgmma_slot(torch.arange(v8a.shape[2]))], u8(v8a))
+        assert torch.equal(u8(ops.means.v_mean8t)[:, :, qk.wgmma_slot(torch.arange(v8a.shape[2]))], u8(v8a))
     else:
         assert torch.equal(u8(ops.kv.v8t), u8(tok.v8t))
+    assert ops.means.v_perm == ws
+
+
+def test_means_in_another_v_order_than_v_are_refused_by_both_launchers(monkeypatch):
+    """``MeanOperands.v_perm`` records the V order the means were made for; a launch with V in the
+    other order would weigh the wrong mean values, so both launchers refuse it before any work (the
+    Gluon launcher with ``ws_unsupported`` answered as on an H200)."""
+    plan, sl, cu = _plan([300], [300])
+    k, v, pt = _e4m3_caches([300])
+    tok = qk.gather_e4m3_kv(k, v, pt, plan, torch.tensor(1.0), torch.tensor(1.0))
+    wg = qk.gather_e4m3_kv(k, v, pt, plan, torch.tensor(1.0), torch.tensor(1.0), v_perm=True)
+    g = torch.Generator().manual_seed(7)
+    k_mean, v_mean = torch.randn(plan.n_blocks, 2, 64, generator=g), torch.randn(plan.n_blocks, 2, 64, generator=g)
+    bits = torch.zeros(plan.n_tiles * 2, 1, dtype=torch.int32)
+    args = dict(mean_correction=True, block_size=128, ws=True)
+    means_tok = host_fp8.correction_operands(k_mean, v_mean, bits, None, tok, plan, **args)
+    means_wg = host_fp8.correction_operands(k_mean, v_mean, bits, None, wg, plan, **args)
+    assert not means_tok.v_perm and means_wg.v_perm
+    q = torch.randn(300, 4, 64, dtype=torch.bfloat16)
+    tiles = get_config(64, torch.bfloat16, 128, precision="fp8").attn
+
+    class _Index:
+        row_ptr = torch.zeros(plan.n_tiles * 2 + 1, dtype=torch.int32)
+        col_idx = torch.zeros(1, dtype=torch.int32)
+
+    with pytest.raises(ValueError, match="means' values are in the wgmma order but V is in token order"):
+        host_fp8.launch_attention_fp8(q, tok, sl, cu, 0.125, plan, tiles, sparse=True, mean_correction=True,
+                                      block_size=128, index=_Index(), means=means_wg)
+    monkeypatch.setattr(host_fp8, "ws_unsupported", lambda *a: None)
+    with pytest.raises(ValueError, match="means' values are in token order but V is in the wgmma order"):
+        host_fp8.launch_attention_fp8_ws(q, wg, sl, cu, 0.125, plan, tiles, mean_correction=True, block_size=128,
+                                         index=_Index(), means=means_tok)

@@ -164,6 +164,8 @@ def run_length(L: int, names: list[str], shape: tuple[int, int, int] = (32, 8, 1
     index16 = host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan)
     index8 = host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=kcfg, precision="fp8")
     kv = host_fp8.kv_operands(kc, vc, pt, sl, plan, amax=index8.kv_amax, hw_cvt=kcfg.index.hw_cvt)
+    # the Gluon kernel's operands as host_fp8.prepare makes them for it: V in the wgmma order
+    kv_ws = host_fp8.kv_operands(kc, vc, pt, sl, plan, amax=index8.kv_amax, hw_cvt=kcfg.index.hw_cvt, v_perm=True)
 
     def fp8_attn(mc):
         return host_fp8.launch_attention_fp8(q, kv, sl, cu, scale, plan, kcfg.attn, sparse=True, mean_correction=mc,
@@ -179,7 +181,7 @@ def run_length(L: int, names: list[str], shape: tuple[int, int, int] = (32, 8, 1
         "fp8_attn_nomc": time_ms(lambda: fp8_attn(False)),
     }
     ms["means_prep"] = time_ms(lambda: host_fp8.index_correction_operands(
-        index8, kv, plan, mean_correction=True, block_size=config.block_size, ws=True))
+        index8, kv_ws, plan, mean_correction=True, block_size=config.block_size, ws=True))
     ms["host_launch_fp8"] = host_launch_ms(lambda: fp8_attn(True))
     row = {"L": L, "shape": f"{HQ}/{HKV}/{D}", "density8": index8.nnz / max(1, int(index8.n_visible.sum())), "shipped_ms": ms}
     print(f"  L={L} shipped {ms} density {row['density8']:.4f}", flush=True)
@@ -190,7 +192,7 @@ def run_length(L: int, names: list[str], shape: tuple[int, int, int] = (32, 8, 1
         r = {}
         try:
             for mc, tag in ((True, ""), (False, "_nomc")):
-                out, lse = launch(q, kv, sl, cu, plan, index8, scale, cfg, config.block_size, mc)
+                out, lse = launch(q, kv_ws, sl, cu, plan, index8, scale, cfg, config.block_size, mc)
                 torch.cuda.synchronize()
                 ref_out, ref_lse = refs[mc]
                 fin = torch.isfinite(ref_lse)
@@ -198,18 +200,20 @@ def run_length(L: int, names: list[str], shape: tuple[int, int, int] = (32, 8, 1
                 r["lse_max_abs" + tag] = float((lse[fin] - ref_lse[fin]).abs().max()) if bool(fin.any()) else 0.0
                 r["lse_inf_mismatch" + tag] = int((torch.isfinite(lse) != fin).sum())
                 r["nonfinite_out" + tag] = int((~torch.isfinite(out)).sum())
-                r["attn" + tag] = time_ms(lambda: launch(q, kv, sl, cu, plan, index8, scale, cfg, config.block_size, mc))
+                r["attn" + tag] = time_ms(lambda: launch(q, kv_ws, sl, cu, plan, index8, scale, cfg, config.block_size,
+                                                         mc))
 
-            means = host_fp8.index_correction_operands(index8, kv, plan, mean_correction=True,
+            means = host_fp8.index_correction_operands(index8, kv_ws, plan, mean_correction=True,
                                                        block_size=config.block_size, ws=True)
-            r["attn_kernel"] = time_ms(lambda: launch(q, kv, sl, cu, plan, index8, scale, cfg, config.block_size, True,
-                                                      means))
-            r["host_launch"] = host_launch_ms(lambda: launch(q, kv, sl, cu, plan, index8, scale, cfg,
+            r["attn_kernel"] = time_ms(lambda: launch(q, kv_ws, sl, cu, plan, index8, scale, cfg, config.block_size,
+                                                      True, means))
+            r["host_launch"] = host_launch_ms(lambda: launch(q, kv_ws, sl, cu, plan, index8, scale, cfg,
                                                              config.block_size, True))
 
             def total():
                 idx = host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=kcfg, precision="fp8")
-                kvx = host_fp8.kv_operands(kc, vc, pt, sl, plan, amax=idx.kv_amax, hw_cvt=kcfg.index.hw_cvt)
+                kvx = host_fp8.kv_operands(kc, vc, pt, sl, plan, amax=idx.kv_amax, hw_cvt=kcfg.index.hw_cvt,
+                                           v_perm=True)
                 return launch(q, kvx, sl, cu, plan, idx, scale, cfg, config.block_size, True)
 
             r["total"] = time_ms(total)
@@ -220,7 +224,7 @@ def run_length(L: int, names: list[str], shape: tuple[int, int, int] = (32, 8, 1
             r["error"] = f"{type(e).__name__}: {' | '.join(str(e).splitlines())[:600]}"
         row["probe"][name] = r
         print(f"  L={L} {name}: {r}", flush=True)
-    del q, kc, vc, kv
+    del q, kc, vc, kv, kv_ws
     torch.cuda.empty_cache()
     return row
 

@@ -57,10 +57,29 @@ def runs_ws(q: torch.Tensor, k_dtype: torch.dtype, plan: BatchPlan, tiles: AttnC
     return tiles.impl == "gluon_ws" or (tiles.impl == "auto" and ws_unsupported(q, k_dtype, plan, block_size) is None)
 
 
+@dataclass(frozen=True)
+class MeanOperands:
+    """The mean correction's operands of a sparse FP8 launch (``correction_operands``)."""
+
+    k_mean8: torch.Tensor       # e4m3 (int8 for int8qk) [n_blocks, Hkv, d]: the block means' key codes
+    v_mean8t: torch.Tensor      # e4m3 [Hkv, d, n_cols]: the value codes, transposed
+    mean_cols: torch.Tensor     # int32 [batch + 1]: request b's first v_mean8t column
+    bits: torch.Tensor          # int32 [n_segments, n_words]: the selection bitmask
+    v_perm: bool                # v_mean8t's columns in the wgmma order: the Fp8KV.v_perm they were made for
+
+
+def _check_v_order(kv: qk.Fp8KV, means: MeanOperands) -> None:
+    if means.v_perm != kv.v_perm:
+        order = {True: "the wgmma order", False: "token order"}
+        raise ValueError(f"the means' values are in {order[means.v_perm]} but V is in {order[kv.v_perm]}: make the "
+                         f"means with correction_operands(..., kv) from this kv")
+
+
 def correction_operands(k_mean, v_mean, bits, row_ptr, kv: qk.Fp8KV, plan: BatchPlan, *, mean_correction: bool,
-                        block_size: int, ws: bool, mean_vec: bool = False) -> tuple:
-    """The mean correction's operands of a sparse FP8 launch: ``(k_mean8 [n_blocks, Hkv, d], v_mean8t
-    [Hkv, d, n_cols], mean_cols int32 [batch + 1], bits int32 [n_segments, n_words])``.
+                        block_size: int, ws: bool, mean_vec: bool = False) -> MeanOperands:
+    """The mean correction's operands of a sparse FP8 launch (``MeanOperands``: ``k_mean8 [n_blocks,
+    Hkv, d]``, ``v_mean8t [Hkv, d, n_cols]``, ``mean_cols`` int32 ``[batch + 1]``, ``bits`` int32
+    ``[n_segments, n_words]``, and ``kv``'s V order).
 
     ``k_mean`` / ``v_mean``: float32 ``[n_blocks, Hkv, d]`` (``BlockIndex``), quantised with their
     request's K / V scale (``qk.quantize_means``; ``v_mean8t``'s request columns aligned for the Gluon
@@ -70,18 +89,20 @@ def correction_operands(k_mean, v_mean, bits, row_ptr, kv: qk.Fp8KV, plan: Batch
     sync: ``build_index`` makes them before its ``nnz`` sync (``Fp8Operands``)."""
     if mean_correction:
         k_mean8, v_mean8t, mean_cols = qk.quantize_means(k_mean, v_mean, kv, plan, aligned=ws or mean_vec)
-        return k_mean8, v_mean8t, mean_cols, bits
+        return MeanOperands(k_mean8, v_mean8t, mean_cols, bits, kv.v_perm)
     hkv, _, d = kv.k8.shape
     dev = kv.k8.device
     if ws:   # whole TMA boxes
-        return (torch.zeros(block_size, hkv, d, dtype=quant.E4M3, device=dev),
-                torch.zeros(hkv, d, block_size, dtype=quant.E4M3, device=dev), plan.block_ptr, row_ptr)
-    return (torch.zeros(1, hkv, d, dtype=kv.k8.dtype, device=dev),
-            torch.zeros(hkv, d, qk.TMA_ALIGN, dtype=quant.E4M3, device=dev), plan.block_ptr, row_ptr)
+        return MeanOperands(torch.zeros(block_size, hkv, d, dtype=quant.E4M3, device=dev),
+                            torch.zeros(hkv, d, block_size, dtype=quant.E4M3, device=dev), plan.block_ptr, row_ptr,
+                            kv.v_perm)
+    return MeanOperands(torch.zeros(1, hkv, d, dtype=kv.k8.dtype, device=dev),
+                        torch.zeros(hkv, d, qk.TMA_ALIGN, dtype=quant.E4M3, device=dev), plan.block_ptr, row_ptr,
+                        kv.v_perm)
 
 
 def index_correction_operands(index: BlockIndex, kv: qk.Fp8KV, plan: BatchPlan, *, mean_correction: bool,
-                              block_size: int, ws: bool, mean_vec: bool = False) -> tuple:
+                              block_size: int, ws: bool, mean_vec: bool = False) -> MeanOperands:
     """``correction_operands`` of ``index``'s means and selection bitmask (``mean_bits``; none read
     without the correction). The lab times a kernel apart from them with ``ws=True``."""
     k_mean, v_mean, bits = ((index.k_mean, index.v_mean, mean_bits(index, plan)) if mean_correction
@@ -102,7 +123,7 @@ class Fp8Operands:
     inputs, else makes its own."""
 
     kv: qk.Fp8KV
-    means: tuple                # correction_operands' (k_mean8, v_mean8t, mean_cols, bits)
+    means: MeanOperands         # correction_operands
     ws: bool                    # laid out for the Gluon kernel (runs_ws)
     mean_correction: bool
     aligned: bool               # v_mean8t's request columns aligned (ws or tiles.mean_vec)
@@ -117,7 +138,7 @@ class Fp8Operands:
         return (self.ws == ws and self.mean_correction == mean_correction and self.aligned == (ws or tiles.mean_vec)
                 and (self.kv.k8.dtype == torch.int8) == k_int8
                 and len(sources) == len(self.sources) and all(a is b for a, b in zip(sources, self.sources))
-                and (not mean_correction or self.means[3] is bits))
+                and (not mean_correction or self.means.bits is bits))
 
 
 def prepare(q, k_cache, v_cache, page_table, seq_lens, plan: BatchPlan, tiles: AttnConfig, *, k_mean, v_mean,
@@ -137,7 +158,7 @@ def prepare(q, k_cache, v_cache, page_table, seq_lens, plan: BatchPlan, tiles: A
 
 def launch_attention_fp8(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale: float, plan: BatchPlan,
                          tiles: AttnConfig, *, sparse: bool, mean_correction: bool, block_size: int,
-                         index: BlockIndex | None = None, means: tuple | None = None):
+                         index: BlockIndex | None = None, means: MeanOperands | None = None):
     """Launch ``_attn_fwd_fp8`` (no host sync); returns ``(out [total_q, Hq, d] q.dtype, lse
     [total_q, Hq] float32, natural log)``.
 
@@ -150,8 +171,9 @@ def launch_attention_fp8(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale:
     kernel runs; the dense mode and int8 ``k8`` stay on this kernel).
 
     Raises:
-        ValueError: ``kv.v_perm`` operands on this kernel (it reads V in token order); ``tiles.block_m``
-            other than the plan's tile rows.
+        ValueError: ``kv.v_perm`` operands on this kernel (it reads V in token order); ``means`` in
+            another V order than ``kv`` (``MeanOperands.v_perm``); ``tiles.block_m`` other than the plan's
+            tile rows.
     """
     if sparse and runs_ws(q, kv.k8.dtype, plan, tiles, block_size):
         return launch_attention_fp8_ws(q, kv, seq_lens, cu_seqlens_q, softmax_scale, plan, tiles,
@@ -175,7 +197,8 @@ def launch_attention_fp8(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale:
         if means is None:
             means = index_correction_operands(index, kv, plan, mean_correction=mc, block_size=block_size, ws=False,
                                               mean_vec=tiles.mean_vec)
-        k_mean8, v_mean8t, mean_cols, bits = means
+        _check_v_order(kv, means)
+        k_mean8, v_mean8t, mean_cols, bits = means.k_mean8, means.v_mean8t, means.mean_cols, means.bits
     else:
         row_ptr = col_idx = bits = plan.tile_ptr            # unused placeholders (dense mode)
         k_mean8 = torch.zeros(1, hkv, d, dtype=kv.k8.dtype, device=q.device)
@@ -237,7 +260,7 @@ def ws_error(why: str) -> str:
 
 def launch_attention_fp8_ws(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_scale: float, plan: BatchPlan,
                             tiles: AttnConfig, *, mean_correction: bool, block_size: int, index: BlockIndex,
-                            means: tuple | None = None, timing: torch.Tensor | None = None):
+                            means: MeanOperands | None = None, timing: torch.Tensor | None = None):
     """Launch the warp-specialised Gluon kernel ``attention_fp8_ws_kernels._attn_fwd_fp8_ws`` (sparse
     e4m3, ``docs/fp8.md`` section 11); no host sync. Same inputs and result as
     ``launch_attention_fp8(..., sparse=True)``: ``(out [total_q, Hq, d] q.dtype, lse [total_q, Hq]
@@ -262,7 +285,7 @@ def launch_attention_fp8_ws(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_sca
 
     Raises:
         ValueError: ``ws_unsupported`` gives a reason (not sm_90, not e4m3, d, block size, tile rows);
-            ``timing`` of another shape, dtype or layout.
+            ``timing`` of another shape, dtype or layout; ``means`` in another V order than ``kv``.
     """
     n_rows = plan.n_tiles * kv.k8.shape[0]
     if timing is not None and (timing.shape != (n_rows, 8) or timing.dtype != torch.int64
@@ -286,7 +309,8 @@ def launch_attention_fp8_ws(q, kv: qk.Fp8KV, seq_lens, cu_seqlens_q, softmax_sca
     if means is None:
         means = index_correction_operands(index, kv, plan, mean_correction=mean_correction, block_size=block_size,
                                           ws=True)
-    k_mean8, v_mean8t, mean_cols, bits = means
+    _check_v_order(kv, means)
+    k_mean8, v_mean8t, mean_cols, bits = means.k_mean8, means.v_mean8t, means.mean_cols, means.bits
 
     def desc(t2: torch.Tensor, box: list[int]):
         return TensorDescriptor.from_tensor(t2, box, gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv))

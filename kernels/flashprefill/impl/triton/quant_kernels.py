@@ -8,8 +8,10 @@ Two launches per layer call, then torch ops on tiny tensors:
 2. scales from the amax with ``quant.amax_scales`` (the same code as the reference);
 3. ``_kv_quant_kernel``: codes of K into ``k8 [Hkv, total_k, d]`` and of V, transposed, into
    ``v8t [Hkv, d, total_k]`` (request ``b`` at token slot ``cu_seqlens_k[b]``, each request's start
-   a multiple of ``REQUEST_ALIGN``, the gaps zero);
-4. ``quantize_means``: the float32 block means with their request's scales (``quant.quantize``).
+   a multiple of ``REQUEST_ALIGN``, the gaps zero); with ``v_perm`` (for the Gluon kernel) each 16
+   keys of ``v8t`` in the wgmma order (``wgmma_slot``, ``docs/fp8.md`` section 11);
+4. ``quantize_means``: the float32 block means with their request's scales (``quant.quantize``), the
+   values' columns in ``v8t``'s key order.
 
 The e4m3 rounding is done in fp32 arithmetic (``_e4m3_rne``) before the cast, so the cast only
 converts exactly representable values: bit-exact on the GPU and under ``TRITON_INTERPRET=1``,
