@@ -14,7 +14,8 @@ section 11): ``host.build_index`` at precision "fp8" / "int8qk" makes them befor
 again) with the same output and LSE, bit for bit, as with an index that carries none, and makes its
 own when they do not fit the launch (another ``mean_correction``, a selection bitmask replaced,
 another kernel layout), then equal to an index built for that launch. Their K / V codes are
-``host_fp8.kv_operands``' bit for bit.
+``host_fp8.kv_operands``' bit for bit. Without the means' fused amax (d 64) one K / V amax pass
+serves the selection's K scale and the pre-pass.
 
 Run in a subprocess (this file with ``--worker``) that switches the interpreter on before Triton
 compiles anything, as ``test_triton_interpret.py``."""
@@ -113,6 +114,7 @@ def _prepared_case(name):
     import torch
 
     from flashprefill.impl.triton import host, host_fp8
+    from flashprefill.impl.triton import quant_kernels as qk
 
     *shape, precision = PREPARED[name]
     c = fp8_case(*shape, seed=11, with_index=False)
@@ -124,12 +126,24 @@ def _prepared_case(name):
         return real_prepare(*a, **k)
 
     host_fp8.prepare = counting_prepare
+    amax_calls = []
+    real_amax = qk.kv_amax
+
+    def counting_amax(*a, **k):
+        amax_calls.append(1)
+        return real_amax(*a, **k)
+
+    qk.kv_amax = counting_amax
     args = (c.q, c.k, c.v, c.pt, c.sl, c.cu)
     kw = dict(kernels=c.kernels, precision=precision)
     index = host.build_index(*args, c.cfg, c.scale, c.plan, **kw)
+    qk.kv_amax = real_amax
     ops = index.fp8_operands
     res = {"case": name, "attached": isinstance(ops, host_fp8.Fp8Operands), "made_by_index": list(calls),
-           "pruned": int(index.nnz) < int(index.n_visible.sum())}
+           "pruned": int(index.nnz) < int(index.n_visible.sum()),
+           # K / V amax passes over the caches: none with the means' fused amax, else one for the
+           # selection's K scale that the pre-pass reuses (it ran a second one before)
+           "fused_amax": bool(c.kernels.index.fused_amax), "amax_launches": len(amax_calls)}
     kv = host_fp8.kv_operands(c.k, c.v, c.pt, c.sl, c.plan, amax=index.kv_amax, k_int8=precision == "int8qk")
     res["kv_codes_same"] = all(torch.equal(getattr(ops.kv, f).view(torch.uint8), getattr(kv, f).view(torch.uint8))
                                for f in ("k8", "v8t"))
@@ -208,6 +222,7 @@ def test_the_index_prepares_the_fp8_operands_the_attention_reads(results, name):
     r = case_result(results, name)
     assert r["pruned"], r                   # a selection with pruned blocks: the correction's codes matter
     assert r["attached"] and r["made_by_index"] == [True], r
+    assert r["amax_launches"] == (0 if r["fused_amax"] else 1), r
     assert r["kv_codes_same"] and r["kv_scales_same"], r
     assert r["used_without_prepare"] and r["own_prepared_once"], r
     assert r["same_as_own"] and r["finite"], r

@@ -230,6 +230,7 @@ def _launch_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, confi
     k_mean, k_lowp = launch_means(k_cache, page_table, seq_lens, plan, B, tiles, k_out,
                                   None if amax is None else amax[0])
     k_scale = k_mean                    # not read by the 16-bit selection
+    kv_amax = None if amax is None else amax.view(torch.float32)    # float32 [2, batch, Hkv] once written
     if e4m3:
         _descale_means(k_mean, k_descale, plan)
     if fp8:
@@ -237,9 +238,11 @@ def _launch_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, confi
             k_scale = qk.descale_grid(k_descale, plan.batch, hkv)
             k_inv = 1.0 / k_scale
         elif amax is not None:
-            k_scale, k_inv = (quant.int8_scales if int8 else quant.amax_scales)(amax[0].view(torch.float32))
+            k_scale, k_inv = (quant.int8_scales if int8 else quant.amax_scales)(kv_amax[0])
         else:
-            scale2, inv2 = qk.kv_scales_for(qk.kv_amax(k_cache, v_cache, page_table, seq_lens, plan), int8)
+            # one amax launch (K and V), kept for the pre-pass below, which would otherwise launch its own
+            kv_amax = qk.kv_amax(k_cache, v_cache, page_table, seq_lens, plan)
+            scale2, inv2 = qk.kv_scales_for(kv_amax, int8)
             k_scale, k_inv = scale2[0].contiguous(), inv2[0]
         quantize = quant.quantize_int8 if int8 else quant.quantize
         k_lowp = quantize(k_mean, k_inv[qk.block_requests(plan, dev)][:, :, None])   # k_mean8
@@ -279,7 +282,7 @@ def _launch_index(q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q, confi
             fp8_ops = host_fp8.prepare(
                 q, k_cache, v_cache, page_table, seq_lens, plan, chosen.attn, k_mean=k_mean, v_mean=v_mean,
                 bits=bits, row_ptr=row_ptr, mean_correction=bool(config.mean_correction), block_size=B,
-                k_descale=k_descale, v_descale=v_descale, amax=None if amax is None else amax.view(torch.float32),
+                k_descale=k_descale, v_descale=v_descale, amax=kv_amax,
                 hw_cvt=tiles.hw_cvt and q.is_cuda, k_int8=int8)
     # owned copies of the plan's pointers, made before the sync so they overlap the GPU work
     block_ptr, tile_ptr = plan.block_ptr.clone(), plan.tile_ptr.clone()
