@@ -68,3 +68,31 @@ def test_every_128_token_box_of_a_request_ends_before_the_next_request(kv_lens, 
         for u0 in range(0, n_blocks, 128):             # correction boxes: 128 candidates each
             assert cu_cols[b] + u0 + 128 <= cu_cols[b + 1]
     assert n_cols == cu_cols[-1]
+
+
+def test_the_layout_tensors_are_made_once_per_plan_and_shared_by_every_layer():
+    """The plan is shared by every layer of a forward (``BatchPlan.derive``): the FP8 path's layout
+    tensors are made on the first call and the later calls get the same tensors, while a plan from
+    ``dataclasses.replace`` (other lengths or pointers) makes its own."""
+    import dataclasses
+
+    plan = _plan([300, 5000], [300, 33], 128)
+    made = []
+    real = torch.searchsorted
+
+    def counting(*a, **k):
+        made.append(1)
+        return real(*a, **k)
+
+    torch.searchsorted = counting
+    try:
+        first = (qk.block_requests(plan, "cpu"), qk.mean_columns(plan, "cpu"), qk._cu_seqlens_k(plan, "cpu"))
+        again = (qk.block_requests(plan, "cpu"), qk.mean_columns(plan, "cpu"), qk._cu_seqlens_k(plan, "cpu"))
+    finally:
+        torch.searchsorted = real
+    assert len(made) == 1                                   # block_requests once, mean_columns reuses it
+    assert again[0] is first[0] and again[1][0] is first[1][0] and again[1][1] is first[1][1]
+    assert again[2][0] is first[2][0] and again[2][1] == first[2][1] and again[1][2] == first[1][2]
+    other = dataclasses.replace(plan, block_ptr=plan.block_ptr.clone())
+    assert other.derived == {} and qk.block_requests(other, "cpu") is not first[0]
+    assert torch.equal(qk.block_requests(other, "cpu"), first[0])

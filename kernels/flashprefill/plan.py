@@ -17,7 +17,7 @@ Worked example (g = 4 query heads per KV head, tile_rows = 128, B = 128)::
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,6 +42,10 @@ class BatchPlan:
         tile_local: int32 ``[n_tiles]`` device; tile number inside its request.
         n_tiles: tiles per KV head over the batch; segments = ``Hkv * n_tiles``.
         n_blocks: key blocks over the batch.
+        derived: tensors a backend derives from the plan for every layer (e.g. the FP8 path's
+            request of each key block, ``quant_kernels.block_requests``), made on the first layer's
+            call and kept with the plan: ``(name, device) -> value``. Not an argument (a plan from
+            ``dataclasses.replace`` starts empty), not compared.
     """
 
     q_lens: tuple[int, ...]
@@ -57,6 +61,15 @@ class BatchPlan:
     tile_local: torch.Tensor
     n_tiles: int
     n_blocks: int
+    derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def derive(self, name: str, device, make):
+        """``make()`` once per plan, ``name`` and device (``derived``); the value is shared by every
+        later call, which must not write into it."""
+        key = (name, str(torch.device(device)))
+        if key not in self.derived:
+            self.derived[key] = make()
+        return self.derived[key]
 
     @property
     def batch(self) -> int:

@@ -247,11 +247,12 @@ def _kv_quant_kernel(k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, cu_k_ptr, inv_p
 
 def _cu_seqlens_k(plan: BatchPlan, device) -> tuple[torch.Tensor, int]:
     """``(cu_seqlens_k int32 [batch + 1], total_k)`` from the plan's host lengths: request starts
-    at multiples of ``REQUEST_ALIGN`` (each ``Lk`` rounded up)."""
+    at multiples of ``REQUEST_ALIGN`` (each ``Lk`` rounded up). The tensor is made once per plan and
+    device (``BatchPlan.derive``)."""
     cu = [0]
     for lk in plan.kv_lens:
         cu.append(cu[-1] + -(-lk // REQUEST_ALIGN) * REQUEST_ALIGN)
-    return host_ints(cu, device), cu[-1]
+    return plan.derive("cu_seqlens_k", device, lambda: host_ints(cu, device)), cu[-1]
 
 
 def host_ints(values: list[int], device) -> torch.Tensor:
@@ -388,10 +389,14 @@ def block_requests(plan: BatchPlan, device) -> torch.Tensor:
     the plan's device ``block_ptr`` (block ``r`` is request ``b``'s when ``block_ptr[b] <= r <
     block_ptr[b + 1]``). Device ops only: no host-to-device copy, so no stream sync (a tensor made
     from a Python list is copied synchronously: three of them per FP8 attention call drained the
-    GPU, ``docs/benchmarks.md`` nineteenth session)."""
-    bp = plan.block_ptr.to(device)
-    rows = torch.arange(plan.n_blocks, device=device, dtype=bp.dtype)
-    return torch.searchsorted(bp[1:].contiguous(), rows, right=True)
+    GPU, ``docs/benchmarks.md`` nineteenth session). Made once per plan and device
+    (``BatchPlan.derive``): every layer of a forward reads the same tensor."""
+    def make():
+        bp = plan.block_ptr.to(device)
+        rows = torch.arange(plan.n_blocks, device=device, dtype=bp.dtype)
+        return torch.searchsorted(bp[1:].contiguous(), rows, right=True)
+
+    return plan.derive("block_requests", device, make)
 
 
 def mean_columns(plan: BatchPlan, device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -406,16 +411,21 @@ def mean_columns(plan: BatchPlan, device) -> tuple[torch.Tensor, torch.Tensor, i
         ``(cols int64 [n_blocks], cu int32 [batch + 1], n_cols)``: block row ``r`` of request ``b``
         (``BlockIndex.k_mean`` row) at column ``cu[b] + r - block_ptr[b]``; ``n_cols = cu[-1]``
         (computed on the host from the plan's lengths; ``cu`` on the device from ``block_ptr``: no
-        host-to-device copy, no sync).
+        host-to-device copy, no sync). ``cols`` and ``cu`` are made once per plan and device
+        (``BatchPlan.derive``).
     """
     n_blocks = [-(-lk // plan.block_size) for lk in plan.kv_lens]          # host: each request's key blocks
     n_cols = sum(-(-nb // REQUEST_ALIGN) * REQUEST_ALIGN for nb in n_blocks)
-    bp = plan.block_ptr.to(device)
-    padded = (bp[1:] - bp[:-1] + REQUEST_ALIGN - 1) // REQUEST_ALIGN * REQUEST_ALIGN   # each request's blocks, rounded up
-    cu_t = torch.zeros(plan.batch + 1, dtype=torch.int32, device=device)
-    cu_t[1:] = torch.cumsum(padded, 0)
-    req = block_requests(plan, device)
-    cols = torch.arange(plan.n_blocks, device=device) + (cu_t[req] - bp[req]).long()
+
+    def make():
+        bp = plan.block_ptr.to(device)
+        padded = (bp[1:] - bp[:-1] + REQUEST_ALIGN - 1) // REQUEST_ALIGN * REQUEST_ALIGN   # each request's blocks, rounded up
+        cu_t = torch.zeros(plan.batch + 1, dtype=torch.int32, device=device)
+        cu_t[1:] = torch.cumsum(padded, 0)
+        req = block_requests(plan, device)
+        return torch.arange(plan.n_blocks, device=device) + (cu_t[req] - bp[req]).long(), cu_t
+
+    cols, cu_t = plan.derive("mean_columns", device, make)
     return cols, cu_t, n_cols
 
 
