@@ -124,10 +124,14 @@ class Fp8Operands:
 
     kv: qk.Fp8KV
     means: MeanOperands         # correction_operands
-    ws: bool                    # laid out for the Gluon kernel (runs_ws)
     mean_correction: bool
     aligned: bool               # v_mean8t's request columns aligned (ws or tiles.mean_vec)
     sources: tuple              # (k_cache, v_cache, k_descale, v_descale, k_mean, v_mean) they were made from
+
+    @property
+    def ws(self) -> bool:
+        """Laid out for the Gluon kernel (``runs_ws``): ``prepare`` makes V in its wgmma order exactly then."""
+        return self.kv.v_perm
 
     def matches(self, *, ws: bool, mean_correction: bool, tiles: AttnConfig, k_int8: bool, sources: tuple,
                 bits) -> bool:
@@ -152,7 +156,7 @@ def prepare(q, k_cache, v_cache, page_table, seq_lens, plan: BatchPlan, tiles: A
                      hw_cvt=hw_cvt, k_int8=k_int8, v_perm=ws)
     means = correction_operands(k_mean, v_mean, bits, row_ptr, kv, plan, mean_correction=mean_correction,
                                 block_size=block_size, ws=ws, mean_vec=tiles.mean_vec)
-    return Fp8Operands(kv=kv, means=means, ws=ws, mean_correction=mean_correction, aligned=ws or tiles.mean_vec,
+    return Fp8Operands(kv=kv, means=means, mean_correction=mean_correction, aligned=ws or tiles.mean_vec,
                        sources=(k_cache, v_cache, k_descale, v_descale, k_mean, v_mean))
 
 
