@@ -40,6 +40,18 @@ def _assert_like_triton(out, lse, want, want_lse, lse_tol):
     assert float((lse[fin] - want_lse[fin]).abs().max()) <= lse_tol
 
 
+def _two_requests(d: int, hq: int, hkv: int):
+    """Two requests of 20,000 tokens (``flashprefill.bench``'s synthetic inputs, page 64) with the
+    default ``SparseConfig``: ``(config, q, k_cache, v_cache, page_table, seq_lens, cu_seqlens_q,
+    scale, plan)``."""
+    from flashprefill import SparseConfig
+    from flashprefill.bench import synthetic_inputs
+
+    config = SparseConfig()
+    q, kc, vc, pt, sl, cu, _, _ = synthetic_inputs(20000, hq, hkv, d, torch.bfloat16, 64, 2)
+    return config, q, kc, vc, pt, sl, cu, 1.0 / math.sqrt(d), make_plan(sl, cu, hq // hkv, config.block_size)
+
+
 @pytest.mark.parametrize("mean_correction", [True, False])
 @pytest.mark.parametrize("name", WS_CASES)
 def test_gluon_fp8_meets_the_fp8_budgets_and_equals_the_triton_kernel(name, mean_correction):
@@ -75,14 +87,9 @@ def test_several_chunks_of_mean_keys_and_two_requests(d, hq, hkv):
     """Two requests of 20,000 tokens (157 key blocks: the last tiles' correction walks two chunks of
     128 candidates, the second one partly past ``n_u``), page 64: the Gluon kernel against the Triton
     one on the same index, with the correction (and the operator total through ``host.attention``)."""
-    from flashprefill import SparseConfig
-    from flashprefill.bench import synthetic_inputs
     from flashprefill.impl.triton import host
 
-    config = SparseConfig()
-    q, kc, vc, pt, sl, cu, _, _ = synthetic_inputs(20000, hq, hkv, d, torch.bfloat16, 64, 2)
-    scale = 1.0 / math.sqrt(d)
-    plan = make_plan(sl, cu, hq // hkv, config.block_size)
+    config, q, kc, vc, pt, sl, cu, scale, plan = _two_requests(d, hq, hkv)
     triton_cfg, ws_cfg = _configs(d)
     index = host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=triton_cfg, precision="fp8")
     out, lse = host.sparse_attention(q, kc, vc, pt, sl, cu, config, scale, plan, index, kernels=ws_cfg,
@@ -100,14 +107,9 @@ def test_the_operands_the_index_prepares_give_the_attention_bit_for_bit(d, hq, h
     the FP8 operands laid out for it (``BlockIndex.fp8_operands``, made before the ``nnz`` sync), and
     ``host.sparse_attention`` on them equals, bit for bit, the attention that makes its own (an index
     without them), on two requests of 20,000 tokens with the correction."""
-    from flashprefill import SparseConfig
-    from flashprefill.bench import synthetic_inputs
     from flashprefill.impl.triton import host, host_fp8
 
-    config = SparseConfig()
-    q, kc, vc, pt, sl, cu, _, _ = synthetic_inputs(20000, hq, hkv, d, torch.bfloat16, 64, 2)
-    scale = 1.0 / math.sqrt(d)
-    plan = make_plan(sl, cu, hq // hkv, config.block_size)
+    config, q, kc, vc, pt, sl, cu, scale, plan = _two_requests(d, hq, hkv)
     index = host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan, precision="fp8")
     ops = index.fp8_operands
     assert isinstance(ops, host_fp8.Fp8Operands) and ops.ws and ops.mean_correction
@@ -125,15 +127,10 @@ def test_v_in_the_wgmma_order_gives_the_token_orders_attention(d, hq, hkv):
     correction: the pre-pass's permuted V equals the token order's bytes permuted
     (``quant_kernels.wgmma_slot``, the GPU's compiled permutation), the LSE is bit for bit the same (it
     does not read V) and the output the same products summed in another order."""
-    from flashprefill import SparseConfig
-    from flashprefill.bench import synthetic_inputs
     from flashprefill.impl.triton import host, host_fp8
     from flashprefill.impl.triton import quant_kernels as qk
 
-    config = SparseConfig()
-    q, kc, vc, pt, sl, cu, _, _ = synthetic_inputs(20000, hq, hkv, d, torch.bfloat16, 64, 2)
-    scale = 1.0 / math.sqrt(d)
-    plan = make_plan(sl, cu, hq // hkv, config.block_size)
+    config, q, kc, vc, pt, sl, cu, scale, plan = _two_requests(d, hq, hkv)
     _, ws_cfg = _configs(d)
     index = host.build_index(q, kc, vc, pt, sl, cu, config, scale, plan, kernels=ws_cfg, precision="fp8")
     runs = {}
@@ -159,14 +156,10 @@ def test_the_timing_stamps_follow_the_steps_and_leave_the_output_alone():
     ascend (start, consumer, first correction step, loop end, stores end), the exact steps are the
     CSR row's length, some programs have correction steps, the SM ids are the GPU's, and the output
     equals the untimed launch's bit for bit."""
-    from flashprefill import SparseConfig
-    from flashprefill.bench import synthetic_inputs
     from flashprefill.impl.triton import host, host_fp8
     from flashprefill.impl.triton.tiles import get_config
 
-    config = SparseConfig()
-    q, kc, vc, pt, sl, cu, _, _ = synthetic_inputs(20000, 8, 2, 128, torch.bfloat16, 64, 2)
-    plan = make_plan(sl, cu, 4, config.block_size)
+    config, q, kc, vc, pt, sl, cu, _, plan = _two_requests(128, 8, 2)
     kcfg = get_config(128, torch.bfloat16, config.block_size, precision="fp8", variant="gluon_ws")
     index = host.build_index(q, kc, vc, pt, sl, cu, config, 128 ** -0.5, plan, kernels=kcfg, precision="fp8")
     ops = index.fp8_operands
