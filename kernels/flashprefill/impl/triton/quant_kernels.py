@@ -245,13 +245,19 @@ def _kv_quant_kernel(k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, cu_k_ptr, inv_p
         tl.store(v8_col, _to_e4m3(y, HW_CVT), mask=in_al[:, None])
 
 
+def request_span(n: int) -> int:
+    """``n`` slots (tokens of a request, or its key blocks' mean columns) rounded up to a multiple of
+    ``REQUEST_ALIGN``: what a request takes in ``k8`` / ``v8t`` or the aligned ``v_mean8t``."""
+    return -(-n // REQUEST_ALIGN) * REQUEST_ALIGN
+
+
 def _cu_seqlens_k(plan: BatchPlan, device) -> tuple[torch.Tensor, int]:
     """``(cu_seqlens_k int32 [batch + 1], total_k)`` from the plan's host lengths: request starts
     at multiples of ``REQUEST_ALIGN`` (each ``Lk`` rounded up). The tensor is made once per plan and
     device (``BatchPlan.derive``)."""
     cu = [0]
     for lk in plan.kv_lens:
-        cu.append(cu[-1] + -(-lk // REQUEST_ALIGN) * REQUEST_ALIGN)
+        cu.append(cu[-1] + request_span(lk))
     return plan.derive("cu_seqlens_k", device, lambda: host_ints(cu, device)), cu[-1]
 
 
@@ -268,7 +274,7 @@ def host_ints(values: list[int], device) -> torch.Tensor:
 
 def _launch_shape(k_cache, v_cache, page_table, plan: BatchPlan):
     hkv = k_cache.shape[2]
-    slots = -(-plan.max_kv_len // REQUEST_ALIGN) * REQUEST_ALIGN      # a request's slots, zero gap included
+    slots = request_span(plan.max_kv_len)      # a request's slots, zero gap included
     grid = (plan.batch, hkv, max(1, -(-slots // BLOCK_T)))
     strides = (page_table.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3], plan.batch * hkv)
     return grid, strides
@@ -377,7 +383,7 @@ def gather_e4m3_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: tor
             k8.view(torch.uint8)[:, start:start + lk] = k_cache.view(torch.uint8)[pages, slots].permute(1, 0, 2)
             dst = start + (wgmma_slot(pos) if v_perm else pos)
             v8t.view(torch.uint8)[:, :, dst] = v_cache.view(torch.uint8)[pages, slots].permute(1, 2, 0)
-        start += -(-lk // REQUEST_ALIGN) * REQUEST_ALIGN
+        start += request_span(lk)
     ks = descale_grid(k_descale, plan.batch, hkv)
     vs = descale_grid(v_descale, plan.batch, hkv)
     return Fp8KV(k8=k8, v8t=v8t, k_scale=ks, v_scale=vs, k_inv_scale=1.0 / ks, v_inv_scale=1.0 / vs,
@@ -415,7 +421,7 @@ def mean_columns(plan: BatchPlan, device) -> tuple[torch.Tensor, torch.Tensor, i
         (``BatchPlan.derive``).
     """
     n_blocks = [-(-lk // plan.block_size) for lk in plan.kv_lens]          # host: each request's key blocks
-    n_cols = sum(-(-nb // REQUEST_ALIGN) * REQUEST_ALIGN for nb in n_blocks)
+    n_cols = sum(request_span(nb) for nb in n_blocks)
 
     def make():
         bp = plan.block_ptr.to(device)
